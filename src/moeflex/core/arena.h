@@ -1,0 +1,108 @@
+// The budgeted device arena.
+//
+// Policy (as in c10's caching allocator, simplified to one region):
+// - With a budget, the arena owns one region of exactly `budget` bytes, reserved
+//   up front (pages are committed lazily by the OS). Requests are rounded up to
+//   kAlignment and served best-fit from a free list ordered by (size, offset);
+//   a larger block is split and the remainder returned to the free list; a freed
+//   block coalesces with free neighbours. Fragmentation therefore exists and is
+//   measured (`fragmentation_peak()`), as on a GPU.
+// - Without a budget (unlimited) every request is its own aligned host
+//   allocation; the accounting is identical, fragmentation is zero.
+// - Accounting is exact and per category: every byte handed out is counted in
+//   one `Stat{current, peak, allocated, freed}`, changed in one place (`account`).
+// - A request that does not fit throws OutOfMemoryError naming the request, the
+//   free bytes, the largest free block, the budget and the operator.
+#pragma once
+#include <array>
+#include <cstddef>
+#include <map>
+#include <set>
+#include <string>
+#include <string_view>
+#include <utility>
+
+#include "moeflex/core/error.h"
+#include "moeflex/core/units.h"
+
+namespace moeflex {
+
+/// What a device allocation is for; the arena keeps one Stat per category.
+enum class MemCategory : int { weights, grads, optimizer, activations, workspace, count };
+
+/// "weights", "grads", ...
+const char* to_string(MemCategory c);
+
+/// Byte counters of one category (c10's Stat): in use now, high-water mark,
+/// and cumulative bytes allocated and freed.
+struct Stat {
+  Bytes current = 0;
+  Bytes peak = 0;
+  Bytes allocated = 0;
+  Bytes freed = 0;
+};
+
+/// Thrown when the arena cannot serve a request within its budget.
+class OutOfMemoryError : public Error {
+ public:
+  OutOfMemoryError(Bytes requested, Bytes free, Bytes largest_free_block, Bytes budget,
+                   MemCategory category, std::string op);
+  Bytes requested;           ///< bytes asked for (after rounding)
+  Bytes free;                ///< budget minus bytes in use
+  Bytes largest_free_block;  ///< largest contiguous free block
+  Bytes budget;              ///< arena capacity
+  MemCategory category;
+  std::string op;            ///< the operator or owner that asked
+};
+
+/// One budgeted region of device memory with exact per-category accounting.
+/// Not thread-safe: one arena per device, used from the thread that runs the step.
+class Arena {
+ public:
+  static constexpr Bytes kAlignment = 64;  ///< bytes; one AVX-512 cache line
+  static constexpr Bytes kUnlimited = -1;
+
+  /// budget: capacity in bytes, or kUnlimited.
+  explicit Arena(Bytes budget = kUnlimited);
+  ~Arena();
+  Arena(const Arena&) = delete;
+  Arena& operator=(const Arena&) = delete;
+
+  /// Returns `bytes` (rounded up to kAlignment) of kAlignment-aligned memory.
+  /// Throws OutOfMemoryError when it does not fit; `op` names the requester.
+  void* allocate(Bytes bytes, MemCategory category, std::string_view op);
+  /// Returns a block obtained from allocate(); `bytes` and `category` as given there.
+  void deallocate(void* ptr, Bytes bytes, MemCategory category);
+
+  /// Rounded size that allocate(bytes) accounts.
+  static constexpr Bytes round_up(Bytes bytes) {
+    return (bytes + kAlignment - 1) / kAlignment * kAlignment;
+  }
+
+  Bytes budget() const { return budget_; }
+  bool unlimited() const { return budget_ < 0; }
+  const Stat& stat(MemCategory c) const { return stats_[static_cast<int>(c)]; }
+  const Stat& total() const { return total_; }
+  Bytes in_use() const { return total_.current; }
+  Bytes peak() const { return total_.peak; }
+  /// Largest contiguous free block (budget - in_use when unlimited is meaningless: returns -1).
+  Bytes largest_free_block() const;
+  /// High-water mark of (region end of highest used block - bytes in use): the bytes
+  /// lost to fragmentation at the worst moment so far. Zero when unlimited.
+  Bytes fragmentation_peak() const { return frag_peak_; }
+  /// Resets every peak to the current value (call at step boundaries).
+  void reset_peaks();
+
+ private:
+  void account(MemCategory c, Bytes delta);
+  Bytes budget_;
+  char* base_ = nullptr;
+  std::array<Stat, static_cast<int>(MemCategory::count)> stats_{};
+  Stat total_{};
+  // Bounded mode: all blocks by offset (value: size, free?) and free blocks by (size, offset).
+  std::map<Bytes, std::pair<Bytes, bool>> blocks_;
+  std::set<std::pair<Bytes, Bytes>> free_;
+  Bytes frag_peak_ = 0;
+};
+
+}  // namespace moeflex

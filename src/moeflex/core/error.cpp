@@ -1,0 +1,51 @@
+#include "moeflex/core/error.h"
+
+#include <cctype>
+#include <cmath>
+#include <fmt/format.h>
+
+namespace moeflex {
+
+Bytes parse_size(const std::string& text) {
+  std::string s;
+  for (char c : text)
+    if (!std::isspace(static_cast<unsigned char>(c))) s += c;
+  std::string lower;
+  for (char c : s) lower += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (lower == "unlimited" || lower == "none" || lower == "inf") return -1;
+  std::size_t pos = 0;
+  double value = 0;
+  try {
+    value = std::stod(s, &pos);
+  } catch (...) {
+    throw ConfigError(fmt::format("cannot parse size '{}': expected a number with an optional unit "
+                                  "(B, KiB, MiB, GiB, TiB), e.g. '512MiB'", text));
+  }
+  std::string unit = lower.substr(pos);
+  double mult = 0;
+  if (unit.empty() || unit == "b") mult = 1;
+  else if (unit == "k" || unit == "kb" || unit == "kib") mult = double(kKiB);
+  else if (unit == "m" || unit == "mb" || unit == "mib") mult = double(kMiB);
+  else if (unit == "g" || unit == "gb" || unit == "gib") mult = double(kGiB);
+  else if (unit == "t" || unit == "tb" || unit == "tib") mult = double(kGiB) * 1024.0;
+  else
+    throw ConfigError(fmt::format("cannot parse size '{}': unknown unit '{}' (use B, KiB, MiB, GiB or TiB)",
+                                  text, text.substr(pos)));
+  if (!(value >= 0) || !std::isfinite(value))
+    throw ConfigError(fmt::format("size '{}' must be a non-negative number of bytes", text));
+  return static_cast<Bytes>(std::llround(value * mult));
+}
+
+std::string format_bytes(Bytes b) {
+  if (b < 0) return "unlimited";
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = double(b);
+  int u = 0;
+  while (v >= 1024.0 && u < 4) {
+    v /= 1024.0;
+    ++u;
+  }
+  return u == 0 ? fmt::format("{} B", b) : fmt::format("{:.2f} {}", v, units[u]);
+}
+
+}  // namespace moeflex

@@ -1,0 +1,41 @@
+// Typed errors. Every error carries the numbers that explain it (DESIGN.md, "Errors").
+#pragma once
+#include <stdexcept>
+#include <string>
+
+#include "moeflex/core/units.h"
+
+namespace moeflex {
+
+/// Base of every moeflex error; `what()` is a complete, user-facing sentence.
+class Error : public std::runtime_error {
+ public:
+  explicit Error(const std::string& msg) : std::runtime_error(msg) {}
+};
+
+/// A bad value in a config, a flag or a file: names the field and the rule.
+class ConfigError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// Bad input data (corpus, token shard, checkpoint).
+class DataError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// Throws ConfigError(msg) unless `cond` holds.
+inline void check_config(bool cond, const std::string& msg) {
+  if (!cond) throw ConfigError(msg);
+}
+
+/// Parses a size such as "512MiB", "2GiB", "1.5 GiB", "4096", "64KB" into bytes.
+/// Accepted suffixes: B, KiB/KB/K, MiB/MB/M, GiB/GB/G, TiB/TB/T (all powers of 1024).
+/// "unlimited" or "none" give -1. Throws ConfigError naming the text otherwise.
+Bytes parse_size(const std::string& text);
+
+/// Formats bytes for people: "12.3 MiB".
+std::string format_bytes(Bytes bytes);
+
+}  // namespace moeflex

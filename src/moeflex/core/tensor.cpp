@@ -1,0 +1,45 @@
+#include "moeflex/core/tensor.h"
+
+#include <cstring>
+
+namespace moeflex {
+
+std::int64_t shape_numel(const std::vector<std::int64_t>& shape) {
+  std::int64_t n = 1;
+  for (auto d : shape) n *= d;
+  return n;
+}
+
+Tensor::Tensor(Arena& arena, std::vector<std::int64_t> shape, MemCategory category,
+               std::string_view name, DType dtype)
+    : arena_(&arena), shape_(std::move(shape)), dtype_(dtype), category_(category) {
+  numel_ = shape_numel(shape_);
+  data_ = arena.allocate(nbytes(), category, name);
+}
+
+Tensor& Tensor::operator=(Tensor&& o) noexcept {
+  if (this != &o) {
+    reset();
+    arena_ = std::exchange(o.arena_, nullptr);
+    data_ = std::exchange(o.data_, nullptr);
+    shape_ = std::move(o.shape_);
+    numel_ = std::exchange(o.numel_, 0);
+    dtype_ = o.dtype_;
+    category_ = o.category_;
+  }
+  return *this;
+}
+
+void Tensor::reset() {
+  if (data_ && arena_) arena_->deallocate(data_, nbytes(), category_);
+  data_ = nullptr;
+  arena_ = nullptr;
+  shape_.clear();
+  numel_ = 0;
+}
+
+void Tensor::zero() {
+  if (data_) std::memset(data_, 0, static_cast<std::size_t>(nbytes()));
+}
+
+}  // namespace moeflex

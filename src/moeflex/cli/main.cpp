@@ -1,0 +1,100 @@
+// The `moeflex` command: train, generate.
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+
+#include "moeflex/core/arena.h"
+#include "moeflex/core/error.h"
+#include "moeflex/train/generate.h"
+#include "moeflex/train/trainer.h"
+
+namespace fs = std::filesystem;
+using namespace moeflex;
+
+namespace {
+
+std::string timestamp_dir() {
+  std::time_t now = std::time(nullptr);
+  char buf[64];
+  std::strftime(buf, sizeof buf, "runs/%Y%m%d-%H%M%S", std::localtime(&now));
+  return buf;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"moeflex: mixture-of-experts training with runtime-adaptive activation memory"};
+  app.require_subcommand(1);
+
+  // --- train
+  auto* train = app.add_subcommand("train", "train an MoE language model");
+  std::string config_path, out_dir, device_memory, data_path, resume_dir, data_cache = "data/tokenized";
+  std::int64_t steps = -1, stop_after = -1;
+  std::int64_t seed = -1;
+  int threads = 0;
+  bool quiet = false;
+  train->add_option("--config", config_path, "run config (TOML); default: the embedded config")->check(CLI::ExistingFile);
+  train->add_option("--steps", steps, "optimizer steps (overrides train.steps)");
+  train->add_option("--out", out_dir, "run directory (default: runs/<date-time>)");
+  train->add_option("--seed", seed, "seed for init and data order (overrides train.seed)");
+  train->add_option("--device-memory", device_memory, "device-memory budget, e.g. 512MiB, 2GiB (default unlimited)");
+  train->add_option("--data", data_path, "a UTF-8 text file or folder (default: the Brown corpus from `make data`)");
+  train->add_option("--resume", resume_dir, "continue the run in this directory from its newest checkpoint");
+  train->add_option("--data-cache", data_cache, "where tokenized corpora are cached")->capture_default_str();
+  train->add_option("--threads", threads, "OpenMP/BLAS threads (default: all cores)");
+  train->add_option("--stop-after", stop_after, "stop after this step with a checkpoint, as if interrupted");
+  train->add_flag("--quiet", quiet, "no progress output");
+
+  // --- generate
+  auto* gen = app.add_subcommand("generate", "sample text from a trained run");
+  GenerateOptions gopts;
+  std::int64_t gseed = 0;
+  gen->add_option("--run", gopts.run_dir, "run directory")->required();
+  gen->add_option("--prompt", gopts.prompt, "text to continue")->required();
+  gen->add_option("--max-new-tokens", gopts.max_new_tokens, "tokens to sample")->capture_default_str();
+  gen->add_option("--temperature", gopts.temperature, "sampling temperature (0 = greedy)")->capture_default_str();
+  gen->add_option("--top-k", gopts.top_k, "sample among the k most likely tokens (0 = all)")->capture_default_str();
+  gen->add_option("--seed", gseed, "sampling seed")->capture_default_str();
+
+  CLI11_PARSE(app, argc, argv);
+  try {
+    if (*train) {
+      TrainOptions o;
+      o.config = config_path.empty() ? RunConfig::defaults() : RunConfig::from_file(config_path);
+      if (steps >= 0) o.config.train.steps = steps;
+      if (seed >= 0) o.config.train.seed = std::uint64_t(seed);
+      if (!device_memory.empty()) o.config.device_memory = parse_size(device_memory);
+      if (!data_path.empty()) o.config.data.path = data_path;
+      o.out_dir = out_dir.empty() ? fs::path(timestamp_dir()) : fs::path(out_dir);
+      if (!resume_dir.empty()) {
+        o.resume = fs::path(resume_dir);
+        if (steps < 0) o.config.train.steps = -1;  // keep the run's own step count
+      }
+      o.data_cache = data_cache;
+      o.threads = threads;
+      o.stop_after = stop_after;
+      o.progress = !quiet;
+      TrainResult r = run_training(o);
+      const fs::path run = o.resume ? *o.resume : o.out_dir;
+      fmt::print("run {}: {} steps, {} tokens, val loss {:.4f} -> {:.4f}, {:.0f} tokens/s, peak device memory {}\n",
+                 run.string(), r.steps, r.tokens, r.initial_val_loss, r.final_val_loss, r.tokens_per_second,
+                 format_bytes(r.peak_device_bytes));
+    } else if (*gen) {
+      gopts.seed = std::uint64_t(gseed);
+      fmt::print("{}\n", generate_text(gopts));
+    }
+  } catch (const OutOfMemoryError& e) {
+    fmt::print(stderr, "\nmoeflex: {}\n", e.what());
+    return 3;
+  } catch (const Error& e) {
+    fmt::print(stderr, "\nmoeflex: error: {}\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "\nmoeflex: unexpected error: {}\n", e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,173 @@
+#include "moeflex/model/config.h"
+
+#include <fmt/format.h>
+
+#include <nlohmann/json.hpp>
+#include <set>
+#include <toml++/toml.h>
+
+#include "moeflex/core/error.h"
+
+namespace moeflex {
+
+namespace {
+
+// Visits every field once, so parsing, printing and JSON never drift apart.
+template <typename F>
+void for_each_field(ModelConfig& c, F&& f) {
+  f("vocab_size", c.vocab_size);
+  f("hidden_size", c.hidden_size);
+  f("num_hidden_layers", c.num_hidden_layers);
+  f("num_attention_heads", c.num_attention_heads);
+  f("max_position_embeddings", c.max_position_embeddings);
+  f("rope_theta", c.rope_theta);
+  f("rms_norm_eps", c.rms_norm_eps);
+  f("num_experts", c.num_experts);
+  f("num_experts_per_tok", c.num_experts_per_tok);
+  f("moe_intermediate_size", c.moe_intermediate_size);
+  f("n_shared_experts", c.n_shared_experts);
+  f("shared_expert_intermediate_size", c.shared_expert_intermediate_size);
+  f("first_k_dense_replace", c.first_k_dense_replace);
+  f("intermediate_size", c.intermediate_size);
+  f("norm_topk_prob", c.norm_topk_prob);
+  f("router_aux_loss_coef", c.router_aux_loss_coef);
+  f("router_z_loss_coef", c.router_z_loss_coef);
+  f("tie_word_embeddings", c.tie_word_embeddings);
+  f("capacity_factor", c.capacity_factor);
+  f("initializer_range", c.initializer_range);
+}
+
+// Shortest round-trip text of a double that TOML reads as a float.
+std::string toml_float(double v) {
+  std::string s = fmt::format("{}", v);
+  if (s.find_first_of(".eEn") == std::string::npos) s += ".0";
+  return s;
+}
+
+void rule(bool ok, const char* field, const std::string& msg) {
+  if (!ok) throw ConfigError(fmt::format("model.{}: {}", field, msg));
+}
+
+}  // namespace
+
+void ModelConfig::validate() const {
+  rule(vocab_size >= 2, "vocab_size", fmt::format("must be at least 2 (got {})", vocab_size));
+  rule(hidden_size >= 2, "hidden_size", fmt::format("must be at least 2 (got {})", hidden_size));
+  rule(num_hidden_layers >= 1, "num_hidden_layers", fmt::format("must be at least 1 (got {})", num_hidden_layers));
+  rule(num_attention_heads >= 1 && hidden_size % num_attention_heads == 0, "num_attention_heads",
+       fmt::format("must divide hidden_size {} (got {})", hidden_size, num_attention_heads));
+  rule(head_dim() % 2 == 0, "num_attention_heads",
+       fmt::format("head_dim = hidden_size / num_attention_heads = {} must be even for RoPE", head_dim()));
+  rule(max_position_embeddings >= 2, "max_position_embeddings", "must be at least 2");
+  rule(rope_theta > 0, "rope_theta", "must be positive");
+  rule(rms_norm_eps > 0, "rms_norm_eps", "must be positive");
+  rule(first_k_dense_replace >= 0 && first_k_dense_replace <= num_hidden_layers, "first_k_dense_replace",
+       fmt::format("must be in [0, num_hidden_layers={}] (got {})", num_hidden_layers, first_k_dense_replace));
+  if (first_k_dense_replace < num_hidden_layers) {
+    rule(num_experts >= 1, "num_experts", fmt::format("must be at least 1 (got {})", num_experts));
+    rule(num_experts_per_tok >= 1 && num_experts_per_tok <= num_experts, "num_experts_per_tok",
+         fmt::format("must be in [1, num_experts={}] (got {})", num_experts, num_experts_per_tok));
+    rule(moe_intermediate_size >= 1, "moe_intermediate_size", "must be at least 1");
+    rule(n_shared_experts >= 0, "n_shared_experts", "must not be negative");
+    rule(shared_expert_intermediate_size >= 0, "shared_expert_intermediate_size", "must not be negative");
+  }
+  if (first_k_dense_replace > 0) rule(intermediate_size >= 1, "intermediate_size", "must be at least 1 for dense layers");
+  rule(router_aux_loss_coef >= 0, "router_aux_loss_coef", "must not be negative");
+  rule(router_z_loss_coef >= 0, "router_z_loss_coef", "must not be negative");
+  rule(initializer_range > 0, "initializer_range", "must be positive");
+}
+
+std::int64_t ModelConfig::num_params() const {
+  const std::int64_t d = hidden_size;
+  std::int64_t p = vocab_size * d * (tie_word_embeddings ? 1 : 2) + d;
+  for (std::int64_t l = 0; l < num_hidden_layers; ++l) {
+    p += 2 * d + 4 * d * d;
+    if (is_moe_layer(l)) p += num_experts * d + num_experts * 3 * d * moe_intermediate_size + 3 * d * shared_width();
+    else p += 3 * d * intermediate_size;
+  }
+  return p;
+}
+
+std::int64_t ModelConfig::num_active_params() const {
+  const std::int64_t d = hidden_size;
+  std::int64_t p = vocab_size * d * (tie_word_embeddings ? 1 : 2) + d;
+  for (std::int64_t l = 0; l < num_hidden_layers; ++l) {
+    p += 2 * d + 4 * d * d;
+    if (is_moe_layer(l))
+      p += num_experts * d + num_experts_per_tok * 3 * d * moe_intermediate_size + 3 * d * shared_width();
+    else p += 3 * d * intermediate_size;
+  }
+  return p;
+}
+
+ModelConfig ModelConfig::from_toml(const toml::table& t) {
+  ModelConfig c;
+  std::set<std::string> known;
+  for_each_field(c, [&](const char* key, auto& field) {
+    known.insert(key);
+    const toml::node* n = t.get(key);
+    if (!n) return;
+    using F = std::decay_t<decltype(field)>;
+    if constexpr (std::is_same_v<F, bool>) {
+      auto v = n->value<bool>();
+      rule(v.has_value(), key, "must be true or false");
+      field = *v;
+    } else if constexpr (std::is_integral_v<F>) {
+      auto v = n->value<std::int64_t>();
+      rule(v.has_value() && n->is_integer(), key, "must be an integer");
+      field = *v;
+    } else {
+      auto v = n->value<double>();
+      rule(v.has_value(), key, "must be a number");
+      field = *v;
+    }
+  });
+  for (auto&& [k, v] : t)
+    if (!known.count(std::string(k.str())))
+      throw ConfigError(fmt::format("model: unknown field '{}'", k.str()));
+  return c;
+}
+
+ModelConfig ModelConfig::from_hf_json(const nlohmann::json& j) {
+  ModelConfig c;
+  auto get_i = [&](const char* k, std::int64_t& f) { if (j.contains(k) && j[k].is_number()) f = j[k].get<std::int64_t>(); };
+  auto get_d = [&](const char* k, double& f) { if (j.contains(k) && j[k].is_number()) f = j[k].get<double>(); };
+  auto get_b = [&](const char* k, bool& f) { if (j.contains(k) && j[k].is_boolean()) f = j[k].get<bool>(); };
+  for_each_field(c, [&](const char* key, auto& field) {
+    using F = std::decay_t<decltype(field)>;
+    if constexpr (std::is_same_v<F, bool>) get_b(key, field);
+    else if constexpr (std::is_integral_v<F>) get_i(key, field);
+    else get_d(key, field);
+  });
+  // Field variants across families.
+  get_i("num_local_experts", c.num_experts);      // Mixtral
+  get_i("n_routed_experts", c.num_experts);       // DeepSeek-V2/V3
+  if (j.contains("num_local_experts") && !j.contains("moe_intermediate_size"))
+    get_i("intermediate_size", c.moe_intermediate_size);  // Mixtral's experts use intermediate_size
+  get_d("router_aux_loss_coef", c.router_aux_loss_coef);
+  get_d("aux_loss_alpha", c.router_aux_loss_coef);  // DeepSeek
+  if (j.contains("shared_expert_intermediate_size")) get_i("shared_expert_intermediate_size", c.shared_expert_intermediate_size);
+  if (!j.contains("tie_word_embeddings")) c.tie_word_embeddings = false;  // HF default
+  return c;
+}
+
+std::string ModelConfig::to_toml() const {
+  std::string s;
+  auto c = *this;
+  for_each_field(c, [&](const char* key, auto& field) {
+    using F = std::decay_t<decltype(field)>;
+    if constexpr (std::is_same_v<F, bool>) s += fmt::format("{} = {}\n", key, field ? "true" : "false");
+    else if constexpr (std::is_integral_v<F>) s += fmt::format("{} = {}\n", key, field);
+    else s += fmt::format("{} = {}\n", key, toml_float(field));
+  });
+  return s;
+}
+
+nlohmann::json ModelConfig::to_json() const {
+  nlohmann::json j;
+  auto c = *this;
+  for_each_field(c, [&](const char* key, auto& field) { j[key] = field; });
+  return j;
+}
+
+}  // namespace moeflex

@@ -1,0 +1,61 @@
+// ModelConfig: the model's shape, with Hugging Face field names (docs/model.md).
+// One typed config, validated in one place (STYLE habit 8).
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include <nlohmann/json_fwd.hpp>
+
+namespace toml {
+inline namespace v3 {
+class table;
+}
+}  // namespace toml
+
+namespace moeflex {
+
+struct ModelConfig {
+  std::int64_t vocab_size = 4096;              ///< tokens in the vocabulary
+  std::int64_t hidden_size = 256;              ///< d, model width
+  std::int64_t num_hidden_layers = 4;          ///< L
+  std::int64_t num_attention_heads = 4;        ///< H; head_dim = d / H, even
+  std::int64_t max_position_embeddings = 256;  ///< longest sequence
+  double rope_theta = 10000.0;                 ///< RoPE base
+  double rms_norm_eps = 1e-5;                  ///< RMSNorm epsilon
+  std::int64_t num_experts = 8;                ///< E routed experts per MoE layer
+  std::int64_t num_experts_per_tok = 2;        ///< top-k
+  std::int64_t moe_intermediate_size = 512;    ///< f, width of each routed expert
+  std::int64_t n_shared_experts = 0;           ///< shared experts (0 = none)
+  std::int64_t shared_expert_intermediate_size = 0;  ///< fs; 0 means n_shared_experts * f
+  std::int64_t first_k_dense_replace = 0;      ///< leading layers with a dense MLP
+  std::int64_t intermediate_size = 1024;       ///< width of those dense MLPs
+  bool norm_topk_prob = true;                  ///< renormalise top-k weights to sum 1
+  double router_aux_loss_coef = 0.01;          ///< Switch load-balancing loss coefficient
+  double router_z_loss_coef = 0.0;             ///< router z-loss coefficient
+  bool tie_word_embeddings = true;             ///< LM head shares the embedding matrix
+  double capacity_factor = 0.0;                ///< <= 0: dropless; else rows per expert = ceil(cf*n*k/E)
+  double initializer_range = 0.02;             ///< std of the normal init of matrices
+
+  std::int64_t head_dim() const { return hidden_size / num_attention_heads; }
+  std::int64_t shared_width() const {
+    return shared_expert_intermediate_size > 0 ? shared_expert_intermediate_size
+                                               : n_shared_experts * moe_intermediate_size;
+  }
+  bool is_moe_layer(std::int64_t l) const { return l >= first_k_dense_replace; }
+
+  /// Throws ConfigError naming the field and the rule broken.
+  void validate() const;
+  /// Total parameters, and those active per token (top-k experts + shared + dense).
+  std::int64_t num_params() const;
+  std::int64_t num_active_params() const;
+
+  /// Reads the fields present in `t` over the defaults; unknown keys are an error.
+  static ModelConfig from_toml(const toml::table& t);
+  /// Reads a Hugging Face config.json (Mixtral, Qwen-MoE, DeepSeek field variants).
+  static ModelConfig from_hf_json(const nlohmann::json& j);
+  /// Renders the [model] table as TOML text.
+  std::string to_toml() const;
+  nlohmann::json to_json() const;
+};
+
+}  // namespace moeflex

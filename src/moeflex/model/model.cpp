@@ -1,0 +1,458 @@
+// Forward and backward of the MoE transformer (docs/model.md). Every tensor a
+// backward needs is saved by name into the ActivationStash; everything else is
+// workspace freed as soon as it is used, so the arena's peak is what the ledger says.
+#include "moeflex/model/model.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "moeflex/core/rng.h"
+#include "moeflex/ops/attention.h"
+#include "moeflex/ops/blas.h"
+#include "moeflex/ops/cross_entropy.h"
+#include "moeflex/ops/embedding.h"
+#include "moeflex/ops/grouped_linear.h"
+#include "moeflex/ops/linear.h"
+#include "moeflex/ops/moe_dispatch.h"
+#include "moeflex/ops/rmsnorm.h"
+#include "moeflex/ops/rope.h"
+#include "moeflex/ops/router.h"
+#include "moeflex/ops/swiglu.h"
+
+namespace moeflex {
+
+namespace {
+
+constexpr int kHeadLayer = 1 << 20;  // stash layer index of the final norm and LM head
+
+void add_inplace(float* y, const float* x, std::int64_t n) {
+#pragma omp parallel for schedule(static)
+  for (std::int64_t i = 0; i < n; ++i) y[i] += x[i];
+}
+
+std::uint64_t name_stream(const std::string& s) {
+  std::uint64_t h = 1469598103934665603ull;  // FNV-1a
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
+}  // namespace
+
+MoEModel::MoEModel(const ModelConfig& cfg, Arena& arena) : cfg_(cfg), arena_(arena) {
+  cfg_.validate();
+  const std::int64_t d = cfg.hidden_size, V = cfg.vocab_size, E = cfg.num_experts, f = cfg.moe_intermediate_size;
+  const std::int64_t fs = cfg.shared_width(), I = cfg.intermediate_size;
+  // Reserve first: Param* pointers into params_ must stay valid.
+  params_.reserve(static_cast<std::size_t>(4 + cfg.num_hidden_layers * 13));
+  auto add = [&](std::string name, std::vector<std::int64_t> shape, bool no_decay = false) -> Param* {
+    Tensor w(arena, shape, MemCategory::weights, name);
+    Tensor g(arena, shape, MemCategory::grads, name);
+    g.zero();
+    params_.push_back(Param{std::move(name), std::move(w), std::move(g), no_decay});
+    return &params_.back();
+  };
+  embed_ = add("model.embed_tokens.weight", {V, d});
+  for (std::int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
+    const std::string p = fmt::format("model.layers.{}.", l);
+    LayerParams lp{};
+    lp.in_norm = add(p + "input_layernorm.weight", {d}, true);
+    lp.q = add(p + "self_attn.q_proj.weight", {d, d});
+    lp.k = add(p + "self_attn.k_proj.weight", {d, d});
+    lp.v = add(p + "self_attn.v_proj.weight", {d, d});
+    lp.o = add(p + "self_attn.o_proj.weight", {d, d});
+    lp.post_norm = add(p + "post_attention_layernorm.weight", {d}, true);
+    if (cfg.is_moe_layer(l)) {
+      lp.gate = add(p + "mlp.gate.weight", {E, d});
+      lp.w1 = add(p + "mlp.experts.gate_proj.weight", {E, f, d});
+      lp.w3 = add(p + "mlp.experts.up_proj.weight", {E, f, d});
+      lp.w2 = add(p + "mlp.experts.down_proj.weight", {E, d, f});
+      if (fs > 0) {
+        lp.s1 = add(p + "mlp.shared_experts.gate_proj.weight", {fs, d});
+        lp.s3 = add(p + "mlp.shared_experts.up_proj.weight", {fs, d});
+        lp.s2 = add(p + "mlp.shared_experts.down_proj.weight", {d, fs});
+      }
+    } else {
+      lp.s1 = add(p + "mlp.gate_proj.weight", {I, d});
+      lp.s3 = add(p + "mlp.up_proj.weight", {I, d});
+      lp.s2 = add(p + "mlp.down_proj.weight", {d, I});
+    }
+    layers_.push_back(lp);
+  }
+  final_norm_ = add("model.norm.weight", {d}, true);
+  lm_head_ = cfg.tie_word_embeddings ? embed_ : add("lm_head.weight", {V, d});
+}
+
+Param& MoEModel::param(const std::string& name) {
+  for (auto& p : params_)
+    if (p.name == name) return p;
+  throw Error(fmt::format("model has no parameter '{}'", name));
+}
+
+void MoEModel::init_weights(std::uint64_t seed) {
+  const double out_scale = 1.0 / std::sqrt(2.0 * double(cfg_.num_hidden_layers));
+  for (auto& p : params_) {
+    float* w = p.w.f32();
+    const std::int64_t n = p.w.numel();
+    if (p.no_decay) {
+      for (std::int64_t i = 0; i < n; ++i) w[i] = 1.0f;
+      continue;
+    }
+    double std = cfg_.initializer_range;
+    if (p.name.find("o_proj") != std::string::npos || p.name.find("down_proj") != std::string::npos)
+      std *= out_scale;
+    const std::uint64_t stream = name_stream(p.name);
+#pragma omp parallel for schedule(static)
+    for (std::int64_t i = 0; i < n; ++i) w[i] = static_cast<float>(std * normal01(seed, stream, std::uint64_t(i)));
+  }
+}
+
+void MoEModel::zero_grads() {
+  for (auto& p : params_) p.g.zero();
+}
+
+Tensor MoEModel::act(std::vector<std::int64_t> shape, const char* name, DType dt) {
+  return Tensor(arena_, std::move(shape), MemCategory::activations, name, dt);
+}
+
+Tensor MoEModel::work(std::vector<std::int64_t> shape, const char* name, DType dt) {
+  return Tensor(arena_, std::move(shape), MemCategory::workspace, name, dt);
+}
+
+LossParts MoEModel::forward_eval(const std::int32_t* ids, const std::int32_t* targets, std::int64_t B,
+                                 std::int64_t S, float* last_logits) {
+  return forward(ids, targets, B, S, /*mb=*/0, /*train=*/false, 0.0, last_logits);
+}
+
+LossParts MoEModel::forward_backward(const std::int32_t* ids, const std::int32_t* targets, std::int64_t B,
+                                     std::int64_t S, int microbatch, double grad_scale) {
+  if (expert_impl_ != ExpertImpl::grouped_gemm)
+    throw Error("the sequential-experts reference path is forward-only (use it with forward_eval)");
+  LossParts loss = forward(ids, targets, B, S, microbatch, /*train=*/true, grad_scale, nullptr);
+  backward(ids, targets, B, S, microbatch, grad_scale);
+  return loss;
+}
+
+LossParts MoEModel::forward_train(const std::int32_t* ids, const std::int32_t* targets, std::int64_t B,
+                                  std::int64_t S, int microbatch) {
+  if (expert_impl_ != ExpertImpl::grouped_gemm)
+    throw Error("the sequential-experts reference path is forward-only (use it with forward_eval)");
+  return forward(ids, targets, B, S, microbatch, /*train=*/true, 0.0, nullptr);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Whole model
+
+LossParts MoEModel::forward(const std::int32_t* ids, const std::int32_t* targets, std::int64_t B, std::int64_t S,
+                            int mb, bool train, double /*grad_scale*/, float* last_logits) {
+  if (S > cfg_.max_position_embeddings)
+    throw ConfigError(fmt::format("sequence length {} exceeds model.max_position_embeddings = {}", S,
+                                  cfg_.max_position_embeddings));
+  const std::int64_t n = B * S, d = cfg_.hidden_size, V = cfg_.vocab_size;
+  for (std::int64_t i = 0; i < n; ++i)
+    if (ids[i] < 0 || ids[i] >= V || (targets && (targets[i] < 0 || targets[i] >= V)))
+      throw DataError(fmt::format("token id out of range [0, {}) at position {}", V, i));
+  LossParts loss;
+  routing_.clear();
+
+  Tensor x = act({n, d}, "embed.out");
+  ops::embedding_forward(ids, embed_->w.f32(), x.f32(), n, d);
+  for (int l = 0; l < int(layers_.size()); ++l) {
+    attention_forward(l, x, B, S, mb, train);
+    ffn_forward(l, x, n, mb, train, loss);
+  }
+  Tensor hn = act({n, d}, "final_norm.out");
+  Tensor rstd = act({n}, "final_norm.rstd");
+  ops::rmsnorm_forward(x.f32(), final_norm_->w.f32(), hn.f32(), rstd.f32(), n, d, float(cfg_.rms_norm_eps));
+  Tensor logits = act({n, V}, "lm_head.logits");
+  ops::linear_forward(hn.f32(), lm_head_->w.f32(), logits.f32(), n, d, V);
+  if (last_logits)
+    for (std::int64_t b = 0; b < B; ++b)
+      std::memcpy(last_logits + b * V, logits.f32() + ((b + 1) * S - 1) * V, sizeof(float) * std::size_t(V));
+  if (!targets) {
+    if (train) throw Error("training needs targets");
+    return loss;
+  }
+  {
+    Tensor losses = work({n}, "cross_entropy.losses");
+    loss.ce = ops::cross_entropy_forward(logits.f32(), targets, logits.f32(), losses.f32(), n, V);
+  }
+  loss.total = loss.ce + loss.aux + loss.z;
+  if (train) {
+    stash_.save(mb, kHeadLayer, "final_norm.in", "residual", std::move(x));
+    stash_.save(mb, kHeadLayer, "final_norm.out", "rmsnorm", std::move(hn));
+    stash_.save(mb, kHeadLayer, "final_norm.rstd", "rmsnorm", std::move(rstd));
+    stash_.save(mb, kHeadLayer, "lm_head.probs", "cross_entropy", std::move(logits));
+  }
+  return loss;
+}
+
+void MoEModel::backward(const std::int32_t* ids, const std::int32_t* targets, std::int64_t B, std::int64_t S,
+                        int mb, double grad_scale) {
+  const std::int64_t n = B * S, d = cfg_.hidden_size, V = cfg_.vocab_size;
+  Tensor probs = stash_.take(mb, kHeadLayer, "lm_head.probs");
+  ops::cross_entropy_backward(probs.f32(), targets, probs.f32(), n, V, float(grad_scale / double(n)));
+  Tensor dhn = work({n, d}, "lm_head.dx");
+  {
+    Tensor hn = stash_.take(mb, kHeadLayer, "final_norm.out");
+    ops::linear_backward(probs.f32(), hn.f32(), lm_head_->w.f32(), dhn.f32(), lm_head_->g.f32(), n, d, V);
+  }
+  probs.reset();
+  Tensor dx = work({n, d}, "grad.residual");
+  {
+    Tensor x = stash_.take(mb, kHeadLayer, "final_norm.in"), rstd = stash_.take(mb, kHeadLayer, "final_norm.rstd");
+    ops::rmsnorm_backward(dhn.f32(), x.f32(), final_norm_->w.f32(), rstd.f32(), dx.f32(), final_norm_->g.f32(), n,
+                          d);
+  }
+  dhn.reset();
+  for (int l = int(layers_.size()) - 1; l >= 0; --l) {
+    ffn_backward(l, dx, n, mb, grad_scale);
+    attention_backward(l, dx, B, S, mb);
+  }
+  ops::embedding_backward(ids, dx.f32(), embed_->g.f32(), n, d);
+  stash_.release_microbatch(mb);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention block: x <- x + o_proj(attention(rope(q), rope(k), v)) of RMSNorm(x)
+
+void MoEModel::attention_forward(int l, Tensor& x, std::int64_t B, std::int64_t S, int mb, bool train) {
+  const LayerParams& P = layers_[std::size_t(l)];
+  const std::int64_t n = B * S, d = cfg_.hidden_size, H = cfg_.num_attention_heads, hd = cfg_.head_dim();
+  Tensor a = act({n, d}, "attn_norm.out"), rstd = act({n}, "attn_norm.rstd");
+  ops::rmsnorm_forward(x.f32(), P.in_norm->w.f32(), a.f32(), rstd.f32(), n, d, float(cfg_.rms_norm_eps));
+  Tensor q = act({n, d}, "attn.q"), k = act({n, d}, "attn.k"), v = act({n, d}, "attn.v");
+  ops::linear_forward(a.f32(), P.q->w.f32(), q.f32(), n, d, d);
+  ops::linear_forward(a.f32(), P.k->w.f32(), k.f32(), n, d, d);
+  ops::linear_forward(a.f32(), P.v->w.f32(), v.f32(), n, d, d);
+  ops::rope_forward(q.f32(), B, S, H, hd, cfg_.rope_theta);
+  ops::rope_forward(k.f32(), B, S, H, hd, cfg_.rope_theta);
+  Tensor o = act({n, d}, "attn.out"), probs = act({B, H, S, S}, "attn.probs");
+  ops::attention_forward(q.f32(), k.f32(), v.f32(), o.f32(), probs.f32(), B, S, H, hd);
+  Tensor h = act({n, d}, "attn.residual");
+  ops::linear_forward(o.f32(), P.o->w.f32(), h.f32(), n, d, d);
+  add_inplace(h.f32(), x.f32(), n * d);
+  if (train) {
+    stash_.save(mb, l, "attn_norm.in", "residual", std::move(x));
+    stash_.save(mb, l, "attn_norm.out", "rmsnorm", std::move(a));
+    stash_.save(mb, l, "attn_norm.rstd", "rmsnorm", std::move(rstd));
+    stash_.save(mb, l, "attn.q", "rope", std::move(q));
+    stash_.save(mb, l, "attn.k", "rope", std::move(k));
+    stash_.save(mb, l, "attn.v", "linear", std::move(v));
+    stash_.save(mb, l, "attn.probs", "attention", std::move(probs));
+    stash_.save(mb, l, "attn.out", "attention", std::move(o));
+  }
+  x = std::move(h);
+}
+
+void MoEModel::attention_backward(int l, Tensor& dx, std::int64_t B, std::int64_t S, int mb) {
+  const LayerParams& P = layers_[std::size_t(l)];
+  const std::int64_t n = B * S, d = cfg_.hidden_size, H = cfg_.num_attention_heads, hd = cfg_.head_dim();
+  Tensor dq = work({n, d}, "attn.dq"), dk = work({n, d}, "attn.dk"), dv = work({n, d}, "attn.dv");
+  {
+    Tensor o = stash_.take(mb, l, "attn.out");
+    Tensor dout = work({n, d}, "attn.dout");
+    ops::linear_backward(dx.f32(), o.f32(), P.o->w.f32(), dout.f32(), P.o->g.f32(), n, d, d);
+    o.reset();
+    Tensor q = stash_.take(mb, l, "attn.q"), k = stash_.take(mb, l, "attn.k"), v = stash_.take(mb, l, "attn.v");
+    Tensor probs = stash_.take(mb, l, "attn.probs");
+    Tensor dprobs = work({B, H, S, S}, "attn.dprobs");
+    ops::attention_backward(dout.f32(), q.f32(), k.f32(), v.f32(), probs.f32(), dq.f32(), dk.f32(), dv.f32(),
+                            dprobs.f32(), B, S, H, hd);
+  }
+  ops::rope_backward(dq.f32(), B, S, H, hd, cfg_.rope_theta);
+  ops::rope_backward(dk.f32(), B, S, H, hd, cfg_.rope_theta);
+  Tensor a = stash_.take(mb, l, "attn_norm.out");
+  Tensor da = work({n, d}, "attn_norm.dout");
+  ops::linear_backward(dq.f32(), a.f32(), P.q->w.f32(), da.f32(), P.q->g.f32(), n, d, d, false);
+  ops::linear_backward(dk.f32(), a.f32(), P.k->w.f32(), da.f32(), P.k->g.f32(), n, d, d, true);
+  ops::linear_backward(dv.f32(), a.f32(), P.v->w.f32(), da.f32(), P.v->g.f32(), n, d, d, true);
+  a.reset();
+  dq.reset();
+  dk.reset();
+  dv.reset();
+  Tensor x = stash_.take(mb, l, "attn_norm.in"), rstd = stash_.take(mb, l, "attn_norm.rstd");
+  Tensor dtmp = work({n, d}, "attn_norm.dx");
+  ops::rmsnorm_backward(da.f32(), x.f32(), P.in_norm->w.f32(), rstd.f32(), dtmp.f32(), P.in_norm->g.f32(), n, d);
+  add_inplace(dx.f32(), dtmp.f32(), n * d);
+}
+
+// ---------------------------------------------------------------------------------------------
+// FFN block: x <- x + FFN(RMSNorm(x)), FFN = dense SwiGLU or MoE (+ shared experts)
+
+void MoEModel::swiglu_mlp_forward(const float* m, Param* w1, Param* w3, Param* w2, float* y, std::int64_t n, int l,
+                                  int mb, bool train, const char* prefix, bool accumulate) {
+  const std::int64_t d = cfg_.hidden_size, w = w1->w.dim(0);
+  Tensor h1 = act({n, w}, "mlp.gate_out"), h3 = act({n, w}, "mlp.up_out"), a = act({n, w}, "mlp.act");
+  ops::linear_forward(m, w1->w.f32(), h1.f32(), n, d, w);
+  ops::linear_forward(m, w3->w.f32(), h3.f32(), n, d, w);
+  ops::swiglu_forward(h1.f32(), h3.f32(), a.f32(), n * w);
+  ops::gemm<float>(false, true, n, d, w, 1.0f, a.f32(), w, w2->w.f32(), w, accumulate ? 1.0f : 0.0f, y, d);
+  if (train) {
+    stash_.save(mb, l, fmt::format("{}.gate_out", prefix), "linear", std::move(h1));
+    stash_.save(mb, l, fmt::format("{}.up_out", prefix), "linear", std::move(h3));
+    stash_.save(mb, l, fmt::format("{}.act", prefix), "swiglu", std::move(a));
+  }
+}
+
+void MoEModel::swiglu_mlp_backward(const float* dy, const float* m, Param* w1, Param* w3, Param* w2, float* dm,
+                                   std::int64_t n, int l, int mb, const char* prefix) {
+  const std::int64_t d = cfg_.hidden_size, w = w1->w.dim(0);
+  Tensor a = stash_.take(mb, l, fmt::format("{}.act", prefix));
+  Tensor da = work({n, w}, "mlp.dact");
+  ops::linear_backward(dy, a.f32(), w2->w.f32(), da.f32(), w2->g.f32(), n, w, d);
+  a.reset();
+  Tensor h1 = stash_.take(mb, l, fmt::format("{}.gate_out", prefix));
+  Tensor h3 = stash_.take(mb, l, fmt::format("{}.up_out", prefix));
+  Tensor dh1 = work({n, w}, "mlp.dgate"), dh3 = work({n, w}, "mlp.dup");
+  ops::swiglu_backward(da.f32(), h1.f32(), h3.f32(), dh1.f32(), dh3.f32(), n * w);
+  h1.reset();
+  h3.reset();
+  da.reset();
+  ops::linear_backward(dh1.f32(), m, w1->w.f32(), dm, w1->g.f32(), n, d, w, true);
+  ops::linear_backward(dh3.f32(), m, w3->w.f32(), dm, w3->g.f32(), n, d, w, true);
+}
+
+double MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train, LossParts& loss) {
+  const LayerParams& P = layers_[std::size_t(l)];
+  const std::int64_t d = cfg_.hidden_size;
+  Tensor m = act({n, d}, "ffn_norm.out"), rstd = act({n}, "ffn_norm.rstd");
+  ops::rmsnorm_forward(x.f32(), P.post_norm->w.f32(), m.f32(), rstd.f32(), n, d, float(cfg_.rms_norm_eps));
+  Tensor out = act({n, d}, "ffn.residual");
+  if (!cfg_.is_moe_layer(l)) {
+    swiglu_mlp_forward(m.f32(), P.s1, P.s3, P.s2, out.f32(), n, l, mb, train, "dense", false);
+  } else {
+    const std::int64_t E = cfg_.num_experts, k = cfg_.num_experts_per_tok, f = cfg_.moe_intermediate_size;
+    Tensor logits = act({n, E}, "router.logits"), probs = act({n, E}, "router.probs");
+    Tensor idx = act({n, k}, "router.topk_idx", DType::i32), w = act({n, k}, "router.topk_w");
+    ops::linear_forward(m.f32(), P.gate->w.f32(), logits.f32(), n, d, E);
+    ops::router_forward(logits.f32(), probs.f32(), idx.i32(), w.f32(), n, E, k, cfg_.norm_topk_prob);
+    loss.aux += ops::aux_loss_forward(probs.f32(), idx.i32(), n, E, k, cfg_.router_aux_loss_coef);
+    if (cfg_.router_z_loss_coef > 0) loss.z += ops::z_loss_forward(logits.f32(), n, E, cfg_.router_z_loss_coef);
+
+    Tensor counts = act({E}, "moe.counts", DType::i32), offsets = act({E + 1}, "moe.offsets", DType::i32);
+    Tensor slot_of = act({n * k}, "moe.slot_of", DType::i32);
+    const std::int64_t cap = ops::expert_capacity(cfg_.capacity_factor, n, E, k);
+    RoutingStats rs;
+    rs.layer = l;
+    rs.dropped = ops::moe_plan_dispatch(idx.i32(), n, E, k, cap, counts.i32(), offsets.i32(), slot_of.i32());
+    rs.tokens_per_expert.assign(counts.i32(), counts.i32() + E);
+    {
+      std::vector<std::int64_t> assigned(std::size_t(E), 0);
+      for (std::int64_t i = 0; i < n * k; ++i) ++assigned[std::size_t(idx.i32()[i])];
+      std::int64_t mx = 0;
+      for (auto a : assigned) mx = std::max(mx, a);
+      rs.imbalance = double(mx) / (double(n * k) / double(E));
+    }
+    routing_.push_back(std::move(rs));
+    const std::int64_t R = offsets.i32()[E];
+
+    if (expert_impl_ == ExpertImpl::sequential_reference) {
+      ops::moe_experts_reference(m.f32(), idx.i32(), w.f32(), slot_of.i32(), P.w1->w.f32(), P.w3->w.f32(),
+                                 P.w2->w.f32(), out.f32(), n, d, f, k);
+    } else {
+      Tensor xp = act({R, d}, "moe.permuted");
+      ops::permute_forward(m.f32(), slot_of.i32(), xp.f32(), n, k, d);
+      Tensor h1 = act({R, f}, "experts.gate_out"), h3 = act({R, f}, "experts.up_out");
+      ops::grouped_linear_forward(xp.f32(), P.w1->w.f32(), h1.f32(), offsets.i32(), E, d, f);
+      ops::grouped_linear_forward(xp.f32(), P.w3->w.f32(), h3.f32(), offsets.i32(), E, d, f);
+      Tensor a = act({R, f}, "experts.act");
+      ops::swiglu_forward(h1.f32(), h3.f32(), a.f32(), R * f);
+      Tensor yp = act({R, d}, "experts.out");
+      ops::grouped_linear_forward(a.f32(), P.w2->w.f32(), yp.f32(), offsets.i32(), E, f, d);
+      ops::unpermute_forward(yp.f32(), slot_of.i32(), w.f32(), out.f32(), n, k, d);
+      if (train) {
+        stash_.save(mb, l, "moe.permuted", "permute", std::move(xp));
+        stash_.save(mb, l, "experts.gate_out", "grouped_gemm", std::move(h1));
+        stash_.save(mb, l, "experts.up_out", "grouped_gemm", std::move(h3));
+        stash_.save(mb, l, "experts.act", "swiglu", std::move(a));
+        stash_.save(mb, l, "experts.out", "grouped_gemm", std::move(yp));
+      }
+    }
+    if (P.s1) swiglu_mlp_forward(m.f32(), P.s1, P.s3, P.s2, out.f32(), n, l, mb, train, "shared", true);
+    if (train) {
+      stash_.save(mb, l, "router.logits", "router", std::move(logits));
+      stash_.save(mb, l, "router.probs", "router", std::move(probs));
+      stash_.save(mb, l, "router.topk_idx", "router", std::move(idx));
+      stash_.save(mb, l, "router.topk_w", "router", std::move(w));
+      stash_.save(mb, l, "moe.offsets", "dispatch", std::move(offsets));
+      stash_.save(mb, l, "moe.slot_of", "dispatch", std::move(slot_of));
+    }
+  }
+  add_inplace(out.f32(), x.f32(), n * d);
+  if (train) {
+    stash_.save(mb, l, "ffn_norm.in", "residual", std::move(x));
+    stash_.save(mb, l, "ffn_norm.out", "rmsnorm", std::move(m));
+    stash_.save(mb, l, "ffn_norm.rstd", "rmsnorm", std::move(rstd));
+  }
+  x = std::move(out);
+  return loss.aux;
+}
+
+void MoEModel::ffn_backward(int l, Tensor& dx, std::int64_t n, int mb, double grad_scale) {
+  const LayerParams& P = layers_[std::size_t(l)];
+  const std::int64_t d = cfg_.hidden_size;
+  Tensor m = stash_.take(mb, l, "ffn_norm.out");
+  Tensor dm = work({n, d}, "ffn_norm.dout");
+  if (!cfg_.is_moe_layer(l)) {
+    dm.zero();
+    swiglu_mlp_backward(dx.f32(), m.f32(), P.s1, P.s3, P.s2, dm.f32(), n, l, mb, "dense");
+  } else {
+    const std::int64_t E = cfg_.num_experts, k = cfg_.num_experts_per_tok, f = cfg_.moe_intermediate_size;
+    Tensor offsets = stash_.take(mb, l, "moe.offsets"), slot_of = stash_.take(mb, l, "moe.slot_of");
+    Tensor idx = stash_.take(mb, l, "router.topk_idx"), w = stash_.take(mb, l, "router.topk_w");
+    const std::int64_t R = offsets.i32()[E];
+    Tensor dw = work({n, k}, "router.dtopk_w");
+    {
+      Tensor dyp = work({R, d}, "experts.dout");
+      {
+        Tensor yp = stash_.take(mb, l, "experts.out");
+        ops::unpermute_backward(dx.f32(), yp.f32(), slot_of.i32(), w.f32(), dyp.f32(), dw.f32(), n, k, d);
+      }
+      Tensor da = work({R, f}, "experts.dact");
+      {
+        Tensor a = stash_.take(mb, l, "experts.act");
+        ops::grouped_linear_backward(dyp.f32(), a.f32(), P.w2->w.f32(), da.f32(), P.w2->g.f32(), offsets.i32(),
+                                     E, f, d);
+      }
+      dyp.reset();
+      Tensor dh1 = work({R, f}, "experts.dgate"), dh3 = work({R, f}, "experts.dup");
+      {
+        Tensor h1 = stash_.take(mb, l, "experts.gate_out"), h3 = stash_.take(mb, l, "experts.up_out");
+        ops::swiglu_backward(da.f32(), h1.f32(), h3.f32(), dh1.f32(), dh3.f32(), R * f);
+      }
+      da.reset();
+      Tensor xp = stash_.take(mb, l, "moe.permuted");
+      Tensor dxp = work({R, d}, "moe.dpermuted");
+      ops::grouped_linear_backward(dh1.f32(), xp.f32(), P.w1->w.f32(), dxp.f32(), P.w1->g.f32(), offsets.i32(), E,
+                                   d, f);
+      dh1.reset();
+      {
+        Tensor dxp3 = work({R, d}, "moe.dpermuted_up");
+        ops::grouped_linear_backward(dh3.f32(), xp.f32(), P.w3->w.f32(), dxp3.f32(), P.w3->g.f32(),
+                                     offsets.i32(), E, d, f);
+        add_inplace(dxp.f32(), dxp3.f32(), R * d);
+      }
+      ops::permute_backward(dxp.f32(), slot_of.i32(), dm.f32(), n, k, d);
+    }
+    if (P.s1) swiglu_mlp_backward(dx.f32(), m.f32(), P.s1, P.s3, P.s2, dm.f32(), n, l, mb, "shared");
+    Tensor probs = stash_.take(mb, l, "router.probs"), logits = stash_.take(mb, l, "router.logits");
+    Tensor dprobs = work({n, E}, "router.dprobs");
+    dprobs.zero();
+    ops::aux_loss_backward(idx.i32(), dprobs.f32(), n, E, k, cfg_.router_aux_loss_coef * grad_scale);
+    Tensor dlogits = work({n, E}, "router.dlogits");
+    ops::router_backward(dw.f32(), dprobs.f32(), probs.f32(), idx.i32(), dlogits.f32(), n, E, k,
+                         cfg_.norm_topk_prob);
+    if (cfg_.router_z_loss_coef > 0)
+      ops::z_loss_backward(logits.f32(), dlogits.f32(), n, E, cfg_.router_z_loss_coef * grad_scale);
+    ops::linear_backward(dlogits.f32(), m.f32(), P.gate->w.f32(), dm.f32(), P.gate->g.f32(), n, d, E, true);
+  }
+  m.reset();
+  Tensor h = stash_.take(mb, l, "ffn_norm.in"), rstd = stash_.take(mb, l, "ffn_norm.rstd");
+  Tensor dtmp = work({n, d}, "ffn_norm.dx");
+  ops::rmsnorm_backward(dm.f32(), h.f32(), P.post_norm->w.f32(), rstd.f32(), dtmp.f32(), P.post_norm->g.f32(), n, d);
+  add_inplace(dx.f32(), dtmp.f32(), n * d);
+}
+
+}  // namespace moeflex

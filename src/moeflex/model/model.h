@@ -1,0 +1,109 @@
+// The decoder-only MoE transformer of docs/model.md: parameters, and the forward
+// and backward of one micro-batch written as sequences of ops that save what their
+// backward needs into the ActivationStash.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "moeflex/core/tensor.h"
+#include "moeflex/model/config.h"
+#include "moeflex/provision/stash.h"
+
+namespace moeflex {
+
+/// One trainable tensor with its gradient (both in the arena).
+struct Param {
+  std::string name;   ///< safetensors key (docs/model.md)
+  Tensor w;           ///< weights (category weights)
+  Tensor g;           ///< gradient, accumulated over micro-batches (category grads)
+  bool no_decay;      ///< excluded from weight decay (norm weights)
+};
+
+/// Losses of one micro-batch (means over its tokens).
+struct LossParts {
+  double total = 0;  ///< ce + aux + z
+  double ce = 0;
+  double aux = 0;    ///< summed over MoE layers
+  double z = 0;      ///< summed over MoE layers
+};
+
+/// Routing statistics of one MoE layer for one micro-batch.
+struct RoutingStats {
+  int layer = 0;
+  std::vector<std::int32_t> tokens_per_expert;  ///< assignments kept per expert
+  std::int64_t dropped = 0;                     ///< assignments over capacity
+  /// max over experts / mean over experts of assigned tokens (before dropping).
+  double imbalance = 1.0;
+};
+
+/// Which expert implementation runs the MoE FFN.
+enum class ExpertImpl { grouped_gemm, sequential_reference };
+
+class MoEModel {
+ public:
+  /// Allocates parameters and gradients from `arena`. Throws OutOfMemoryError.
+  MoEModel(const ModelConfig& cfg, Arena& arena);
+
+  /// Deterministic init from `seed` (docs/model.md, "Initialisation").
+  void init_weights(std::uint64_t seed);
+  void zero_grads();
+
+  /// Forward and backward of one micro-batch: ids, targets [B, S]. Gradients are
+  /// accumulated (+=) with the micro-batch loss scaled by `grad_scale` (1/M with M
+  /// micro-batches). Activations go through `stash` under index `microbatch` and are
+  /// released by the end. Returns the unscaled losses.
+  LossParts forward_backward(const std::int32_t* ids, const std::int32_t* targets, std::int64_t B, std::int64_t S,
+                             int microbatch, double grad_scale);
+
+  /// The two halves of forward_backward, for pipeline schedules: forward_train keeps
+  /// the activations of `microbatch` in the stash; backward consumes and frees them.
+  LossParts forward_train(const std::int32_t* ids, const std::int32_t* targets, std::int64_t B, std::int64_t S,
+                          int microbatch);
+  void backward(const std::int32_t* ids, const std::int32_t* targets, std::int64_t B, std::int64_t S,
+                int microbatch, double grad_scale);
+
+  /// Forward only (no activations kept): the loss if targets != null, and the
+  /// logits of the last position of each sequence into `last_logits` [B, V] if non-null.
+  LossParts forward_eval(const std::int32_t* ids, const std::int32_t* targets, std::int64_t B, std::int64_t S,
+                         float* last_logits = nullptr);
+
+  const ModelConfig& config() const { return cfg_; }
+  std::vector<Param>& params() { return params_; }
+  Param& param(const std::string& name);
+  ActivationStash& stash() { return stash_; }
+  Arena& arena() { return arena_; }
+  /// Routing statistics of the MoE layers of the last forward.
+  const std::vector<RoutingStats>& routing() const { return routing_; }
+  void set_expert_impl(ExpertImpl impl) { expert_impl_ = impl; }
+
+ private:
+  struct LayerParams {
+    Param *in_norm, *q, *k, *v, *o, *post_norm;
+    Param *gate = nullptr, *w1 = nullptr, *w3 = nullptr, *w2 = nullptr;  // routed experts (stacked)
+    Param *s1 = nullptr, *s3 = nullptr, *s2 = nullptr;                   // shared expert or dense MLP
+  };
+  Tensor act(std::vector<std::int64_t> shape, const char* name, DType dt = DType::f32);
+  Tensor work(std::vector<std::int64_t> shape, const char* name, DType dt = DType::f32);
+  LossParts forward(const std::int32_t* ids, const std::int32_t* targets, std::int64_t B, std::int64_t S, int mb,
+                    bool train, double grad_scale, float* last_logits);
+  void attention_forward(int l, Tensor& x, std::int64_t B, std::int64_t S, int mb, bool train);
+  void attention_backward(int l, Tensor& dx, std::int64_t B, std::int64_t S, int mb);
+  double ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train, LossParts& loss);
+  void ffn_backward(int l, Tensor& dx, std::int64_t n, int mb, double grad_scale);
+  void swiglu_mlp_forward(const float* m, Param* w1, Param* w3, Param* w2, float* y, std::int64_t n, int l, int mb,
+                          bool train, const char* prefix, bool accumulate);
+  void swiglu_mlp_backward(const float* dy, const float* m, Param* w1, Param* w3, Param* w2, float* dm,
+                           std::int64_t n, int l, int mb, const char* prefix);
+
+  ModelConfig cfg_;
+  Arena& arena_;
+  std::vector<Param> params_;
+  std::vector<LayerParams> layers_;
+  Param *embed_ = nullptr, *final_norm_ = nullptr, *lm_head_ = nullptr;
+  ActivationStash stash_;
+  std::vector<RoutingStats> routing_;
+  ExpertImpl expert_impl_ = ExpertImpl::grouped_gemm;
+};
+
+}  // namespace moeflex

@@ -1,0 +1,222 @@
+// MoE router kernels: softmax + top-k forward, backward, aux and z losses.
+//   logits, probs, dlogits, dprobs: [n, E]; topk_idx: [n, k] int32; topk_w, dtopk_w: [n, k].
+//   router_forward:    probs = softmax(logits), topk_idx / topk_w = top-k of probs   (=)
+//   router_backward:   dlogits = J_softmax^T (scatter(dtopk_w through renorm) + dprobs_extra)  (=)
+//   aux_loss_backward: dprobs  += coef * E * f_e / n                                  (+=)
+//   z_loss_backward:   dlogits += coef * 2 * lse_i * softmax(logits_i) / n            (+=)
+// Every row is processed by one thread with a sequential inner loop, and the
+// cross-row sums of the losses go through fixed-size chunks added in chunk order,
+// so results are bit-identical for any thread count.
+#include "moeflex/ops/router.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "moeflex/core/error.h"
+
+namespace moeflex::ops {
+namespace {
+
+/// Rows per partial sum of a cross-row reduction; fixed so the summation order
+/// does not depend on the thread count.
+constexpr std::int64_t kReduceChunkRows = 256;
+
+/// sum_i row_value(i) for i < n, through chunked partial sums added in chunk order.
+template <typename F>
+double deterministic_row_sum(std::int64_t n, F row_value) {
+  const std::int64_t chunks = (n + kReduceChunkRows - 1) / kReduceChunkRows;
+  std::vector<double> partial(static_cast<std::size_t>(chunks), 0.0);
+#pragma omp parallel for schedule(static)
+  for (std::int64_t c = 0; c < chunks; ++c) {
+    const std::int64_t end = std::min(n, (c + 1) * kReduceChunkRows);
+    double s = 0.0;
+    for (std::int64_t i = c * kReduceChunkRows; i < end; ++i) s += row_value(i);
+    partial[static_cast<std::size_t>(c)] = s;
+  }
+  double total = 0.0;
+  for (double p : partial) total += p;
+  return total;
+}
+
+/// logsumexp of one row, computed as max + log(sum exp(x - max)).
+template <typename T>
+double row_logsumexp(const T* x, std::int64_t E) {
+  double m = static_cast<double>(x[0]);
+  for (std::int64_t e = 1; e < E; ++e) m = std::max(m, static_cast<double>(x[e]));
+  double s = 0.0;
+  for (std::int64_t e = 0; e < E; ++e) s += std::exp(static_cast<double>(x[e]) - m);
+  return m + std::log(s);
+}
+
+/// f_e * n * k: assignments to each expert among the top-k, before any capacity drop.
+std::vector<std::int64_t> assignment_counts(const std::int32_t* topk_idx, std::int64_t n, std::int64_t E,
+                                            std::int64_t k) {
+  std::vector<std::int64_t> counts(static_cast<std::size_t>(E), 0);
+  for (std::int64_t a = 0; a < n * k; ++a) {
+    const std::int32_t e = topk_idx[a];
+    if (e < 0 || e >= E)
+      throw Error("router: topk_idx[" + std::to_string(a) + "] = " + std::to_string(e) +
+                  " is outside [0, " + std::to_string(E) + ")");
+    ++counts[static_cast<std::size_t>(e)];
+  }
+  return counts;
+}
+
+}  // namespace
+
+template <typename T>
+void router_forward(const T* logits, T* probs, std::int32_t* topk_idx, T* topk_w, std::int64_t n,
+                    std::int64_t E, std::int64_t k, bool norm_topk_prob) {
+  if (k > E)
+    throw Error("router: num_experts_per_tok " + std::to_string(k) + " exceeds num_experts " +
+                std::to_string(E));
+#pragma omp parallel for schedule(static)
+  for (std::int64_t i = 0; i < n; ++i) {
+    const T* l = logits + i * E;
+    T* p = probs + i * E;
+    T m = l[0];
+    for (std::int64_t e = 1; e < E; ++e) m = std::max(m, l[e]);
+    T s = 0;
+    for (std::int64_t e = 0; e < E; ++e) {
+      p[e] = std::exp(l[e] - m);
+      s += p[e];
+    }
+    const T inv = T(1) / s;
+    for (std::int64_t e = 0; e < E; ++e) p[e] *= inv;
+
+    // Insertion into a sorted list of length k: scanning experts in index order and
+    // inserting after every entry with p >= the new one keeps lower indices first on ties.
+    std::int32_t* idx = topk_idx + i * k;
+    T* w = topk_w + i * k;
+    std::int64_t filled = 0;
+    for (std::int64_t e = 0; e < E && k > 0; ++e) {
+      const T pe = p[e];
+      if (filled == k && !(pe > w[k - 1])) continue;
+      std::int64_t pos = std::min(filled, k - 1);
+      while (pos > 0 && w[pos - 1] < pe) {
+        w[pos] = w[pos - 1];
+        idx[pos] = idx[pos - 1];
+        --pos;
+      }
+      w[pos] = pe;
+      idx[pos] = static_cast<std::int32_t>(e);
+      if (filled < k) ++filled;
+    }
+    if (norm_topk_prob) {
+      T sw = 0;
+      for (std::int64_t j = 0; j < k; ++j) sw += w[j];
+      const T inv_sw = T(1) / sw;
+      for (std::int64_t j = 0; j < k; ++j) w[j] *= inv_sw;
+    }
+  }
+}
+
+template <typename T>
+void router_backward(const T* dtopk_w, const T* dprobs_extra, const T* probs, const std::int32_t* topk_idx,
+                     T* dlogits, std::int64_t n, std::int64_t E, std::int64_t k, bool norm_topk_prob) {
+#pragma omp parallel for schedule(static)
+  for (std::int64_t i = 0; i < n; ++i) {
+    const T* p = probs + i * E;
+    const T* dw = dtopk_w + i * k;
+    const std::int32_t* idx = topk_idx + i * k;
+    T* g = dlogits + i * E;  // holds dprobs for this row until the softmax step
+    if (dprobs_extra) {
+      const T* dx = dprobs_extra + i * E;
+      for (std::int64_t e = 0; e < E; ++e) g[e] = dx[e];
+    } else {
+      for (std::int64_t e = 0; e < E; ++e) g[e] = 0;
+    }
+    if (norm_topk_prob) {
+      // w_j = p_j / S  =>  dp_j = (dw_j - sum_l dw_l w_l) / S, with w_l = p_l / S.
+      T S = 0;
+      for (std::int64_t j = 0; j < k; ++j) S += p[idx[j]];
+      const T inv_S = T(1) / S;
+      T dot = 0;
+      for (std::int64_t j = 0; j < k; ++j) dot += dw[j] * (p[idx[j]] * inv_S);
+      for (std::int64_t j = 0; j < k; ++j) g[idx[j]] += (dw[j] - dot) * inv_S;
+    } else {
+      for (std::int64_t j = 0; j < k; ++j) g[idx[j]] += dw[j];
+    }
+    // Softmax Jacobian: dlogit_e = p_e (dp_e - sum_c p_c dp_c).
+    T pg = 0;
+    for (std::int64_t e = 0; e < E; ++e) pg += p[e] * g[e];
+    for (std::int64_t e = 0; e < E; ++e) g[e] = p[e] * (g[e] - pg);
+  }
+}
+
+template <typename T>
+double aux_loss_forward(const T* probs, const std::int32_t* topk_idx, std::int64_t n, std::int64_t E,
+                        std::int64_t k, double coef) {
+  if (n == 0) return 0.0;
+  const auto counts = assignment_counts(topk_idx, n, E, k);
+  // coef * E * sum_e f_e P_e = coef * E / (n * n*k) * sum_i sum_e count_e p_ie.
+  const double total = deterministic_row_sum(n, [&](std::int64_t i) {
+    const T* p = probs + i * E;
+    double s = 0.0;
+    for (std::int64_t e = 0; e < E; ++e) s += static_cast<double>(counts[static_cast<std::size_t>(e)]) * p[e];
+    return s;
+  });
+  return coef * static_cast<double>(E) * total / (static_cast<double>(n) * static_cast<double>(n * k));
+}
+
+template <typename T>
+void aux_loss_backward(const std::int32_t* topk_idx, T* dprobs, std::int64_t n, std::int64_t E, std::int64_t k,
+                       double coef) {
+  if (n == 0) return;
+  const auto counts = assignment_counts(topk_idx, n, E, k);
+  std::vector<T> g(static_cast<std::size_t>(E));
+  for (std::int64_t e = 0; e < E; ++e) {
+    const double f = static_cast<double>(counts[static_cast<std::size_t>(e)]) / static_cast<double>(n * k);
+    g[static_cast<std::size_t>(e)] = static_cast<T>(coef * static_cast<double>(E) * f / static_cast<double>(n));
+  }
+#pragma omp parallel for schedule(static)
+  for (std::int64_t i = 0; i < n; ++i) {
+    T* d = dprobs + i * E;
+    for (std::int64_t e = 0; e < E; ++e) d[e] += g[static_cast<std::size_t>(e)];
+  }
+}
+
+template <typename T>
+double z_loss_forward(const T* logits, std::int64_t n, std::int64_t E, double coef) {
+  if (n == 0) return 0.0;
+  const double total = deterministic_row_sum(n, [&](std::int64_t i) {
+    const double lse = row_logsumexp(logits + i * E, E);
+    return lse * lse;
+  });
+  return coef * total / static_cast<double>(n);
+}
+
+template <typename T>
+void z_loss_backward(const T* logits, T* dlogits, std::int64_t n, std::int64_t E, double coef) {
+  if (n == 0) return;
+  const double scale = coef * 2.0 / static_cast<double>(n);
+#pragma omp parallel for schedule(static)
+  for (std::int64_t i = 0; i < n; ++i) {
+    const T* l = logits + i * E;
+    T* d = dlogits + i * E;
+    const double lse = row_logsumexp(l, E);
+    const double c = scale * lse;
+    for (std::int64_t e = 0; e < E; ++e)
+      d[e] += static_cast<T>(c * std::exp(static_cast<double>(l[e]) - lse));
+  }
+}
+
+#define MOEFLEX_INSTANTIATE_ROUTER(T)                                                                          \
+  template void router_forward<T>(const T*, T*, std::int32_t*, T*, std::int64_t, std::int64_t, std::int64_t,  \
+                                  bool);                                                                       \
+  template void router_backward<T>(const T*, const T*, const T*, const std::int32_t*, T*, std::int64_t,        \
+                                   std::int64_t, std::int64_t, bool);                                          \
+  template double aux_loss_forward<T>(const T*, const std::int32_t*, std::int64_t, std::int64_t, std::int64_t, \
+                                      double);                                                                 \
+  template void aux_loss_backward<T>(const std::int32_t*, T*, std::int64_t, std::int64_t, std::int64_t,       \
+                                     double);                                                                  \
+  template double z_loss_forward<T>(const T*, std::int64_t, std::int64_t, double);                             \
+  template void z_loss_backward<T>(const T*, T*, std::int64_t, std::int64_t, double);
+
+MOEFLEX_INSTANTIATE_ROUTER(float)
+MOEFLEX_INSTANTIATE_ROUTER(double)
+#undef MOEFLEX_INSTANTIATE_ROUTER
+
+}  // namespace moeflex::ops

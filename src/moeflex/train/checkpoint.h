@@ -1,0 +1,76 @@
+// Crash-safe training checkpoints.
+//
+// A checkpoint is the directory <run_dir>/checkpoints/step_<NNNNNNNN>/ holding
+//   model.safetensors      the parameters (F32)
+//   optimizer.safetensors  the optimizer state, e.g. AdamW moments (F32)
+//   manifest.json          {"format": "moeflex-checkpoint", "version": 1, "step": N,
+//                           "files": {"<name>": {"bytes": B, "sha256": "<hex>"}},
+//                           "trainer_state": <the caller's JSON>}
+//
+// Saving writes step_<N>.tmp/, fsyncs every file, writes the manifest last and
+// only then renames the directory into place (and fsyncs its parent), so a crash
+// leaves either the previous state or a complete checkpoint, never a partial
+// step_<N>. Loading verifies sizes, checksums, tensor names and shapes of both
+// files before it writes into any buffer: a refused checkpoint changes nothing.
+#pragma once
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace moeflex::train {
+
+/// A named float tensor owned by the caller (a parameter, a moment, ...).
+struct NamedBuffer {
+  std::string name;                 ///< unique within its file, e.g. "layers.0.attn.wq"
+  std::vector<std::int64_t> shape;  ///< row-major extents
+  float* data;                      ///< not owned; numel(shape) floats
+};
+
+inline constexpr const char* kCheckpointFormat = "moeflex-checkpoint";
+inline constexpr int kCheckpointVersion = 1;
+inline constexpr const char* kModelFileName = "model.safetensors";
+inline constexpr const char* kOptimizerFileName = "optimizer.safetensors";
+inline constexpr const char* kManifestFileName = "manifest.json";
+
+/// <run_dir>/checkpoints/step_<step, 8 digits>.
+std::filesystem::path checkpoint_dir(const std::filesystem::path& run_dir, std::int64_t step);
+
+/// Saves a checkpoint of `step` (see the file comment), then deletes the oldest
+/// step_* directories so that `keep_last` remain, never the one just written;
+/// keep_last <= 0 keeps all. Re-saving an existing step swaps the complete new
+/// directory in atomically. Throws DataError on I/O failure, Error on bad buffers.
+void save_checkpoint(const std::filesystem::path& run_dir, std::int64_t step, const std::vector<NamedBuffer>& model,
+                     const std::vector<NamedBuffer>& optimizer, const nlohmann::json& trainer_state,
+                     int keep_last = 3);
+
+/// The newest step_* directory under <run_dir>/checkpoints whose manifest is
+/// valid, matches the directory's step and lists files present with the
+/// recorded sizes; `.tmp` directories and directories without a valid manifest
+/// are skipped. Checksums are verified by load_checkpoint, not here.
+std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& run_dir);
+
+/// Reads and validates <ckpt_dir>/manifest.json (format, version, step, files,
+/// trainer_state). Throws DataError naming the file and the problem.
+nlohmann::json read_checkpoint_manifest(const std::filesystem::path& ckpt_dir);
+
+/// The step recorded in a checkpoint's manifest.
+std::int64_t checkpoint_step(const std::filesystem::path& ckpt_dir);
+
+/// Fills the buffers from a checkpoint and returns its trainer_state. Every
+/// file's size and SHA-256, and every buffer's tensor (present, same shape) are
+/// checked first; the files must hold no tensor the buffers lack. Throws
+/// DataError naming the file or tensor ("truncated", "corrupted", missing, shape)
+/// and leaves every buffer untouched when it does.
+nlohmann::json load_checkpoint(const std::filesystem::path& ckpt_dir, const std::vector<NamedBuffer>& model,
+                               const std::vector<NamedBuffer>& optimizer);
+
+/// Fills model buffers from a model.safetensors file, or from a checkpoint
+/// directory's model.safetensors. When a manifest.json beside the file lists
+/// it, its size and checksum are verified too. Same checks as load_checkpoint.
+void load_model_weights(const std::filesystem::path& path, const std::vector<NamedBuffer>& model);
+
+}  // namespace moeflex::train

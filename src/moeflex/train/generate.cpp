@@ -1,0 +1,72 @@
+#include "moeflex/train/generate.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "moeflex/core/error.h"
+#include "moeflex/core/rng.h"
+#include "moeflex/model/model.h"
+#include "moeflex/train/checkpoint.h"
+#include "moeflex/train/tokenizer.h"
+#include "moeflex/train/train_config.h"
+
+namespace moeflex {
+
+namespace fs = std::filesystem;
+
+std::string generate_text(const GenerateOptions& opts) {
+  const fs::path& run = opts.run_dir;
+  if (!fs::is_directory(run)) throw ConfigError(fmt::format("--run: '{}' is not a run directory", run.string()));
+  RunConfig cfg = RunConfig::from_file((run / "config.toml").string());
+  auto ckpt = train::latest_checkpoint(run);
+  if (!ckpt) throw DataError(fmt::format("run '{}' has no complete checkpoint to sample from", run.string()));
+  Tokenizer tok = Tokenizer::load((run / "tokenizer.model").string());
+  Arena arena;
+  MoEModel model(cfg.model, arena);
+  std::vector<train::NamedBuffer> bufs;
+  for (auto& p : model.params()) bufs.push_back({p.name, p.w.shape(), p.w.f32()});
+  train::load_model_weights(*ckpt, bufs);
+
+  std::vector<std::int32_t> ids = tok.encode(opts.prompt);
+  if (ids.empty()) ids.push_back(0);
+  const std::int64_t V = cfg.model.vocab_size, ctx = cfg.model.max_position_embeddings;
+  std::vector<float> logits(static_cast<std::size_t>(V));
+  Rng rng(opts.seed, 77);
+  std::vector<std::int32_t> generated;
+  for (int i = 0; i < opts.max_new_tokens; ++i) {
+    const std::size_t start = ids.size() > std::size_t(ctx) ? ids.size() - std::size_t(ctx) : 0;
+    std::vector<std::int32_t> window(ids.begin() + std::ptrdiff_t(start), ids.end());
+    model.forward_eval(window.data(), nullptr, 1, std::int64_t(window.size()), logits.data());
+    std::int32_t next = 0;
+    if (opts.temperature <= 0) {
+      next = std::int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    } else {
+      std::vector<std::int32_t> order(static_cast<std::size_t>(V));
+      std::iota(order.begin(), order.end(), 0);
+      const std::size_t keep = opts.top_k > 0 ? std::min<std::size_t>(std::size_t(opts.top_k), order.size()) : order.size();
+      std::partial_sort(order.begin(), order.begin() + std::ptrdiff_t(keep), order.end(),
+                        [&](int a, int b) { return logits[std::size_t(a)] > logits[std::size_t(b)]; });
+      std::vector<double> p(keep);
+      const double mx = logits[std::size_t(order[0])];
+      double z = 0;
+      for (std::size_t j = 0; j < keep; ++j) z += p[j] = std::exp((logits[std::size_t(order[j])] - mx) / opts.temperature);
+      double u = rng.uniform() * z;
+      next = order[keep - 1];
+      for (std::size_t j = 0; j < keep; ++j) {
+        u -= p[j];
+        if (u <= 0) {
+          next = order[j];
+          break;
+        }
+      }
+    }
+    ids.push_back(next);
+    generated.push_back(next);
+  }
+  return opts.prompt + tok.decode(generated);
+}
+
+}  // namespace moeflex

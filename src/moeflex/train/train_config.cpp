@@ -1,0 +1,185 @@
+#include "moeflex/train/train_config.h"
+
+#include <fmt/format.h>
+
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <toml++/toml.h>
+
+#include "moeflex/core/error.h"
+#include "moeflex/train/default_config.h"
+
+namespace moeflex {
+
+namespace {
+
+template <typename F>
+void for_each_train_field(TrainConfig& c, F&& f) {
+  f("steps", c.steps);
+  f("micro_batch_size", c.micro_batch_size);
+  f("seq_len", c.seq_len);
+  f("grad_accum", c.grad_accum);
+  f("lr", c.lr);
+  f("min_lr", c.min_lr);
+  f("warmup_steps", c.warmup_steps);
+  f("weight_decay", c.weight_decay);
+  f("beta1", c.beta1);
+  f("beta2", c.beta2);
+  f("grad_clip", c.grad_clip);
+  f("seed", c.seed);
+  f("eval_every", c.eval_every);
+  f("eval_batches", c.eval_batches);
+  f("checkpoint_every", c.checkpoint_every);
+  f("keep_checkpoints", c.keep_checkpoints);
+}
+
+std::string toml_float(double v) {
+  std::string s = fmt::format("{}", v);
+  if (s.find_first_of(".eEn") == std::string::npos) s += ".0";
+  return s;
+}
+
+// Reads one scalar field of `section` into `field`, with a typed error naming it.
+template <typename T>
+void read_field(const toml::table& t, const char* section, const char* key, T& field) {
+  const toml::node* n = t.get(key);
+  if (!n) return;
+  if constexpr (std::is_integral_v<T>) {
+    if (!n->is_integer()) throw ConfigError(fmt::format("{}.{}: must be an integer", section, key));
+    auto v = n->value<std::int64_t>();
+    if constexpr (std::is_unsigned_v<T>) {
+      if (*v < 0) throw ConfigError(fmt::format("{}.{}: must not be negative", section, key));
+    }
+    field = static_cast<T>(*v);
+  } else {
+    auto v = n->value<double>();
+    if (!v) throw ConfigError(fmt::format("{}.{}: must be a number", section, key));
+    field = *v;
+  }
+}
+
+void reject_unknown(const toml::table& t, const char* section, const std::set<std::string>& known) {
+  for (auto&& [k, v] : t)
+    if (!known.count(std::string(k.str())))
+      throw ConfigError(fmt::format("{}: unknown field '{}'", section, k.str()));
+}
+
+}  // namespace
+
+void RunConfig::validate() const {
+  model.validate();
+  const auto& t = train;
+  auto rule = [](bool ok, const std::string& msg) {
+    if (!ok) throw ConfigError(msg);
+  };
+  rule(t.steps >= 1, fmt::format("train.steps: must be at least 1 (got {})", t.steps));
+  rule(t.micro_batch_size >= 1, fmt::format("train.micro_batch_size: must be at least 1 (got {})", t.micro_batch_size));
+  rule(t.seq_len >= 2 && t.seq_len <= model.max_position_embeddings,
+       fmt::format("train.seq_len: must be in [2, model.max_position_embeddings={}] (got {})",
+                   model.max_position_embeddings, t.seq_len));
+  rule(t.grad_accum >= 1, fmt::format("train.grad_accum: must be at least 1 (got {})", t.grad_accum));
+  rule(t.lr > 0, "train.lr: must be positive");
+  rule(t.min_lr >= 0 && t.min_lr <= t.lr, "train.min_lr: must be in [0, train.lr]");
+  rule(t.warmup_steps >= 0, "train.warmup_steps: must not be negative");
+  rule(t.weight_decay >= 0, "train.weight_decay: must not be negative");
+  rule(t.beta1 >= 0 && t.beta1 < 1, "train.beta1: must be in [0, 1)");
+  rule(t.beta2 >= 0 && t.beta2 < 1, "train.beta2: must be in [0, 1)");
+  rule(t.grad_clip >= 0, "train.grad_clip: must not be negative");
+  rule(t.eval_every >= 0, "train.eval_every: must not be negative");
+  rule(t.eval_batches >= 1, "train.eval_batches: must be at least 1");
+  rule(t.checkpoint_every >= 0, "train.checkpoint_every: must not be negative");
+  rule(t.keep_checkpoints >= 1, "train.keep_checkpoints: must be at least 1");
+  rule(data.val_fraction > 0 && data.val_fraction < 0.5, "data.val_fraction: must be in (0, 0.5)");
+  rule(device_memory == -1 || device_memory > 0, "device.memory: must be positive or \"unlimited\"");
+}
+
+RunConfig RunConfig::defaults() { return from_toml_text("", "the embedded default config"); }
+
+namespace {
+
+toml::table parse_toml(const std::string& text, const std::string& origin) {
+  try {
+    return toml::parse(text, origin);
+  } catch (const toml::parse_error& e) {
+    throw ConfigError(fmt::format("{}: TOML syntax error at line {}, column {}: {}", origin,
+                                  e.source().begin.line, e.source().begin.column, e.description()));
+  }
+}
+
+}  // namespace
+
+RunConfig RunConfig::from_toml_text(const std::string& text, const std::string& origin) {
+  // The user's keys override the embedded defaults key by key.
+  toml::table root = parse_toml(kDefaultConfigToml, "configs/default.toml");
+  const toml::table user = parse_toml(text, origin);
+  for (auto&& [k, v] : user) {
+    auto* dst = root.get_as<toml::table>(k.str());
+    if (dst && v.is_table()) {
+      for (auto&& [kk, vv] : *v.as_table()) dst->insert_or_assign(kk.str(), vv);
+    } else {
+      root.insert_or_assign(k.str(), v);
+    }
+  }
+  RunConfig c;
+  try {
+    for (auto&& [k, v] : root) {
+      const std::string key(k.str());
+      if (key != "model" && key != "train" && key != "data" && key != "device")
+        throw ConfigError(fmt::format("unknown section or key '{}' (expected [model], [train], [data], [device])", key));
+      if (!v.is_table()) throw ConfigError(fmt::format("'{}' must be a table ([{}])", key, key));
+    }
+    if (auto* m = root["model"].as_table()) c.model = ModelConfig::from_toml(*m);
+    if (auto* t = root["train"].as_table()) {
+      std::set<std::string> known;
+      for_each_train_field(c.train, [&](const char* key, auto& field) {
+        known.insert(key);
+        read_field(*t, "train", key, field);
+      });
+      reject_unknown(*t, "train", known);
+    }
+    if (auto* d = root["data"].as_table()) {
+      if (auto* p = d->get("path")) {
+        auto s = p->value<std::string>();
+        if (!s) throw ConfigError("data.path: must be a string");
+        c.data.path = *s;
+      }
+      read_field(*d, "data", "val_fraction", c.data.val_fraction);
+      reject_unknown(*d, "data", {"path", "val_fraction"});
+    }
+    if (auto* dev = root["device"].as_table()) {
+      if (auto* m = dev->get("memory")) {
+        if (auto s = m->value<std::string>()) c.device_memory = parse_size(*s);
+        else if (auto i = m->value<std::int64_t>(); i && m->is_integer()) c.device_memory = *i;
+        else throw ConfigError("device.memory: must be a size such as \"512MiB\" or \"unlimited\"");
+      }
+      reject_unknown(*dev, "device", {"memory"});
+    }
+  } catch (const ConfigError& e) {
+    throw ConfigError(fmt::format("{}: {}", origin, e.what()));
+  }
+  return c;
+}
+
+RunConfig RunConfig::from_file(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw ConfigError(fmt::format("cannot read config file '{}': no such file or not readable", path));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return from_toml_text(ss.str(), path);
+}
+
+std::string RunConfig::to_toml() const {
+  std::string s = "# Resolved moeflex run config\n\n[model]\n" + model.to_toml() + "\n[train]\n";
+  auto t = train;
+  for_each_train_field(t, [&](const char* key, auto& field) {
+    using F = std::decay_t<decltype(field)>;
+    if constexpr (std::is_integral_v<F>) s += fmt::format("{} = {}\n", key, field);
+    else s += fmt::format("{} = {}\n", key, toml_float(field));
+  });
+  s += fmt::format("\n[data]\npath = \"{}\"\nval_fraction = {}\n", data.path, toml_float(data.val_fraction));
+  s += fmt::format("\n[device]\nmemory = \"{}\"\n", device_memory < 0 ? std::string("unlimited") : fmt::format("{}B", device_memory));
+  return s;
+}
+
+}  // namespace moeflex

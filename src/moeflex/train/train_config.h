@@ -1,0 +1,53 @@
+// RunConfig: everything a training run needs, read from TOML ([model], [train],
+// [data], [device]) over the embedded defaults, then overridden by command-line flags.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "moeflex/core/units.h"
+#include "moeflex/model/config.h"
+
+namespace moeflex {
+
+struct TrainConfig {
+  std::int64_t steps = 300;            ///< optimizer steps
+  std::int64_t micro_batch_size = 8;   ///< sequences per micro-batch (B)
+  std::int64_t seq_len = 128;          ///< tokens per sequence (S)
+  std::int64_t grad_accum = 1;         ///< micro-batches per step (M)
+  double lr = 2e-3;                    ///< peak learning rate
+  double min_lr = 2e-4;                ///< learning rate at the end of the cosine
+  std::int64_t warmup_steps = 20;      ///< linear warm-up steps
+  double weight_decay = 0.1;           ///< AdamW decoupled weight decay
+  double beta1 = 0.9;                  ///< AdamW beta1
+  double beta2 = 0.95;                 ///< AdamW beta2
+  double grad_clip = 1.0;              ///< global-norm clip threshold; 0 = off
+  std::uint64_t seed = 1234;           ///< seeds init and data order
+  std::int64_t eval_every = 50;        ///< steps between validation evaluations; 0 = end only
+  std::int64_t eval_batches = 8;       ///< validation micro-batches per evaluation
+  std::int64_t checkpoint_every = 100; ///< steps between checkpoints; 0 = end only
+  std::int64_t keep_checkpoints = 2;   ///< newest checkpoints kept
+};
+
+struct DataConfig {
+  std::string path;            ///< corpus file or folder; empty = the prepared Brown corpus
+  double val_fraction = 0.05;  ///< share of documents held out for validation
+};
+
+struct RunConfig {
+  ModelConfig model;
+  TrainConfig train;
+  DataConfig data;
+  Bytes device_memory = -1;  ///< device-memory budget in bytes; -1 = unlimited
+
+  /// Throws ConfigError naming the field and the rule.
+  void validate() const;
+  /// The embedded default (configs/default.toml).
+  static RunConfig defaults();
+  /// Parses TOML text over the defaults; `origin` names the source in errors.
+  static RunConfig from_toml_text(const std::string& text, const std::string& origin);
+  static RunConfig from_file(const std::string& path);
+  /// The resolved config as TOML (written to the run directory as config.toml).
+  std::string to_toml() const;
+};
+
+}  // namespace moeflex

@@ -1,0 +1,317 @@
+#include "moeflex/train/trainer.h"
+
+#include <fmt/format.h>
+#include <omp.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "moeflex/core/arena.h"
+#include "moeflex/core/error.h"
+#include "moeflex/model/model.h"
+#include "moeflex/train/checkpoint.h"
+#include "moeflex/train/dataset.h"
+#include "moeflex/train/optimizer.h"
+
+extern "C" void openblas_set_num_threads(int);
+
+namespace moeflex {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+std::vector<train::NamedBuffer> model_buffers(MoEModel& model) {
+  std::vector<train::NamedBuffer> out;
+  for (auto& p : model.params()) out.push_back({p.name, p.w.shape(), p.w.f32()});
+  return out;
+}
+
+std::vector<train::NamedBuffer> optimizer_buffers(AdamW& opt) {
+  std::vector<train::NamedBuffer> out;
+  for (auto& [name, t] : opt.state()) out.push_back({name, t->shape(), t->f32()});
+  return out;
+}
+
+void write_text_atomic(const fs::path& path, const std::string& text) {
+  fs::path tmp = path;
+  tmp += ".tmp";
+  {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    if (!f) throw Error(fmt::format("cannot write '{}'", tmp.string()));
+    f << text;
+    if (!f) throw Error(fmt::format("cannot write '{}' (disk full?)", tmp.string()));
+  }
+  fs::rename(tmp, path);
+}
+
+// Keeps only the metrics lines of steps <= `step` (a resumed run rewrites the rest).
+void truncate_metrics(const fs::path& path, std::int64_t step) {
+  std::ifstream in(path);
+  if (!in) return;
+  std::string line, kept;
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    try {
+      if (json::parse(line).value("step", std::int64_t(0)) <= step) kept += line + "\n";
+    } catch (...) {
+      // A torn last line from a crash: drop it.
+    }
+  }
+  write_text_atomic(path, kept);
+}
+
+// Mean cross-entropy over the fixed validation batches.
+double evaluate(MoEModel& model, const TokenDataset& data, const TrainConfig& t, std::vector<std::int32_t>& in,
+                std::vector<std::int32_t>& tg) {
+  const int B = int(t.micro_batch_size), S = int(t.seq_len);
+  const std::int64_t nb = data.num_val_batches(B, S, t.eval_batches);
+  double sum = 0;
+  for (std::int64_t i = 0; i < nb; ++i) {
+    data.val_batch(i, B, S, t.eval_batches, in.data(), tg.data());
+    sum += model.forward_eval(in.data(), tg.data(), B, S).ce;
+  }
+  return sum / double(std::max<std::int64_t>(nb, 1));
+}
+
+/// The progress line: a bar on a terminal, periodic log lines otherwise.
+class Progress {
+ public:
+  Progress(bool enabled, std::int64_t total) : enabled_(enabled), total_(total), tty_(isatty(fileno(stderr))) {}
+  void update(std::int64_t step, double loss, double val, double tps, Bytes peak, Bytes budget) {
+    if (!enabled_) return;
+    const int width = 24;
+    const int filled = int(double(width) * double(step) / double(std::max<std::int64_t>(total_, 1)));
+    std::string bar(std::size_t(filled), '=');
+    bar.resize(std::size_t(width), ' ');
+    std::string line = fmt::format("step {:>5}/{} [{}] loss {:.4f} | val {} | {:.0f} tok/s | mem {} / {}", step,
+                                   total_, bar, loss, std::isnan(val) ? std::string("-") : fmt::format("{:.4f}", val),
+                                   tps, format_bytes(peak), format_bytes(budget));
+    if (tty_) {
+      fmt::print(stderr, "\r{}\x1b[K", line);
+      if (step == total_) fmt::print(stderr, "\n");
+    } else if (step == 1 || step == total_ || step % std::max<std::int64_t>(1, total_ / 20) == 0) {
+      fmt::print(stderr, "{}\n", line);
+    }
+    std::fflush(stderr);
+  }
+  void note(const std::string& msg) {
+    if (!enabled_) return;
+    fmt::print(stderr, "{}{}\n", tty_ ? "\r\x1b[K" : "", msg);
+  }
+
+ private:
+  bool enabled_;
+  std::int64_t total_;
+  bool tty_;
+};
+
+}  // namespace
+
+fs::path default_corpus_path() { return fs::path("data") / "brown"; }
+
+TrainResult run_training(const TrainOptions& opts) {
+  RunConfig cfg = opts.config;
+  const fs::path run_dir = opts.resume ? *opts.resume : opts.out_dir;
+  std::optional<fs::path> ckpt;
+  if (opts.resume) {
+    if (!fs::is_directory(run_dir))
+      throw ConfigError(fmt::format("--resume: '{}' is not a run directory", run_dir.string()));
+    cfg = RunConfig::from_file((run_dir / "config.toml").string());
+    // An explicit --steps on resume changes the run's length (and its LR schedule).
+    if (opts.config.train.steps > 0) cfg.train.steps = opts.config.train.steps;
+    ckpt = train::latest_checkpoint(run_dir);
+    if (!ckpt) throw DataError(fmt::format("--resume: '{}' holds no complete checkpoint to resume from", run_dir.string()));
+  }
+  cfg.validate();
+  const TrainConfig& t = cfg.train;
+  if (opts.threads > 0) {
+    omp_set_num_threads(opts.threads);
+    openblas_set_num_threads(opts.threads);
+  }
+  Progress progress(opts.progress, t.steps);
+
+  // Data: tokenize (or reuse) the corpus.
+  const fs::path corpus = cfg.data.path.empty() ? default_corpus_path() : fs::path(cfg.data.path);
+  if (cfg.data.path.empty() && !fs::exists(corpus))
+    throw DataError(fmt::format("the default corpus '{}' is missing: run `make data` first, or pass --data PATH",
+                                corpus.string()));
+  const fs::path data_dir =
+      opts.data_cache / fmt::format("{}-v{}", fs::absolute(corpus).lexically_normal().filename().string(),
+                                    cfg.model.vocab_size);
+  DatasetInfo info = prepare_dataset(corpus, data_dir, int(cfg.model.vocab_size), cfg.data.val_fraction, 1234,
+                                     [&](const std::string& m) { progress.note(m); });
+  TokenDataset data = TokenDataset::open(data_dir);
+
+  fs::create_directories(run_dir);
+  if (!opts.resume) {
+    if (fs::exists(run_dir / "summary.json") || train::latest_checkpoint(run_dir))
+      throw ConfigError(fmt::format("run directory '{}' already holds a run; use --resume {} or another --out",
+                                    run_dir.string(), run_dir.string()));
+    write_text_atomic(run_dir / "config.toml", cfg.to_toml());
+  }
+  fs::copy_file(data_dir / "tokenizer.model", run_dir / "tokenizer.model", fs::copy_options::overwrite_existing);
+
+  // Device state: weights, grads, optimizer moments, then activations per step.
+  Arena arena(cfg.device_memory);
+  TrainResult res;
+  const fs::path summary_path = run_dir / "summary.json";
+  json history = json::array();
+  auto write_summary = [&](double wall) {
+    json s;
+    s["steps"] = res.steps;
+    s["tokens"] = res.tokens;
+    s["initial_val_loss"] = res.initial_val_loss;
+    s["final_val_loss"] = res.final_val_loss;
+    s["final_train_loss"] = res.final_train_loss;
+    s["tokens_per_second"] = res.tokens_per_second;
+    s["peak_device_bytes"] = res.peak_device_bytes;
+    s["device_budget_bytes"] = arena.unlimited() ? json(nullptr) : json(arena.budget());
+    s["oom_count"] = res.oom_count;
+    s["params"] = cfg.model.num_params();
+    s["active_params"] = cfg.model.num_active_params();
+    s["val_loss_history"] = history;
+    s["wall_seconds"] = wall;
+    json mem;
+    for (int c = 0; c < int(MemCategory::count); ++c)
+      mem[to_string(MemCategory(c))] = arena.stat(MemCategory(c)).peak;
+    s["peak_device_bytes_by_category"] = mem;
+    s["dataset"] = {{"dir", info.dir.string()}, {"train_tokens", info.train_tokens}, {"val_tokens", info.val_tokens}};
+    write_text_atomic(summary_path, s.dump(2) + "\n");
+  };
+
+  const auto t_start = Clock::now();
+  try {
+    MoEModel model(cfg.model, arena);
+    model.init_weights(t.seed);
+    AdamW opt(model.params(), arena, AdamWConfig{t.beta1, t.beta2, 1e-8, t.weight_decay});
+    const int B = int(t.micro_batch_size), S = int(t.seq_len);
+    const std::int64_t M = t.grad_accum;
+    std::vector<std::int32_t> in(std::size_t(B * S)), tg(std::size_t(B * S));
+    std::int64_t start_step = 0;
+    double elapsed_before = 0;
+    if (ckpt) {
+      json st = train::load_checkpoint(*ckpt, model_buffers(model), optimizer_buffers(opt));
+      start_step = st.at("step").get<std::int64_t>();
+      opt.set_steps_taken(st.at("adam_steps").get<std::int64_t>());
+      res.tokens = st.at("tokens").get<std::int64_t>();
+      res.initial_val_loss = st.at("initial_val_loss").get<double>();
+      res.final_val_loss = st.value("last_val_loss", res.initial_val_loss);
+      res.final_train_loss = st.value("last_train_loss", 0.0);
+      res.peak_device_bytes = st.value("peak_device_bytes", std::int64_t(0));
+      history = st.value("val_loss_history", json::array());
+      elapsed_before = st.value("train_seconds", 0.0);
+      truncate_metrics(run_dir / "metrics.jsonl", start_step);
+      progress.note(fmt::format("resuming {} from step {}", run_dir.string(), start_step));
+    } else {
+      std::remove((run_dir / "metrics.jsonl").c_str());
+      progress.note(fmt::format(
+          "moeflex: {:.2f} M params ({:.2f} M active), {} train / {} val tokens, {} tokens per step, budget {}",
+          double(cfg.model.num_params()) / 1e6, double(cfg.model.num_active_params()) / 1e6, info.train_tokens,
+          info.val_tokens, B * S * M, format_bytes(arena.budget())));
+      res.initial_val_loss = evaluate(model, data, t, in, tg);
+      res.final_val_loss = res.initial_val_loss;
+      history.push_back({{"step", 0}, {"val_loss", res.initial_val_loss}});
+    }
+    std::ofstream metrics(run_dir / "metrics.jsonl", std::ios::app);
+    double train_seconds = elapsed_before;
+    auto save = [&](std::int64_t step) {
+      json st = {{"step", step},
+                 {"adam_steps", opt.steps_taken()},
+                 {"tokens", res.tokens},
+                 {"initial_val_loss", res.initial_val_loss},
+                 {"last_val_loss", res.final_val_loss},
+                 {"last_train_loss", res.final_train_loss},
+                 {"peak_device_bytes", res.peak_device_bytes},
+                 {"val_loss_history", history},
+                 {"train_seconds", train_seconds}};
+      train::save_checkpoint(run_dir, step, model_buffers(model), optimizer_buffers(opt), st,
+                             int(t.keep_checkpoints));
+    };
+
+    double last_val = res.final_val_loss;
+    for (std::int64_t step = start_step; step < t.steps; ++step) {
+      const auto t0 = Clock::now();
+      arena.reset_peaks();
+      model.zero_grads();
+      LossParts sum;
+      double max_imbalance = 1.0;
+      std::int64_t dropped = 0;
+      for (std::int64_t mb = 0; mb < M; ++mb) {
+        data.sample_batch(Split::kTrain, t.seed, step, mb, B, S, in.data(), tg.data());
+        LossParts lp = model.forward_backward(in.data(), tg.data(), B, S, int(mb), 1.0 / double(M));
+        sum.total += lp.total / double(M);
+        sum.ce += lp.ce / double(M);
+        sum.aux += lp.aux / double(M);
+        sum.z += lp.z / double(M);
+        for (auto& r : model.routing()) {
+          max_imbalance = std::max(max_imbalance, r.imbalance);
+          dropped += r.dropped;
+        }
+      }
+      const double gnorm = clip_grad_norm(model.params(), t.grad_clip);
+      const double lr = lr_at(step, t.warmup_steps, t.steps, t.lr, t.min_lr);
+      opt.step(lr);
+      const double dt = seconds_since(t0);
+      train_seconds += dt;
+      const std::int64_t step_tokens = B * S * M;
+      res.tokens += step_tokens;
+      res.steps = step + 1;
+      res.final_train_loss = sum.ce;
+      res.peak_device_bytes = std::max(res.peak_device_bytes, arena.peak());
+      const bool do_eval = (t.eval_every > 0 && (step + 1) % t.eval_every == 0) || step + 1 == t.steps;
+      json line = {{"step", step + 1},
+                   {"loss", sum.ce},
+                   {"total_loss", sum.total},
+                   {"aux_loss", sum.aux},
+                   {"z_loss", sum.z},
+                   {"lr", lr},
+                   {"grad_norm", gnorm},
+                   {"tokens", res.tokens},
+                   {"step_seconds", dt},
+                   {"tokens_per_second", double(step_tokens) / dt},
+                   {"peak_device_bytes", arena.peak()},
+                   {"max_expert_imbalance", max_imbalance},
+                   {"dropped_assignments", dropped}};
+      if (do_eval) {
+        last_val = evaluate(model, data, t, in, tg);
+        res.final_val_loss = last_val;
+        history.push_back({{"step", step + 1}, {"val_loss", last_val}});
+        line["val_loss"] = last_val;
+      }
+      metrics << line.dump() << "\n";
+      metrics.flush();
+      res.tokens_per_second = double(res.tokens) / std::max(train_seconds, 1e-9);
+      progress.update(step + 1, sum.ce, last_val, double(step_tokens) / dt, arena.peak(), arena.budget());
+      const bool stop_now = opts.stop_after >= 0 && step + 1 >= opts.stop_after && step + 1 < t.steps;
+      if ((t.checkpoint_every > 0 && (step + 1) % t.checkpoint_every == 0) || step + 1 == t.steps || stop_now)
+        save(step + 1);
+      if (stop_now) {
+        progress.note(fmt::format("stopped after step {} (checkpoint saved); continue with --resume {}", step + 1,
+                                  run_dir.string()));
+        break;
+      }
+    }
+  } catch (const OutOfMemoryError&) {
+    res.oom_count += 1;
+    res.peak_device_bytes = std::max(res.peak_device_bytes, arena.peak());
+    write_summary(seconds_since(t_start));
+    throw;
+  }
+  write_summary(seconds_since(t_start));
+  return res;
+}
+
+}  // namespace moeflex

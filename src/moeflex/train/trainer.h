@@ -1,0 +1,43 @@
+// The training run: data, model, optimizer, the step loop, evaluation, checkpoints,
+// metrics.jsonl, summary.json and the progress bar.
+#pragma once
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+
+#include "moeflex/train/train_config.h"
+
+namespace moeflex {
+
+struct TrainOptions {
+  RunConfig config;
+  std::filesystem::path out_dir;                ///< the run directory
+  std::optional<std::filesystem::path> resume;  ///< a run directory to continue
+  std::filesystem::path data_cache = "data/tokenized";  ///< where tokenized corpora are cached
+  std::int64_t stop_after = -1;  ///< stop (as if interrupted, after a checkpoint) after this step; -1 = never
+  int threads = 0;               ///< OpenMP/BLAS threads; 0 = all cores
+  bool progress = true;          ///< show the progress bar / log lines on stderr
+};
+
+/// What a finished (or stopped) run reports; also written to summary.json.
+struct TrainResult {
+  std::int64_t steps = 0;
+  std::int64_t tokens = 0;
+  double initial_val_loss = 0;
+  double final_val_loss = 0;
+  double final_train_loss = 0;
+  double tokens_per_second = 0;
+  std::int64_t peak_device_bytes = 0;
+  std::int64_t oom_count = 0;
+};
+
+/// Runs (or resumes) a training run. Throws ConfigError / DataError on bad input and
+/// OutOfMemoryError when a step does not fit the device budget (the summary with
+/// oom_count = 1 is written first).
+TrainResult run_training(const TrainOptions& opts);
+
+/// The default corpus location (prepared by `make data`).
+std::filesystem::path default_corpus_path();
+
+}  // namespace moeflex

@@ -1,0 +1,343 @@
+"""Independent PyTorch reference of the moeflex model (docs/model.md).
+
+Written from the spec only, for clarity rather than speed: every routed expert is
+evaluated on every token and the results are combined with a dense [n, E] weight
+matrix that is zero for unselected and dropped assignments.  In exact arithmetic
+(and bit-for-bit in IEEE, since 0 * finite = 0) this equals the sparse sum of the
+spec.  Gradients come from autograd.
+
+Works in float64 and float32 (pass dtype= to MoEModel / init functions).
+
+Run with Debian's torch: /usr/bin/python3.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class MoEConfig:
+    """The `[model]` fields of docs/model.md (Hugging Face names)."""
+
+    vocab_size: int = 96
+    hidden_size: int = 32
+    num_hidden_layers: int = 3
+    num_attention_heads: int = 4
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    num_experts: int = 4
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 16
+    n_shared_experts: int = 0
+    shared_expert_intermediate_size: int = 0  # 0 means n_shared_experts * moe_intermediate_size
+    first_k_dense_replace: int = 0
+    intermediate_size: int = 64
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.01
+    router_z_loss_coef: float = 0.001
+    tie_word_embeddings: bool = False
+    capacity_factor: float = 0.0  # <= 0: dropless
+    initializer_range: float = 0.02
+
+    # ---- derived quantities -------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def shared_width(self) -> int:
+        if self.n_shared_experts <= 0:
+            return 0
+        if self.shared_expert_intermediate_size > 0:
+            return self.shared_expert_intermediate_size
+        return self.n_shared_experts * self.moe_intermediate_size
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer >= self.first_k_dense_replace
+
+    def validate(self) -> None:
+        assert self.hidden_size % self.num_attention_heads == 0, "hidden_size % num_attention_heads"
+        assert self.head_dim % 2 == 0, "head_dim must be even for RoPE"
+        assert 1 <= self.num_experts_per_tok <= self.num_experts, "1 <= num_experts_per_tok <= num_experts"
+        assert 0 <= self.first_k_dense_replace <= self.num_hidden_layers
+
+    def to_dict(self) -> Dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Dict) -> "MoEConfig":
+        names = {f.name: f for f in dataclasses.fields(cls)}
+        kwargs = {}
+        for key, value in d.items():
+            if key not in names:
+                continue  # e.g. batch_size / seq_len in the golden metadata
+            ftype = names[key].type
+            if ftype in ("int", int):
+                value = int(value)
+            elif ftype in ("float", float):
+                value = float(value)
+            elif ftype in ("bool", bool):
+                value = bool(value)
+            kwargs[key] = value
+        cfg = cls(**kwargs)
+        cfg.validate()
+        return cfg
+
+
+# ---------------------------------------------------------------------------
+# Parameters
+# ---------------------------------------------------------------------------
+
+def param_shapes(cfg: MoEConfig) -> "Dict[str, Tuple[int, ...]]":
+    """Every parameter name of the spec's key list with its shape, in a fixed order."""
+    V, d, E = cfg.vocab_size, cfg.hidden_size, cfg.num_experts
+    f, I, fs = cfg.moe_intermediate_size, cfg.intermediate_size, cfg.shared_width
+    shapes: Dict[str, Tuple[int, ...]] = {"model.embed_tokens.weight": (V, d)}
+    for l in range(cfg.num_hidden_layers):
+        p = f"model.layers.{l}."
+        shapes[p + "input_layernorm.weight"] = (d,)
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            shapes[p + f"self_attn.{proj}.weight"] = (d, d)
+        shapes[p + "post_attention_layernorm.weight"] = (d,)
+        if cfg.is_moe_layer(l):
+            shapes[p + "mlp.gate.weight"] = (E, d)
+            shapes[p + "mlp.experts.gate_proj.weight"] = (E, f, d)
+            shapes[p + "mlp.experts.up_proj.weight"] = (E, f, d)
+            shapes[p + "mlp.experts.down_proj.weight"] = (E, d, f)
+            if fs > 0:
+                shapes[p + "mlp.shared_experts.gate_proj.weight"] = (fs, d)
+                shapes[p + "mlp.shared_experts.up_proj.weight"] = (fs, d)
+                shapes[p + "mlp.shared_experts.down_proj.weight"] = (d, fs)
+        else:
+            shapes[p + "mlp.gate_proj.weight"] = (I, d)
+            shapes[p + "mlp.up_proj.weight"] = (I, d)
+            shapes[p + "mlp.down_proj.weight"] = (d, I)
+    shapes["model.norm.weight"] = (d,)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (V, d)
+    return shapes
+
+
+def is_norm_weight(name: str) -> bool:
+    return name.endswith("layernorm.weight") or name == "model.norm.weight"
+
+
+def init_params_spec(cfg: MoEConfig, generator: torch.Generator,
+                     dtype: torch.dtype = torch.float64) -> "Dict[str, torch.Tensor]":
+    """The engine's initialisation from the spec: N(0, initializer_range^2) matrices,
+    o_proj / down_proj scaled by 1/sqrt(2L), norm weights 1."""
+    out = {}
+    scale_resid = 1.0 / math.sqrt(2.0 * cfg.num_hidden_layers)
+    for name, shape in param_shapes(cfg).items():
+        if is_norm_weight(name):
+            t = torch.ones(shape, dtype=dtype)
+        else:
+            t = torch.randn(shape, generator=generator, dtype=dtype) * cfg.initializer_range
+            if "o_proj" in name or "down_proj" in name:
+                t = t * scale_resid
+        out[name] = t
+    return out
+
+
+def init_params_golden(cfg: MoEConfig, generator: torch.Generator, std: float = 0.1,
+                       dtype: torch.dtype = torch.float64) -> "Dict[str, torch.Tensor]":
+    """Golden-file weights: matrices N(0, std^2) so routing is far from uniform,
+    norm weights 1 + 0.1 N(0, 1) so their gradients matter."""
+    out = {}
+    for name, shape in param_shapes(cfg).items():
+        z = torch.randn(shape, generator=generator, dtype=dtype)
+        out[name] = 1.0 + 0.1 * z if is_norm_weight(name) else std * z
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Ops
+# ---------------------------------------------------------------------------
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x / torch.sqrt((x * x).mean(dim=-1, keepdim=True) + eps) * w
+
+
+def rope_cos_sin(seq_len: int, head_dim: int, theta: float, dtype: torch.dtype):
+    half = head_dim // 2
+    # inv_freq_i = theta^(-2i/hd), computed in float64 then cast
+    i = torch.arange(half, dtype=torch.float64)
+    inv_freq = theta ** (-2.0 * i / head_dim)
+    pos = torch.arange(seq_len, dtype=torch.float64)
+    angle = pos[:, None] * inv_freq[None, :]  # [S, hd/2]
+    return torch.cos(angle).to(dtype), torch.sin(angle).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, S, H, hd]; rotate-half: out[i] = x[i] c - x[i+h] s, out[i+h] = x[i+h] c + x[i] s."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c = cos[None, :, None, :]
+    s = sin[None, :, None, :]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def causal_attention(a: torch.Tensor, P: Dict[str, torch.Tensor], prefix: str, cfg: MoEConfig,
+                     B: int, S: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    H, hd = cfg.num_attention_heads, cfg.head_dim
+    q = (a @ P[prefix + "q_proj.weight"].T).view(B, S, H, hd)
+    k = (a @ P[prefix + "k_proj.weight"].T).view(B, S, H, hd)
+    v = (a @ P[prefix + "v_proj.weight"].T).view(B, S, H, hd)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q, k, v = (t.permute(0, 2, 1, 3) for t in (q, k, v))  # [B, H, S, hd]
+    scores = q @ k.transpose(-1, -2) / math.sqrt(hd)  # [B, H, S, S]
+    mask = torch.ones(S, S, dtype=torch.bool).tril()  # key j visible to query i iff j <= i
+    scores = scores.masked_fill(~mask, float("-inf"))
+    o = torch.softmax(scores, dim=-1) @ v  # [B, H, S, hd]
+    o = o.permute(0, 2, 1, 3).reshape(B * S, H * hd)
+    return o @ P[prefix + "o_proj.weight"].T
+
+
+def swiglu(m: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    return (F.silu(m @ w1.T) * (m @ w3.T)) @ w2.T
+
+
+def stable_topk_desc(p: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Top-k sorted by decreasing value, ties broken toward the lower index."""
+    vals, idx = torch.sort(p, dim=-1, descending=True, stable=True)
+    return vals[..., :k], idx[..., :k]
+
+
+def capacity_of(cfg: MoEConfig, n: int) -> Optional[int]:
+    if cfg.capacity_factor <= 0:
+        return None
+    return int(math.ceil(cfg.capacity_factor * n * cfg.num_experts_per_tok / cfg.num_experts))
+
+
+def capacity_keep(idx: torch.Tensor, num_experts: int, capacity: Optional[int]) -> torch.Tensor:
+    """idx: [n, k] expert ids.  Keep the first `capacity` assignments of each expert,
+    assignments taken in (token, slot) order, i.e. row-major over idx."""
+    if capacity is None:
+        return torch.ones_like(idx, dtype=torch.bool)
+    flat = idx.reshape(-1)
+    onehot = F.one_hot(flat, num_experts)  # [n*k, E]
+    position = (onehot.cumsum(dim=0) * onehot).sum(dim=1) - 1  # rank of this assignment within its expert
+    return (position < capacity).reshape(idx.shape)
+
+
+class RouterStats:
+    """What a MoE layer's router decided (for tests / printing)."""
+
+    def __init__(self, idx, keep, counts, capacity, margin):
+        self.idx = idx            # [n, k] expert ids
+        self.keep = keep          # [n, k] bool
+        self.counts = counts      # [E] assignments before dropping
+        self.capacity = capacity  # None when dropless
+        self.margin = margin      # min over tokens of p_(k) - p_(k+1) (routing robustness)
+
+    @property
+    def dropped(self) -> int:
+        return int((~self.keep).sum())
+
+
+def moe_ffn(m: torch.Tensor, P: Dict[str, torch.Tensor], prefix: str, cfg: MoEConfig):
+    """Returns (y [n, d], aux scalar, z scalar, RouterStats)."""
+    n = m.shape[0]
+    E, k = cfg.num_experts, cfg.num_experts_per_tok
+    logits_r = m @ P[prefix + "gate.weight"].T  # [n, E]
+    p = torch.softmax(logits_r, dim=-1)
+    sorted_p, sorted_idx = torch.sort(p, dim=-1, descending=True, stable=True)
+    w, idx = sorted_p[:, :k], sorted_idx[:, :k]
+    if cfg.norm_topk_prob:
+        w = w / w.sum(dim=-1, keepdim=True)
+    capacity = capacity_of(cfg, n)
+    keep = capacity_keep(idx, E, capacity)
+    w_kept = torch.where(keep, w, torch.zeros_like(w))
+
+    # Dense combine matrix: combine[i, e] = sum of kept weights of token i to expert e.
+    combine = torch.zeros(n, E, dtype=m.dtype).scatter_add(1, idx, w_kept)
+    W1 = P[prefix + "experts.gate_proj.weight"]  # [E, f, d]
+    W3 = P[prefix + "experts.up_proj.weight"]    # [E, f, d]
+    W2 = P[prefix + "experts.down_proj.weight"]  # [E, d, f]
+    y = torch.zeros_like(m)
+    for e in range(E):
+        y = y + combine[:, e:e + 1] * swiglu(m, W1[e], W3[e], W2[e])
+    if cfg.shared_width > 0:
+        y = y + swiglu(m, P[prefix + "shared_experts.gate_proj.weight"],
+                       P[prefix + "shared_experts.up_proj.weight"],
+                       P[prefix + "shared_experts.down_proj.weight"])
+
+    # Switch load-balancing loss; f_e counts assignments before dropping, no gradient.
+    counts = torch.bincount(idx.reshape(-1), minlength=E)
+    f_e = (counts.to(m.dtype) / (n * k)).detach()
+    P_e = p.mean(dim=0)
+    aux = cfg.router_aux_loss_coef * E * (f_e * P_e).sum()
+    z = cfg.router_z_loss_coef * (torch.logsumexp(logits_r, dim=-1) ** 2).mean()
+
+    if k < E:
+        margin = float((sorted_p[:, k - 1] - sorted_p[:, k]).min())
+    else:
+        margin = float("inf")
+    return y, aux, z, RouterStats(idx.detach(), keep, counts, capacity, margin)
+
+
+# ---------------------------------------------------------------------------
+# Model
+# ---------------------------------------------------------------------------
+
+def forward(cfg: MoEConfig, P: Dict[str, torch.Tensor], ids: torch.Tensor, targets: torch.Tensor,
+            stats: Optional[List[RouterStats]] = None):
+    """ids, targets: [B, S] int64.  Returns (loss, ce, aux, z, logits [B*S, V]).
+
+    aux and z are summed over the MoE layers (coefficients included);
+    loss = ce + aux + z."""
+    B, S = ids.shape
+    dtype = P["model.embed_tokens.weight"].dtype
+    eps = cfg.rms_norm_eps
+    cos, sin = rope_cos_sin(S, cfg.head_dim, cfg.rope_theta, dtype)
+    x = P["model.embed_tokens.weight"][ids.reshape(-1)]  # [n, d]
+    aux_total = torch.zeros((), dtype=dtype)
+    z_total = torch.zeros((), dtype=dtype)
+    for l in range(cfg.num_hidden_layers):
+        p = f"model.layers.{l}."
+        a = rms_norm(x, P[p + "input_layernorm.weight"], eps)
+        x = x + causal_attention(a, P, p + "self_attn.", cfg, B, S, cos, sin)
+        m = rms_norm(x, P[p + "post_attention_layernorm.weight"], eps)
+        if cfg.is_moe_layer(l):
+            y, aux, z, st = moe_ffn(m, P, p + "mlp.", cfg)
+            aux_total = aux_total + aux
+            z_total = z_total + z
+            if stats is not None:
+                stats.append(st)
+        else:
+            y = swiglu(m, P[p + "mlp.gate_proj.weight"], P[p + "mlp.up_proj.weight"],
+                       P[p + "mlp.down_proj.weight"])
+        x = x + y
+    h = rms_norm(x, P["model.norm.weight"], eps)
+    W_lm = P["model.embed_tokens.weight"] if cfg.tie_word_embeddings else P["lm_head.weight"]
+    logits = h @ W_lm.T
+    ce = F.cross_entropy(logits, targets.reshape(-1), reduction="mean")
+    loss = ce + aux_total + z_total
+    return loss, ce, aux_total, z_total, logits
+
+
+class MoEModel(torch.nn.Module):
+    """nn.Module wrapper: parameters registered under the spec's names (dots kept via a
+    name map, since nn.Module forbids '.' in parameter names)."""
+
+    def __init__(self, cfg: MoEConfig, params: Dict[str, torch.Tensor]):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.names = list(params.keys())
+        self.store = torch.nn.ParameterDict(
+            {name.replace(".", "__"): torch.nn.Parameter(t.clone()) for name, t in params.items()})
+
+    def params(self) -> Dict[str, torch.Tensor]:
+        return {name: self.store[name.replace(".", "__")] for name in self.names}
+
+    def forward(self, ids, targets, stats=None):
+        return forward(self.cfg, self.params(), ids, targets, stats)

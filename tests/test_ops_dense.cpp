@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "moeflex/core/error.h"
@@ -681,13 +682,14 @@ TEST(OpsDense, AllOpsBitIdenticalAcrossRuns) {
     rmsnorm_backward(dq.data(), h.data(), norm_w.data(), r.data(), dh.data(), dnw.data(), n, d);
     embedding_backward(ids.data(), dh.data(), dtable.data(), n, d);
     for (const auto* t : {&s, &logits, &dlm, &dq, &dk, &dv, &dg, &du, &dh, &dnw, &dtable}) keep(*t);
-    all.push_back(float(loss));
-    return all;
+    return std::make_pair(all, loss);
   };
-  const auto first = run();
-  const auto second = run();
+  const auto [first, loss1] = run();
+  const auto [second, loss2] = run();
   EXPECT_TRUE(bit_equal(first, second));
+  EXPECT_EQ(std::memcmp(&loss1, &loss2, sizeof(double)), 0);
   EXPECT_GT(max_abs(to_d(first)), 0.0);
+  EXPECT_GT(loss1, 1.0);
 }
 
 }  // namespace

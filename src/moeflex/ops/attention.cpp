@@ -8,14 +8,18 @@
 // Head (b, h) of q is the S x hd matrix at q + b*S*H*hd + h*hd with row stride H*hd,
 // so every matmul is a GEMM on a strided view and nothing is transposed in memory.
 //
-// Threading: the GEMMs run one (b, h) after another and OpenBLAS threads each of them;
-// the softmax rows of all heads are one OpenMP loop in between. The installed OpenBLAS
-// is the pthreads build, which ignores omp_in_parallel(): calling it from an OpenMP loop
-// over (b, h) would put its own worker threads on top of OpenMP's (oversubscription on
-// 2 cores), and forcing it to one thread is process-wide state. At S=128, hd=64 each
-// GEMM is 1 MFLOP-pairs, above OpenBLAS's threading threshold (2^18 multiply-adds), so
-// both cores do work in every phase, and grouping the phases means the two thread
-// pools hand over only four times per call instead of once per head.
+// Threading: heads run one after another; OpenBLAS threads each GEMM (at S=128, hd=64
+// a head's GEMM is 2^20 multiply-adds, above OpenBLAS's threading threshold of 2^18),
+// and the softmax rows of a head run on the calling thread between its two GEMMs,
+// while the head's S x S block is still in L2. There is deliberately no OpenMP here:
+// the installed OpenBLAS is the pthreads build, with its own worker threads, and
+// - an OpenMP loop over (b, h) calling BLAS (set to one thread) gained nothing:
+//   concurrent calls into the pthreads build serialise (1.49 ms, as one thread), and
+// - an OpenMP softmax phase between GEMM phases hands the two cores back and forth
+//   between two thread pools that each spin while idle: with libgomp's default wait
+//   policy that measured 11-13 ms against 1.0 ms for this layout (B=8, S=128, H=4,
+//   hd=64, 2 cores; 1.55 ms single-threaded). The serial softmax is ~0.17 ms of it.
+// Softmax rows are independent, so results are bit-identical to a row-parallel version.
 #include "moeflex/ops/attention.h"
 
 #include <cmath>
@@ -25,22 +29,15 @@
 
 namespace moeflex::ops {
 
+namespace {
+
+/// Causal softmax in place over the rows of one head's S x S scores: row i keeps
+/// columns 0..i, the rest become 0.
 template <typename T>
-void attention_forward(const T* q, const T* k, const T* v, T* out, T* probs, std::int64_t B, std::int64_t S,
-                       std::int64_t H, std::int64_t hd) {
-  const std::int64_t ld = H * hd;
-  const T scale = T(1) / std::sqrt(T(hd));
-  for (std::int64_t b = 0; b < B; ++b) {
-    for (std::int64_t h = 0; h < H; ++h) {
-      const std::int64_t off = b * S * ld + h * hd;
-      gemm<T>(false, true, S, S, hd, scale, q + off, ld, k + off, ld, T(0), probs + (b * H + h) * S * S, S);
-    }
-  }
-  // Row r is query i = r % S of head r / S; it sees keys 0..i.
-#pragma omp parallel for schedule(static)
-  for (std::int64_t r = 0; r < B * H * S; ++r) {
-    const std::int64_t len = r % S + 1;
-    T* row = probs + r * S;
+void causal_softmax_rows(T* scores, std::int64_t S) {
+  for (std::int64_t i = 0; i < S; ++i) {
+    T* row = scores + i * S;
+    const std::int64_t len = i + 1;
     const T m = detail::lane_max(row, len);
     const T sum = detail::lane_sum<T>(len, [&](std::int64_t j) {
       const T e = detail::vexp(row[j] - m);
@@ -51,10 +48,36 @@ void attention_forward(const T* q, const T* k, const T* v, T* out, T* probs, std
     for (std::int64_t j = 0; j < len; ++j) row[j] *= inv;
     for (std::int64_t j = len; j < S; ++j) row[j] = T(0);
   }
+}
+
+/// Softmax backward in place over one head's dP: dS = scale * P * (dP - rowsum(P * dP)),
+/// with the 1/sqrt(hd) of the scores folded in as `scale`.
+template <typename T>
+void causal_softmax_backward_rows(const T* probs, T* dp, std::int64_t S, T scale) {
+  for (std::int64_t i = 0; i < S; ++i) {
+    const T* p = probs + i * S;
+    T* g = dp + i * S;
+    const std::int64_t len = i + 1;
+    const T dot = detail::lane_sum<T>(len, [&](std::int64_t j) { return p[j] * g[j]; });
+    for (std::int64_t j = 0; j < len; ++j) g[j] = scale * (p[j] * (g[j] - dot));
+    for (std::int64_t j = len; j < S; ++j) g[j] = T(0);
+  }
+}
+
+}  // namespace
+
+template <typename T>
+void attention_forward(const T* q, const T* k, const T* v, T* out, T* probs, std::int64_t B, std::int64_t S,
+                       std::int64_t H, std::int64_t hd) {
+  const std::int64_t ld = H * hd;
+  const T scale = T(1) / std::sqrt(T(hd));
   for (std::int64_t b = 0; b < B; ++b) {
     for (std::int64_t h = 0; h < H; ++h) {
       const std::int64_t off = b * S * ld + h * hd;
-      gemm<T>(false, false, S, hd, S, T(1), probs + (b * H + h) * S * S, S, v + off, ld, T(0), out + off, ld);
+      T* p = probs + (b * H + h) * S * S;
+      gemm<T>(false, true, S, S, hd, scale, q + off, ld, k + off, ld, T(0), p, S);
+      causal_softmax_rows(p, S);
+      gemm<T>(false, false, S, hd, S, T(1), p, S, v + off, ld, T(0), out + off, ld);
     }
   }
 }
@@ -71,24 +94,9 @@ void attention_backward(const T* dout, const T* q, const T* k, const T* v, const
       T* dp = dprobs_ws + (b * H + h) * S * S;
       gemm<T>(true, false, S, hd, S, T(1), p, S, dout + off, ld, T(0), dv + off, ld);
       gemm<T>(false, true, S, S, hd, T(1), dout + off, ld, v + off, ld, T(0), dp, S);
-    }
-  }
-  // Softmax backward in place on dP; the 1/sqrt(hd) of the scores is folded in here.
-#pragma omp parallel for schedule(static)
-  for (std::int64_t r = 0; r < B * H * S; ++r) {
-    const std::int64_t len = r % S + 1;
-    const T* p = probs + r * S;
-    T* g = dprobs_ws + r * S;
-    const T dot = detail::lane_sum<T>(len, [&](std::int64_t j) { return p[j] * g[j]; });
-    for (std::int64_t j = 0; j < len; ++j) g[j] = scale * (p[j] * (g[j] - dot));
-    for (std::int64_t j = len; j < S; ++j) g[j] = T(0);
-  }
-  for (std::int64_t b = 0; b < B; ++b) {
-    for (std::int64_t h = 0; h < H; ++h) {
-      const std::int64_t off = b * S * ld + h * hd;
-      const T* ds = dprobs_ws + (b * H + h) * S * S;
-      gemm<T>(false, false, S, hd, S, T(1), ds, S, k + off, ld, T(0), dq + off, ld);
-      gemm<T>(true, false, S, hd, S, T(1), ds, S, q + off, ld, T(0), dk + off, ld);
+      causal_softmax_backward_rows(p, dp, S, scale);
+      gemm<T>(false, false, S, hd, S, T(1), dp, S, k + off, ld, T(0), dq + off, ld);
+      gemm<T>(true, false, S, hd, S, T(1), dp, S, q + off, ld, T(0), dk + off, ld);
     }
   }
 }

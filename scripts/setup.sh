@@ -11,13 +11,16 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libopenmpi-dev openmpi-bin
   python3-torch python3-numpy
-  nodejs npm perl
+  perl
 )
 
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
+# npm comes with Debian's npm package, or bundled in another nodejs build (e.g.
+# NodeSource's, which conflicts with Debian's npm): only install it when absent.
+command -v npm >/dev/null 2>&1 || missing+=(npm)
 if ((${#missing[@]} == 0)); then
   echo "setup: all ${#packages[@]} packages present."
   exit 0

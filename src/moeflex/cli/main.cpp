@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <iostream>
 
+#include "moeflex/comm/mpi_communicator.h"
 #include "moeflex/core/arena.h"
 #include "moeflex/core/error.h"
 #include "moeflex/train/generate.h"
@@ -26,6 +27,8 @@ std::string timestamp_dir() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Under mpirun / srun, MPI is initialised here and finalised at exit.
+  comm::MpiSession mpi(&argc, &argv);
   CLI::App app{"moeflex: mixture-of-experts training with runtime-adaptive activation memory"};
   app.require_subcommand(1);
 
@@ -47,6 +50,13 @@ int main(int argc, char** argv) {
   train->add_option("--threads", threads, "OpenMP/BLAS threads (default: all cores)");
   train->add_option("--stop-after", stop_after, "stop after this step with a checkpoint, as if interrupted");
   train->add_flag("--quiet", quiet, "no progress output");
+  int pp = 0, dp = -1, ep = 0, vpp = 0;
+  std::string schedule;
+  train->add_option("--pp", pp, "pipeline-parallel size (parallel.pp)");
+  train->add_option("--dp", dp, "data-parallel size (parallel.dp; default world size / pp)");
+  train->add_option("--ep", ep, "expert-parallel size, within dp (parallel.ep)");
+  train->add_option("--vpp", vpp, "virtual pipeline stages per rank (parallel.vpp)");
+  train->add_option("--schedule", schedule, "pipeline schedule: gpipe, 1f1b, interleaved, zb-h1, dualpipev");
 
   // --- generate
   auto* gen = app.add_subcommand("generate", "sample text from a trained run");
@@ -68,6 +78,11 @@ int main(int argc, char** argv) {
       if (seed >= 0) o.config.train.seed = std::uint64_t(seed);
       if (!device_memory.empty()) o.config.device_memory = parse_size(device_memory);
       if (!data_path.empty()) o.config.data.path = data_path;
+      if (pp > 0) o.config.parallel.pp = pp;
+      if (dp >= 0) o.config.parallel.dp = dp;
+      if (ep > 0) o.config.parallel.ep = ep;
+      if (vpp > 0) o.config.parallel.vpp = vpp;
+      if (!schedule.empty()) o.config.parallel.schedule = schedule;
       o.out_dir = out_dir.empty() ? fs::path(timestamp_dir()) : fs::path(out_dir);
       if (!resume_dir.empty()) {
         o.resume = fs::path(resume_dir);
@@ -79,7 +94,8 @@ int main(int argc, char** argv) {
       o.progress = !quiet;
       TrainResult r = run_training(o);
       const fs::path run = o.resume ? *o.resume : o.out_dir;
-      fmt::print("run {}: {} steps, {} tokens, val loss {:.4f} -> {:.4f}, {:.0f} tokens/s, peak device memory {}\n",
+      if (!comm::MpiSession::active() || mpi.world_rank() == 0)
+        fmt::print("run {}: {} steps, {} tokens, val loss {:.4f} -> {:.4f}, {:.0f} tokens/s, peak device memory {}\n",
                  run.string(), r.steps, r.tokens, r.initial_val_loss, r.final_val_loss, r.tokens_per_second,
                  format_bytes(r.peak_device_bytes));
     } else if (*gen) {

@@ -40,12 +40,18 @@ std::uint64_t name_stream(const std::string& s) {
 
 }  // namespace
 
-MoEModel::MoEModel(const ModelConfig& cfg, Arena& arena) : cfg_(cfg), arena_(arena) {
+MoEModel::MoEModel(const ModelConfig& cfg, Arena& arena, const ModelParallel& par)
+    : cfg_(cfg), arena_(arena), par_(par), dispatcher_(par.ep_group, cfg.num_experts) {
   cfg_.validate();
-  const std::int64_t d = cfg.hidden_size, V = cfg.vocab_size, E = cfg.num_experts, f = cfg.moe_intermediate_size;
+  if (par_.last_layer < 0) par_.last_layer = int(cfg.num_hidden_layers);
+  if (par_.first_layer < 0 || par_.first_layer > par_.last_layer || par_.last_layer > cfg.num_hidden_layers)
+    throw ConfigError(fmt::format("model stage holds layers [{}, {}) of {}", par_.first_layer, par_.last_layer,
+                                  cfg.num_hidden_layers));
+  const std::int64_t d = cfg.hidden_size, V = cfg.vocab_size, f = cfg.moe_intermediate_size;
+  const std::int64_t El = dispatcher_.local_experts(), e0 = dispatcher_.first_expert();
   const std::int64_t fs = cfg.shared_width(), I = cfg.intermediate_size;
   // Reserve first: Param* pointers into params_ must stay valid.
-  params_.reserve(static_cast<std::size_t>(4 + cfg.num_hidden_layers * 13));
+  params_.reserve(static_cast<std::size_t>(4 + (par_.last_layer - par_.first_layer) * 13));
   auto add = [&](std::string name, std::vector<std::int64_t> shape, bool no_decay = false) -> Param* {
     Tensor w(arena, shape, MemCategory::weights, name);
     Tensor g(arena, shape, MemCategory::grads, name);
@@ -53,8 +59,14 @@ MoEModel::MoEModel(const ModelConfig& cfg, Arena& arena) : cfg_(cfg), arena_(are
     params_.push_back(Param{std::move(name), std::move(w), std::move(g), no_decay});
     return &params_.back();
   };
-  embed_ = add("model.embed_tokens.weight", {V, d});
-  for (std::int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
+  auto add_expert = [&](std::string name, std::vector<std::int64_t> shape) -> Param* {
+    Param* p = add(std::move(name), shape);
+    p->expert = true;
+    p->init_offset = e0 * shape[1] * shape[2];
+    return p;
+  };
+  if (par_.embedding) embed_ = add("model.embed_tokens.weight", {V, d});
+  for (std::int64_t l = par_.first_layer; l < par_.last_layer; ++l) {
     const std::string p = fmt::format("model.layers.{}.", l);
     LayerParams lp{};
     lp.in_norm = add(p + "input_layernorm.weight", {d}, true);
@@ -64,10 +76,10 @@ MoEModel::MoEModel(const ModelConfig& cfg, Arena& arena) : cfg_(cfg), arena_(are
     lp.o = add(p + "self_attn.o_proj.weight", {d, d});
     lp.post_norm = add(p + "post_attention_layernorm.weight", {d}, true);
     if (cfg.is_moe_layer(l)) {
-      lp.gate = add(p + "mlp.gate.weight", {E, d});
-      lp.w1 = add(p + "mlp.experts.gate_proj.weight", {E, f, d});
-      lp.w3 = add(p + "mlp.experts.up_proj.weight", {E, f, d});
-      lp.w2 = add(p + "mlp.experts.down_proj.weight", {E, d, f});
+      lp.gate = add(p + "mlp.gate.weight", {cfg.num_experts, d});
+      lp.w1 = add_expert(p + "mlp.experts.gate_proj.weight", {El, f, d});
+      lp.w3 = add_expert(p + "mlp.experts.up_proj.weight", {El, f, d});
+      lp.w2 = add_expert(p + "mlp.experts.down_proj.weight", {El, d, f});
       if (fs > 0) {
         lp.s1 = add(p + "mlp.shared_experts.gate_proj.weight", {fs, d});
         lp.s3 = add(p + "mlp.shared_experts.up_proj.weight", {fs, d});
@@ -80,8 +92,14 @@ MoEModel::MoEModel(const ModelConfig& cfg, Arena& arena) : cfg_(cfg), arena_(are
     }
     layers_.push_back(lp);
   }
-  final_norm_ = add("model.norm.weight", {d}, true);
-  lm_head_ = cfg.tie_word_embeddings ? embed_ : add("lm_head.weight", {V, d});
+  if (par_.head) {
+    final_norm_ = add("model.norm.weight", {d}, true);
+    // A tied head on a stage without the embedding keeps its own copy of the
+    // embedding matrix (same name, same init); the trainer sums the two copies'
+    // gradients across the first and last stage.
+    lm_head_ = cfg.tie_word_embeddings ? (embed_ ? embed_ : add("model.embed_tokens.weight", {V, d}))
+                                       : add("lm_head.weight", {V, d});
+  }
 }
 
 Param& MoEModel::param(const std::string& name) {
@@ -103,8 +121,9 @@ void MoEModel::init_weights(std::uint64_t seed) {
     if (p.name.find("o_proj") != std::string::npos || p.name.find("down_proj") != std::string::npos)
       std *= out_scale;
     const std::uint64_t stream = name_stream(p.name);
+    const std::uint64_t off = std::uint64_t(p.init_offset);
 #pragma omp parallel for schedule(static)
-    for (std::int64_t i = 0; i < n; ++i) w[i] = static_cast<float>(std * normal01(seed, stream, std::uint64_t(i)));
+    for (std::int64_t i = 0; i < n; ++i) w[i] = static_cast<float>(std * normal01(seed, stream, off + std::uint64_t(i)));
   }
 }
 
@@ -122,45 +141,72 @@ Tensor MoEModel::work(std::vector<std::int64_t> shape, const char* name, DType d
 
 LossParts MoEModel::forward_eval(const std::int32_t* ids, const std::int32_t* targets, std::int64_t B,
                                  std::int64_t S, float* last_logits) {
-  return forward(ids, targets, B, S, /*mb=*/0, /*train=*/false, 0.0, last_logits);
+  return forward(ids, targets, B, S, /*mb=*/0, /*train=*/false, last_logits);
 }
 
 LossParts MoEModel::forward_backward(const std::int32_t* ids, const std::int32_t* targets, std::int64_t B,
                                      std::int64_t S, int microbatch, double grad_scale) {
-  if (expert_impl_ != ExpertImpl::grouped_gemm)
-    throw Error("the sequential-experts reference path is forward-only (use it with forward_eval)");
-  LossParts loss = forward(ids, targets, B, S, microbatch, /*train=*/true, grad_scale, nullptr);
+  LossParts loss = forward_train(ids, targets, B, S, microbatch);
   backward(ids, targets, B, S, microbatch, grad_scale);
   return loss;
 }
 
 LossParts MoEModel::forward_train(const std::int32_t* ids, const std::int32_t* targets, std::int64_t B,
                                   std::int64_t S, int microbatch) {
-  if (expert_impl_ != ExpertImpl::grouped_gemm)
-    throw Error("the sequential-experts reference path is forward-only (use it with forward_eval)");
-  return forward(ids, targets, B, S, microbatch, /*train=*/true, 0.0, nullptr);
+  return forward(ids, targets, B, S, microbatch, /*train=*/true, nullptr);
+}
+
+void MoEModel::backward(const std::int32_t* ids, const std::int32_t* targets, std::int64_t B, std::int64_t S,
+                        int mb, double grad_scale) {
+  if (!par_.embedding || !par_.head) throw Error("backward() needs the whole model; use backward_stage()");
+  backward_stage(ids, targets, nullptr, nullptr, B, S, mb, grad_scale);
+}
+
+LossParts MoEModel::forward(const std::int32_t* ids, const std::int32_t* targets, std::int64_t B, std::int64_t S,
+                            int mb, bool train, float* last_logits) {
+  if (!par_.embedding || !par_.head) throw Error("forward() needs the whole model; use forward_stage()");
+  LossParts loss;
+  forward_impl(ids, targets, nullptr, B, S, mb, train, loss, last_logits);
+  return loss;
+}
+
+Tensor MoEModel::forward_stage(const std::int32_t* ids, const std::int32_t* targets, const float* x_in,
+                               std::int64_t B, std::int64_t S, int mb, LossParts* loss) {
+  LossParts local;
+  Tensor out = forward_impl(ids, targets, x_in, B, S, mb, /*train=*/true, local, nullptr);
+  if (loss) *loss = local;
+  return out;
 }
 
 // ---------------------------------------------------------------------------------------------
-// Whole model
+// Whole stage
 
-LossParts MoEModel::forward(const std::int32_t* ids, const std::int32_t* targets, std::int64_t B, std::int64_t S,
-                            int mb, bool train, double /*grad_scale*/, float* last_logits) {
+Tensor MoEModel::forward_impl(const std::int32_t* ids, const std::int32_t* targets, const float* x_in,
+                              std::int64_t B, std::int64_t S, int mb, bool train, LossParts& loss,
+                              float* last_logits) {
+  if (train && expert_impl_ != ExpertImpl::grouped_gemm)
+    throw Error("the sequential-experts reference path is forward-only (use it with forward_eval)");
   if (S > cfg_.max_position_embeddings)
     throw ConfigError(fmt::format("sequence length {} exceeds model.max_position_embeddings = {}", S,
                                   cfg_.max_position_embeddings));
   const std::int64_t n = B * S, d = cfg_.hidden_size, V = cfg_.vocab_size;
-  for (std::int64_t i = 0; i < n; ++i)
-    if (ids[i] < 0 || ids[i] >= V || (targets && (targets[i] < 0 || targets[i] >= V)))
-      throw DataError(fmt::format("token id out of range [0, {}) at position {}", V, i));
-  LossParts loss;
   routing_.clear();
 
-  Tensor x = act({n, d}, "embed.out");
-  ops::embedding_forward(ids, embed_->w.f32(), x.f32(), n, d);
-  for (int l = 0; l < int(layers_.size()); ++l) {
+  Tensor x = act({n, d}, "stage.input");
+  if (par_.embedding) {
+    for (std::int64_t i = 0; i < n; ++i)
+      if (ids[i] < 0 || ids[i] >= V) throw DataError(fmt::format("token id {} out of range [0, {}) at position {}", ids[i], V, i));
+    ops::embedding_forward(ids, embed_->w.f32(), x.f32(), n, d);
+  } else {
+    std::memcpy(x.f32(), x_in, sizeof(float) * std::size_t(n * d));
+  }
+  for (int l = par_.first_layer; l < par_.last_layer; ++l) {
     attention_forward(l, x, B, S, mb, train);
     ffn_forward(l, x, n, mb, train, loss);
+  }
+  if (!par_.head) {
+    loss.total = loss.aux + loss.z;
+    return x;
   }
   Tensor hn = act({n, d}, "final_norm.out");
   Tensor rstd = act({n}, "final_norm.rstd");
@@ -172,8 +218,10 @@ LossParts MoEModel::forward(const std::int32_t* ids, const std::int32_t* targets
       std::memcpy(last_logits + b * V, logits.f32() + ((b + 1) * S - 1) * V, sizeof(float) * std::size_t(V));
   if (!targets) {
     if (train) throw Error("training needs targets");
-    return loss;
+    return Tensor();
   }
+  for (std::int64_t i = 0; i < n; ++i)
+    if (targets[i] < 0 || targets[i] >= V) throw DataError(fmt::format("target id {} out of range [0, {}) at position {}", targets[i], V, i));
   {
     Tensor losses = work({n}, "cross_entropy.losses");
     loss.ce = ops::cross_entropy_forward(logits.f32(), targets, logits.f32(), losses.f32(), n, V);
@@ -185,32 +233,34 @@ LossParts MoEModel::forward(const std::int32_t* ids, const std::int32_t* targets
     stash_.save(mb, kHeadLayer, "final_norm.rstd", "rmsnorm", std::move(rstd));
     stash_.save(mb, kHeadLayer, "lm_head.probs", "cross_entropy", std::move(logits));
   }
-  return loss;
+  return Tensor();
 }
 
-void MoEModel::backward(const std::int32_t* ids, const std::int32_t* targets, std::int64_t B, std::int64_t S,
-                        int mb, double grad_scale) {
+void MoEModel::backward_stage(const std::int32_t* ids, const std::int32_t* targets, const float* dy, float* dx_in,
+                              std::int64_t B, std::int64_t S, int mb, double grad_scale) {
   const std::int64_t n = B * S, d = cfg_.hidden_size, V = cfg_.vocab_size;
-  Tensor probs = stash_.take(mb, kHeadLayer, "lm_head.probs");
-  ops::cross_entropy_backward(probs.f32(), targets, probs.f32(), n, V, float(grad_scale / double(n)));
-  Tensor dhn = work({n, d}, "lm_head.dx");
-  {
-    Tensor hn = stash_.take(mb, kHeadLayer, "final_norm.out");
-    ops::linear_backward(probs.f32(), hn.f32(), lm_head_->w.f32(), dhn.f32(), lm_head_->g.f32(), n, d, V);
-  }
-  probs.reset();
   Tensor dx = work({n, d}, "grad.residual");
-  {
+  if (par_.head) {
+    Tensor probs = stash_.take(mb, kHeadLayer, "lm_head.probs");
+    ops::cross_entropy_backward(probs.f32(), targets, probs.f32(), n, V, float(grad_scale / double(n)));
+    Tensor dhn = work({n, d}, "lm_head.dx");
+    {
+      Tensor hn = stash_.take(mb, kHeadLayer, "final_norm.out");
+      ops::linear_backward(probs.f32(), hn.f32(), lm_head_->w.f32(), dhn.f32(), lm_head_->g.f32(), n, d, V);
+    }
+    probs.reset();
     Tensor x = stash_.take(mb, kHeadLayer, "final_norm.in"), rstd = stash_.take(mb, kHeadLayer, "final_norm.rstd");
     ops::rmsnorm_backward(dhn.f32(), x.f32(), final_norm_->w.f32(), rstd.f32(), dx.f32(), final_norm_->g.f32(), n,
                           d);
+  } else {
+    std::memcpy(dx.f32(), dy, sizeof(float) * std::size_t(n * d));
   }
-  dhn.reset();
-  for (int l = int(layers_.size()) - 1; l >= 0; --l) {
+  for (int l = par_.last_layer - 1; l >= par_.first_layer; --l) {
     ffn_backward(l, dx, n, mb, grad_scale);
     attention_backward(l, dx, B, S, mb);
   }
-  ops::embedding_backward(ids, dx.f32(), embed_->g.f32(), n, d);
+  if (par_.embedding) ops::embedding_backward(ids, dx.f32(), embed_->g.f32(), n, d);
+  else std::memcpy(dx_in, dx.f32(), sizeof(float) * std::size_t(n * d));
   stash_.release_microbatch(mb);
 }
 
@@ -218,7 +268,7 @@ void MoEModel::backward(const std::int32_t* ids, const std::int32_t* targets, st
 // Attention block: x <- x + o_proj(attention(rope(q), rope(k), v)) of RMSNorm(x)
 
 void MoEModel::attention_forward(int l, Tensor& x, std::int64_t B, std::int64_t S, int mb, bool train) {
-  const LayerParams& P = layers_[std::size_t(l)];
+  const LayerParams& P = layer(l);
   const std::int64_t n = B * S, d = cfg_.hidden_size, H = cfg_.num_attention_heads, hd = cfg_.head_dim();
   Tensor a = act({n, d}, "attn_norm.out"), rstd = act({n}, "attn_norm.rstd");
   ops::rmsnorm_forward(x.f32(), P.in_norm->w.f32(), a.f32(), rstd.f32(), n, d, float(cfg_.rms_norm_eps));
@@ -247,7 +297,7 @@ void MoEModel::attention_forward(int l, Tensor& x, std::int64_t B, std::int64_t 
 }
 
 void MoEModel::attention_backward(int l, Tensor& dx, std::int64_t B, std::int64_t S, int mb) {
-  const LayerParams& P = layers_[std::size_t(l)];
+  const LayerParams& P = layer(l);
   const std::int64_t n = B * S, d = cfg_.hidden_size, H = cfg_.num_attention_heads, hd = cfg_.head_dim();
   Tensor dq = work({n, d}, "attn.dq"), dk = work({n, d}, "attn.dk"), dv = work({n, d}, "attn.dv");
   {
@@ -315,7 +365,7 @@ void MoEModel::swiglu_mlp_backward(const float* dy, const float* m, Param* w1, P
 }
 
 double MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train, LossParts& loss) {
-  const LayerParams& P = layers_[std::size_t(l)];
+  const LayerParams& P = layer(l);
   const std::int64_t d = cfg_.hidden_size;
   Tensor m = act({n, d}, "ffn_norm.out"), rstd = act({n}, "ffn_norm.rstd");
   ops::rmsnorm_forward(x.f32(), P.post_norm->w.f32(), m.f32(), rstd.f32(), n, d, float(cfg_.rms_norm_eps));
@@ -349,25 +399,50 @@ double MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool trai
     const std::int64_t R = offsets.i32()[E];
 
     if (expert_impl_ == ExpertImpl::sequential_reference) {
+      if (dispatcher_.active()) throw Error("the sequential-experts reference path needs all experts on one rank");
       ops::moe_experts_reference(m.f32(), idx.i32(), w.f32(), slot_of.i32(), P.w1->w.f32(), P.w3->w.f32(),
                                  P.w2->w.f32(), out.f32(), n, d, f, k);
     } else {
+      // route -> permute -> dispatch -> grouped-GEMM experts -> combine -> unpermute
       Tensor xp = act({R, d}, "moe.permuted");
       ops::permute_forward(m.f32(), slot_of.i32(), xp.f32(), n, k, d);
-      Tensor h1 = act({R, f}, "experts.gate_out"), h3 = act({R, f}, "experts.up_out");
-      ops::grouped_linear_forward(xp.f32(), P.w1->w.f32(), h1.f32(), offsets.i32(), E, d, f);
-      ops::grouped_linear_forward(xp.f32(), P.w3->w.f32(), h3.f32(), offsets.i32(), E, d, f);
-      Tensor a = act({R, f}, "experts.act");
-      ops::swiglu_forward(h1.f32(), h3.f32(), a.f32(), R * f);
-      Tensor yp = act({R, d}, "experts.out");
-      ops::grouped_linear_forward(a.f32(), P.w2->w.f32(), yp.f32(), offsets.i32(), E, f, d);
+      DispatchLayout L = dispatcher_.plan(counts.i32());
+      routing_.back().received_rows = L.rows_received;
+      const std::int64_t El = dispatcher_.local_experts(), Rr = L.rows_received;
+      const std::int32_t* eoff = dispatcher_.active() ? L.local_offsets.data() : offsets.i32();
+      Tensor xe;
+      if (dispatcher_.active()) {
+        xe = act({Rr, d}, "moe.dispatched");
+        Tensor scratch = work({Rr, d}, "moe.a2a_scratch");
+        dispatcher_.dispatch(L, xp.f32(), xe.f32(), d, scratch.f32());
+        xp.reset();
+      } else {
+        xe = std::move(xp);
+      }
+      Tensor h1 = act({Rr, f}, "experts.gate_out"), h3 = act({Rr, f}, "experts.up_out");
+      ops::grouped_linear_forward(xe.f32(), P.w1->w.f32(), h1.f32(), eoff, El, d, f);
+      ops::grouped_linear_forward(xe.f32(), P.w3->w.f32(), h3.f32(), eoff, El, d, f);
+      Tensor a = act({Rr, f}, "experts.act");
+      ops::swiglu_forward(h1.f32(), h3.f32(), a.f32(), Rr * f);
+      Tensor ye = act({Rr, d}, "experts.out");
+      ops::grouped_linear_forward(a.f32(), P.w2->w.f32(), ye.f32(), eoff, El, f, d);
+      Tensor yp;
+      if (dispatcher_.active()) {
+        yp = act({R, d}, "moe.combined");
+        Tensor scratch = work({Rr, d}, "moe.a2a_scratch");
+        dispatcher_.combine(L, ye.f32(), yp.f32(), d, scratch.f32());
+        ye.reset();
+      } else {
+        yp = std::move(ye);
+      }
       ops::unpermute_forward(yp.f32(), slot_of.i32(), w.f32(), out.f32(), n, k, d);
       if (train) {
-        stash_.save(mb, l, "moe.permuted", "permute", std::move(xp));
+        stash_.save(mb, l, "experts.in", "dispatch", std::move(xe));
         stash_.save(mb, l, "experts.gate_out", "grouped_gemm", std::move(h1));
         stash_.save(mb, l, "experts.up_out", "grouped_gemm", std::move(h3));
         stash_.save(mb, l, "experts.act", "swiglu", std::move(a));
-        stash_.save(mb, l, "experts.out", "grouped_gemm", std::move(yp));
+        stash_.save(mb, l, "moe.combined", "combine", std::move(yp));
+        dispatch_layouts_[{mb, l}] = std::move(L);
       }
     }
     if (P.s1) swiglu_mlp_forward(m.f32(), P.s1, P.s3, P.s2, out.f32(), n, l, mb, train, "shared", true);
@@ -391,7 +466,7 @@ double MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool trai
 }
 
 void MoEModel::ffn_backward(int l, Tensor& dx, std::int64_t n, int mb, double grad_scale) {
-  const LayerParams& P = layers_[std::size_t(l)];
+  const LayerParams& P = layer(l);
   const std::int64_t d = cfg_.hidden_size;
   Tensor m = stash_.take(mb, l, "ffn_norm.out");
   Tensor dm = work({n, d}, "ffn_norm.dout");
@@ -403,38 +478,60 @@ void MoEModel::ffn_backward(int l, Tensor& dx, std::int64_t n, int mb, double gr
     Tensor offsets = stash_.take(mb, l, "moe.offsets"), slot_of = stash_.take(mb, l, "moe.slot_of");
     Tensor idx = stash_.take(mb, l, "router.topk_idx"), w = stash_.take(mb, l, "router.topk_w");
     const std::int64_t R = offsets.i32()[E];
+    auto lit = dispatch_layouts_.find({mb, l});
+    if (lit == dispatch_layouts_.end()) throw Error(fmt::format("no dispatch layout for layer {} micro-batch {}", l, mb));
+    const DispatchLayout L = std::move(lit->second);
+    dispatch_layouts_.erase(lit);
+    const std::int64_t El = dispatcher_.local_experts(), Rr = L.rows_received;
+    const std::int32_t* eoff = dispatcher_.active() ? L.local_offsets.data() : offsets.i32();
     Tensor dw = work({n, k}, "router.dtopk_w");
     {
-      Tensor dyp = work({R, d}, "experts.dout");
+      // The backward of combine is dispatch, and the backward of dispatch is combine.
+      Tensor dye;
       {
-        Tensor yp = stash_.take(mb, l, "experts.out");
+        Tensor dyp = work({R, d}, "moe.dcombined");
+        Tensor yp = stash_.take(mb, l, "moe.combined");
         ops::unpermute_backward(dx.f32(), yp.f32(), slot_of.i32(), w.f32(), dyp.f32(), dw.f32(), n, k, d);
+        yp.reset();
+        if (dispatcher_.active()) {
+          dye = work({Rr, d}, "experts.dout");
+          Tensor scratch = work({Rr, d}, "moe.a2a_scratch");
+          dispatcher_.dispatch(L, dyp.f32(), dye.f32(), d, scratch.f32());
+        } else {
+          dye = std::move(dyp);
+        }
       }
-      Tensor da = work({R, f}, "experts.dact");
+      Tensor da = work({Rr, f}, "experts.dact");
       {
         Tensor a = stash_.take(mb, l, "experts.act");
-        ops::grouped_linear_backward(dyp.f32(), a.f32(), P.w2->w.f32(), da.f32(), P.w2->g.f32(), offsets.i32(),
-                                     E, f, d);
+        ops::grouped_linear_backward(dye.f32(), a.f32(), P.w2->w.f32(), da.f32(), P.w2->g.f32(), eoff, El, f, d);
       }
-      dyp.reset();
-      Tensor dh1 = work({R, f}, "experts.dgate"), dh3 = work({R, f}, "experts.dup");
+      dye.reset();
+      Tensor dh1 = work({Rr, f}, "experts.dgate"), dh3 = work({Rr, f}, "experts.dup");
       {
         Tensor h1 = stash_.take(mb, l, "experts.gate_out"), h3 = stash_.take(mb, l, "experts.up_out");
-        ops::swiglu_backward(da.f32(), h1.f32(), h3.f32(), dh1.f32(), dh3.f32(), R * f);
+        ops::swiglu_backward(da.f32(), h1.f32(), h3.f32(), dh1.f32(), dh3.f32(), Rr * f);
       }
       da.reset();
-      Tensor xp = stash_.take(mb, l, "moe.permuted");
-      Tensor dxp = work({R, d}, "moe.dpermuted");
-      ops::grouped_linear_backward(dh1.f32(), xp.f32(), P.w1->w.f32(), dxp.f32(), P.w1->g.f32(), offsets.i32(), E,
-                                   d, f);
+      Tensor xe = stash_.take(mb, l, "experts.in");
+      Tensor dxe = work({Rr, d}, "experts.din");
+      ops::grouped_linear_backward(dh1.f32(), xe.f32(), P.w1->w.f32(), dxe.f32(), P.w1->g.f32(), eoff, El, d, f);
       dh1.reset();
       {
-        Tensor dxp3 = work({R, d}, "moe.dpermuted_up");
-        ops::grouped_linear_backward(dh3.f32(), xp.f32(), P.w3->w.f32(), dxp3.f32(), P.w3->g.f32(),
-                                     offsets.i32(), E, d, f);
-        add_inplace(dxp.f32(), dxp3.f32(), R * d);
+        Tensor dxe3 = work({Rr, d}, "experts.din_up");
+        ops::grouped_linear_backward(dh3.f32(), xe.f32(), P.w3->w.f32(), dxe3.f32(), P.w3->g.f32(), eoff, El, d, f);
+        add_inplace(dxe.f32(), dxe3.f32(), Rr * d);
       }
-      ops::permute_backward(dxp.f32(), slot_of.i32(), dm.f32(), n, k, d);
+      xe.reset();
+      dh3.reset();
+      if (dispatcher_.active()) {
+        Tensor dxp = work({R, d}, "moe.dpermuted");
+        Tensor scratch = work({Rr, d}, "moe.a2a_scratch");
+        dispatcher_.combine(L, dxe.f32(), dxp.f32(), d, scratch.f32());
+        ops::permute_backward(dxp.f32(), slot_of.i32(), dm.f32(), n, k, d);
+      } else {
+        ops::permute_backward(dxe.f32(), slot_of.i32(), dm.f32(), n, k, d);
+      }
     }
     if (P.s1) swiglu_mlp_backward(dx.f32(), m.f32(), P.s1, P.s3, P.s2, dm.f32(), n, l, mb, "shared");
     Tensor probs = stash_.take(mb, l, "router.probs"), logits = stash_.take(mb, l, "router.logits");

@@ -3,11 +3,13 @@
 // backward needs into the ActivationStash.
 #pragma once
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
 #include "moeflex/core/tensor.h"
 #include "moeflex/model/config.h"
+#include "moeflex/model/token_dispatcher.h"
 #include "moeflex/provision/stash.h"
 
 namespace moeflex {
@@ -18,6 +20,17 @@ struct Param {
   Tensor w;           ///< weights (category weights)
   Tensor g;           ///< gradient, accumulated over micro-batches (category grads)
   bool no_decay;      ///< excluded from weight decay (norm weights)
+  bool expert = false;            ///< routed-expert weights: sharded over EP, reduced over expert-DP
+  std::int64_t init_offset = 0;   ///< element offset of this shard in the full tensor (for init)
+};
+
+/// Which part of the model this rank holds, and its expert-parallel group.
+struct ModelParallel {
+  comm::Communicator* ep_group = nullptr;  ///< null: all experts local
+  int first_layer = 0;                     ///< first transformer layer held
+  int last_layer = -1;                     ///< one past the last layer held; -1 = all
+  bool embedding = true;                   ///< holds the token embedding (first stage)
+  bool head = true;                        ///< holds the final norm, LM head and loss (last stage)
 };
 
 /// Losses of one micro-batch (means over its tokens).
@@ -33,6 +46,7 @@ struct RoutingStats {
   int layer = 0;
   std::vector<std::int32_t> tokens_per_expert;  ///< assignments kept per expert
   std::int64_t dropped = 0;                     ///< assignments over capacity
+  std::int64_t received_rows = 0;               ///< rows this rank's experts received (after EP dispatch)
   /// max over experts / mean over experts of assigned tokens (before dropping).
   double imbalance = 1.0;
 };
@@ -43,7 +57,7 @@ enum class ExpertImpl { grouped_gemm, sequential_reference };
 class MoEModel {
  public:
   /// Allocates parameters and gradients from `arena`. Throws OutOfMemoryError.
-  MoEModel(const ModelConfig& cfg, Arena& arena);
+  MoEModel(const ModelConfig& cfg, Arena& arena, const ModelParallel& par = {});
 
   /// Deterministic init from `seed` (docs/model.md, "Initialisation").
   void init_weights(std::uint64_t seed);
@@ -62,6 +76,19 @@ class MoEModel {
                           int microbatch);
   void backward(const std::int32_t* ids, const std::int32_t* targets, std::int64_t B, std::int64_t S,
                 int microbatch, double grad_scale);
+
+  /// One pipeline stage's forward: the input is `ids` on the first stage, else the
+  /// activations x_in [B*S, d] received from the previous stage. Returns the output
+  /// activations [B*S, d] to send on, or an empty tensor on the last stage, whose
+  /// losses go to `loss`. Activations of `microbatch` stay in the stash.
+  Tensor forward_stage(const std::int32_t* ids, const std::int32_t* targets, const float* x_in, std::int64_t B,
+                       std::int64_t S, int microbatch, LossParts* loss);
+  /// One pipeline stage's backward: dy [B*S, d] is the gradient of the stage's output
+  /// (ignored on the last stage); dx_in [B*S, d] receives the gradient of its input
+  /// (not written on the first stage). Parameter gradients accumulate.
+  void backward_stage(const std::int32_t* ids, const std::int32_t* targets, const float* dy, float* dx_in,
+                      std::int64_t B, std::int64_t S, int microbatch, double grad_scale);
+  const ModelParallel& parallel() const { return par_; }
 
   /// Forward only (no activations kept): the loss if targets != null, and the
   /// logits of the last position of each sequence into `last_logits` [B, V] if non-null.
@@ -86,7 +113,10 @@ class MoEModel {
   Tensor act(std::vector<std::int64_t> shape, const char* name, DType dt = DType::f32);
   Tensor work(std::vector<std::int64_t> shape, const char* name, DType dt = DType::f32);
   LossParts forward(const std::int32_t* ids, const std::int32_t* targets, std::int64_t B, std::int64_t S, int mb,
-                    bool train, double grad_scale, float* last_logits);
+                    bool train, float* last_logits);
+  Tensor forward_impl(const std::int32_t* ids, const std::int32_t* targets, const float* x_in, std::int64_t B,
+                      std::int64_t S, int mb, bool train, LossParts& loss, float* last_logits);
+  LayerParams& layer(int l) { return layers_[std::size_t(l - par_.first_layer)]; }
   void attention_forward(int l, Tensor& x, std::int64_t B, std::int64_t S, int mb, bool train);
   void attention_backward(int l, Tensor& dx, std::int64_t B, std::int64_t S, int mb);
   double ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train, LossParts& loss);
@@ -98,6 +128,9 @@ class MoEModel {
 
   ModelConfig cfg_;
   Arena& arena_;
+  ModelParallel par_;
+  TokenDispatcher dispatcher_;
+  std::map<std::pair<int, int>, DispatchLayout> dispatch_layouts_;  // (mb, layer) -> counts for backward
   std::vector<Param> params_;
   std::vector<LayerParams> layers_;
   Param *embed_ = nullptr, *final_norm_ = nullptr, *lm_head_ = nullptr;

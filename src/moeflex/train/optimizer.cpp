@@ -47,33 +47,49 @@ std::vector<std::pair<std::string, Tensor*>> AdamW::state() {
   return out;
 }
 
+namespace {
+
+double square_sum(const Param& p) {
+  const float* g = p.g.f32();
+  const std::int64_t n = p.g.numel();
+  // Fixed-size chunks summed in order: the same result for any thread count.
+  constexpr std::int64_t kChunk = 4096;
+  const std::int64_t nchunks = (n + kChunk - 1) / kChunk;
+  std::vector<double> partial(std::size_t(nchunks), 0.0);
+#pragma omp parallel for schedule(static)
+  for (std::int64_t c = 0; c < nchunks; ++c) {
+    double s = 0;
+    for (std::int64_t j = c * kChunk; j < std::min(n, (c + 1) * kChunk); ++j) s += double(g[j]) * g[j];
+    partial[std::size_t(c)] = s;
+  }
+  double total = 0;
+  for (double s : partial) total += s;
+  return total;
+}
+
+}  // namespace
+
+double grad_square_sum(const std::vector<Param>& params, bool expert) {
+  double total = 0;
+  for (auto& p : params)
+    if (p.expert == expert) total += square_sum(p);
+  return total;
+}
+
+void scale_grads(std::vector<Param>& params, float scale) {
+  for (auto& p : params) {
+    float* g = p.g.f32();
+    const std::int64_t n = p.g.numel();
+#pragma omp parallel for schedule(static)
+    for (std::int64_t j = 0; j < n; ++j) g[j] *= scale;
+  }
+}
+
 double clip_grad_norm(std::vector<Param>& params, double max_norm) {
   double total = 0;
-  for (auto& p : params) {
-    const float* g = p.g.f32();
-    const std::int64_t n = p.g.numel();
-    // Fixed-size chunks summed in order: the same result for any thread count.
-    constexpr std::int64_t kChunk = 4096;
-    const std::int64_t nchunks = (n + kChunk - 1) / kChunk;
-    std::vector<double> partial(std::size_t(nchunks), 0.0);
-#pragma omp parallel for schedule(static)
-    for (std::int64_t c = 0; c < nchunks; ++c) {
-      double s = 0;
-      for (std::int64_t j = c * kChunk; j < std::min(n, (c + 1) * kChunk); ++j) s += double(g[j]) * g[j];
-      partial[std::size_t(c)] = s;
-    }
-    for (double s : partial) total += s;
-  }
+  for (auto& p : params) total += square_sum(p);
   const double norm = std::sqrt(total);
-  if (max_norm > 0 && norm > max_norm) {
-    const float scale = float(max_norm / (norm + 1e-6));
-    for (auto& p : params) {
-      float* g = p.g.f32();
-      const std::int64_t n = p.g.numel();
-#pragma omp parallel for schedule(static)
-      for (std::int64_t j = 0; j < n; ++j) g[j] *= scale;
-    }
-  }
+  if (max_norm > 0 && norm > max_norm) scale_grads(params, float(max_norm / (norm + 1e-6)));
   return norm;
 }
 

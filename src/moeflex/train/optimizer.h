@@ -35,6 +35,12 @@ class AdamW {
   std::int64_t t_ = 0;
 };
 
+/// Sum of squared gradients of the expert (or non-expert) parameters, in double,
+/// in parameter order with fixed-size chunks (the same for any thread count).
+double grad_square_sum(const std::vector<Param>& params, bool expert);
+/// g *= scale for every parameter.
+void scale_grads(std::vector<Param>& params, float scale);
+
 /// Global L2 norm of all gradients (summed in parameter order, in double), then
 /// scales them by max_norm / norm when norm > max_norm (max_norm <= 0: no clipping).
 /// Returns the norm before clipping.

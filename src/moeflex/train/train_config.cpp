@@ -92,6 +92,10 @@ void RunConfig::validate() const {
   rule(t.keep_checkpoints >= 1, "train.keep_checkpoints: must be at least 1");
   rule(data.val_fraction > 0 && data.val_fraction < 0.5, "data.val_fraction: must be in (0, 0.5)");
   rule(device_memory == -1 || device_memory > 0, "device.memory: must be positive or \"unlimited\"");
+  rule(parallel.pp >= 1, "parallel.pp: must be at least 1");
+  rule(parallel.dp >= 0, "parallel.dp: must not be negative (0 = world size / pp)");
+  rule(parallel.ep >= 1, "parallel.ep: must be at least 1");
+  rule(parallel.vpp >= 1, "parallel.vpp: must be at least 1");
 }
 
 RunConfig RunConfig::defaults() { return from_toml_text("", "the embedded default config"); }
@@ -125,8 +129,9 @@ RunConfig RunConfig::from_toml_text(const std::string& text, const std::string& 
   try {
     for (auto&& [k, v] : root) {
       const std::string key(k.str());
-      if (key != "model" && key != "train" && key != "data" && key != "device")
-        throw ConfigError(fmt::format("unknown section or key '{}' (expected [model], [train], [data], [device])", key));
+      if (key != "model" && key != "train" && key != "data" && key != "device" && key != "parallel")
+        throw ConfigError(
+            fmt::format("unknown section or key '{}' (expected [model], [train], [data], [device], [parallel])", key));
       if (!v.is_table()) throw ConfigError(fmt::format("'{}' must be a table ([{}])", key, key));
     }
     if (auto* m = root["model"].as_table()) c.model = ModelConfig::from_toml(*m);
@@ -146,6 +151,18 @@ RunConfig RunConfig::from_toml_text(const std::string& text, const std::string& 
       }
       read_field(*d, "data", "val_fraction", c.data.val_fraction);
       reject_unknown(*d, "data", {"path", "val_fraction"});
+    }
+    if (auto* par = root["parallel"].as_table()) {
+      read_field(*par, "parallel", "pp", c.parallel.pp);
+      read_field(*par, "parallel", "dp", c.parallel.dp);
+      read_field(*par, "parallel", "ep", c.parallel.ep);
+      read_field(*par, "parallel", "vpp", c.parallel.vpp);
+      if (auto* sc = par->get("schedule")) {
+        auto v = sc->value<std::string>();
+        if (!v) throw ConfigError("parallel.schedule: must be a string");
+        c.parallel.schedule = *v;
+      }
+      reject_unknown(*par, "parallel", {"pp", "dp", "ep", "vpp", "schedule"});
     }
     if (auto* dev = root["device"].as_table()) {
       if (auto* m = dev->get("memory")) {
@@ -178,6 +195,8 @@ std::string RunConfig::to_toml() const {
     else s += fmt::format("{} = {}\n", key, toml_float(field));
   });
   s += fmt::format("\n[data]\npath = \"{}\"\nval_fraction = {}\n", data.path, toml_float(data.val_fraction));
+  s += fmt::format("\n[parallel]\npp = {}\ndp = {}\nep = {}\nvpp = {}\nschedule = \"{}\"\n", parallel.pp,
+                   parallel.dp, parallel.ep, parallel.vpp, parallel.schedule);
   s += fmt::format("\n[device]\nmemory = \"{}\"\n", device_memory < 0 ? std::string("unlimited") : fmt::format("{}B", device_memory));
   return s;
 }

@@ -33,10 +33,20 @@ struct DataConfig {
   double val_fraction = 0.05;  ///< share of documents held out for validation
 };
 
+/// How the run is split over ranks (issue 3). Sizes multiply to the world size.
+struct ParallelConfig {
+  int pp = 1;                      ///< pipeline-parallel size
+  int dp = 0;                      ///< data-parallel size; 0 = world size / pp
+  int ep = 1;                      ///< expert-parallel size, carved out of dp
+  int vpp = 1;                     ///< virtual stages per pipeline rank
+  std::string schedule = "1f1b";   ///< pipeline schedule
+};
+
 struct RunConfig {
   ModelConfig model;
   TrainConfig train;
   DataConfig data;
+  ParallelConfig parallel;
   Bytes device_memory = -1;  ///< device-memory budget in bytes; -1 = unlimited
 
   /// Throws ConfigError naming the field and the rule.

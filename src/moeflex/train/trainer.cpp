@@ -12,11 +12,14 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "moeflex/comm/communicator.h"
+#include "moeflex/comm/layout.h"
 #include "moeflex/core/arena.h"
 #include "moeflex/core/error.h"
 #include "moeflex/model/model.h"
 #include "moeflex/train/checkpoint.h"
 #include "moeflex/train/dataset.h"
+#include "moeflex/train/distributed.h"
 #include "moeflex/train/optimizer.h"
 
 extern "C" void openblas_set_num_threads(int);
@@ -132,16 +135,42 @@ TrainResult run_training(const TrainOptions& opts) {
     cfg = RunConfig::from_file((run_dir / "config.toml").string());
     // An explicit --steps on resume changes the run's length (and its LR schedule).
     if (opts.config.train.steps > 0) cfg.train.steps = opts.config.train.steps;
-    ckpt = train::latest_checkpoint(run_dir);
-    if (!ckpt) throw DataError(fmt::format("--resume: '{}' holds no complete checkpoint to resume from", run_dir.string()));
   }
   cfg.validate();
   const TrainConfig& t = cfg.train;
+
+  // Ranks: the layout of DESIGN.md's comm/ (one rank without a launcher).
+  std::unique_ptr<comm::Communicator> world = comm::make_world_communicator();
+  const int rank = world->rank(), world_size = world->size();
+  const bool rank0 = rank == 0;
+  const ParallelConfig& pc = cfg.parallel;
+  if (pc.pp != 1 || pc.vpp != 1)
+    throw ConfigError(fmt::format("--pp {} / --vpp {}: the trainer does not run pipeline stages yet (the schedules "
+                                  "are in src/moeflex/schedule); use --dp and --ep", pc.pp, pc.vpp));
+  comm::LayoutSpec spec;
+  spec.world_size = world_size;
+  spec.pp = pc.pp;
+  spec.dp = pc.dp > 0 ? pc.dp : world_size / pc.pp;
+  spec.ep = pc.ep;
+  spec.vpp = pc.vpp;
+  spec.num_layers = int(cfg.model.num_hidden_layers);
+  spec.num_experts = int(cfg.model.num_experts);
+  const comm::ParallelLayout layout(spec);
+  comm::ParallelGroups groups = comm::make_groups(*world, layout);
+  const int dp = layout.dp(), dp_rank = groups.coords.dp_rank;
+  // Each rank keeps its own checkpoints (expert shards differ across EP ranks).
+  const fs::path ckpt_root = world_size > 1 ? run_dir / fmt::format("rank{:05d}", rank) : run_dir;
+  if (opts.resume) {
+    ckpt = train::latest_checkpoint(ckpt_root);
+    if (!ckpt)
+      throw DataError(fmt::format("--resume: '{}' holds no complete checkpoint to resume from", ckpt_root.string()));
+  }
   if (opts.threads > 0) {
     omp_set_num_threads(opts.threads);
     openblas_set_num_threads(opts.threads);
   }
-  Progress progress(opts.progress, t.steps);
+  Progress progress(opts.progress && rank0, t.steps);
+  if (world_size > 1) progress.note(fmt::format("moeflex: {} ranks: {}", world_size, layout.describe()));
 
   // Data: tokenize (or reuse) the corpus.
   const fs::path corpus = cfg.data.path.empty() ? default_corpus_path() : fs::path(cfg.data.path);
@@ -151,25 +180,32 @@ TrainResult run_training(const TrainOptions& opts) {
   const fs::path data_dir =
       opts.data_cache / fmt::format("{}-v{}", fs::absolute(corpus).lexically_normal().filename().string(),
                                     cfg.model.vocab_size);
-  DatasetInfo info = prepare_dataset(corpus, data_dir, int(cfg.model.vocab_size), cfg.data.val_fraction, 1234,
-                                     [&](const std::string& m) { progress.note(m); });
+  DatasetInfo info;
+  if (rank0)
+    info = prepare_dataset(corpus, data_dir, int(cfg.model.vocab_size), cfg.data.val_fraction, 1234,
+                           [&](const std::string& m) { progress.note(m); });
+  world->barrier();  // the other ranks read what rank 0 prepared
   TokenDataset data = TokenDataset::open(data_dir);
 
-  fs::create_directories(run_dir);
-  if (!opts.resume) {
-    if (fs::exists(run_dir / "summary.json") || train::latest_checkpoint(run_dir))
-      throw ConfigError(fmt::format("run directory '{}' already holds a run; use --resume {} or another --out",
-                                    run_dir.string(), run_dir.string()));
-    write_text_atomic(run_dir / "config.toml", cfg.to_toml());
+  if (!opts.resume && (fs::exists(run_dir / "summary.json") || train::latest_checkpoint(ckpt_root)))
+    throw ConfigError(fmt::format("run directory '{}' already holds a run; use --resume {} or another --out",
+                                  run_dir.string(), run_dir.string()));
+  world->barrier();
+  if (rank0) {
+    fs::create_directories(run_dir);
+    if (!opts.resume) write_text_atomic(run_dir / "config.toml", cfg.to_toml());
+    fs::copy_file(data_dir / "tokenizer.model", run_dir / "tokenizer.model", fs::copy_options::overwrite_existing);
   }
-  fs::copy_file(data_dir / "tokenizer.model", run_dir / "tokenizer.model", fs::copy_options::overwrite_existing);
+  world->barrier();
 
   // Device state: weights, grads, optimizer moments, then activations per step.
   Arena arena(cfg.device_memory);
   TrainResult res;
   const fs::path summary_path = run_dir / "summary.json";
   json history = json::array();
+  json rank_peaks = json::array();
   auto write_summary = [&](double wall) {
+    if (!rank0) return;
     json s;
     s["steps"] = res.steps;
     s["tokens"] = res.tokens;
@@ -183,6 +219,9 @@ TrainResult run_training(const TrainOptions& opts) {
     s["params"] = cfg.model.num_params();
     s["active_params"] = cfg.model.num_active_params();
     s["val_loss_history"] = history;
+    s["world_size"] = world_size;
+    s["layout"] = {{"pp", layout.pp()}, {"dp", layout.dp()}, {"ep", layout.ep()}, {"vpp", layout.vpp()}};
+    s["peak_device_bytes_per_rank"] = rank_peaks;
     s["wall_seconds"] = wall;
     json mem;
     for (int c = 0; c < int(MemCategory::count); ++c)
@@ -194,7 +233,9 @@ TrainResult run_training(const TrainOptions& opts) {
 
   const auto t_start = Clock::now();
   try {
-    MoEModel model(cfg.model, arena);
+    ModelParallel mpar;
+    mpar.ep_group = groups.expert_parallel.get();
+    MoEModel model(cfg.model, arena, mpar);
     model.init_weights(t.seed);
     AdamW opt(model.params(), arena, AdamWConfig{t.beta1, t.beta2, 1e-8, t.weight_decay});
     const int B = int(t.micro_batch_size), S = int(t.seq_len);
@@ -213,10 +254,10 @@ TrainResult run_training(const TrainOptions& opts) {
       res.peak_device_bytes = st.value("peak_device_bytes", std::int64_t(0));
       history = st.value("val_loss_history", json::array());
       elapsed_before = st.value("train_seconds", 0.0);
-      truncate_metrics(run_dir / "metrics.jsonl", start_step);
+      if (rank0) truncate_metrics(run_dir / "metrics.jsonl", start_step);
       progress.note(fmt::format("resuming {} from step {}", run_dir.string(), start_step));
     } else {
-      std::remove((run_dir / "metrics.jsonl").c_str());
+      if (rank0) std::remove((run_dir / "metrics.jsonl").c_str());
       progress.note(fmt::format(
           "moeflex: {:.2f} M params ({:.2f} M active), {} train / {} val tokens, {} tokens per step, budget {}",
           double(cfg.model.num_params()) / 1e6, double(cfg.model.num_active_params()) / 1e6, info.train_tokens,
@@ -225,7 +266,8 @@ TrainResult run_training(const TrainOptions& opts) {
       res.final_val_loss = res.initial_val_loss;
       history.push_back({{"step", 0}, {"val_loss", res.initial_val_loss}});
     }
-    std::ofstream metrics(run_dir / "metrics.jsonl", std::ios::app);
+    std::ofstream metrics;
+    if (rank0) metrics.open(run_dir / "metrics.jsonl", std::ios::app);
     double train_seconds = elapsed_before;
     auto save = [&](std::int64_t step) {
       json st = {{"step", step},
@@ -237,7 +279,7 @@ TrainResult run_training(const TrainOptions& opts) {
                  {"peak_device_bytes", res.peak_device_bytes},
                  {"val_loss_history", history},
                  {"train_seconds", train_seconds}};
-      train::save_checkpoint(run_dir, step, model_buffers(model), optimizer_buffers(opt), st,
+      train::save_checkpoint(ckpt_root, step, model_buffers(model), optimizer_buffers(opt), st,
                              int(t.keep_checkpoints));
     };
 
@@ -249,28 +291,63 @@ TrainResult run_training(const TrainOptions& opts) {
       LossParts sum;
       double max_imbalance = 1.0;
       std::int64_t dropped = 0;
+      std::vector<std::int64_t> received;  // per MoE layer, summed over micro-batches
       for (std::int64_t mb = 0; mb < M; ++mb) {
-        data.sample_batch(Split::kTrain, t.seed, step, mb, B, S, in.data(), tg.data());
-        LossParts lp = model.forward_backward(in.data(), tg.data(), B, S, int(mb), 1.0 / double(M));
+        data.sample_batch(Split::kTrain, t.seed, step, global_microbatch(dp_rank, M, mb), B, S, in.data(),
+                          tg.data());
+        LossParts lp = model.forward_backward(in.data(), tg.data(), B, S, int(mb), 1.0 / double(M * dp));
         sum.total += lp.total / double(M);
         sum.ce += lp.ce / double(M);
         sum.aux += lp.aux / double(M);
         sum.z += lp.z / double(M);
-        for (auto& r : model.routing()) {
+        received.resize(model.routing().size(), 0);
+        for (std::size_t i = 0; i < model.routing().size(); ++i) {
+          const auto& r = model.routing()[i];
           max_imbalance = std::max(max_imbalance, r.imbalance);
           dropped += r.dropped;
+          received[i] += r.received_rows;
         }
       }
-      const double gnorm = clip_grad_norm(model.params(), t.grad_clip);
+      reduce_gradients(model.params(), groups);
+      const double gnorm = clip_global_grad_norm(model.params(), groups, t.grad_clip);
+      // The global loss: mean over data-parallel replicas.
+      double parts[4] = {sum.total, sum.ce, sum.aux, sum.z};
+      if (dp > 1) {
+        groups.data_parallel->all_reduce_sum(parts, 4);
+        for (double& v : parts) v /= dp;
+      }
+      sum = LossParts{parts[0], parts[1], parts[2], parts[3]};
+      // EP: tokens each rank's experts received, per MoE layer; imbalance = max / mean.
+      json ep_received = json::array();
+      double ep_imbalance = 1.0;
+      if (layout.ep() > 1 && !received.empty()) {
+        std::vector<std::int64_t> all(received.size() * std::size_t(layout.ep()));
+        groups.expert_parallel->all_gather_bytes(received.data(), all.data(),
+                                                 std::int64_t(received.size() * sizeof(std::int64_t)));
+        for (std::size_t li = 0; li < received.size(); ++li) {
+          json row = json::array();
+          std::int64_t mx = 0, total = 0;
+          for (int q = 0; q < layout.ep(); ++q) {
+            const std::int64_t v = all[std::size_t(q) * received.size() + li];
+            row.push_back(v);
+            mx = std::max(mx, v);
+            total += v;
+          }
+          ep_received.push_back(row);
+          if (total > 0) ep_imbalance = std::max(ep_imbalance, double(mx) * layout.ep() / double(total));
+        }
+      }
       const double lr = lr_at(step, t.warmup_steps, t.steps, t.lr, t.min_lr);
       opt.step(lr);
       const double dt = seconds_since(t0);
       train_seconds += dt;
-      const std::int64_t step_tokens = B * S * M;
+      const std::int64_t step_tokens = B * S * M * dp;
       res.tokens += step_tokens;
       res.steps = step + 1;
       res.final_train_loss = sum.ce;
-      res.peak_device_bytes = std::max(res.peak_device_bytes, arena.peak());
+      double peak = double(arena.peak());
+      if (world_size > 1) world->all_reduce_max(&peak, 1);
+      res.peak_device_bytes = std::max(res.peak_device_bytes, std::int64_t(peak));
       const bool do_eval = (t.eval_every > 0 && (step + 1) % t.eval_every == 0) || step + 1 == t.steps;
       json line = {{"step", step + 1},
                    {"loss", sum.ce},
@@ -282,19 +359,25 @@ TrainResult run_training(const TrainOptions& opts) {
                    {"tokens", res.tokens},
                    {"step_seconds", dt},
                    {"tokens_per_second", double(step_tokens) / dt},
-                   {"peak_device_bytes", arena.peak()},
+                   {"peak_device_bytes", std::int64_t(peak)},
                    {"max_expert_imbalance", max_imbalance},
                    {"dropped_assignments", dropped}};
+      if (layout.ep() > 1) {
+        line["ep_received_tokens"] = ep_received;
+        line["ep_imbalance"] = ep_imbalance;
+      }
       if (do_eval) {
         last_val = evaluate(model, data, t, in, tg);
         res.final_val_loss = last_val;
         history.push_back({{"step", step + 1}, {"val_loss", last_val}});
         line["val_loss"] = last_val;
       }
-      metrics << line.dump() << "\n";
-      metrics.flush();
+      if (rank0) {
+        metrics << line.dump() << "\n";
+        metrics.flush();
+      }
       res.tokens_per_second = double(res.tokens) / std::max(train_seconds, 1e-9);
-      progress.update(step + 1, sum.ce, last_val, double(step_tokens) / dt, arena.peak(), arena.budget());
+      progress.update(step + 1, sum.ce, last_val, double(step_tokens) / dt, std::int64_t(peak), arena.budget());
       const bool stop_now = opts.stop_after >= 0 && step + 1 >= opts.stop_after && step + 1 < t.steps;
       if ((t.checkpoint_every > 0 && (step + 1) % t.checkpoint_every == 0) || step + 1 == t.steps || stop_now)
         save(step + 1);
@@ -304,11 +387,24 @@ TrainResult run_training(const TrainOptions& opts) {
         break;
       }
     }
-  } catch (const OutOfMemoryError&) {
+  } catch (const OutOfMemoryError& e) {
     res.oom_count += 1;
     res.peak_device_bytes = std::max(res.peak_device_bytes, arena.peak());
+    if (world_size > 1)  // the other ranks are in collectives: end the job with the reason
+      comm::abort_job(fmt::format("rank {}: {}", rank, e.what()), 3);
     write_summary(seconds_since(t_start));
     throw;
+  } catch (const Error& e) {
+    if (world_size > 1) comm::abort_job(fmt::format("rank {}: {}", rank, e.what()), 2);
+    throw;
+  }
+  if (world_size > 1) {
+    std::vector<std::int64_t> peaks(static_cast<std::size_t>(world_size));
+    std::int64_t mine = arena.peak();
+    world->all_gather_bytes(&mine, peaks.data(), sizeof(mine));
+    for (auto p : peaks) rank_peaks.push_back(p);
+  } else {
+    rank_peaks.push_back(arena.peak());
   }
   write_summary(seconds_since(t_start));
   return res;

@@ -1,0 +1,112 @@
+#include "moeflex/model/token_dispatcher.h"
+
+#include <fmt/format.h>
+
+#include <cstring>
+
+#include "moeflex/core/error.h"
+
+namespace moeflex {
+
+TokenDispatcher::TokenDispatcher(comm::Communicator* ep_group, std::int64_t num_experts)
+    : group_(ep_group), e_local_(num_experts) {
+  if (group_) {
+    ep_size_ = group_->size();
+    ep_rank_ = group_->rank();
+  }
+  if (num_experts % ep_size_ != 0)
+    throw ConfigError(fmt::format("model.num_experts = {} is not divisible by expert parallelism {}", num_experts,
+                                  ep_size_));
+  e_local_ = num_experts / ep_size_;
+}
+
+DispatchLayout TokenDispatcher::plan(const std::int32_t* counts) const {
+  const int P = ep_size_;
+  DispatchLayout L;
+  std::vector<std::int64_t> send(std::size_t(P * e_local_));
+  for (std::int64_t e = 0; e < P * e_local_; ++e) send[std::size_t(e)] = counts[e];
+  L.recv_counts.assign(std::size_t(P * e_local_), 0);
+  if (active()) group_->all_to_all(send.data(), L.recv_counts.data(), e_local_);
+  else L.recv_counts = send;
+  L.send_rows.assign(std::size_t(P), 0);
+  L.recv_rows.assign(std::size_t(P), 0);
+  L.local_offsets.assign(std::size_t(e_local_ + 1), 0);
+  for (int q = 0; q < P; ++q)
+    for (std::int64_t le = 0; le < e_local_; ++le) {
+      L.send_rows[std::size_t(q)] += send[std::size_t(q * e_local_ + le)];
+      L.recv_rows[std::size_t(q)] += L.recv_counts[std::size_t(q * e_local_ + le)];
+      L.local_offsets[std::size_t(le + 1)] += std::int32_t(L.recv_counts[std::size_t(q * e_local_ + le)]);
+    }
+  for (std::int64_t le = 0; le < e_local_; ++le) L.local_offsets[std::size_t(le + 1)] += L.local_offsets[std::size_t(le)];
+  for (int q = 0; q < P; ++q) {
+    L.rows_sent += L.send_rows[std::size_t(q)];
+    L.rows_received += L.recv_rows[std::size_t(q)];
+  }
+  return L;
+}
+
+namespace {
+
+// Moves row blocks between source-major ([q][le]) and expert-major ([le][q]) order.
+void reorder(const DispatchLayout& L, int P, std::int64_t E_local, const float* in, float* out, std::int64_t d,
+             bool to_expert_major) {
+  std::vector<std::int64_t> src_off(std::size_t(P * E_local)), exp_off(std::size_t(P * E_local));
+  std::int64_t o = 0;
+  for (int q = 0; q < P; ++q)
+    for (std::int64_t le = 0; le < E_local; ++le) {
+      src_off[std::size_t(q * E_local + le)] = o;
+      o += L.recv_counts[std::size_t(q * E_local + le)];
+    }
+  o = 0;
+  for (std::int64_t le = 0; le < E_local; ++le)
+    for (int q = 0; q < P; ++q) {
+      exp_off[std::size_t(q * E_local + le)] = o;
+      o += L.recv_counts[std::size_t(q * E_local + le)];
+    }
+  const std::int64_t blocks = P * E_local;
+#pragma omp parallel for schedule(static)
+  for (std::int64_t b = 0; b < blocks; ++b) {
+    const std::int64_t rows = L.recv_counts[std::size_t(b)];
+    const std::int64_t from = to_expert_major ? src_off[std::size_t(b)] : exp_off[std::size_t(b)];
+    const std::int64_t to = to_expert_major ? exp_off[std::size_t(b)] : src_off[std::size_t(b)];
+    std::memcpy(out + to * d, in + from * d, sizeof(float) * std::size_t(rows * d));
+  }
+}
+
+std::vector<std::int64_t> displs(const std::vector<std::int64_t>& counts) {
+  std::vector<std::int64_t> d(counts.size(), 0);
+  for (std::size_t i = 1; i < counts.size(); ++i) d[i] = d[i - 1] + counts[i - 1];
+  return d;
+}
+
+}  // namespace
+
+void TokenDispatcher::dispatch(const DispatchLayout& L, const float* xp, float* xe, std::int64_t d,
+                               float* scratch) const {
+  if (!active()) {
+    std::memcpy(xe, xp, sizeof(float) * std::size_t(L.rows_sent * d));
+    return;
+  }
+  std::vector<std::int64_t> sc(L.send_rows), rc(L.recv_rows);
+  for (auto& c : sc) c *= d;
+  for (auto& c : rc) c *= d;
+  const auto sd = displs(sc), rd = displs(rc);
+  group_->all_to_all_v(xp, sc.data(), sd.data(), scratch, rc.data(), rd.data(), sizeof(float));
+  reorder(L, ep_size_, e_local_, scratch, xe, d, /*to_expert_major=*/true);
+}
+
+void TokenDispatcher::combine(const DispatchLayout& L, const float* ye, float* yp, std::int64_t d,
+                              float* scratch) const {
+  if (!active()) {
+    std::memcpy(yp, ye, sizeof(float) * std::size_t(L.rows_received * d));
+    return;
+  }
+  reorder(L, ep_size_, e_local_, ye, scratch, d, /*to_expert_major=*/false);
+  std::vector<std::int64_t> sc(L.recv_rows), rc(L.send_rows);
+  for (auto& c : sc) c *= d;
+  for (auto& c : rc) c *= d;
+  const auto sd = displs(sc), rd = displs(rc);
+  group_->all_to_all_v(scratch, sc.data(), sd.data(), yp, rc.data(), rd.data(), sizeof(float));
+}
+
+}  // namespace moeflex

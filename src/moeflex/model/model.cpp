@@ -97,8 +97,14 @@ MoEModel::MoEModel(const ModelConfig& cfg, Arena& arena, const ModelParallel& pa
     // A tied head on a stage without the embedding keeps its own copy of the
     // embedding matrix (same name, same init); the trainer sums the two copies'
     // gradients across the first and last stage.
-    lm_head_ = cfg.tie_word_embeddings ? (embed_ ? embed_ : add("model.embed_tokens.weight", {V, d}))
-                                       : add("lm_head.weight", {V, d});
+    if (!cfg.tie_word_embeddings) {
+      lm_head_ = add("lm_head.weight", {V, d});
+    } else if (embed_) {
+      lm_head_ = embed_;
+    } else {
+      lm_head_ = add("model.embed_tokens.weight", {V, d});
+      lm_head_->tied_copy = true;
+    }
   }
 }
 
@@ -129,6 +135,37 @@ void MoEModel::init_weights(std::uint64_t seed) {
 
 void MoEModel::zero_grads() {
   for (auto& p : params_) p.g.zero();
+}
+
+void MoEModel::weight_grad(int mb, std::function<void()> fn) {
+  if (defer_wgrad_) wgrad_queue_[mb].push_back(std::move(fn));
+  else fn();
+}
+
+void MoEModel::backward_weight(int mb) {
+  auto it = wgrad_queue_.find(mb);
+  if (it == wgrad_queue_.end()) return;
+  for (auto& fn : it->second) fn();
+  wgrad_queue_.erase(it);
+}
+
+std::size_t MoEModel::pending_weight_grads(int mb) const {
+  auto it = wgrad_queue_.find(mb);
+  return it == wgrad_queue_.end() ? 0 : it->second.size();
+}
+
+void MoEModel::linear_bw(int mb, const Shared& dy, const Shared& x, Param* w, float* dx, std::int64_t n,
+                         std::int64_t in, std::int64_t out, bool accumulate_dx) {
+  if (dx) ops::linear_backward(dy->f32(), x->f32(), w->w.f32(), dx, static_cast<float*>(nullptr), n, in, out, accumulate_dx);
+  weight_grad(mb, [dy, x, w, n, in, out] {
+    ops::linear_backward(dy->f32(), x->f32(), w->w.f32(), static_cast<float*>(nullptr), w->g.f32(), n, in, out);
+  });
+}
+
+MoEModel::Shared MoEModel::copy_of(const Tensor& t, const char* name) {
+  Tensor c(arena_, t.shape(), MemCategory::workspace, name, t.dtype());
+  std::memcpy(c.raw(), t.raw(), std::size_t(t.nbytes()));
+  return share(std::move(c));
 }
 
 Tensor MoEModel::act(std::vector<std::int64_t> shape, const char* name, DType dt) {
@@ -171,9 +208,9 @@ LossParts MoEModel::forward(const std::int32_t* ids, const std::int32_t* targets
 }
 
 Tensor MoEModel::forward_stage(const std::int32_t* ids, const std::int32_t* targets, const float* x_in,
-                               std::int64_t B, std::int64_t S, int mb, LossParts* loss) {
+                               std::int64_t B, std::int64_t S, int mb, LossParts* loss, bool train) {
   LossParts local;
-  Tensor out = forward_impl(ids, targets, x_in, B, S, mb, /*train=*/true, local, nullptr);
+  Tensor out = forward_impl(ids, targets, x_in, B, S, mb, train, local, nullptr);
   if (loss) *loss = local;
   return out;
 }
@@ -190,7 +227,6 @@ Tensor MoEModel::forward_impl(const std::int32_t* ids, const std::int32_t* targe
     throw ConfigError(fmt::format("sequence length {} exceeds model.max_position_embeddings = {}", S,
                                   cfg_.max_position_embeddings));
   const std::int64_t n = B * S, d = cfg_.hidden_size, V = cfg_.vocab_size;
-  routing_.clear();
 
   Tensor x = act({n, d}, "stage.input");
   if (par_.embedding) {
@@ -244,11 +280,8 @@ void MoEModel::backward_stage(const std::int32_t* ids, const std::int32_t* targe
     Tensor probs = stash_.take(mb, kHeadLayer, "lm_head.probs");
     ops::cross_entropy_backward(probs.f32(), targets, probs.f32(), n, V, float(grad_scale / double(n)));
     Tensor dhn = work({n, d}, "lm_head.dx");
-    {
-      Tensor hn = stash_.take(mb, kHeadLayer, "final_norm.out");
-      ops::linear_backward(probs.f32(), hn.f32(), lm_head_->w.f32(), dhn.f32(), lm_head_->g.f32(), n, d, V);
-    }
-    probs.reset();
+    linear_bw(mb, share(std::move(probs)), share(stash_.take(mb, kHeadLayer, "final_norm.out")), lm_head_, dhn.f32(),
+              n, d, V, false);
     Tensor x = stash_.take(mb, kHeadLayer, "final_norm.in"), rstd = stash_.take(mb, kHeadLayer, "final_norm.rstd");
     ops::rmsnorm_backward(dhn.f32(), x.f32(), final_norm_->w.f32(), rstd.f32(), dx.f32(), final_norm_->g.f32(), n,
                           d);
@@ -301,10 +334,10 @@ void MoEModel::attention_backward(int l, Tensor& dx, std::int64_t B, std::int64_
   const std::int64_t n = B * S, d = cfg_.hidden_size, H = cfg_.num_attention_heads, hd = cfg_.head_dim();
   Tensor dq = work({n, d}, "attn.dq"), dk = work({n, d}, "attn.dk"), dv = work({n, d}, "attn.dv");
   {
-    Tensor o = stash_.take(mb, l, "attn.out");
+    // dx keeps changing (the residual stream), so a deferred o_proj dW gets a copy.
     Tensor dout = work({n, d}, "attn.dout");
-    ops::linear_backward(dx.f32(), o.f32(), P.o->w.f32(), dout.f32(), P.o->g.f32(), n, d, d);
-    o.reset();
+    linear_bw(mb, defer_wgrad_ ? copy_of(dx, "attn.o_proj.dy") : borrow(dx), share(stash_.take(mb, l, "attn.out")),
+              P.o, dout.f32(), n, d, d, false);
     Tensor q = stash_.take(mb, l, "attn.q"), k = stash_.take(mb, l, "attn.k"), v = stash_.take(mb, l, "attn.v");
     Tensor probs = stash_.take(mb, l, "attn.probs");
     Tensor dprobs = work({B, H, S, S}, "attn.dprobs");
@@ -313,15 +346,12 @@ void MoEModel::attention_backward(int l, Tensor& dx, std::int64_t B, std::int64_
   }
   ops::rope_backward(dq.f32(), B, S, H, hd, cfg_.rope_theta);
   ops::rope_backward(dk.f32(), B, S, H, hd, cfg_.rope_theta);
-  Tensor a = stash_.take(mb, l, "attn_norm.out");
+  Shared a = share(stash_.take(mb, l, "attn_norm.out"));
   Tensor da = work({n, d}, "attn_norm.dout");
-  ops::linear_backward(dq.f32(), a.f32(), P.q->w.f32(), da.f32(), P.q->g.f32(), n, d, d, false);
-  ops::linear_backward(dk.f32(), a.f32(), P.k->w.f32(), da.f32(), P.k->g.f32(), n, d, d, true);
-  ops::linear_backward(dv.f32(), a.f32(), P.v->w.f32(), da.f32(), P.v->g.f32(), n, d, d, true);
+  linear_bw(mb, share(std::move(dq)), a, P.q, da.f32(), n, d, d, false);
+  linear_bw(mb, share(std::move(dk)), a, P.k, da.f32(), n, d, d, true);
+  linear_bw(mb, share(std::move(dv)), a, P.v, da.f32(), n, d, d, true);
   a.reset();
-  dq.reset();
-  dk.reset();
-  dv.reset();
   Tensor x = stash_.take(mb, l, "attn_norm.in"), rstd = stash_.take(mb, l, "attn_norm.rstd");
   Tensor dtmp = work({n, d}, "attn_norm.dx");
   ops::rmsnorm_backward(da.f32(), x.f32(), P.in_norm->w.f32(), rstd.f32(), dtmp.f32(), P.in_norm->g.f32(), n, d);
@@ -346,13 +376,11 @@ void MoEModel::swiglu_mlp_forward(const float* m, Param* w1, Param* w3, Param* w
   }
 }
 
-void MoEModel::swiglu_mlp_backward(const float* dy, const float* m, Param* w1, Param* w3, Param* w2, float* dm,
+void MoEModel::swiglu_mlp_backward(const Shared& dy, const Shared& m, Param* w1, Param* w3, Param* w2, float* dm,
                                    std::int64_t n, int l, int mb, const char* prefix) {
   const std::int64_t d = cfg_.hidden_size, w = w1->w.dim(0);
-  Tensor a = stash_.take(mb, l, fmt::format("{}.act", prefix));
   Tensor da = work({n, w}, "mlp.dact");
-  ops::linear_backward(dy, a.f32(), w2->w.f32(), da.f32(), w2->g.f32(), n, w, d);
-  a.reset();
+  linear_bw(mb, dy, share(stash_.take(mb, l, fmt::format("{}.act", prefix))), w2, da.f32(), n, w, d, false);
   Tensor h1 = stash_.take(mb, l, fmt::format("{}.gate_out", prefix));
   Tensor h3 = stash_.take(mb, l, fmt::format("{}.up_out", prefix));
   Tensor dh1 = work({n, w}, "mlp.dgate"), dh3 = work({n, w}, "mlp.dup");
@@ -360,8 +388,8 @@ void MoEModel::swiglu_mlp_backward(const float* dy, const float* m, Param* w1, P
   h1.reset();
   h3.reset();
   da.reset();
-  ops::linear_backward(dh1.f32(), m, w1->w.f32(), dm, w1->g.f32(), n, d, w, true);
-  ops::linear_backward(dh3.f32(), m, w3->w.f32(), dm, w3->g.f32(), n, d, w, true);
+  linear_bw(mb, share(std::move(dh1)), m, w1, dm, n, d, w, true);
+  linear_bw(mb, share(std::move(dh3)), m, w3, dm, n, d, w, true);
 }
 
 double MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train, LossParts& loss) {
@@ -468,11 +496,14 @@ double MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool trai
 void MoEModel::ffn_backward(int l, Tensor& dx, std::int64_t n, int mb, double grad_scale) {
   const LayerParams& P = layer(l);
   const std::int64_t d = cfg_.hidden_size;
-  Tensor m = stash_.take(mb, l, "ffn_norm.out");
+  Shared m = share(stash_.take(mb, l, "ffn_norm.out"));
   Tensor dm = work({n, d}, "ffn_norm.dout");
+  // dx (the residual stream's gradient) changes after this block, so deferred
+  // weight gradients that read it get a copy.
+  Shared dy = defer_wgrad_ ? copy_of(dx, "ffn.dy") : borrow(dx);
   if (!cfg_.is_moe_layer(l)) {
     dm.zero();
-    swiglu_mlp_backward(dx.f32(), m.f32(), P.s1, P.s3, P.s2, dm.f32(), n, l, mb, "dense");
+    swiglu_mlp_backward(dy, m, P.s1, P.s3, P.s2, dm.f32(), n, l, mb, "dense");
   } else {
     const std::int64_t E = cfg_.num_experts, k = cfg_.num_experts_per_tok, f = cfg_.moe_intermediate_size;
     Tensor offsets = stash_.take(mb, l, "moe.offsets"), slot_of = stash_.take(mb, l, "moe.slot_of");
@@ -501,29 +532,44 @@ void MoEModel::ffn_backward(int l, Tensor& dx, std::int64_t n, int mb, double gr
           dye = std::move(dyp);
         }
       }
+      // Grouped dW GEMMs may be deferred (zero-bubble W); they keep their offsets.
+      auto offs = std::make_shared<std::vector<std::int32_t>>(eoff, eoff + El + 1);
+      auto grouped_dw = [&](Shared dyy, Shared xx, Param* W, std::int64_t in, std::int64_t out) {
+        weight_grad(mb, [dyy, xx, W, offs, El, in, out] {
+          ops::grouped_linear_backward(dyy->f32(), xx->f32(), W->w.f32(), static_cast<float*>(nullptr), W->g.f32(),
+                                       offs->data(), El, in, out);
+        });
+      };
       Tensor da = work({Rr, f}, "experts.dact");
       {
-        Tensor a = stash_.take(mb, l, "experts.act");
-        ops::grouped_linear_backward(dye.f32(), a.f32(), P.w2->w.f32(), da.f32(), P.w2->g.f32(), eoff, El, f, d);
+        Shared a = share(stash_.take(mb, l, "experts.act")), dyes = share(std::move(dye));
+        ops::grouped_linear_backward(dyes->f32(), a->f32(), P.w2->w.f32(), da.f32(), static_cast<float*>(nullptr),
+                                     eoff, El, f, d);
+        grouped_dw(dyes, a, P.w2, f, d);
       }
-      dye.reset();
       Tensor dh1 = work({Rr, f}, "experts.dgate"), dh3 = work({Rr, f}, "experts.dup");
       {
         Tensor h1 = stash_.take(mb, l, "experts.gate_out"), h3 = stash_.take(mb, l, "experts.up_out");
         ops::swiglu_backward(da.f32(), h1.f32(), h3.f32(), dh1.f32(), dh3.f32(), Rr * f);
       }
       da.reset();
-      Tensor xe = stash_.take(mb, l, "experts.in");
+      Shared xe = share(stash_.take(mb, l, "experts.in"));
       Tensor dxe = work({Rr, d}, "experts.din");
-      ops::grouped_linear_backward(dh1.f32(), xe.f32(), P.w1->w.f32(), dxe.f32(), P.w1->g.f32(), eoff, El, d, f);
-      dh1.reset();
       {
+        Shared dh1s = share(std::move(dh1));
+        ops::grouped_linear_backward(dh1s->f32(), xe->f32(), P.w1->w.f32(), dxe.f32(), static_cast<float*>(nullptr),
+                                     eoff, El, d, f);
+        grouped_dw(dh1s, xe, P.w1, d, f);
+      }
+      {
+        Shared dh3s = share(std::move(dh3));
         Tensor dxe3 = work({Rr, d}, "experts.din_up");
-        ops::grouped_linear_backward(dh3.f32(), xe.f32(), P.w3->w.f32(), dxe3.f32(), P.w3->g.f32(), eoff, El, d, f);
+        ops::grouped_linear_backward(dh3s->f32(), xe->f32(), P.w3->w.f32(), dxe3.f32(), static_cast<float*>(nullptr),
+                                     eoff, El, d, f);
+        grouped_dw(dh3s, xe, P.w3, d, f);
         add_inplace(dxe.f32(), dxe3.f32(), Rr * d);
       }
       xe.reset();
-      dh3.reset();
       if (dispatcher_.active()) {
         Tensor dxp = work({R, d}, "moe.dpermuted");
         Tensor scratch = work({Rr, d}, "moe.a2a_scratch");
@@ -533,7 +579,7 @@ void MoEModel::ffn_backward(int l, Tensor& dx, std::int64_t n, int mb, double gr
         ops::permute_backward(dxe.f32(), slot_of.i32(), dm.f32(), n, k, d);
       }
     }
-    if (P.s1) swiglu_mlp_backward(dx.f32(), m.f32(), P.s1, P.s3, P.s2, dm.f32(), n, l, mb, "shared");
+    if (P.s1) swiglu_mlp_backward(dy, m, P.s1, P.s3, P.s2, dm.f32(), n, l, mb, "shared");
     Tensor probs = stash_.take(mb, l, "router.probs"), logits = stash_.take(mb, l, "router.logits");
     Tensor dprobs = work({n, E}, "router.dprobs");
     dprobs.zero();
@@ -543,9 +589,10 @@ void MoEModel::ffn_backward(int l, Tensor& dx, std::int64_t n, int mb, double gr
                          cfg_.norm_topk_prob);
     if (cfg_.router_z_loss_coef > 0)
       ops::z_loss_backward(logits.f32(), dlogits.f32(), n, E, cfg_.router_z_loss_coef * grad_scale);
-    ops::linear_backward(dlogits.f32(), m.f32(), P.gate->w.f32(), dm.f32(), P.gate->g.f32(), n, d, E, true);
+    linear_bw(mb, share(std::move(dlogits)), m, P.gate, dm.f32(), n, d, E, true);
   }
   m.reset();
+  dy.reset();
   Tensor h = stash_.take(mb, l, "ffn_norm.in"), rstd = stash_.take(mb, l, "ffn_norm.rstd");
   Tensor dtmp = work({n, d}, "ffn_norm.dx");
   ops::rmsnorm_backward(dm.f32(), h.f32(), P.post_norm->w.f32(), rstd.f32(), dtmp.f32(), P.post_norm->g.f32(), n, d);

@@ -3,7 +3,9 @@
 // backward needs into the ActivationStash.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -22,6 +24,9 @@ struct Param {
   bool no_decay;      ///< excluded from weight decay (norm weights)
   bool expert = false;            ///< routed-expert weights: sharded over EP, reduced over expert-DP
   std::int64_t init_offset = 0;   ///< element offset of this shard in the full tensor (for init)
+  /// The last pipeline stage's copy of a tied embedding (the first stage holds the
+  /// original): its gradient is summed with the original's and it is left out of norms.
+  bool tied_copy = false;
 };
 
 /// Which part of the model this rank holds, and its expert-parallel group.
@@ -81,14 +86,24 @@ class MoEModel {
   /// activations x_in [B*S, d] received from the previous stage. Returns the output
   /// activations [B*S, d] to send on, or an empty tensor on the last stage, whose
   /// losses go to `loss`. Activations of `microbatch` stay in the stash.
+  /// With train = false nothing is kept (evaluation).
   Tensor forward_stage(const std::int32_t* ids, const std::int32_t* targets, const float* x_in, std::int64_t B,
-                       std::int64_t S, int microbatch, LossParts* loss);
+                       std::int64_t S, int microbatch, LossParts* loss, bool train = true);
   /// One pipeline stage's backward: dy [B*S, d] is the gradient of the stage's output
   /// (ignored on the last stage); dx_in [B*S, d] receives the gradient of its input
   /// (not written on the first stage). Parameter gradients accumulate.
   void backward_stage(const std::int32_t* ids, const std::int32_t* targets, const float* dy, float* dx_in,
                       std::int64_t B, std::int64_t S, int microbatch, double grad_scale);
   const ModelParallel& parallel() const { return par_; }
+
+  /// Zero-bubble split (Qi et al. 2023): while set, backward_stage computes only
+  /// input gradients (B) plus the cheap norm and embedding weight gradients, and
+  /// queues the weight-gradient GEMMs of micro-batch `mb`, keeping what they read;
+  /// backward_weight(mb) runs them (W). Gradients are the same either way.
+  void set_defer_weight_grads(bool defer) { defer_wgrad_ = defer; }
+  void backward_weight(int microbatch);
+  /// Bytes held by queued weight-gradient work (the split's memory cost).
+  std::size_t pending_weight_grads(int microbatch) const;
 
   /// Forward only (no activations kept): the loss if targets != null, and the
   /// logits of the last position of each sequence into `last_logits` [B, V] if non-null.
@@ -100,11 +115,13 @@ class MoEModel {
   Param& param(const std::string& name);
   ActivationStash& stash() { return stash_; }
   Arena& arena() { return arena_; }
-  /// Routing statistics of the MoE layers of the last forward.
+  /// Routing statistics of every MoE-layer forward since clear_routing(), in order.
   const std::vector<RoutingStats>& routing() const { return routing_; }
+  void clear_routing() { routing_.clear(); }
   void set_expert_impl(ExpertImpl impl) { expert_impl_ = impl; }
 
  private:
+  using Shared = std::shared_ptr<Tensor>;
   struct LayerParams {
     Param *in_norm, *q, *k, *v, *o, *post_norm;
     Param *gate = nullptr, *w1 = nullptr, *w3 = nullptr, *w2 = nullptr;  // routed experts (stacked)
@@ -123,12 +140,24 @@ class MoEModel {
   void ffn_backward(int l, Tensor& dx, std::int64_t n, int mb, double grad_scale);
   void swiglu_mlp_forward(const float* m, Param* w1, Param* w3, Param* w2, float* y, std::int64_t n, int l, int mb,
                           bool train, const char* prefix, bool accumulate);
-  void swiglu_mlp_backward(const float* dy, const float* m, Param* w1, Param* w3, Param* w2, float* dm,
+  void swiglu_mlp_backward(const Shared& dy, const Shared& m, Param* w1, Param* w3, Param* w2, float* dm,
                            std::int64_t n, int l, int mb, const char* prefix);
+
+  /// Runs `fn` now, or queues it for backward_weight(mb) when deferring.
+  void weight_grad(int mb, std::function<void()> fn);
+  /// dx (= or +=) now; dW += dy^T x now or deferred. dy and x are kept alive by the closure.
+  void linear_bw(int mb, const Shared& dy, const Shared& x, Param* w, float* dx, std::int64_t n, std::int64_t in,
+                 std::int64_t out, bool accumulate_dx);
+  Shared share(Tensor t) { return std::make_shared<Tensor>(std::move(t)); }
+  /// A non-owning handle (aliasing constructor) for a tensor that outlives an immediate use.
+  static Shared borrow(Tensor& t) { return Shared(Shared(), &t); }
+  Shared copy_of(const Tensor& t, const char* name);
 
   ModelConfig cfg_;
   Arena& arena_;
   ModelParallel par_;
+  bool defer_wgrad_ = false;
+  std::map<int, std::vector<std::function<void()>>> wgrad_queue_;
   TokenDispatcher dispatcher_;
   std::map<std::pair<int, int>, DispatchLayout> dispatch_layouts_;  // (mb, layer) -> counts for backward
   std::vector<Param> params_;

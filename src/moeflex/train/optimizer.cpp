@@ -69,25 +69,30 @@ double square_sum(const Param& p) {
 
 }  // namespace
 
+double grad_square_sum(const Param& p) { return square_sum(p); }
+
+void scale_grads(Param& p, float scale) {
+  float* g = p.g.f32();
+  const std::int64_t n = p.g.numel();
+#pragma omp parallel for schedule(static)
+  for (std::int64_t j = 0; j < n; ++j) g[j] *= scale;
+}
+
 double grad_square_sum(const std::vector<Param>& params, bool expert) {
   double total = 0;
   for (auto& p : params)
-    if (p.expert == expert) total += square_sum(p);
+    if (p.expert == expert && !p.tied_copy) total += square_sum(p);
   return total;
 }
 
 void scale_grads(std::vector<Param>& params, float scale) {
-  for (auto& p : params) {
-    float* g = p.g.f32();
-    const std::int64_t n = p.g.numel();
-#pragma omp parallel for schedule(static)
-    for (std::int64_t j = 0; j < n; ++j) g[j] *= scale;
-  }
+  for (auto& p : params) scale_grads(p, scale);
 }
 
 double clip_grad_norm(std::vector<Param>& params, double max_norm) {
   double total = 0;
-  for (auto& p : params) total += square_sum(p);
+  for (auto& p : params)
+    if (!p.tied_copy) total += square_sum(p);
   const double norm = std::sqrt(total);
   if (max_norm > 0 && norm > max_norm) scale_grads(params, float(max_norm / (norm + 1e-6)));
   return norm;

@@ -38,8 +38,11 @@ class AdamW {
 /// Sum of squared gradients of the expert (or non-expert) parameters, in double,
 /// in parameter order with fixed-size chunks (the same for any thread count).
 double grad_square_sum(const std::vector<Param>& params, bool expert);
+/// The same for one parameter.
+double grad_square_sum(const Param& p);
 /// g *= scale for every parameter.
 void scale_grads(std::vector<Param>& params, float scale);
+void scale_grads(Param& p, float scale);
 
 /// Global L2 norm of all gradients (summed in parameter order, in double), then
 /// scales them by max_norm / norm when norm > max_norm (max_norm <= 0: no clipping).

@@ -21,6 +21,7 @@
 #include "moeflex/train/dataset.h"
 #include "moeflex/train/distributed.h"
 #include "moeflex/train/optimizer.h"
+#include "moeflex/train/replica.h"
 
 extern "C" void openblas_set_num_threads(int);
 
@@ -36,17 +37,7 @@ double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-std::vector<train::NamedBuffer> model_buffers(MoEModel& model) {
-  std::vector<train::NamedBuffer> out;
-  for (auto& p : model.params()) out.push_back({p.name, p.w.shape(), p.w.f32()});
-  return out;
-}
 
-std::vector<train::NamedBuffer> optimizer_buffers(AdamW& opt) {
-  std::vector<train::NamedBuffer> out;
-  for (auto& [name, t] : opt.state()) out.push_back({name, t->shape(), t->f32()});
-  return out;
-}
 
 void write_text_atomic(const fs::path& path, const std::string& text) {
   fs::path tmp = path;
@@ -76,18 +67,6 @@ void truncate_metrics(const fs::path& path, std::int64_t step) {
   write_text_atomic(path, kept);
 }
 
-// Mean cross-entropy over the fixed validation batches.
-double evaluate(MoEModel& model, const TokenDataset& data, const TrainConfig& t, std::vector<std::int32_t>& in,
-                std::vector<std::int32_t>& tg) {
-  const int B = int(t.micro_batch_size), S = int(t.seq_len);
-  const std::int64_t nb = data.num_val_batches(B, S, t.eval_batches);
-  double sum = 0;
-  for (std::int64_t i = 0; i < nb; ++i) {
-    data.val_batch(i, B, S, t.eval_batches, in.data(), tg.data());
-    sum += model.forward_eval(in.data(), tg.data(), B, S).ce;
-  }
-  return sum / double(std::max<std::int64_t>(nb, 1));
-}
 
 /// The progress line: a bar on a terminal, periodic log lines otherwise.
 class Progress {
@@ -144,15 +123,12 @@ TrainResult run_training(const TrainOptions& opts) {
   const int rank = world->rank(), world_size = world->size();
   const bool rank0 = rank == 0;
   const ParallelConfig& pc = cfg.parallel;
-  if (pc.pp != 1 || pc.vpp != 1)
-    throw ConfigError(fmt::format("--pp {} / --vpp {}: the trainer does not run pipeline stages yet (the schedules "
-                                  "are in src/moeflex/schedule); use --dp and --ep", pc.pp, pc.vpp));
   comm::LayoutSpec spec;
   spec.world_size = world_size;
   spec.pp = pc.pp;
   spec.dp = pc.dp > 0 ? pc.dp : world_size / pc.pp;
   spec.ep = pc.ep;
-  spec.vpp = pc.vpp;
+  spec.vpp = pc.schedule == "dualpipev" && pc.vpp == 1 ? 2 : pc.vpp;  // DualPipeV: two stages per rank
   spec.num_layers = int(cfg.model.num_hidden_layers);
   spec.num_experts = int(cfg.model.num_experts);
   const comm::ParallelLayout layout(spec);
@@ -233,20 +209,43 @@ TrainResult run_training(const TrainOptions& opts) {
 
   const auto t_start = Clock::now();
   try {
-    ModelParallel mpar;
-    mpar.ep_group = groups.expert_parallel.get();
-    MoEModel model(cfg.model, arena, mpar);
-    model.init_weights(t.seed);
-    AdamW opt(model.params(), arena, AdamWConfig{t.beta1, t.beta2, 1e-8, t.weight_decay});
     const int B = int(t.micro_batch_size), S = int(t.seq_len);
     const std::int64_t M = t.grad_accum;
-    std::vector<std::int32_t> in(std::size_t(B * S)), tg(std::size_t(B * S));
+    Replica replica(cfg.model, pc.schedule, layout, groups, arena, M, B, S);
+    replica.init_weights(t.seed);
+    std::vector<std::unique_ptr<AdamW>> opts_;
+    for (MoEModel* c : replica.chunks())
+      opts_.push_back(std::make_unique<AdamW>(c->params(), arena, AdamWConfig{t.beta1, t.beta2, 1e-8, t.weight_decay}));
+    auto model_bufs = [&] {
+      std::vector<train::NamedBuffer> out;
+      for (Param* p : replica.params())
+        out.push_back({p->tied_copy ? p->name + ".tied_copy" : p->name, p->w.shape(), p->w.f32()});
+      return out;
+    };
+    auto opt_bufs = [&] {
+      std::vector<train::NamedBuffer> out;
+      for (std::size_t c = 0; c < opts_.size(); ++c)
+        for (auto& [name, tt] : opts_[c]->state())
+          out.push_back({fmt::format("chunk{}.{}", c, name), tt->shape(), tt->f32()});
+      return out;
+    };
+    std::vector<std::int32_t> in(static_cast<std::size_t>(B * S)), tg(static_cast<std::size_t>(B * S));
+    auto evaluate = [&] {
+      const std::int64_t nb = data.num_val_batches(B, S, t.eval_batches);
+      double sum = 0;
+      for (std::int64_t i = 0; i < nb; ++i) {
+        data.val_batch(i, B, S, t.eval_batches, in.data(), tg.data());
+        sum += replica.evaluate(in.data(), tg.data()).ce;
+      }
+      replica.clear_routing();
+      return sum / double(std::max<std::int64_t>(nb, 1));
+    };
     std::int64_t start_step = 0;
     double elapsed_before = 0;
     if (ckpt) {
-      json st = train::load_checkpoint(*ckpt, model_buffers(model), optimizer_buffers(opt));
+      json st = train::load_checkpoint(*ckpt, model_bufs(), opt_bufs());
       start_step = st.at("step").get<std::int64_t>();
-      opt.set_steps_taken(st.at("adam_steps").get<std::int64_t>());
+      for (auto& o : opts_) o->set_steps_taken(st.at("adam_steps").get<std::int64_t>());
       res.tokens = st.at("tokens").get<std::int64_t>();
       res.initial_val_loss = st.at("initial_val_loss").get<double>();
       res.final_val_loss = st.value("last_val_loss", res.initial_val_loss);
@@ -261,8 +260,8 @@ TrainResult run_training(const TrainOptions& opts) {
       progress.note(fmt::format(
           "moeflex: {:.2f} M params ({:.2f} M active), {} train / {} val tokens, {} tokens per step, budget {}",
           double(cfg.model.num_params()) / 1e6, double(cfg.model.num_active_params()) / 1e6, info.train_tokens,
-          info.val_tokens, B * S * M, format_bytes(arena.budget())));
-      res.initial_val_loss = evaluate(model, data, t, in, tg);
+          info.val_tokens, B * S * M * dp, format_bytes(arena.budget())));
+      res.initial_val_loss = evaluate();
       res.final_val_loss = res.initial_val_loss;
       history.push_back({{"step", 0}, {"val_loss", res.initial_val_loss}});
     }
@@ -271,7 +270,7 @@ TrainResult run_training(const TrainOptions& opts) {
     double train_seconds = elapsed_before;
     auto save = [&](std::int64_t step) {
       json st = {{"step", step},
-                 {"adam_steps", opt.steps_taken()},
+                 {"adam_steps", opts_.front()->steps_taken()},
                  {"tokens", res.tokens},
                  {"initial_val_loss", res.initial_val_loss},
                  {"last_val_loss", res.final_val_loss},
@@ -279,44 +278,29 @@ TrainResult run_training(const TrainOptions& opts) {
                  {"peak_device_bytes", res.peak_device_bytes},
                  {"val_loss_history", history},
                  {"train_seconds", train_seconds}};
-      train::save_checkpoint(ckpt_root, step, model_buffers(model), optimizer_buffers(opt), st,
-                             int(t.keep_checkpoints));
+      train::save_checkpoint(ckpt_root, step, model_bufs(), opt_bufs(), st, int(t.keep_checkpoints));
     };
 
     double last_val = res.final_val_loss;
     for (std::int64_t step = start_step; step < t.steps; ++step) {
       const auto t0 = Clock::now();
       arena.reset_peaks();
-      model.zero_grads();
-      LossParts sum;
+      replica.zero_grads();
+      replica.clear_routing();
+      const LossParts sum = replica.forward_backward([&](int mb, std::int32_t* ids, std::int32_t* targets) {
+        data.sample_batch(Split::kTrain, t.seed, step, global_microbatch(dp_rank, M, mb), B, S, ids, targets);
+      });
+      const double gnorm = replica.clip_grad_norm(t.grad_clip);
       double max_imbalance = 1.0;
       std::int64_t dropped = 0;
-      std::vector<std::int64_t> received;  // per MoE layer, summed over micro-batches
-      for (std::int64_t mb = 0; mb < M; ++mb) {
-        data.sample_batch(Split::kTrain, t.seed, step, global_microbatch(dp_rank, M, mb), B, S, in.data(),
-                          tg.data());
-        LossParts lp = model.forward_backward(in.data(), tg.data(), B, S, int(mb), 1.0 / double(M * dp));
-        sum.total += lp.total / double(M);
-        sum.ce += lp.ce / double(M);
-        sum.aux += lp.aux / double(M);
-        sum.z += lp.z / double(M);
-        received.resize(model.routing().size(), 0);
-        for (std::size_t i = 0; i < model.routing().size(); ++i) {
-          const auto& r = model.routing()[i];
-          max_imbalance = std::max(max_imbalance, r.imbalance);
-          dropped += r.dropped;
-          received[i] += r.received_rows;
-        }
+      std::map<int, std::int64_t> received_by_layer;  // rows this rank's experts received, summed over micro-batches
+      for (const auto& r : replica.routing()) {
+        max_imbalance = std::max(max_imbalance, r.imbalance);
+        dropped += r.dropped;
+        received_by_layer[r.layer] += r.received_rows;
       }
-      reduce_gradients(model.params(), groups);
-      const double gnorm = clip_global_grad_norm(model.params(), groups, t.grad_clip);
-      // The global loss: mean over data-parallel replicas.
-      double parts[4] = {sum.total, sum.ce, sum.aux, sum.z};
-      if (dp > 1) {
-        groups.data_parallel->all_reduce_sum(parts, 4);
-        for (double& v : parts) v /= dp;
-      }
-      sum = LossParts{parts[0], parts[1], parts[2], parts[3]};
+      std::vector<std::int64_t> received;
+      for (auto& [l, v] : received_by_layer) received.push_back(v);
       // EP: tokens each rank's experts received, per MoE layer; imbalance = max / mean.
       json ep_received = json::array();
       double ep_imbalance = 1.0;
@@ -338,7 +322,7 @@ TrainResult run_training(const TrainOptions& opts) {
         }
       }
       const double lr = lr_at(step, t.warmup_steps, t.steps, t.lr, t.min_lr);
-      opt.step(lr);
+      for (auto& o : opts_) o->step(lr);
       const double dt = seconds_since(t0);
       train_seconds += dt;
       const std::int64_t step_tokens = B * S * M * dp;
@@ -367,7 +351,7 @@ TrainResult run_training(const TrainOptions& opts) {
         line["ep_imbalance"] = ep_imbalance;
       }
       if (do_eval) {
-        last_val = evaluate(model, data, t, in, tg);
+        last_val = evaluate();
         res.final_val_loss = last_val;
         history.push_back({{"step", step + 1}, {"val_loss", last_val}});
         line["val_loss"] = last_val;
@@ -391,11 +375,11 @@ TrainResult run_training(const TrainOptions& opts) {
     res.oom_count += 1;
     res.peak_device_bytes = std::max(res.peak_device_bytes, arena.peak());
     if (world_size > 1)  // the other ranks are in collectives: end the job with the reason
-      comm::abort_job(fmt::format("rank {}: {}", rank, e.what()), 3);
+      comm::abort_job(e.what(), 3);
     write_summary(seconds_since(t_start));
     throw;
   } catch (const Error& e) {
-    if (world_size > 1) comm::abort_job(fmt::format("rank {}: {}", rank, e.what()), 2);
+    if (world_size > 1) comm::abort_job(e.what(), 2);
     throw;
   }
   if (world_size > 1) {

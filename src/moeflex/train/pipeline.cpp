@@ -1,0 +1,155 @@
+#include "moeflex/train/pipeline.h"
+
+#include <fmt/format.h>
+
+#include <cstring>
+
+namespace moeflex {
+
+PipelineExecutor::PipelineExecutor(const StepPlan& plan, int pp_rank, std::map<int, MoEModel*> stages,
+                                   comm::Communicator* pp_group, Arena& arena, std::int64_t B, std::int64_t S,
+                                   std::int64_t d)
+    : plan_(plan), rank_(pp_rank), stages_(std::move(stages)), pp_(pp_group), arena_(arena), B_(B), S_(S), d_(d) {
+  for (int s : plan_.stages_of(rank_))
+    if (!stages_.count(s)) throw Error(fmt::format("pipeline rank {} holds stage {} but has no model for it", rank_, s));
+}
+
+Tensor PipelineExecutor::buffer(const char* name) {
+  return Tensor(arena_, {B_ * S_, d_}, MemCategory::activations, name);
+}
+
+LossParts PipelineExecutor::run_step(const BatchFn& batch, double grad_scale) {
+  const int last = plan_.num_stages - 1;
+  const Bytes bytes = B_ * S_ * d_ * Bytes(sizeof(float));
+  std::map<Key, Tensor> act_in, act_out, grad_out, grad_in;
+  std::map<int, std::pair<std::vector<std::int32_t>, std::vector<std::int32_t>>> batches;
+  auto data = [&](int mb) -> std::pair<std::vector<std::int32_t>, std::vector<std::int32_t>>& {
+    auto it = batches.find(mb);
+    if (it == batches.end()) {
+      auto& b = batches[mb];
+      b.first.resize(std::size_t(B_ * S_));
+      b.second.resize(std::size_t(B_ * S_));
+      batch(mb, b.first.data(), b.second.data());
+      return b;
+    }
+    return it->second;
+  };
+  auto take = [&](std::map<Key, Tensor>& m, Key k, const char* what) {
+    auto it = m.find(k);
+    if (it == m.end())
+      throw Error(fmt::format("pipeline rank {}: {} of micro-batch {} stage {} is missing (schedule bug)", rank_, what,
+                              k.first, k.second));
+    Tensor t = std::move(it->second);
+    m.erase(it);
+    return t;
+  };
+  LossParts loss;
+  for (const Action& a : plan_.actions[std::size_t(rank_)]) {
+    const int mb = a.microbatch, s = a.stage;
+    switch (a.kind) {
+      case ActionKind::RecvActivation: {
+        Tensor t = buffer("pipeline.recv_activation");
+        pp_->recv(t.raw(), bytes, a.peer_rank, message_tag(plan_, a));
+        act_in[{mb, consumer_stage(a)}] = std::move(t);
+        break;
+      }
+      case ActionKind::Forward: {
+        auto& [ids, tg] = data(mb);
+        Tensor x_in;
+        if (s > 0) x_in = act_in.count({mb, s}) ? take(act_in, {mb, s}, "input activation")
+                                                : take(act_out, {mb, s - 1}, "local input activation");
+        LossParts lp;
+        Tensor out = stages_.at(s)->forward_stage(ids.data(), tg.data(), s > 0 ? x_in.f32() : nullptr, B_, S_, mb, &lp);
+        loss.ce += lp.ce;
+        loss.aux += lp.aux;
+        loss.z += lp.z;
+        if (s != last) act_out[{mb, s}] = std::move(out);
+        break;
+      }
+      case ActionKind::SendActivation: {
+        Tensor t = take(act_out, {mb, s}, "output activation");
+        pp_->send(t.raw(), bytes, a.peer_rank, message_tag(plan_, a));
+        break;
+      }
+      case ActionKind::RecvGrad: {
+        Tensor t = buffer("pipeline.recv_grad");
+        pp_->recv(t.raw(), bytes, a.peer_rank, message_tag(plan_, a));
+        grad_out[{mb, consumer_stage(a)}] = std::move(t);
+        break;
+      }
+      case ActionKind::Backward:
+      case ActionKind::BackwardInput: {
+        auto& [ids, tg] = data(mb);
+        Tensor dy;
+        if (s != last) dy = grad_out.count({mb, s}) ? take(grad_out, {mb, s}, "output gradient")
+                                                    : take(grad_in, {mb, s + 1}, "local output gradient");
+        Tensor dx;
+        if (s > 0) dx = buffer("pipeline.input_grad");
+        MoEModel& m = *stages_.at(s);
+        m.set_defer_weight_grads(a.kind == ActionKind::BackwardInput);
+        m.backward_stage(ids.data(), tg.data(), s != last ? dy.f32() : nullptr, s > 0 ? dx.f32() : nullptr, B_, S_, mb,
+                         grad_scale);
+        m.set_defer_weight_grads(false);
+        if (s > 0) grad_in[{mb, s}] = std::move(dx);
+        break;
+      }
+      case ActionKind::BackwardWeight:
+        stages_.at(s)->backward_weight(mb);
+        break;
+      case ActionKind::SendGrad: {
+        Tensor t = take(grad_in, {mb, s}, "input gradient");
+        pp_->send(t.raw(), bytes, a.peer_rank, message_tag(plan_, a));
+        break;
+      }
+    }
+  }
+  if (!act_in.empty() || !act_out.empty() || !grad_out.empty() || !grad_in.empty())
+    throw Error(fmt::format("pipeline rank {}: the step ended with undelivered tensors (schedule bug)", rank_));
+  pp_->flush_sends();
+  loss.total = loss.ce + loss.aux + loss.z;
+  return loss;
+}
+
+LossParts PipelineExecutor::forward_eval(const std::int32_t* ids, const std::int32_t* targets) {
+  const int last = plan_.num_stages - 1;
+  const Bytes bytes = B_ * S_ * d_ * Bytes(sizeof(float));
+  LossParts loss;
+  Tensor carry;  // output of the previous stage when it is local
+  for (int s = 0; s <= last; ++s) {
+    if (plan_.rank_of(s) != rank_) continue;
+    Tensor x_in;
+    if (s > 0) {
+      if (plan_.rank_of(s - 1) == rank_) {
+        x_in = std::move(carry);
+      } else {
+        x_in = buffer("pipeline.eval_recv");
+        pp_->recv(x_in.raw(), bytes, plan_.rank_of(s - 1), 1 << 20);
+      }
+    }
+    LossParts lp;
+    Tensor out = stages_.at(s)->forward_stage(ids, targets, s > 0 ? x_in.f32() : nullptr, B_, S_, 0, &lp, false);
+    loss.ce += lp.ce;
+    loss.aux += lp.aux;
+    loss.z += lp.z;
+    if (s < last) {
+      if (plan_.rank_of(s + 1) == rank_) carry = std::move(out);
+      else pp_->send(out.raw(), bytes, plan_.rank_of(s + 1), 1 << 20);
+    }
+  }
+  pp_->flush_sends();
+  loss.total = loss.ce + loss.aux + loss.z;
+  return loss;
+}
+
+void PipelineExecutor::clear_routing() {
+  for (auto& [s, m] : stages_) m->clear_routing();
+}
+
+std::vector<RoutingStats> PipelineExecutor::routing() const {
+  std::vector<RoutingStats> out;
+  for (auto& [s, m] : stages_)
+    for (auto& r : m->routing()) out.push_back(r);
+  return out;
+}
+
+}  // namespace moeflex

@@ -44,3 +44,4 @@ print(f"{'moeflex':<10} {mf:>10.0f}")
 print(f"{'pytorch':<10} {pt:>10.0f}")
 print(f"ratio moeflex/pytorch: {mf / pt:.2f}x")
 PY
+echo; bash bench/schedules.sh

@@ -67,10 +67,14 @@ struct Case {
   const char* schedule;
   bool tied;
   int M;  // micro-batches per rank
+  int layers = 4;
+  bool pad = false;
+  std::vector<int> split = {};
 };
 
 void run_case(const Case& c) {
-  const ModelConfig cfg = pipeline_config(c.tied);
+  ModelConfig cfg = pipeline_config(c.tied);
+  cfg.num_hidden_layers = c.layers;
   comm::LayoutSpec spec;
   spec.world_size = c.world;
   spec.pp = c.pp;
@@ -79,6 +83,8 @@ void run_case(const Case& c) {
   spec.vpp = c.vpp;
   spec.num_layers = int(cfg.num_hidden_layers);
   spec.num_experts = int(cfg.num_experts);
+  spec.pad_layers = c.pad;
+  spec.stage_layers = c.split;
   comm::ParallelLayout layout(spec);
   comm::ParallelGroups groups = comm::make_groups(*g_world, layout);
   const std::int64_t B = 2, S = 8, n = B * S;
@@ -133,6 +139,9 @@ const Case kCases[] = {
     {2, 2, 1, 1, 2, "interleaved", false, 4},
     {2, 2, 1, 1, 2, "dualpipev", false, 4},
     {2, 2, 1, 1, 2, "dualpipev", true, 5},
+    {2, 2, 1, 1, 1, "1f1b", false, 3, 3, true},          // 3 layers padded to 4
+    {2, 2, 1, 1, 1, "1f1b", true, 3, 5, false, {1, 4}},  // uneven split
+    {2, 2, 1, 1, 2, "interleaved", false, 2, 7, true},   // 7 layers padded to 8
     // world 4
     {4, 4, 1, 1, 1, "1f1b", false, 4},
     {4, 4, 1, 1, 1, "zb-h1", true, 5},

@@ -56,6 +56,8 @@ int main(int argc, char** argv) {
   train->add_option("--dp", dp, "data-parallel size (parallel.dp; default world size / pp)");
   train->add_option("--ep", ep, "expert-parallel size, within dp (parallel.ep)");
   train->add_option("--vpp", vpp, "virtual pipeline stages per rank (parallel.vpp)");
+  bool pad_layers = false;
+  train->add_flag("--pad-layers", pad_layers, "pad with empty layers so pp x vpp divides the layer count");
   train->add_option("--schedule", schedule, "pipeline schedule: gpipe, 1f1b, interleaved, zb-h1, dualpipev");
 
   // --- generate
@@ -83,6 +85,7 @@ int main(int argc, char** argv) {
       if (ep > 0) o.config.parallel.ep = ep;
       if (vpp > 0) o.config.parallel.vpp = vpp;
       if (!schedule.empty()) o.config.parallel.schedule = schedule;
+      if (pad_layers) o.config.parallel.pad_layers = true;
       o.out_dir = out_dir.empty() ? fs::path(timestamp_dir()) : fs::path(out_dir);
       if (!resume_dir.empty()) {
         o.resume = fs::path(resume_dir);

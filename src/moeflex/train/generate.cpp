@@ -20,6 +20,9 @@ namespace fs = std::filesystem;
 std::string generate_text(const GenerateOptions& opts) {
   const fs::path& run = opts.run_dir;
   if (!fs::is_directory(run)) throw ConfigError(fmt::format("--run: '{}' is not a run directory", run.string()));
+  if (opts.temperature < 0) throw ConfigError(fmt::format("--temperature must be >= 0 (0 = greedy), got {}", opts.temperature));
+  if (opts.top_k < 0) throw ConfigError(fmt::format("--top-k must be >= 0 (0 = the whole vocabulary), got {}", opts.top_k));
+  if (opts.max_new_tokens < 0) throw ConfigError("--max-new-tokens must be >= 0");
   RunConfig cfg = RunConfig::from_file((run / "config.toml").string());
   auto ckpt = train::latest_checkpoint(run);
   if (!ckpt) throw DataError(fmt::format("run '{}' has no complete checkpoint to sample from", run.string()));

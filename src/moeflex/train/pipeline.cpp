@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <chrono>
 #include <cstring>
 
 namespace moeflex {
@@ -44,8 +45,19 @@ LossParts PipelineExecutor::run_step(const BatchFn& batch, double grad_scale) {
     return t;
   };
   LossParts loss;
+  compute_seconds_ = 0;
+  using Clock = std::chrono::steady_clock;
   for (const Action& a : plan_.actions[std::size_t(rank_)]) {
     const int mb = a.microbatch, s = a.stage;
+    const auto t0 = Clock::now();
+    struct ComputeTimer {  // adds the action's time when it is a compute action
+      const Action& a;
+      Clock::time_point t0;
+      double& acc;
+      ~ComputeTimer() {
+        if (is_compute(a.kind)) acc += std::chrono::duration<double>(Clock::now() - t0).count();
+      }
+    } timer{a, t0, compute_seconds_};
     switch (a.kind) {
       case ActionKind::RecvActivation: {
         Tensor t = buffer("pipeline.recv_activation");

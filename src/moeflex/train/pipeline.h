@@ -33,6 +33,10 @@ class PipelineExecutor {
   /// kept). Returns this rank's share of the losses (as run_step, for one batch).
   LossParts forward_eval(const std::int32_t* ids, const std::int32_t* targets);
 
+  /// Seconds this rank spent in compute actions (F, B, W) during the last run_step;
+  /// the rest of the step is pipeline bubble and communication.
+  double last_compute_seconds() const { return compute_seconds_; }
+
   /// Routing statistics of the MoE-layer forwards this rank ran since clear_routing().
   std::vector<RoutingStats> routing() const;
   void clear_routing();
@@ -46,6 +50,7 @@ class PipelineExecutor {
   comm::Communicator* pp_;
   Arena& arena_;
   std::int64_t B_, S_, d_;
+  double compute_seconds_ = 0;
 };
 
 }  // namespace moeflex

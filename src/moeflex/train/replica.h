@@ -35,6 +35,9 @@ class Replica {
   /// The global loss of one evaluation batch (forward only, through the pipeline).
   LossParts evaluate(const std::int32_t* ids, const std::int32_t* targets);
 
+  /// Seconds of compute (F, B, W) in the last forward_backward on this rank.
+  double last_compute_seconds() const { return executor_->last_compute_seconds(); }
+
   std::vector<Param*> params();
   std::vector<MoEModel*> chunks();
   const StepPlan& plan() const { return plan_; }

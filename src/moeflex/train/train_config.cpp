@@ -1,6 +1,7 @@
 #include "moeflex/train/train_config.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <fstream>
 #include <set>
@@ -162,7 +163,22 @@ RunConfig RunConfig::from_toml_text(const std::string& text, const std::string& 
         if (!v) throw ConfigError("parallel.schedule: must be a string");
         c.parallel.schedule = *v;
       }
-      reject_unknown(*par, "parallel", {"pp", "dp", "ep", "vpp", "schedule"});
+      if (auto* pl = par->get("pad_layers")) {
+        auto v = pl->value<bool>();
+        if (!v) throw ConfigError("parallel.pad_layers: must be true or false");
+        c.parallel.pad_layers = *v;
+      }
+      if (auto* sl = par->get("stage_layers")) {
+        auto* arr = sl->as_array();
+        if (!arr) throw ConfigError("parallel.stage_layers: must be an array of integers, e.g. [3, 5]");
+        c.parallel.stage_layers.clear();
+        for (auto&& e : *arr) {
+          auto v = e.value<std::int64_t>();
+          if (!v || !e.is_integer()) throw ConfigError("parallel.stage_layers: must be an array of integers");
+          c.parallel.stage_layers.push_back(int(*v));
+        }
+      }
+      reject_unknown(*par, "parallel", {"pp", "dp", "ep", "vpp", "schedule", "pad_layers", "stage_layers"});
     }
     if (auto* dev = root["device"].as_table()) {
       if (auto* m = dev->get("memory")) {
@@ -195,8 +211,11 @@ std::string RunConfig::to_toml() const {
     else s += fmt::format("{} = {}\n", key, toml_float(field));
   });
   s += fmt::format("\n[data]\npath = \"{}\"\nval_fraction = {}\n", data.path, toml_float(data.val_fraction));
-  s += fmt::format("\n[parallel]\npp = {}\ndp = {}\nep = {}\nvpp = {}\nschedule = \"{}\"\n", parallel.pp,
-                   parallel.dp, parallel.ep, parallel.vpp, parallel.schedule);
+  s += fmt::format("\n[parallel]\npp = {}\ndp = {}\nep = {}\nvpp = {}\nschedule = \"{}\"\npad_layers = {}\n",
+                   parallel.pp, parallel.dp, parallel.ep, parallel.vpp, parallel.schedule,
+                   parallel.pad_layers ? "true" : "false");
+  if (!parallel.stage_layers.empty())
+    s += fmt::format("stage_layers = [{}]\n", fmt::join(parallel.stage_layers, ", "));
   s += fmt::format("\n[device]\nmemory = \"{}\"\n", device_memory < 0 ? std::string("unlimited") : fmt::format("{}B", device_memory));
   return s;
 }

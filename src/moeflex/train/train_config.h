@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "moeflex/core/units.h"
 #include "moeflex/model/config.h"
@@ -40,6 +41,8 @@ struct ParallelConfig {
   int ep = 1;                      ///< expert-parallel size, carved out of dp
   int vpp = 1;                     ///< virtual stages per pipeline rank
   std::string schedule = "1f1b";   ///< pipeline schedule
+  bool pad_layers = false;         ///< pad with empty layers up to a multiple of pp x vpp (61 -> 64)
+  std::vector<int> stage_layers;   ///< optional uneven split: layers per virtual stage (pp x vpp entries)
 };
 
 struct RunConfig {

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <csignal>
 #include <sstream>
 
 #include "moeflex/comm/communicator.h"
@@ -104,6 +105,38 @@ class Progress {
 
 fs::path default_corpus_path() { return fs::path("data") / "brown"; }
 
+namespace {
+
+// SIGINT / SIGTERM ask the run to stop after the current step, with a checkpoint
+// (a second signal ends the process at once).
+volatile std::sig_atomic_t g_stop_requested = 0;
+
+extern "C" void on_stop_signal(int sig) {
+  if (g_stop_requested) {
+    std::signal(sig, SIG_DFL);
+    std::raise(sig);
+  }
+  g_stop_requested = 1;
+}
+
+// Lists why each checkpoint directory of `root` is unusable (for the resume error).
+std::string describe_checkpoints(const fs::path& root) {
+  std::string out;
+  const fs::path dir = root / "checkpoints";
+  if (!fs::is_directory(dir)) return " (no checkpoints/ folder)";
+  for (auto& e : fs::directory_iterator(dir)) {
+    try {
+      train::read_checkpoint_manifest(e.path());
+      out += fmt::format("\n  {}: manifest ok but files do not match it (truncated?)", e.path().string());
+    } catch (const std::exception& ex) {
+      out += fmt::format("\n  {}: {}", e.path().string(), ex.what());
+    }
+  }
+  return out.empty() ? " (checkpoints/ is empty)" : out;
+}
+
+}  // namespace
+
 TrainResult run_training(const TrainOptions& opts) {
   RunConfig cfg = opts.config;
   const fs::path run_dir = opts.resume ? *opts.resume : opts.out_dir;
@@ -131,6 +164,8 @@ TrainResult run_training(const TrainOptions& opts) {
   spec.vpp = pc.schedule == "dualpipev" && pc.vpp == 1 ? 2 : pc.vpp;  // DualPipeV: two stages per rank
   spec.num_layers = int(cfg.model.num_hidden_layers);
   spec.num_experts = int(cfg.model.num_experts);
+  spec.pad_layers = pc.pad_layers;
+  spec.stage_layers = pc.stage_layers;
   const comm::ParallelLayout layout(spec);
   comm::ParallelGroups groups = comm::make_groups(*world, layout);
   const int dp = layout.dp(), dp_rank = groups.coords.dp_rank;
@@ -139,7 +174,8 @@ TrainResult run_training(const TrainOptions& opts) {
   if (opts.resume) {
     ckpt = train::latest_checkpoint(ckpt_root);
     if (!ckpt)
-      throw DataError(fmt::format("--resume: '{}' holds no complete checkpoint to resume from", ckpt_root.string()));
+      throw DataError(fmt::format("--resume: '{}' holds no complete checkpoint to resume from:{}", ckpt_root.string(),
+                                  describe_checkpoints(ckpt_root)));
   }
   if (opts.threads > 0) {
     omp_set_num_threads(opts.threads);
@@ -153,6 +189,7 @@ TrainResult run_training(const TrainOptions& opts) {
   if (cfg.data.path.empty() && !fs::exists(corpus))
     throw DataError(fmt::format("the default corpus '{}' is missing: run `make data` first, or pass --data PATH",
                                 corpus.string()));
+  if (!fs::exists(corpus)) throw DataError(fmt::format("Corpus path '{}' does not exist.", corpus.string()));
   const fs::path data_dir =
       opts.data_cache / fmt::format("{}-v{}", fs::absolute(corpus).lexically_normal().filename().string(),
                                     cfg.model.vocab_size);
@@ -180,13 +217,14 @@ TrainResult run_training(const TrainOptions& opts) {
   const fs::path summary_path = run_dir / "summary.json";
   json history = json::array();
   json rank_peaks = json::array();
-  auto write_summary = [&](double wall) {
-    if (!rank0) return;
+  fs::path summary_path_override;
+  auto write_summary = [&](double wall, bool any_rank = false) {
+    if (!rank0 && !any_rank) return;
     json s;
     s["steps"] = res.steps;
     s["tokens"] = res.tokens;
-    s["initial_val_loss"] = res.initial_val_loss;
-    s["final_val_loss"] = res.final_val_loss;
+    s["initial_val_loss"] = std::isnan(res.initial_val_loss) ? json(nullptr) : json(res.initial_val_loss);
+    s["final_val_loss"] = std::isnan(res.final_val_loss) ? json(nullptr) : json(res.final_val_loss);
     s["final_train_loss"] = res.final_train_loss;
     s["tokens_per_second"] = res.tokens_per_second;
     s["peak_device_bytes"] = res.peak_device_bytes;
@@ -204,10 +242,21 @@ TrainResult run_training(const TrainOptions& opts) {
       mem[to_string(MemCategory(c))] = arena.stat(MemCategory(c)).peak;
     s["peak_device_bytes_by_category"] = mem;
     s["dataset"] = {{"dir", info.dir.string()}, {"train_tokens", info.train_tokens}, {"val_tokens", info.val_tokens}};
-    write_text_atomic(summary_path, s.dump(2) + "\n");
+    write_text_atomic(summary_path_override.empty() ? summary_path : summary_path_override, s.dump(2) + "\n");
   };
 
   const auto t_start = Clock::now();
+  g_stop_requested = 0;
+  bool setup_done = false;
+  auto old_int = std::signal(SIGINT, on_stop_signal);
+  auto old_term = std::signal(SIGTERM, on_stop_signal);
+  struct RestoreSignals {
+    decltype(old_int) i, t;
+    ~RestoreSignals() {
+      std::signal(SIGINT, i);
+      std::signal(SIGTERM, t);
+    }
+  } restore{old_int, old_term};
   try {
     const int B = int(t.micro_batch_size), S = int(t.seq_len);
     const std::int64_t M = t.grad_accum;
@@ -254,7 +303,11 @@ TrainResult run_training(const TrainOptions& opts) {
       history = st.value("val_loss_history", json::array());
       elapsed_before = st.value("train_seconds", 0.0);
       if (rank0) truncate_metrics(run_dir / "metrics.jsonl", start_step);
-      progress.note(fmt::format("resuming {} from step {}", run_dir.string(), start_step));
+      if (start_step >= t.steps)
+        progress.note(fmt::format("run {} is already complete at step {}; pass --steps N > {} to extend it",
+                                  run_dir.string(), start_step, start_step));
+      else
+        progress.note(fmt::format("resuming {} from step {}", run_dir.string(), start_step));
     } else {
       if (rank0) std::remove((run_dir / "metrics.jsonl").c_str());
       progress.note(fmt::format(
@@ -267,6 +320,7 @@ TrainResult run_training(const TrainOptions& opts) {
     }
     std::ofstream metrics;
     if (rank0) metrics.open(run_dir / "metrics.jsonl", std::ios::app);
+    setup_done = true;
     double train_seconds = elapsed_before;
     auto save = [&](std::int64_t step) {
       json st = {{"step", step},
@@ -321,6 +375,14 @@ TrainResult run_training(const TrainOptions& opts) {
           if (total > 0) ep_imbalance = std::max(ep_imbalance, double(mx) * layout.ep() / double(total));
         }
       }
+      // Pipeline bubble: the share of the forward/backward phase a rank spends not
+      // computing (waiting for its peers), averaged over ranks.
+      const double fb_seconds = seconds_since(t0);
+      double bubble = fb_seconds > 0 ? std::max(0.0, 1.0 - replica.last_compute_seconds() / fb_seconds) : 0.0;
+      if (world_size > 1) {
+        world->all_reduce_sum(&bubble, 1);
+        bubble /= world_size;
+      }
       const double lr = lr_at(step, t.warmup_steps, t.steps, t.lr, t.min_lr);
       for (auto& o : opts_) o->step(lr);
       const double dt = seconds_since(t0);
@@ -345,7 +407,8 @@ TrainResult run_training(const TrainOptions& opts) {
                    {"tokens_per_second", double(step_tokens) / dt},
                    {"peak_device_bytes", std::int64_t(peak)},
                    {"max_expert_imbalance", max_imbalance},
-                   {"dropped_assignments", dropped}};
+                   {"dropped_assignments", dropped},
+                   {"bubble_fraction", bubble}};
       if (layout.ep() > 1) {
         line["ep_received_tokens"] = ep_received;
         line["ep_imbalance"] = ep_imbalance;
@@ -362,7 +425,11 @@ TrainResult run_training(const TrainOptions& opts) {
       }
       res.tokens_per_second = double(res.tokens) / std::max(train_seconds, 1e-9);
       progress.update(step + 1, sum.ce, last_val, double(step_tokens) / dt, std::int64_t(peak), arena.budget());
-      const bool stop_now = opts.stop_after >= 0 && step + 1 >= opts.stop_after && step + 1 < t.steps;
+      // A stop request must be seen by every rank at the same step.
+      double stop_flag = g_stop_requested ? 1.0 : 0.0;
+      if (world_size > 1) world->all_reduce_max(&stop_flag, 1);
+      const bool stop_now =
+          ((opts.stop_after >= 0 && step + 1 >= opts.stop_after) || stop_flag > 0) && step + 1 < t.steps;
       if ((t.checkpoint_every > 0 && (step + 1) % t.checkpoint_every == 0) || step + 1 == t.steps || stop_now)
         save(step + 1);
       if (stop_now) {
@@ -372,10 +439,19 @@ TrainResult run_training(const TrainOptions& opts) {
       }
     }
   } catch (const OutOfMemoryError& e) {
+    if (!setup_done && world_size == 1)
+      fmt::print(stderr,
+                 "moeflex: the budget {} does not hold the model state: weights, gradients and AdamW moments of "
+                 "{:.2f} M parameters need {} before any activation\n",
+                 format_bytes(arena.budget()), double(cfg.model.num_params()) / 1e6,
+                 format_bytes(16 * cfg.model.num_params()));
     res.oom_count += 1;
     res.peak_device_bytes = std::max(res.peak_device_bytes, arena.peak());
-    if (world_size > 1)  // the other ranks are in collectives: end the job with the reason
+    if (world_size > 1) {  // the other ranks are in collectives: record, then end the job with the reason
+      if (!rank0) summary_path_override = run_dir / fmt::format("summary.rank{:05d}.json", rank);
+      write_summary(seconds_since(t_start), true);
       comm::abort_job(e.what(), 3);
+    }
     write_summary(seconds_since(t_start));
     throw;
   } catch (const Error& e) {

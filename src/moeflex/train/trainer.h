@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 #include <filesystem>
+#include <limits>
 #include <optional>
 #include <string>
 
@@ -24,8 +25,8 @@ struct TrainOptions {
 struct TrainResult {
   std::int64_t steps = 0;
   std::int64_t tokens = 0;
-  double initial_val_loss = 0;
-  double final_val_loss = 0;
+  double initial_val_loss = std::numeric_limits<double>::quiet_NaN();  ///< NaN until evaluated
+  double final_val_loss = std::numeric_limits<double>::quiet_NaN();
   double final_train_loss = 0;
   double tokens_per_second = 0;
   std::int64_t peak_device_bytes = 0;

@@ -50,6 +50,9 @@ int main(int argc, char** argv) {
   train->add_option("--threads", threads, "OpenMP/BLAS threads (default: all cores)");
   train->add_option("--stop-after", stop_after, "stop after this step with a checkpoint, as if interrupted");
   train->add_flag("--quiet", quiet, "no progress output");
+  std::string policy;
+  train->add_option("--policy", policy,
+                    "activation provisioning: none, full, selective, moe-light, moe-medium, moe-full (train.policy)");
   int pp = 0, dp = -1, ep = 0, vpp = 0;
   std::string schedule;
   train->add_option("--pp", pp, "pipeline-parallel size (parallel.pp)");
@@ -80,6 +83,7 @@ int main(int argc, char** argv) {
       if (seed >= 0) o.config.train.seed = std::uint64_t(seed);
       if (!device_memory.empty()) o.config.device_memory = parse_size(device_memory);
       if (!data_path.empty()) o.config.data.path = data_path;
+      if (!policy.empty()) o.config.train.policy = policy;
       if (pp > 0) o.config.parallel.pp = pp;
       if (dp >= 0) o.config.parallel.dp = dp;
       if (ep > 0) o.config.parallel.ep = ep;

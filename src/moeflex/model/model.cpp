@@ -168,6 +168,39 @@ MoEModel::Shared MoEModel::copy_of(const Tensor& t, const char* name) {
   return share(std::move(c));
 }
 
+RecomputeFn MoEModel::rmsnorm_lineage(int mb, int l, const char* input, const Param* w, bool want_rstd,
+                                      std::int64_t n) {
+  const std::int64_t d = cfg_.hidden_size;
+  const float eps = float(cfg_.rms_norm_eps);
+  return [this, mb, l, input, w, want_rstd, n, d, eps] {
+    auto x = stash_.get(mb, l, input);
+    Tensor y = act({n, d}, "rmsnorm.out"), r = act({n}, "rmsnorm.rstd");
+    ops::rmsnorm_forward(x->f32(), w->w.f32(), y.f32(), r.f32(), n, d, eps);
+    return want_rstd ? std::move(r) : std::move(y);
+  };
+}
+
+RecomputeFn MoEModel::linear_lineage(int mb, int l, std::string input, const Param* w, std::int64_t n,
+                                     std::int64_t in, std::int64_t out, bool rope) {
+  return [this, mb, l, input = std::move(input), w, n, in, out, rope] {
+    auto x = stash_.get(mb, l, input);
+    Tensor y = act({n, out}, "linear.out");
+    ops::linear_forward(x->f32(), w->w.f32(), y.f32(), n, in, out);
+    if (rope) ops::rope_forward(y.f32(), n / rope_seq_, rope_seq_, cfg_.num_attention_heads, cfg_.head_dim(),
+                                cfg_.rope_theta);
+    return y;
+  };
+}
+
+RecomputeFn MoEModel::swiglu_lineage(int mb, int l, std::string gate, std::string up) {
+  return [this, mb, l, gate = std::move(gate), up = std::move(up)] {
+    auto g = stash_.get(mb, l, gate), u = stash_.get(mb, l, up);
+    Tensor a(arena_, g->shape(), MemCategory::activations, "swiglu.out");
+    ops::swiglu_forward(g->f32(), u->f32(), a.f32(), a.numel());
+    return a;
+  };
+}
+
 Tensor MoEModel::act(std::vector<std::int64_t> shape, const char* name, DType dt) {
   return Tensor(arena_, std::move(shape), MemCategory::activations, name, dt);
 }
@@ -265,9 +298,18 @@ Tensor MoEModel::forward_impl(const std::int32_t* ids, const std::int32_t* targe
   loss.total = loss.ce + loss.aux + loss.z;
   if (train) {
     stash_.save(mb, kHeadLayer, "final_norm.in", "residual", std::move(x));
-    stash_.save(mb, kHeadLayer, "final_norm.out", "rmsnorm", std::move(hn));
-    stash_.save(mb, kHeadLayer, "final_norm.rstd", "rmsnorm", std::move(rstd));
-    stash_.save(mb, kHeadLayer, "lm_head.probs", "cross_entropy", std::move(logits));
+    stash_.save(mb, kHeadLayer, "final_norm.out", "rmsnorm", std::move(hn),
+                rmsnorm_lineage(mb, kHeadLayer, "final_norm.in", final_norm_, false, n));
+    stash_.save(mb, kHeadLayer, "final_norm.rstd", "rmsnorm", std::move(rstd),
+                rmsnorm_lineage(mb, kHeadLayer, "final_norm.in", final_norm_, true, n));
+    stash_.save(mb, kHeadLayer, "lm_head.probs", "cross_entropy", std::move(logits), [this, mb, targets, n, d, V] {
+      auto hn = stash_.get(mb, kHeadLayer, "final_norm.out");
+      Tensor probs = act({n, V}, "lm_head.logits");
+      ops::linear_forward(hn->f32(), lm_head_->w.f32(), probs.f32(), n, d, V);
+      Tensor losses = work({n}, "cross_entropy.losses");
+      ops::cross_entropy_forward(probs.f32(), targets, probs.f32(), losses.f32(), n, V);
+      return probs;
+    });
   }
   return Tensor();
 }
@@ -277,23 +319,31 @@ void MoEModel::backward_stage(const std::int32_t* ids, const std::int32_t* targe
   const std::int64_t n = B * S, d = cfg_.hidden_size, V = cfg_.vocab_size;
   Tensor dx = work({n, d}, "grad.residual");
   if (par_.head) {
-    Tensor probs = stash_.take(mb, kHeadLayer, "lm_head.probs");
-    ops::cross_entropy_backward(probs.f32(), targets, probs.f32(), n, V, float(grad_scale / double(n)));
+    Shared probs = stash_.get(mb, kHeadLayer, "lm_head.probs");
+    ops::cross_entropy_backward(probs->f32(), targets, probs->f32(), n, V, float(grad_scale / double(n)));
     Tensor dhn = work({n, d}, "lm_head.dx");
-    linear_bw(mb, share(std::move(probs)), share(stash_.take(mb, kHeadLayer, "final_norm.out")), lm_head_, dhn.f32(),
+    linear_bw(mb, probs, stash_.get(mb, kHeadLayer, "final_norm.out"), lm_head_, dhn.f32(),
               n, d, V, false);
-    Tensor x = stash_.take(mb, kHeadLayer, "final_norm.in"), rstd = stash_.take(mb, kHeadLayer, "final_norm.rstd");
-    ops::rmsnorm_backward(dhn.f32(), x.f32(), final_norm_->w.f32(), rstd.f32(), dx.f32(), final_norm_->g.f32(), n,
+    Shared x = stash_.get(mb, kHeadLayer, "final_norm.in"), rstd = stash_.get(mb, kHeadLayer, "final_norm.rstd");
+    ops::rmsnorm_backward(dhn.f32(), x->f32(), final_norm_->w.f32(), rstd->f32(), dx.f32(), final_norm_->g.f32(), n,
                           d);
   } else {
     std::memcpy(dx.f32(), dy, sizeof(float) * std::size_t(n * d));
   }
+  stash_.release_layer(mb, kHeadLayer);
   for (int l = par_.last_layer - 1; l >= par_.first_layer; --l) {
     ffn_backward(l, dx, n, mb, grad_scale);
     attention_backward(l, dx, B, S, mb);
+    stash_.release_layer(mb, l);
   }
-  if (par_.embedding) ops::embedding_backward(ids, dx.f32(), embed_->g.f32(), n, d);
-  else std::memcpy(dx_in, dx.f32(), sizeof(float) * std::size_t(n * d));
+  if (par_.embedding) {
+    // Part of W when the backward is split: with tied embeddings, the LM head's dW
+    // (queued first) and this scatter then add up in the same order either way.
+    Shared g = share(std::move(dx));
+    weight_grad(mb, [g, ids, n, d, this] { ops::embedding_backward(ids, g->f32(), embed_->g.f32(), n, d); });
+  } else {
+    std::memcpy(dx_in, dx.f32(), sizeof(float) * std::size_t(n * d));
+  }
   stash_.release_microbatch(mb);
 }
 
@@ -317,14 +367,23 @@ void MoEModel::attention_forward(int l, Tensor& x, std::int64_t B, std::int64_t 
   ops::linear_forward(o.f32(), P.o->w.f32(), h.f32(), n, d, d);
   add_inplace(h.f32(), x.f32(), n * d);
   if (train) {
+    rope_seq_ = S;
     stash_.save(mb, l, "attn_norm.in", "residual", std::move(x));
-    stash_.save(mb, l, "attn_norm.out", "rmsnorm", std::move(a));
-    stash_.save(mb, l, "attn_norm.rstd", "rmsnorm", std::move(rstd));
-    stash_.save(mb, l, "attn.q", "rope", std::move(q));
-    stash_.save(mb, l, "attn.k", "rope", std::move(k));
-    stash_.save(mb, l, "attn.v", "linear", std::move(v));
-    stash_.save(mb, l, "attn.probs", "attention", std::move(probs));
-    stash_.save(mb, l, "attn.out", "attention", std::move(o));
+    stash_.save(mb, l, "attn_norm.out", "rmsnorm", std::move(a), rmsnorm_lineage(mb, l, "attn_norm.in", P.in_norm, false, n));
+    stash_.save(mb, l, "attn_norm.rstd", "rmsnorm", std::move(rstd), rmsnorm_lineage(mb, l, "attn_norm.in", P.in_norm, true, n));
+    stash_.save(mb, l, "attn.q", "rope", std::move(q), linear_lineage(mb, l, "attn_norm.out", P.q, n, d, d, true));
+    stash_.save(mb, l, "attn.k", "rope", std::move(k), linear_lineage(mb, l, "attn_norm.out", P.k, n, d, d, true));
+    stash_.save(mb, l, "attn.v", "linear", std::move(v), linear_lineage(mb, l, "attn_norm.out", P.v, n, d, d, false));
+    auto core = [this, mb, l, B, S, H, hd, n, d](bool want_probs) -> RecomputeFn {
+      return [this, mb, l, B, S, H, hd, n, d, want_probs] {
+        auto q = stash_.get(mb, l, "attn.q"), k = stash_.get(mb, l, "attn.k"), v = stash_.get(mb, l, "attn.v");
+        Tensor o = act({n, d}, "attn.out"), probs = act({B, H, S, S}, "attn.probs");
+        ops::attention_forward(q->f32(), k->f32(), v->f32(), o.f32(), probs.f32(), B, S, H, hd);
+        return want_probs ? std::move(probs) : std::move(o);
+      };
+    };
+    stash_.save(mb, l, "attn.probs", "attention", std::move(probs), core(true));
+    stash_.save(mb, l, "attn.out", "attention", std::move(o), core(false));
   }
   x = std::move(h);
 }
@@ -336,25 +395,25 @@ void MoEModel::attention_backward(int l, Tensor& dx, std::int64_t B, std::int64_
   {
     // dx keeps changing (the residual stream), so a deferred o_proj dW gets a copy.
     Tensor dout = work({n, d}, "attn.dout");
-    linear_bw(mb, defer_wgrad_ ? copy_of(dx, "attn.o_proj.dy") : borrow(dx), share(stash_.take(mb, l, "attn.out")),
+    linear_bw(mb, defer_wgrad_ ? copy_of(dx, "attn.o_proj.dy") : borrow(dx), stash_.get(mb, l, "attn.out"),
               P.o, dout.f32(), n, d, d, false);
-    Tensor q = stash_.take(mb, l, "attn.q"), k = stash_.take(mb, l, "attn.k"), v = stash_.take(mb, l, "attn.v");
-    Tensor probs = stash_.take(mb, l, "attn.probs");
+    Shared q = stash_.get(mb, l, "attn.q"), k = stash_.get(mb, l, "attn.k"), v = stash_.get(mb, l, "attn.v");
+    Shared probs = stash_.get(mb, l, "attn.probs");
     Tensor dprobs = work({B, H, S, S}, "attn.dprobs");
-    ops::attention_backward(dout.f32(), q.f32(), k.f32(), v.f32(), probs.f32(), dq.f32(), dk.f32(), dv.f32(),
+    ops::attention_backward(dout.f32(), q->f32(), k->f32(), v->f32(), probs->f32(), dq.f32(), dk.f32(), dv.f32(),
                             dprobs.f32(), B, S, H, hd);
   }
   ops::rope_backward(dq.f32(), B, S, H, hd, cfg_.rope_theta);
   ops::rope_backward(dk.f32(), B, S, H, hd, cfg_.rope_theta);
-  Shared a = share(stash_.take(mb, l, "attn_norm.out"));
+  Shared a = stash_.get(mb, l, "attn_norm.out");
   Tensor da = work({n, d}, "attn_norm.dout");
   linear_bw(mb, share(std::move(dq)), a, P.q, da.f32(), n, d, d, false);
   linear_bw(mb, share(std::move(dk)), a, P.k, da.f32(), n, d, d, true);
   linear_bw(mb, share(std::move(dv)), a, P.v, da.f32(), n, d, d, true);
   a.reset();
-  Tensor x = stash_.take(mb, l, "attn_norm.in"), rstd = stash_.take(mb, l, "attn_norm.rstd");
+  Shared x = stash_.get(mb, l, "attn_norm.in"), rstd = stash_.get(mb, l, "attn_norm.rstd");
   Tensor dtmp = work({n, d}, "attn_norm.dx");
-  ops::rmsnorm_backward(da.f32(), x.f32(), P.in_norm->w.f32(), rstd.f32(), dtmp.f32(), P.in_norm->g.f32(), n, d);
+  ops::rmsnorm_backward(da.f32(), x->f32(), P.in_norm->w.f32(), rstd->f32(), dtmp.f32(), P.in_norm->g.f32(), n, d);
   add_inplace(dx.f32(), dtmp.f32(), n * d);
 }
 
@@ -370,9 +429,10 @@ void MoEModel::swiglu_mlp_forward(const float* m, Param* w1, Param* w3, Param* w
   ops::swiglu_forward(h1.f32(), h3.f32(), a.f32(), n * w);
   ops::gemm<float>(false, true, n, d, w, 1.0f, a.f32(), w, w2->w.f32(), w, accumulate ? 1.0f : 0.0f, y, d);
   if (train) {
-    stash_.save(mb, l, fmt::format("{}.gate_out", prefix), "linear", std::move(h1));
-    stash_.save(mb, l, fmt::format("{}.up_out", prefix), "linear", std::move(h3));
-    stash_.save(mb, l, fmt::format("{}.act", prefix), "swiglu", std::move(a));
+    const std::string g = fmt::format("{}.gate_out", prefix), u = fmt::format("{}.up_out", prefix);
+    stash_.save(mb, l, g, "linear", std::move(h1), linear_lineage(mb, l, "ffn_norm.out", w1, n, d, w, false));
+    stash_.save(mb, l, u, "linear", std::move(h3), linear_lineage(mb, l, "ffn_norm.out", w3, n, d, w, false));
+    stash_.save(mb, l, fmt::format("{}.act", prefix), "swiglu", std::move(a), swiglu_lineage(mb, l, g, u));
   }
 }
 
@@ -380,11 +440,11 @@ void MoEModel::swiglu_mlp_backward(const Shared& dy, const Shared& m, Param* w1,
                                    std::int64_t n, int l, int mb, const char* prefix) {
   const std::int64_t d = cfg_.hidden_size, w = w1->w.dim(0);
   Tensor da = work({n, w}, "mlp.dact");
-  linear_bw(mb, dy, share(stash_.take(mb, l, fmt::format("{}.act", prefix))), w2, da.f32(), n, w, d, false);
-  Tensor h1 = stash_.take(mb, l, fmt::format("{}.gate_out", prefix));
-  Tensor h3 = stash_.take(mb, l, fmt::format("{}.up_out", prefix));
+  linear_bw(mb, dy, stash_.get(mb, l, fmt::format("{}.act", prefix)), w2, da.f32(), n, w, d, false);
+  Shared h1 = stash_.get(mb, l, fmt::format("{}.gate_out", prefix));
+  Shared h3 = stash_.get(mb, l, fmt::format("{}.up_out", prefix));
   Tensor dh1 = work({n, w}, "mlp.dgate"), dh3 = work({n, w}, "mlp.dup");
-  ops::swiglu_backward(da.f32(), h1.f32(), h3.f32(), dh1.f32(), dh3.f32(), n * w);
+  ops::swiglu_backward(da.f32(), h1->f32(), h3->f32(), dh1.f32(), dh3.f32(), n * w);
   h1.reset();
   h3.reset();
   da.reset();
@@ -465,20 +525,57 @@ double MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool trai
       }
       ops::unpermute_forward(yp.f32(), slot_of.i32(), w.f32(), out.f32(), n, k, d);
       if (train) {
-        stash_.save(mb, l, "experts.in", "dispatch", std::move(xe));
-        stash_.save(mb, l, "experts.gate_out", "grouped_gemm", std::move(h1));
-        stash_.save(mb, l, "experts.up_out", "grouped_gemm", std::move(h3));
-        stash_.save(mb, l, "experts.act", "swiglu", std::move(a));
-        stash_.save(mb, l, "moe.combined", "combine", std::move(yp));
+        // Lineage: the permutation is local without EP; with EP, dispatch and combine
+        // are all-to-alls, which a backward cannot replay alone, so they have none.
+        const bool ep = dispatcher_.active();
+        auto offs = std::make_shared<std::vector<std::int32_t>>(eoff, eoff + El + 1);
+        RecomputeFn xe_fn, yp_fn;
+        if (!ep) {
+          xe_fn = [this, mb, l, n, k, d, R] {
+            auto m = stash_.get(mb, l, "ffn_norm.out"), slot = stash_.get(mb, l, "moe.slot_of");
+            Tensor t = act({R, d}, "moe.permuted");
+            ops::permute_forward(m->f32(), slot->i32(), t.f32(), n, k, d);
+            return t;
+          };
+          yp_fn = [this, mb, l, offs, El, Rr, f, d, W2 = P.w2] {
+            auto a = stash_.get(mb, l, "experts.act");
+            Tensor t = act({Rr, d}, "experts.out");
+            ops::grouped_linear_forward(a->f32(), W2->w.f32(), t.f32(), offs->data(), El, f, d);
+            return t;
+          };
+        }
+        auto grouped = [this, mb, l, offs, El, Rr, d, f](const Param* W) -> RecomputeFn {
+          return [this, mb, l, offs, El, Rr, d, f, W] {
+            auto x = stash_.get(mb, l, "experts.in");
+            Tensor t = act({Rr, f}, "experts.fc1");
+            ops::grouped_linear_forward(x->f32(), W->w.f32(), t.f32(), offs->data(), El, d, f);
+            return t;
+          };
+        };
+        stash_.save(mb, l, "experts.in", "dispatch", std::move(xe), xe_fn);
+        stash_.save(mb, l, "experts.gate_out", "grouped_gemm", std::move(h1), grouped(P.w1));
+        stash_.save(mb, l, "experts.up_out", "grouped_gemm", std::move(h3), grouped(P.w3));
+        stash_.save(mb, l, "experts.act", "swiglu", std::move(a), swiglu_lineage(mb, l, "experts.gate_out", "experts.up_out"));
+        stash_.save(mb, l, "moe.combined", "combine", std::move(yp), yp_fn);
         dispatch_layouts_[{mb, l}] = std::move(L);
       }
     }
     if (P.s1) swiglu_mlp_forward(m.f32(), P.s1, P.s3, P.s2, out.f32(), n, l, mb, train, "shared", true);
     if (train) {
-      stash_.save(mb, l, "router.logits", "router", std::move(logits));
-      stash_.save(mb, l, "router.probs", "router", std::move(probs));
+      auto route = [this, mb, l, n, E, k](bool want_probs) -> RecomputeFn {
+        return [this, mb, l, n, E, k, want_probs] {
+          auto lg = stash_.get(mb, l, "router.logits");
+          Tensor pr = act({n, E}, "router.probs"), wt = act({n, k}, "router.topk_w");
+          Tensor ix = work({n, k}, "router.topk_idx", DType::i32);
+          ops::router_forward(lg->f32(), pr.f32(), ix.i32(), wt.f32(), n, E, k, cfg_.norm_topk_prob);
+          return want_probs ? std::move(pr) : std::move(wt);
+        };
+      };
+      stash_.save(mb, l, "router.logits", "router", std::move(logits),
+                  linear_lineage(mb, l, "ffn_norm.out", P.gate, n, d, E, false));
+      stash_.save(mb, l, "router.probs", "router", std::move(probs), route(true));
       stash_.save(mb, l, "router.topk_idx", "router", std::move(idx));
-      stash_.save(mb, l, "router.topk_w", "router", std::move(w));
+      stash_.save(mb, l, "router.topk_w", "router", std::move(w), route(false));
       stash_.save(mb, l, "moe.offsets", "dispatch", std::move(offsets));
       stash_.save(mb, l, "moe.slot_of", "dispatch", std::move(slot_of));
     }
@@ -486,8 +583,8 @@ double MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool trai
   add_inplace(out.f32(), x.f32(), n * d);
   if (train) {
     stash_.save(mb, l, "ffn_norm.in", "residual", std::move(x));
-    stash_.save(mb, l, "ffn_norm.out", "rmsnorm", std::move(m));
-    stash_.save(mb, l, "ffn_norm.rstd", "rmsnorm", std::move(rstd));
+    stash_.save(mb, l, "ffn_norm.out", "rmsnorm", std::move(m), rmsnorm_lineage(mb, l, "ffn_norm.in", P.post_norm, false, n));
+    stash_.save(mb, l, "ffn_norm.rstd", "rmsnorm", std::move(rstd), rmsnorm_lineage(mb, l, "ffn_norm.in", P.post_norm, true, n));
   }
   x = std::move(out);
   return loss.aux;
@@ -496,7 +593,7 @@ double MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool trai
 void MoEModel::ffn_backward(int l, Tensor& dx, std::int64_t n, int mb, double grad_scale) {
   const LayerParams& P = layer(l);
   const std::int64_t d = cfg_.hidden_size;
-  Shared m = share(stash_.take(mb, l, "ffn_norm.out"));
+  Shared m = stash_.get(mb, l, "ffn_norm.out");
   Tensor dm = work({n, d}, "ffn_norm.dout");
   // dx (the residual stream's gradient) changes after this block, so deferred
   // weight gradients that read it get a copy.
@@ -506,23 +603,23 @@ void MoEModel::ffn_backward(int l, Tensor& dx, std::int64_t n, int mb, double gr
     swiglu_mlp_backward(dy, m, P.s1, P.s3, P.s2, dm.f32(), n, l, mb, "dense");
   } else {
     const std::int64_t E = cfg_.num_experts, k = cfg_.num_experts_per_tok, f = cfg_.moe_intermediate_size;
-    Tensor offsets = stash_.take(mb, l, "moe.offsets"), slot_of = stash_.take(mb, l, "moe.slot_of");
-    Tensor idx = stash_.take(mb, l, "router.topk_idx"), w = stash_.take(mb, l, "router.topk_w");
-    const std::int64_t R = offsets.i32()[E];
+    Shared offsets = stash_.get(mb, l, "moe.offsets"), slot_of = stash_.get(mb, l, "moe.slot_of");
+    Shared idx = stash_.get(mb, l, "router.topk_idx"), w = stash_.get(mb, l, "router.topk_w");
+    const std::int64_t R = offsets->i32()[E];
     auto lit = dispatch_layouts_.find({mb, l});
     if (lit == dispatch_layouts_.end()) throw Error(fmt::format("no dispatch layout for layer {} micro-batch {}", l, mb));
     const DispatchLayout L = std::move(lit->second);
     dispatch_layouts_.erase(lit);
     const std::int64_t El = dispatcher_.local_experts(), Rr = L.rows_received;
-    const std::int32_t* eoff = dispatcher_.active() ? L.local_offsets.data() : offsets.i32();
+    const std::int32_t* eoff = dispatcher_.active() ? L.local_offsets.data() : offsets->i32();
     Tensor dw = work({n, k}, "router.dtopk_w");
     {
       // The backward of combine is dispatch, and the backward of dispatch is combine.
       Tensor dye;
       {
         Tensor dyp = work({R, d}, "moe.dcombined");
-        Tensor yp = stash_.take(mb, l, "moe.combined");
-        ops::unpermute_backward(dx.f32(), yp.f32(), slot_of.i32(), w.f32(), dyp.f32(), dw.f32(), n, k, d);
+        Shared yp = stash_.get(mb, l, "moe.combined");
+        ops::unpermute_backward(dx.f32(), yp->f32(), slot_of->i32(), w->f32(), dyp.f32(), dw.f32(), n, k, d);
         yp.reset();
         if (dispatcher_.active()) {
           dye = work({Rr, d}, "experts.dout");
@@ -542,18 +639,18 @@ void MoEModel::ffn_backward(int l, Tensor& dx, std::int64_t n, int mb, double gr
       };
       Tensor da = work({Rr, f}, "experts.dact");
       {
-        Shared a = share(stash_.take(mb, l, "experts.act")), dyes = share(std::move(dye));
+        Shared a = stash_.get(mb, l, "experts.act"), dyes = share(std::move(dye));
         ops::grouped_linear_backward(dyes->f32(), a->f32(), P.w2->w.f32(), da.f32(), static_cast<float*>(nullptr),
                                      eoff, El, f, d);
         grouped_dw(dyes, a, P.w2, f, d);
       }
       Tensor dh1 = work({Rr, f}, "experts.dgate"), dh3 = work({Rr, f}, "experts.dup");
       {
-        Tensor h1 = stash_.take(mb, l, "experts.gate_out"), h3 = stash_.take(mb, l, "experts.up_out");
-        ops::swiglu_backward(da.f32(), h1.f32(), h3.f32(), dh1.f32(), dh3.f32(), Rr * f);
+        Shared h1 = stash_.get(mb, l, "experts.gate_out"), h3 = stash_.get(mb, l, "experts.up_out");
+        ops::swiglu_backward(da.f32(), h1->f32(), h3->f32(), dh1.f32(), dh3.f32(), Rr * f);
       }
       da.reset();
-      Shared xe = share(stash_.take(mb, l, "experts.in"));
+      Shared xe = stash_.get(mb, l, "experts.in");
       Tensor dxe = work({Rr, d}, "experts.din");
       {
         Shared dh1s = share(std::move(dh1));
@@ -574,28 +671,28 @@ void MoEModel::ffn_backward(int l, Tensor& dx, std::int64_t n, int mb, double gr
         Tensor dxp = work({R, d}, "moe.dpermuted");
         Tensor scratch = work({Rr, d}, "moe.a2a_scratch");
         dispatcher_.combine(L, dxe.f32(), dxp.f32(), d, scratch.f32());
-        ops::permute_backward(dxp.f32(), slot_of.i32(), dm.f32(), n, k, d);
+        ops::permute_backward(dxp.f32(), slot_of->i32(), dm.f32(), n, k, d);
       } else {
-        ops::permute_backward(dxe.f32(), slot_of.i32(), dm.f32(), n, k, d);
+        ops::permute_backward(dxe.f32(), slot_of->i32(), dm.f32(), n, k, d);
       }
     }
     if (P.s1) swiglu_mlp_backward(dy, m, P.s1, P.s3, P.s2, dm.f32(), n, l, mb, "shared");
-    Tensor probs = stash_.take(mb, l, "router.probs"), logits = stash_.take(mb, l, "router.logits");
+    Shared probs = stash_.get(mb, l, "router.probs"), logits = stash_.get(mb, l, "router.logits");
     Tensor dprobs = work({n, E}, "router.dprobs");
     dprobs.zero();
-    ops::aux_loss_backward(idx.i32(), dprobs.f32(), n, E, k, cfg_.router_aux_loss_coef * grad_scale);
+    ops::aux_loss_backward(idx->i32(), dprobs.f32(), n, E, k, cfg_.router_aux_loss_coef * grad_scale);
     Tensor dlogits = work({n, E}, "router.dlogits");
-    ops::router_backward(dw.f32(), dprobs.f32(), probs.f32(), idx.i32(), dlogits.f32(), n, E, k,
+    ops::router_backward(dw.f32(), dprobs.f32(), probs->f32(), idx->i32(), dlogits.f32(), n, E, k,
                          cfg_.norm_topk_prob);
     if (cfg_.router_z_loss_coef > 0)
-      ops::z_loss_backward(logits.f32(), dlogits.f32(), n, E, cfg_.router_z_loss_coef * grad_scale);
+      ops::z_loss_backward(logits->f32(), dlogits.f32(), n, E, cfg_.router_z_loss_coef * grad_scale);
     linear_bw(mb, share(std::move(dlogits)), m, P.gate, dm.f32(), n, d, E, true);
   }
   m.reset();
   dy.reset();
-  Tensor h = stash_.take(mb, l, "ffn_norm.in"), rstd = stash_.take(mb, l, "ffn_norm.rstd");
+  Shared h = stash_.get(mb, l, "ffn_norm.in"), rstd = stash_.get(mb, l, "ffn_norm.rstd");
   Tensor dtmp = work({n, d}, "ffn_norm.dx");
-  ops::rmsnorm_backward(dm.f32(), h.f32(), P.post_norm->w.f32(), rstd.f32(), dtmp.f32(), P.post_norm->g.f32(), n, d);
+  ops::rmsnorm_backward(dm.f32(), h->f32(), P.post_norm->w.f32(), rstd->f32(), dtmp.f32(), P.post_norm->g.f32(), n, d);
   add_inplace(dx.f32(), dtmp.f32(), n * d);
 }
 

@@ -149,6 +149,11 @@ class MoEModel {
   void linear_bw(int mb, const Shared& dy, const Shared& x, Param* w, float* dx, std::int64_t n, std::int64_t in,
                  std::int64_t out, bool accumulate_dx);
   Shared share(Tensor t) { return std::make_shared<Tensor>(std::move(t)); }
+  // Lineages: functions rebuilding a saved activation from earlier stash entries.
+  RecomputeFn rmsnorm_lineage(int mb, int l, const char* input, const Param* w, bool want_rstd, std::int64_t n);
+  RecomputeFn linear_lineage(int mb, int l, std::string input, const Param* w, std::int64_t n, std::int64_t in,
+                             std::int64_t out, bool rope);
+  RecomputeFn swiglu_lineage(int mb, int l, std::string gate, std::string up);
   /// A non-owning handle (aliasing constructor) for a tensor that outlives an immediate use.
   static Shared borrow(Tensor& t) { return Shared(Shared(), &t); }
   Shared copy_of(const Tensor& t, const char* name);
@@ -157,6 +162,7 @@ class MoEModel {
   Arena& arena_;
   ModelParallel par_;
   bool defer_wgrad_ = false;
+  std::int64_t rope_seq_ = 1;  // sequence length of the current micro-batches (for RoPE in lineages)
   std::map<int, std::vector<std::function<void()>>> wgrad_queue_;
   TokenDispatcher dispatcher_;
   std::map<std::pair<int, int>, DispatchLayout> dispatch_layouts_;  // (mb, layer) -> counts for backward

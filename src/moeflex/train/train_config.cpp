@@ -9,6 +9,7 @@
 #include <toml++/toml.h>
 
 #include "moeflex/core/error.h"
+#include "moeflex/provision/policies.h"
 #include "moeflex/train/default_config.h"
 
 namespace moeflex {
@@ -91,6 +92,7 @@ void RunConfig::validate() const {
   rule(t.eval_batches >= 1, "train.eval_batches: must be at least 1");
   rule(t.checkpoint_every >= 0, "train.checkpoint_every: must not be negative");
   rule(t.keep_checkpoints >= 1, "train.keep_checkpoints: must be at least 1");
+  static_policy_recomputes(t.policy, "");  // throws ConfigError naming the known policies
   rule(data.val_fraction > 0 && data.val_fraction < 0.5, "data.val_fraction: must be in (0, 0.5)");
   rule(device_memory == -1 || device_memory > 0, "device.memory: must be positive or \"unlimited\"");
   rule(parallel.pp >= 1, "parallel.pp: must be at least 1");
@@ -142,6 +144,12 @@ RunConfig RunConfig::from_toml_text(const std::string& text, const std::string& 
         known.insert(key);
         read_field(*t, "train", key, field);
       });
+      if (auto* pol = t->get("policy")) {
+        auto v = pol->value<std::string>();
+        if (!v) throw ConfigError("train.policy: must be a string such as \"full\"");
+        c.train.policy = *v;
+      }
+      known.insert("policy");
       reject_unknown(*t, "train", known);
     }
     if (auto* d = root["data"].as_table()) {
@@ -210,6 +218,7 @@ std::string RunConfig::to_toml() const {
     if constexpr (std::is_integral_v<F>) s += fmt::format("{} = {}\n", key, field);
     else s += fmt::format("{} = {}\n", key, toml_float(field));
   });
+  s += fmt::format("policy = \"{}\"\n", train.policy);
   s += fmt::format("\n[data]\npath = \"{}\"\nval_fraction = {}\n", data.path, toml_float(data.val_fraction));
   s += fmt::format("\n[parallel]\npp = {}\ndp = {}\nep = {}\nvpp = {}\nschedule = \"{}\"\npad_layers = {}\n",
                    parallel.pp, parallel.dp, parallel.ep, parallel.vpp, parallel.schedule,

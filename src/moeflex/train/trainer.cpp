@@ -21,6 +21,7 @@
 #include "moeflex/train/checkpoint.h"
 #include "moeflex/train/dataset.h"
 #include "moeflex/train/distributed.h"
+#include "moeflex/provision/policies.h"
 #include "moeflex/train/optimizer.h"
 #include "moeflex/train/replica.h"
 
@@ -73,15 +74,16 @@ void truncate_metrics(const fs::path& path, std::int64_t step) {
 class Progress {
  public:
   Progress(bool enabled, std::int64_t total) : enabled_(enabled), total_(total), tty_(isatty(fileno(stderr))) {}
-  void update(std::int64_t step, double loss, double val, double tps, Bytes peak, Bytes budget) {
+  void update(std::int64_t step, double loss, double val, double tps, Bytes peak, Bytes budget, double recomputed) {
     if (!enabled_) return;
     const int width = 24;
     const int filled = int(double(width) * double(step) / double(std::max<std::int64_t>(total_, 1)));
     std::string bar(std::size_t(filled), '=');
     bar.resize(std::size_t(width), ' ');
-    std::string line = fmt::format("step {:>5}/{} [{}] loss {:.4f} | val {} | {:.0f} tok/s | mem {} / {}", step,
-                                   total_, bar, loss, std::isnan(val) ? std::string("-") : fmt::format("{:.4f}", val),
-                                   tps, format_bytes(peak), format_bytes(budget));
+    std::string line = fmt::format("step {:>5}/{} [{}] loss {:.4f} | val {} | {:.0f} tok/s | mem {} / {} | recomp {:.0f}%",
+                                   step, total_, bar, loss,
+                                   std::isnan(val) ? std::string("-") : fmt::format("{:.4f}", val), tps,
+                                   format_bytes(peak), format_bytes(budget), 100.0 * recomputed);
     if (tty_) {
       fmt::print(stderr, "\r{}\x1b[K", line);
       if (step == total_) fmt::print(stderr, "\n");
@@ -230,6 +232,8 @@ TrainResult run_training(const TrainOptions& opts) {
     s["peak_device_bytes"] = res.peak_device_bytes;
     s["device_budget_bytes"] = arena.unlimited() ? json(nullptr) : json(arena.budget());
     s["oom_count"] = res.oom_count;
+    s["policy"] = cfg.train.policy;
+    s["bytes_recomputed"] = res.bytes_recomputed;
     s["params"] = cfg.model.num_params();
     s["active_params"] = cfg.model.num_active_params();
     s["val_loss_history"] = history;
@@ -262,6 +266,7 @@ TrainResult run_training(const TrainOptions& opts) {
     const std::int64_t M = t.grad_accum;
     Replica replica(cfg.model, pc.schedule, layout, groups, arena, M, B, S);
     replica.init_weights(t.seed);
+    for (MoEModel* c : replica.chunks()) c->stash().set_policy(make_static_policy(t.policy));
     std::vector<std::unique_ptr<AdamW>> opts_;
     for (MoEModel* c : replica.chunks())
       opts_.push_back(std::make_unique<AdamW>(c->params(), arena, AdamWConfig{t.beta1, t.beta2, 1e-8, t.weight_decay}));
@@ -341,10 +346,18 @@ TrainResult run_training(const TrainOptions& opts) {
       arena.reset_peaks();
       replica.zero_grads();
       replica.clear_routing();
+      for (MoEModel* c : replica.chunks()) c->stash().reset_counters();
       const LossParts sum = replica.forward_backward([&](int mb, std::int32_t* ids, std::int32_t* targets) {
         data.sample_batch(Split::kTrain, t.seed, step, global_microbatch(dp_rank, M, mb), B, S, ids, targets);
       });
       const double gnorm = replica.clip_grad_norm(t.grad_clip);
+      double provisioned[2] = {0, 0};  // bytes saved, recomputed (this step, all ranks)
+      for (MoEModel* c : replica.chunks()) {
+        provisioned[0] += double(c->stash().counters().saved);
+        provisioned[1] += double(c->stash().counters().recomputed);
+      }
+      if (world_size > 1) world->all_reduce_sum(provisioned, 2);
+      res.bytes_recomputed += std::int64_t(provisioned[1]);
       double max_imbalance = 1.0;
       std::int64_t dropped = 0;
       std::map<int, std::int64_t> received_by_layer;  // rows this rank's experts received, summed over micro-batches
@@ -408,7 +421,10 @@ TrainResult run_training(const TrainOptions& opts) {
                    {"peak_device_bytes", std::int64_t(peak)},
                    {"max_expert_imbalance", max_imbalance},
                    {"dropped_assignments", dropped},
-                   {"bubble_fraction", bubble}};
+                   {"bubble_fraction", bubble},
+                   {"bytes_saved", std::int64_t(provisioned[0])},
+                   {"bytes_recomputed", std::int64_t(provisioned[1])},
+                   {"bytes_offloaded", 0}};
       if (layout.ep() > 1) {
         line["ep_received_tokens"] = ep_received;
         line["ep_imbalance"] = ep_imbalance;
@@ -424,7 +440,10 @@ TrainResult run_training(const TrainOptions& opts) {
         metrics.flush();
       }
       res.tokens_per_second = double(res.tokens) / std::max(train_seconds, 1e-9);
-      progress.update(step + 1, sum.ce, last_val, double(step_tokens) / dt, std::int64_t(peak), arena.budget());
+      const double recompute_share = provisioned[0] + provisioned[1] > 0
+                                         ? provisioned[1] / (provisioned[0] + provisioned[1]) : 0.0;
+      progress.update(step + 1, sum.ce, last_val, double(step_tokens) / dt, std::int64_t(peak), arena.budget(),
+                      recompute_share);
       // A stop request must be seen by every rank at the same step.
       double stop_flag = g_stop_requested ? 1.0 : 0.0;
       if (world_size > 1) world->all_reduce_max(&stop_flag, 1);

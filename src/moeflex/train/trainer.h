@@ -31,6 +31,7 @@ struct TrainResult {
   double tokens_per_second = 0;
   std::int64_t peak_device_bytes = 0;
   std::int64_t oom_count = 0;
+  std::int64_t bytes_recomputed = 0;  ///< activation bytes dropped in forward and rebuilt in backward
 };
 
 /// Runs (or resumes) a training run. Throws ConfigError / DataError on bad input and

@@ -1,0 +1,30 @@
+// Static provisioning policies (DESIGN.md, "The planner's contract"), expressed as
+// data over the activation ledger's names so that the same stash machinery applies
+// every one of them:
+//   none        save everything
+//   full        recompute every activation that has a lineage (whole layers from
+//               their inputs; the layer inputs stay)
+//   selective   recompute the attention core: softmax probabilities and the
+//               attention output (Korthikanti et al. 2022, "Reducing Activation
+//               Recomputation in Large Transformer Models")
+//   moe-light   recompute the MoE activation function, the permutation and the router
+//   moe-medium  moe-light + the experts' first GEMMs (FC1: gate and up) and the shared expert
+//   moe-full    recompute the whole MoE part (MXMACA's multi-level MoE recompute)
+#pragma once
+#include <string>
+#include <vector>
+
+#include "moeflex/provision/stash.h"
+
+namespace moeflex {
+
+/// The names --policy accepts for static policies.
+const std::vector<std::string>& static_policy_names();
+
+/// The policy called `name`; throws ConfigError listing the names otherwise.
+ProvisionPolicy make_static_policy(const std::string& name);
+
+/// Which activations a static policy recomputes (true = recompute), by ledger name.
+bool static_policy_recomputes(const std::string& policy, const std::string& activation);
+
+}  // namespace moeflex

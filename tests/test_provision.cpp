@@ -108,7 +108,8 @@ TEST(Provision, RandomAssignmentsGiveBitIdenticalGradients) {
     ProvisionPolicy random = [seed](const LedgerEntry& e) {
       std::uint64_t h = seed * 1000003u + std::uint64_t(e.layer) * 7919u + std::uint64_t(e.microbatch) * 31u;
       for (char c : e.name) h = h * 131u + std::uint64_t(c);
-      return uniform01(h, 1, 2) < 0.5 ? Provision::recompute : Provision::save;
+      const double u = uniform01(h, 1, 2);
+      return u < 0.33 ? Provision::recompute : u < 0.66 ? Provision::offload : Provision::save;
     };
     expect_same_grads(base, run(cfg, random, /*split_backward=*/seed % 2 == 1), "random assignment " + std::to_string(seed));
   }
@@ -120,6 +121,30 @@ TEST(Provision, CapacityDroppingAndSplitBackward) {
   const PolicyRun base = run(cfg, {});
   expect_same_grads(base, run(cfg, make_static_policy("full"), true), "full + B/W split + capacity");
   expect_same_grads(base, run(cfg, make_static_policy("moe-medium")), "moe-medium + capacity");
+}
+
+TEST(Provision, OffloadEverythingFreesTheDeviceAndGivesTheSameGradients) {
+  const ModelConfig cfg = provision_config();
+  const PolicyRun base = run(cfg, {});
+  ProvisionPolicy offload_all = [](const LedgerEntry&) { return Provision::offload; };
+  const PolicyRun off = run(cfg, offload_all);
+  expect_same_grads(base, off, "offload everything");
+  EXPECT_EQ(off.counters.offloaded, base.counters.saved);
+  EXPECT_EQ(off.counters.saved, 0);
+  // Once the copies have landed, no saved activation remains on the device.
+  Arena arena;
+  MoEModel model(cfg, arena);
+  model.init_weights(13);
+  model.stash().set_policy(offload_all);
+  const std::int64_t B = 2, S = 8, n = B * S;
+  std::vector<std::int32_t> ids(static_cast<std::size_t>(n), 3), tg(static_cast<std::size_t>(n), 5);
+  model.forward_train(ids.data(), tg.data(), B, S, 0);
+  model.stash().sync();
+  EXPECT_EQ(arena.stat(MemCategory::activations).current, 0);
+  EXPECT_GT(model.stash().host_bytes(), 0);
+  model.backward(ids.data(), tg.data(), B, S, 0, 1.0);
+  EXPECT_EQ(model.stash().host_bytes(), 0);
+  EXPECT_EQ(arena.stat(MemCategory::activations).current, 0);
 }
 
 TEST(Provision, UnknownPolicyIsRefusedWithTheNames) {

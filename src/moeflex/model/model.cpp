@@ -43,6 +43,7 @@ std::uint64_t name_stream(const std::string& s) {
 MoEModel::MoEModel(const ModelConfig& cfg, Arena& arena, const ModelParallel& par)
     : cfg_(cfg), arena_(arena), par_(par), dispatcher_(par.ep_group, cfg.num_experts) {
   cfg_.validate();
+  stash_.set_device(&arena_, &copy_engine_);
   if (par_.last_layer < 0) par_.last_layer = int(cfg.num_hidden_layers);
   if (par_.first_layer < 0 || par_.first_layer > par_.last_layer || par_.last_layer > cfg.num_hidden_layers)
     throw ConfigError(fmt::format("model stage holds layers [{}, {}) of {}", par_.first_layer, par_.last_layer,
@@ -317,6 +318,9 @@ Tensor MoEModel::forward_impl(const std::int32_t* ids, const std::int32_t* targe
 void MoEModel::backward_stage(const std::int32_t* ids, const std::int32_t* targets, const float* dy, float* dx_in,
                               std::int64_t B, std::int64_t S, int mb, double grad_scale) {
   const std::int64_t n = B * S, d = cfg_.hidden_size, V = cfg_.vocab_size;
+  // Bring offloaded activations back one layer ahead of their backward.
+  stash_.prefetch_layer(mb, kHeadLayer);
+  if (par_.last_layer > par_.first_layer) stash_.prefetch_layer(mb, par_.last_layer - 1);
   Tensor dx = work({n, d}, "grad.residual");
   if (par_.head) {
     Shared probs = stash_.get(mb, kHeadLayer, "lm_head.probs");
@@ -332,6 +336,7 @@ void MoEModel::backward_stage(const std::int32_t* ids, const std::int32_t* targe
   }
   stash_.release_layer(mb, kHeadLayer);
   for (int l = par_.last_layer - 1; l >= par_.first_layer; --l) {
+    if (l > par_.first_layer) stash_.prefetch_layer(mb, l - 1);
     ffn_backward(l, dx, n, mb, grad_scale);
     attention_backward(l, dx, B, S, mb);
     stash_.release_layer(mb, l);

@@ -169,6 +169,7 @@ class MoEModel {
   std::vector<Param> params_;
   std::vector<LayerParams> layers_;
   Param *embed_ = nullptr, *final_norm_ = nullptr, *lm_head_ = nullptr;
+  CopyEngine copy_engine_;  // declared before the stash: outlives its in-flight copies
   ActivationStash stash_;
   std::vector<RoutingStats> routing_;
   ExpertImpl expert_impl_ = ExpertImpl::grouped_gemm;

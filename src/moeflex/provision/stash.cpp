@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <cstdlib>
+
 namespace moeflex {
 
 const char* to_string(Provision p) {
@@ -19,6 +21,55 @@ void ActivationStash::account(const TensorPtr& t, int sign) {
   peak_ = std::max(peak_, bytes_);
 }
 
+ActivationStash::~ActivationStash() {
+  for (auto& [k, item] : items_) settle(item);
+}
+
+void ActivationStash::settle(Item& item) {
+  item.d2h.wait();
+  item.h2d.wait();
+  item.offloading = item.prefetching = false;
+}
+
+void ActivationStash::erase_item(std::map<Key, Item, std::less<>>::iterator it) {
+  settle(it->second);
+  account(it->second.tensor, -1);
+  if (it->second.host) {
+    host_bytes_ -= it->second.entry.bytes;
+    it->second.host.reset();
+  }
+  items_.erase(it);
+}
+
+void ActivationStash::poll() {
+  for (auto& [k, item] : items_) {
+    if (item.offloading && item.d2h.done() && item.tensor.use_count() == 1) {
+      account(item.tensor, -1);
+      item.tensor.reset();  // the device block goes back to the arena
+      item.offloading = false;
+    }
+  }
+}
+
+void ActivationStash::sync() {
+  for (auto& [k, item] : items_)
+    if (item.offloading) item.d2h.wait();
+  poll();
+}
+
+void ActivationStash::prefetch_layer(int microbatch, int layer) {
+  poll();
+  auto it = items_.lower_bound(Key{microbatch, layer, std::string()});
+  for (; it != items_.end() && std::get<0>(it->first) == microbatch && std::get<1>(it->first) == layer; ++it) {
+    Item& item = it->second;
+    if (item.tensor || !item.host) continue;
+    item.tensor = std::make_shared<Tensor>(*arena_, item.shape, MemCategory::activations, item.entry.name, item.dtype);
+    account(item.tensor, +1);
+    item.h2d = engine_->copy(item.tensor->raw(), item.host.get(), item.entry.bytes);
+    item.prefetching = true;
+  }
+}
+
 void ActivationStash::save(int microbatch, int layer, std::string_view name, std::string_view op, Tensor t,
                            RecomputeFn lineage) {
   Key key{microbatch, layer, std::string(name)};
@@ -27,9 +78,24 @@ void ActivationStash::save(int microbatch, int layer, std::string_view name, std
   Item item;
   item.entry = LedgerEntry{std::string(name), std::string(op), layer, microbatch, t.nbytes(), bool(lineage),
                            Provision::save};
-  if (policy_ && lineage) item.entry.provision = policy_(item.entry);
-  if (item.entry.provision == Provision::offload) item.entry.provision = Provision::save;  // not available yet
-  if (item.entry.provision == Provision::recompute) {
+  poll();
+  if (policy_) item.entry.provision = policy_(item.entry);
+  if (item.entry.provision == Provision::recompute && !lineage) item.entry.provision = Provision::save;
+  if (item.entry.provision == Provision::offload && !(arena_ && engine_)) item.entry.provision = Provision::save;
+  if (item.entry.provision == Provision::offload) {
+    item.shape = t.shape();
+    item.dtype = t.dtype();
+    item.tensor = std::make_shared<Tensor>(std::move(t));
+    item.host.reset(static_cast<char*>(std::aligned_alloc(64, std::size_t(Arena::round_up(item.entry.bytes)))));
+    if (!item.host) throw Error(fmt::format("host pool: cannot allocate {} for offloading '{}'", format_bytes(item.entry.bytes), name));
+    host_bytes_ += item.entry.bytes;
+    host_peak_ = std::max(host_peak_, host_bytes_);
+    item.d2h = engine_->copy(item.host.get(), item.tensor->raw(), item.entry.bytes);
+    item.offloading = true;
+    item.lineage = std::move(lineage);
+    counters_.offloaded += item.entry.bytes;
+    account(item.tensor, +1);
+  } else if (item.entry.provision == Provision::recompute) {
     item.lineage = std::move(lineage);
     counters_.recomputed += item.entry.bytes;
     // t is freed here: the device no longer holds it.
@@ -47,6 +113,13 @@ ActivationStash::TensorPtr ActivationStash::get(int microbatch, int layer, std::
   if (it == items_.end())
     throw Error(fmt::format("activation stash: '{}' of layer {} micro-batch {} is not saved", name, layer, microbatch));
   Item& item = it->second;
+  if (item.host && !item.offloading) {
+    // Offloaded: bring it back (or finish the prefetch already under way).
+    if (!item.tensor) prefetch_layer(microbatch, layer);
+    item.h2d.wait();
+    item.prefetching = false;
+    return item.tensor;
+  }
   if (!item.tensor) {
     // Rebuild from the lineage; its inputs are fetched (and rebuilt) recursively.
     RecomputeFn fn = item.lineage;
@@ -62,20 +135,14 @@ ActivationStash::TensorPtr ActivationStash::get(int microbatch, int layer, std::
 
 void ActivationStash::release_layer(int microbatch, int layer) {
   auto it = items_.lower_bound(Key{microbatch, layer, std::string()});
-  while (it != items_.end() && std::get<0>(it->first) == microbatch && std::get<1>(it->first) == layer) {
-    account(it->second.tensor, -1);
-    it = items_.erase(it);
-  }
+  while (it != items_.end() && std::get<0>(it->first) == microbatch && std::get<1>(it->first) == layer)
+    erase_item(it++);
 }
 
 void ActivationStash::release_microbatch(int microbatch) {
   for (auto it = items_.begin(); it != items_.end();) {
-    if (std::get<0>(it->first) == microbatch) {
-      account(it->second.tensor, -1);
-      it = items_.erase(it);
-    } else {
-      ++it;
-    }
+    if (std::get<0>(it->first) == microbatch) erase_item(it++);
+    else ++it;
   }
 }
 

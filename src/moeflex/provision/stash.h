@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "moeflex/core/tensor.h"
+#include "moeflex/provision/copy_engine.h"
 
 namespace moeflex {
 
@@ -43,9 +44,23 @@ using ProvisionPolicy = std::function<Provision(const LedgerEntry&)>;
 using RecomputeFn = std::function<Tensor()>;
 
 /// Saved activations of the micro-batches in flight.
+///
+/// Offload: the tensor is copied to a host buffer by the copy engine while compute
+/// goes on; its device block is freed once the copy has landed (checked at every
+/// stash call, on the main thread), and prefetch_layer() brings a layer's
+/// activations back ahead of its backward.
 class ActivationStash {
  public:
   using TensorPtr = std::shared_ptr<Tensor>;
+
+  ActivationStash() = default;
+  ~ActivationStash();
+  /// Where prefetched tensors are allocated and which engine copies; without them
+  /// an offload decision falls back to save.
+  void set_device(Arena* arena, CopyEngine* engine) {
+    arena_ = arena;
+    engine_ = engine;
+  }
 
   /// Takes ownership of `t` as the activation (mb, layer, name), then applies the
   /// policy: recompute drops the tensor now (only when `lineage` is given). Throws
@@ -55,11 +70,22 @@ class ActivationStash {
   /// The activation, rebuilt first if it was dropped; throws Error naming the key when
   /// absent. It stays in the stash until release_layer/release_microbatch.
   TensorPtr get(int microbatch, int layer, std::string_view name);
+  /// Starts copying a layer's offloaded activations back to the device (no wait).
+  void prefetch_layer(int microbatch, int layer);
+  /// Frees device copies of offloads whose host copy has landed.
+  void poll();
+  /// Waits for every offload in flight to land, then poll()s.
+  void sync();
+  /// Host bytes held by offloaded activations now, and their high-water mark.
+  Bytes host_bytes() const { return host_bytes_; }
+  Bytes host_peak_bytes() const { return host_peak_; }
   /// Drops the stash's references to one layer's activations of a micro-batch.
   void release_layer(int microbatch, int layer);
   /// Drops every activation of a micro-batch.
   void release_microbatch(int microbatch);
-  void clear() { items_.clear(); }
+  void clear() {
+    while (!items_.empty()) erase_item(items_.begin());
+  }
 
   void set_policy(ProvisionPolicy policy) { policy_ = std::move(policy); }
 
@@ -82,12 +108,27 @@ class ActivationStash {
 
  private:
   using Key = std::tuple<int, int, std::string>;
+  struct HostFree {
+    void operator()(char* p) const { std::free(p); }
+  };
   struct Item {
     LedgerEntry entry;
-    TensorPtr tensor;  // null while dropped for recompute
+    TensorPtr tensor;  // device copy; null while dropped (recompute) or only on the host (offload)
     RecomputeFn lineage;
+    // Offload state.
+    std::vector<std::int64_t> shape;
+    DType dtype = DType::f32;
+    std::unique_ptr<char, HostFree> host;
+    CopyEngine::Ticket d2h, h2d;
+    bool offloading = false;   // d2h in flight, device copy still held
+    bool prefetching = false;  // h2d in flight into `tensor`
   };
   void account(const TensorPtr& t, int sign);
+  void settle(Item& item);   // waits for in-flight copies of an item
+  void erase_item(std::map<std::tuple<int, int, std::string>, Item, std::less<>>::iterator it);
+  Arena* arena_ = nullptr;
+  CopyEngine* engine_ = nullptr;
+  Bytes host_bytes_ = 0, host_peak_ = 0;
   std::map<Key, Item, std::less<>> items_;
   ProvisionPolicy policy_;
   Bytes bytes_ = 0;

@@ -1,0 +1,78 @@
+#include "moeflex/provision/copy_engine.h"
+
+#include <chrono>
+#include <cstring>
+
+namespace moeflex {
+
+bool CopyEngine::Ticket::done() const {
+  if (!state_) return true;
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->done;
+}
+
+void CopyEngine::Ticket::wait() const {
+  if (!state_) return;
+  std::unique_lock<std::mutex> lock(state_->mu);
+  state_->cv.wait(lock, [&] { return state_->done; });
+}
+
+CopyEngine::CopyEngine() : worker_([this] { run(); }) {}
+
+CopyEngine::~CopyEngine() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  worker_.join();
+}
+
+CopyEngine::Ticket CopyEngine::copy(void* dst, const void* src, Bytes bytes) {
+  Ticket t;
+  t.state_ = std::make_shared<Ticket::State>();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    jobs_.push_back(Job{dst, src, bytes, t.state_});
+  }
+  cv_.notify_one();
+  return t;
+}
+
+Bytes CopyEngine::bytes_copied() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return copied_;
+}
+
+Seconds CopyEngine::busy_seconds() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return busy_;
+}
+
+void CopyEngine::run() {
+  for (;;) {
+    Job job;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
+      if (jobs_.empty()) return;  // stop_ and drained
+      job = jobs_.front();
+      jobs_.pop_front();
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    std::memcpy(job.dst, job.src, static_cast<std::size_t>(job.bytes));
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      copied_ += job.bytes;
+      busy_ += dt;
+    }
+    {
+      std::lock_guard<std::mutex> lock(job.state->mu);
+      job.state->done = true;
+    }
+    job.state->cv.notify_all();
+  }
+}
+
+}  // namespace moeflex

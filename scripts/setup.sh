@@ -10,7 +10,7 @@ packages=(
   libcli11-dev libtomlplusplus-dev nlohmann-json3-dev libfmt-dev libspdlog-dev libssl-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libopenmpi-dev openmpi-bin
-  python3-torch python3-numpy
+  python3-torch python3-numpy python3-matplotlib
   perl
 )
 

@@ -155,3 +155,19 @@ TEST(Provision, UnknownPolicyIsRefusedWithTheNames) {
     EXPECT_NE(std::string(e.what()).find("moe-medium"), std::string::npos);
   }
 }
+
+// threshold=R decides after the router: skewed micro-batches recompute their MoE
+// part, calm ones save everything; gradients stay bit-identical either way.
+TEST(Provision, ThresholdRecomputesOnlySpikingLayers) {
+  const ModelConfig cfg = provision_config();
+  const PolicyRun base = run(cfg, {});
+  // Without EP the balanced load equals what the rank receives (n * k), so R < 1
+  // makes every MoE layer a spike and R >= 1 none.
+  const PolicyRun spiky = run(cfg, make_static_policy("threshold=0.5"));
+  const PolicyRun calm = run(cfg, make_static_policy("threshold=1.0"));
+  expect_same_grads(base, spiky, "threshold=0.5");
+  expect_same_grads(base, calm, "threshold=1.0");
+  EXPECT_GT(spiky.counters.recomputed, 0);
+  EXPECT_EQ(calm.counters.recomputed, 0);
+  EXPECT_THROW(make_static_policy("threshold=abc"), ConfigError);
+}

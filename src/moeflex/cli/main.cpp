@@ -50,7 +50,8 @@ int main(int argc, char** argv) {
   train->add_option("--threads", threads, "OpenMP/BLAS threads (default: all cores)");
   train->add_option("--stop-after", stop_after, "stop after this step with a checkpoint, as if interrupted");
   train->add_flag("--quiet", quiet, "no progress output");
-  std::string policy;
+  std::string policy, inject;
+  train->add_option("--inject-imbalance", inject, "routing spikes: every=N:ratio=R or prob=P:ratio=R:seed=S");
   train->add_option("--policy", policy,
                     "activation provisioning: none, full, selective, moe-light, moe-medium, moe-full (train.policy)");
   int pp = 0, dp = -1, ep = 0, vpp = 0;
@@ -84,6 +85,7 @@ int main(int argc, char** argv) {
       if (!device_memory.empty()) o.config.device_memory = parse_size(device_memory);
       if (!data_path.empty()) o.config.data.path = data_path;
       if (!policy.empty()) o.config.train.policy = policy;
+      if (!inject.empty()) o.config.train.inject_imbalance = inject;
       if (pp > 0) o.config.parallel.pp = pp;
       if (dp >= 0) o.config.parallel.dp = dp;
       if (ep > 0) o.config.parallel.ep = ep;

@@ -14,6 +14,7 @@
 #include "moeflex/ops/cross_entropy.h"
 #include "moeflex/ops/embedding.h"
 #include "moeflex/ops/grouped_linear.h"
+#include "moeflex/ops/imbalance.h"
 #include "moeflex/ops/linear.h"
 #include "moeflex/ops/moe_dispatch.h"
 #include "moeflex/ops/rmsnorm.h"
@@ -470,6 +471,9 @@ double MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool trai
     Tensor logits = act({n, E}, "router.logits"), probs = act({n, E}, "router.probs");
     Tensor idx = act({n, k}, "router.topk_idx", DType::i32), w = act({n, k}, "router.topk_w");
     ops::linear_forward(m.f32(), P.gate->w.f32(), logits.f32(), n, d, E);
+    const double skew = router_skew_;
+    const int skew_groups = dispatcher_.active() ? dispatcher_.ep_size() : int(E);
+    if (skew > 1) ops::skew_router_logits(logits.f32(), n, E, k, skew_groups, skew);
     ops::router_forward(logits.f32(), probs.f32(), idx.i32(), w.f32(), n, E, k, cfg_.norm_topk_prob);
     loss.aux += ops::aux_loss_forward(probs.f32(), idx.i32(), n, E, k, cfg_.router_aux_loss_coef);
     if (cfg_.router_z_loss_coef > 0) loss.z += ops::z_loss_forward(logits.f32(), n, E, cfg_.router_z_loss_coef);
@@ -557,6 +561,7 @@ double MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool trai
             return t;
           };
         };
+        stash_.set_routing_context(Rr, n * k / dispatcher_.ep_size());
         stash_.save(mb, l, "experts.in", "dispatch", std::move(xe), xe_fn);
         stash_.save(mb, l, "experts.gate_out", "grouped_gemm", std::move(h1), grouped(P.w1));
         stash_.save(mb, l, "experts.up_out", "grouped_gemm", std::move(h3), grouped(P.w3));
@@ -576,8 +581,14 @@ double MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool trai
           return want_probs ? std::move(pr) : std::move(wt);
         };
       };
-      stash_.save(mb, l, "router.logits", "router", std::move(logits),
-                  linear_lineage(mb, l, "ffn_norm.out", P.gate, n, d, E, false));
+      RecomputeFn logits_fn = linear_lineage(mb, l, "ffn_norm.out", P.gate, n, d, E, false);
+      if (skew > 1)  // the injected skew is a pure function of the logits: replay it
+        logits_fn = [inner = std::move(logits_fn), n, E, k, skew_groups, skew] {
+          Tensor t = inner();
+          ops::skew_router_logits(t.f32(), n, E, k, skew_groups, skew);
+          return t;
+        };
+      stash_.save(mb, l, "router.logits", "router", std::move(logits), std::move(logits_fn));
       stash_.save(mb, l, "router.probs", "router", std::move(probs), route(true));
       stash_.save(mb, l, "router.topk_idx", "router", std::move(idx));
       stash_.save(mb, l, "router.topk_w", "router", std::move(w), route(false));
@@ -587,9 +598,11 @@ double MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool trai
   }
   add_inplace(out.f32(), x.f32(), n * d);
   if (train) {
+    if (!cfg_.is_moe_layer(l)) stash_.set_routing_context(0, 0);
     stash_.save(mb, l, "ffn_norm.in", "residual", std::move(x));
     stash_.save(mb, l, "ffn_norm.out", "rmsnorm", std::move(m), rmsnorm_lineage(mb, l, "ffn_norm.in", P.post_norm, false, n));
     stash_.save(mb, l, "ffn_norm.rstd", "rmsnorm", std::move(rstd), rmsnorm_lineage(mb, l, "ffn_norm.in", P.post_norm, true, n));
+    stash_.set_routing_context(0, 0);
   }
   x = std::move(out);
   return loss.aux;

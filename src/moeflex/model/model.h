@@ -119,6 +119,10 @@ class MoEModel {
   const std::vector<RoutingStats>& routing() const { return routing_; }
   void clear_routing() { routing_.clear(); }
   void set_expert_impl(ExpertImpl impl) { expert_impl_ = impl; }
+  /// Skews the router (ops::skew_router_logits) so that each MoE layer's imbalance
+  /// (max over EP ranks, or over experts without EP, of assignments / mean) reaches
+  /// `ratio` in the forwards that follow; ratio <= 1 turns it off. For spike tests.
+  void set_router_skew(double ratio) { router_skew_ = ratio; }
 
  private:
   using Shared = std::shared_ptr<Tensor>;
@@ -162,6 +166,7 @@ class MoEModel {
   Arena& arena_;
   ModelParallel par_;
   bool defer_wgrad_ = false;
+  double router_skew_ = 0;
   std::int64_t rope_seq_ = 1;  // sequence length of the current micro-batches (for RoPE in lineages)
   std::map<int, std::vector<std::function<void()>>> wgrad_queue_;
   TokenDispatcher dispatcher_;

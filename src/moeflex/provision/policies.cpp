@@ -32,14 +32,32 @@ const std::vector<std::string>& static_policy_names() {
   return names;
 }
 
+namespace {
+
+// "threshold" or "threshold=R": the ratio, or -1 when `policy` is not a threshold policy.
+double threshold_ratio(const std::string& policy) {
+  if (policy == "threshold") return 1.2;
+  if (policy.rfind("threshold=", 0) != 0) return -1;
+  try {
+    std::size_t pos = 0;
+    const double r = std::stod(policy.substr(10), &pos);
+    if (pos == policy.size() - 10 && r > 0) return r;
+  } catch (...) {
+  }
+  throw ConfigError(fmt::format("policy '{}': expected threshold=R with R > 0, e.g. threshold=1.5", policy));
+}
+
+}  // namespace
+
 bool static_policy_recomputes(const std::string& policy, const std::string& a) {
+  if (threshold_ratio(policy) > 0) return moe_full(a);
   if (policy == "none") return false;
   if (policy == "full") return true;
   if (policy == "selective") return a == "attn.probs" || a == "attn.out";
   if (policy == "moe-light") return moe_light(a);
   if (policy == "moe-medium") return moe_medium(a);
   if (policy == "moe-full") return moe_full(a);
-  if (policy == "adaptive" || policy == "threshold")
+  if (policy == "adaptive")
     throw ConfigError(fmt::format("provisioning policy '{}' is not implemented yet (issue 4); known: {}", policy,
                                   fmt::join(static_policy_names(), ", ")));
   throw ConfigError(fmt::format("unknown provisioning policy '{}' (known: {})", policy,
@@ -49,6 +67,12 @@ bool static_policy_recomputes(const std::string& policy, const std::string& a) {
 ProvisionPolicy make_static_policy(const std::string& name) {
   static_policy_recomputes(name, "");  // validates the name
   if (name == "none") return {};
+  if (const double r = threshold_ratio(name); r > 0) {
+    return [r](const LedgerEntry& e) {
+      const bool spike = e.tokens_balanced > 0 && double(e.tokens_received) > r * double(e.tokens_balanced);
+      return spike && moe_full(e.name) ? Provision::recompute : Provision::save;
+    };
+  }
   return [name](const LedgerEntry& e) {
     return static_policy_recomputes(name, e.name) ? Provision::recompute : Provision::save;
   };

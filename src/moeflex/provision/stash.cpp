@@ -77,7 +77,7 @@ void ActivationStash::save(int microbatch, int layer, std::string_view name, std
     throw Error(fmt::format("activation stash: '{}' of layer {} micro-batch {} saved twice", name, layer, microbatch));
   Item item;
   item.entry = LedgerEntry{std::string(name), std::string(op), layer, microbatch, t.nbytes(), bool(lineage),
-                           Provision::save};
+                           Provision::save, ctx_received_, ctx_balanced_};
   poll();
   if (policy_) item.entry.provision = policy_(item.entry);
   if (item.entry.provision == Provision::recompute && !lineage) item.entry.provision = Provision::save;

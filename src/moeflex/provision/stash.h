@@ -34,6 +34,10 @@ struct LedgerEntry {
   Bytes bytes = 0;        ///< exact bytes (numel * dtype size)
   bool recomputable = false;  ///< has a lineage (a function rebuilding it from other entries)
   Provision provision = Provision::save;
+  /// MoE entries, known after the router: rows this rank's experts received, and the
+  /// rows a perfectly balanced routing would give them (n * k / ep). 0 elsewhere.
+  std::int64_t tokens_received = 0;
+  std::int64_t tokens_balanced = 0;
 };
 
 /// Decides the provision of an activation when it is saved (it sees the entry with
@@ -88,6 +92,11 @@ class ActivationStash {
   }
 
   void set_policy(ProvisionPolicy policy) { policy_ = std::move(policy); }
+  /// The routing context of the saves that follow (the MoE layer being saved), or 0, 0.
+  void set_routing_context(std::int64_t received, std::int64_t balanced) {
+    ctx_received_ = received;
+    ctx_balanced_ = balanced;
+  }
 
   /// Ledger records of the activations held now, in (micro-batch, layer, name) order.
   std::vector<LedgerEntry> entries() const;
@@ -128,6 +137,7 @@ class ActivationStash {
   void erase_item(std::map<std::tuple<int, int, std::string>, Item, std::less<>>::iterator it);
   Arena* arena_ = nullptr;
   CopyEngine* engine_ = nullptr;
+  std::int64_t ctx_received_ = 0, ctx_balanced_ = 0;
   Bytes host_bytes_ = 0, host_peak_ = 0;
   std::map<Key, Item, std::less<>> items_;
   ProvisionPolicy policy_;

@@ -9,6 +9,7 @@
 #include <toml++/toml.h>
 
 #include "moeflex/core/error.h"
+#include "moeflex/ops/imbalance.h"
 #include "moeflex/provision/policies.h"
 #include "moeflex/train/default_config.h"
 
@@ -93,6 +94,7 @@ void RunConfig::validate() const {
   rule(t.checkpoint_every >= 0, "train.checkpoint_every: must not be negative");
   rule(t.keep_checkpoints >= 1, "train.keep_checkpoints: must be at least 1");
   static_policy_recomputes(t.policy, "");  // throws ConfigError naming the known policies
+  ops::parse_imbalance(t.inject_imbalance);  // throws ConfigError naming the bad part
   rule(data.val_fraction > 0 && data.val_fraction < 0.5, "data.val_fraction: must be in (0, 0.5)");
   rule(device_memory == -1 || device_memory > 0, "device.memory: must be positive or \"unlimited\"");
   rule(parallel.pp >= 1, "parallel.pp: must be at least 1");
@@ -150,6 +152,12 @@ RunConfig RunConfig::from_toml_text(const std::string& text, const std::string& 
         c.train.policy = *v;
       }
       known.insert("policy");
+      if (auto* ii = t->get("inject_imbalance")) {
+        auto v = ii->value<std::string>();
+        if (!v) throw ConfigError("train.inject_imbalance: must be a string such as \"every=10:ratio=2.6\"");
+        c.train.inject_imbalance = *v;
+      }
+      known.insert("inject_imbalance");
       reject_unknown(*t, "train", known);
     }
     if (auto* d = root["data"].as_table()) {
@@ -219,6 +227,7 @@ std::string RunConfig::to_toml() const {
     else s += fmt::format("{} = {}\n", key, toml_float(field));
   });
   s += fmt::format("policy = \"{}\"\n", train.policy);
+  if (!train.inject_imbalance.empty()) s += fmt::format("inject_imbalance = \"{}\"\n", train.inject_imbalance);
   s += fmt::format("\n[data]\npath = \"{}\"\nval_fraction = {}\n", data.path, toml_float(data.val_fraction));
   s += fmt::format("\n[parallel]\npp = {}\ndp = {}\nep = {}\nvpp = {}\nschedule = \"{}\"\npad_layers = {}\n",
                    parallel.pp, parallel.dp, parallel.ep, parallel.vpp, parallel.schedule,

@@ -21,6 +21,7 @@
 #include "moeflex/train/checkpoint.h"
 #include "moeflex/train/dataset.h"
 #include "moeflex/train/distributed.h"
+#include "moeflex/ops/imbalance.h"
 #include "moeflex/provision/policies.h"
 #include "moeflex/train/optimizer.h"
 #include "moeflex/train/replica.h"
@@ -266,6 +267,7 @@ TrainResult run_training(const TrainOptions& opts) {
     const std::int64_t M = t.grad_accum;
     Replica replica(cfg.model, pc.schedule, layout, groups, arena, M, B, S);
     replica.init_weights(t.seed);
+    const ops::ImbalanceSpec imbalance = ops::parse_imbalance(t.inject_imbalance);
     for (MoEModel* c : replica.chunks()) c->stash().set_policy(make_static_policy(t.policy));
     std::vector<std::unique_ptr<AdamW>> opts_;
     for (MoEModel* c : replica.chunks())
@@ -347,9 +349,12 @@ TrainResult run_training(const TrainOptions& opts) {
       replica.zero_grads();
       replica.clear_routing();
       for (MoEModel* c : replica.chunks()) c->stash().reset_counters();
+      const bool spike = ops::imbalance_active(imbalance, step + 1);
+      for (MoEModel* c : replica.chunks()) c->set_router_skew(spike ? imbalance.ratio : 0.0);
       const LossParts sum = replica.forward_backward([&](int mb, std::int32_t* ids, std::int32_t* targets) {
         data.sample_batch(Split::kTrain, t.seed, step, global_microbatch(dp_rank, M, mb), B, S, ids, targets);
       });
+      for (MoEModel* c : replica.chunks()) c->set_router_skew(0.0);  // evaluation routes naturally
       const double gnorm = replica.clip_grad_norm(t.grad_clip);
       double provisioned[2] = {0, 0};  // bytes saved, recomputed (this step, all ranks)
       for (MoEModel* c : replica.chunks()) {
@@ -424,7 +429,8 @@ TrainResult run_training(const TrainOptions& opts) {
                    {"bubble_fraction", bubble},
                    {"bytes_saved", std::int64_t(provisioned[0])},
                    {"bytes_recomputed", std::int64_t(provisioned[1])},
-                   {"bytes_offloaded", 0}};
+                   {"bytes_offloaded", 0},
+                   {"injected_imbalance", spike ? imbalance.ratio : 0.0}};
       if (layout.ep() > 1) {
         line["ep_received_tokens"] = ep_received;
         line["ep_imbalance"] = ep_imbalance;

@@ -22,5 +22,9 @@ assert len(s["peak_device_bytes_per_rank"]) == 4
 assert s["peak_device_bytes"] == max(s["peak_device_bytes_per_rank"]), s
 assert [l["step"] for l in lines] == [1, 2, 3, 4], [l["step"] for l in lines]
 assert all(len(l["ep_received_tokens"]) > 0 and l["ep_imbalance"] >= 1.0 for l in lines)
+t = json.load(open(f"{run}/trace.json"))["traceEvents"]
+assert {e["pid"] for e in t} == {0, 1, 2, 3}, "trace.json must merge the 4 ranks"
+assert any(e["ph"] == "X" and e["name"].startswith("Bi(") for e in t)
+assert any(e["ph"] == "C" and e["name"] == "device memory" for e in t)
 print("mpi_train_smoke: ok", s["final_val_loss"])
 PY

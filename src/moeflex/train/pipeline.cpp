@@ -50,14 +50,25 @@ LossParts PipelineExecutor::run_step(const BatchFn& batch, double grad_scale) {
   for (const Action& a : plan_.actions[std::size_t(rank_)]) {
     const int mb = a.microbatch, s = a.stage;
     const auto t0 = Clock::now();
-    struct ComputeTimer {  // adds the action's time when it is a compute action
+    struct ComputeTimer {  // adds the action's time when it is a compute action; traces it
       const Action& a;
       Clock::time_point t0;
       double& acc;
+      train::TraceWriter* trace;
+      double trace_t0;
+      Arena& arena;
       ~ComputeTimer() {
-        if (is_compute(a.kind)) acc += std::chrono::duration<double>(Clock::now() - t0).count();
+        const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
+        if (is_compute(a.kind)) acc += dt;
+        if (trace) {
+          trace->complete(is_compute(a.kind) ? "compute" : "comm", to_string(a), trace_t0, dt * 1e6,
+                          {{"microbatch", a.microbatch}, {"stage", a.stage}});
+          nlohmann::json mem = {{"in_use", arena.in_use()}};
+          if (!arena.unlimited()) mem["budget"] = arena.budget();
+          trace->counter("device memory", trace->now_us(), mem);
+        }
       }
-    } timer{a, t0, compute_seconds_};
+    } timer{a, t0, compute_seconds_, trace_, trace_ ? trace_->now_us() : 0.0, arena_};
     switch (a.kind) {
       case ActionKind::RecvActivation: {
         Tensor t = buffer("pipeline.recv_activation");

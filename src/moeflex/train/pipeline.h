@@ -10,6 +10,7 @@
 #include "moeflex/comm/communicator.h"
 #include "moeflex/model/model.h"
 #include "moeflex/schedule/plan.h"
+#include "moeflex/train/trace.h"
 
 namespace moeflex {
 
@@ -33,6 +34,10 @@ class PipelineExecutor {
   /// kept). Returns this rank's share of the losses (as run_step, for one batch).
   LossParts forward_eval(const std::int32_t* ids, const std::int32_t* targets);
 
+  /// Records every action of the following steps (compute and comm tracks, a device
+  /// memory counter) into `trace`; null stops recording.
+  void set_trace(train::TraceWriter* trace) { trace_ = trace; }
+
   /// Seconds this rank spent in compute actions (F, B, W) during the last run_step;
   /// the rest of the step is pipeline bubble and communication.
   double last_compute_seconds() const { return compute_seconds_; }
@@ -51,6 +56,7 @@ class PipelineExecutor {
   Arena& arena_;
   std::int64_t B_, S_, d_;
   double compute_seconds_ = 0;
+  train::TraceWriter* trace_ = nullptr;
 };
 
 }  // namespace moeflex

@@ -38,6 +38,8 @@ class Replica {
   /// Seconds of compute (F, B, W) in the last forward_backward on this rank.
   double last_compute_seconds() const { return executor_->last_compute_seconds(); }
 
+  void set_trace(train::TraceWriter* trace) { executor_->set_trace(trace); }
+
   std::vector<Param*> params();
   std::vector<MoEModel*> chunks();
   const StepPlan& plan() const { return plan_; }

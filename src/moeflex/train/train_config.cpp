@@ -35,6 +35,7 @@ void for_each_train_field(TrainConfig& c, F&& f) {
   f("eval_batches", c.eval_batches);
   f("checkpoint_every", c.checkpoint_every);
   f("keep_checkpoints", c.keep_checkpoints);
+  f("trace_steps", c.trace_steps);
 }
 
 std::string toml_float(double v) {

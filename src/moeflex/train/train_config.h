@@ -28,6 +28,7 @@ struct TrainConfig {
   std::int64_t checkpoint_every = 100; ///< steps between checkpoints; 0 = end only
   std::int64_t keep_checkpoints = 2;   ///< newest checkpoints kept
   std::string policy = "none";         ///< activation provisioning: none, full, selective, moe-light, moe-medium, moe-full, threshold[=R]
+  std::int64_t trace_steps = 3;        ///< steps recorded in trace.json (Chrome trace format); 0 = none
   std::string inject_imbalance;        ///< routing spikes on demand: "every=N:ratio=R" or "prob=P:ratio=R:seed=S"
 };
 

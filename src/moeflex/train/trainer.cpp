@@ -25,6 +25,7 @@
 #include "moeflex/provision/policies.h"
 #include "moeflex/train/optimizer.h"
 #include "moeflex/train/replica.h"
+#include "moeflex/train/trace.h"
 
 extern "C" void openblas_set_num_threads(int);
 
@@ -268,6 +269,11 @@ TrainResult run_training(const TrainOptions& opts) {
     Replica replica(cfg.model, pc.schedule, layout, groups, arena, M, B, S);
     replica.init_weights(t.seed);
     const ops::ImbalanceSpec imbalance = ops::parse_imbalance(t.inject_imbalance);
+    // trace.json: the first trace_steps steps of this run, one file per rank, merged by rank 0.
+    const fs::path trace_path = run_dir / "trace.json";
+    train::TraceWriter trace(world_size > 1 ? train::rank_trace_path(trace_path, rank) : trace_path, rank,
+                             t.trace_steps > 0);
+    trace.set_process_name(fmt::format("rank {}", rank));
     for (MoEModel* c : replica.chunks()) c->stash().set_policy(make_static_policy(t.policy));
     std::vector<std::unique_ptr<AdamW>> opts_;
     for (MoEModel* c : replica.chunks())
@@ -350,6 +356,8 @@ TrainResult run_training(const TrainOptions& opts) {
       replica.clear_routing();
       for (MoEModel* c : replica.chunks()) c->stash().reset_counters();
       const bool spike = ops::imbalance_active(imbalance, step + 1);
+      const bool tracing = step - start_step < t.trace_steps;
+      replica.set_trace(tracing ? &trace : nullptr);
       for (MoEModel* c : replica.chunks()) c->set_router_skew(spike ? imbalance.ratio : 0.0);
       const LossParts sum = replica.forward_backward([&](int mb, std::int32_t* ids, std::int32_t* targets) {
         data.sample_batch(Split::kTrain, t.seed, step, global_microbatch(dp_rank, M, mb), B, S, ids, targets);
@@ -448,6 +456,16 @@ TrainResult run_training(const TrainOptions& opts) {
       res.tokens_per_second = double(res.tokens) / std::max(train_seconds, 1e-9);
       const double recompute_share = provisioned[0] + provisioned[1] > 0
                                          ? provisioned[1] / (provisioned[0] + provisioned[1]) : 0.0;
+      if (tracing && (step - start_step + 1 == t.trace_steps || step + 1 == t.steps)) {
+        trace.close();
+        world->barrier();
+        if (world_size > 1 && rank0) {
+          std::vector<fs::path> parts;
+          for (int r = 0; r < world_size; ++r) parts.push_back(train::rank_trace_path(trace_path, r));
+          train::merge_traces(parts, trace_path);
+          for (auto& part : parts) fs::remove(part);
+        }
+      }
       progress.update(step + 1, sum.ce, last_val, double(step_tokens) / dt, std::int64_t(peak), arena.budget(),
                       recompute_share);
       // A stop request must be seen by every rank at the same step.

@@ -8,6 +8,7 @@
 
 #include "moeflex/core/rng.h"
 #include "moeflex/model/model.h"
+#include "moeflex/provision/planner.h"
 #include "moeflex/provision/policies.h"
 
 using namespace moeflex;
@@ -170,4 +171,31 @@ TEST(Provision, ThresholdRecomputesOnlySpikingLayers) {
   EXPECT_GT(spiky.counters.recomputed, 0);
   EXPECT_EQ(calm.counters.recomputed, 0);
   EXPECT_THROW(make_static_policy("threshold=abc"), ConfigError);
+}
+
+// The planner keeps everything when it fits, drops the cheapest-to-rebuild bytes
+// first when it does not, and offloads what has no lineage.
+TEST(Planner, DecidesFromExactBytesAndBudget) {
+  Arena arena(64 * kMiB);
+  void* held = arena.allocate(40 * kMiB, MemCategory::weights, "weights");
+  AdaptivePlanner planner(arena);
+  const std::vector<SaveCandidate> layer = {{"experts.act", "swiglu", 4 * kMiB, true},
+                                            {"experts.gate_out", "grouped_gemm", 4 * kMiB, true},
+                                            {"moe.combined", "grouped_gemm", 4 * kMiB, false}};
+  auto entry = [](int layer, const char* name) { return LedgerEntry{name, "", layer, 0, 0, true}; };
+  // The layer's 12 MiB are alive in the arena when it decides.
+  void* live = arena.allocate(12 * kMiB, MemCategory::activations, "layer");
+  planner.plan_layer(0, 1, layer, 0, 100);  // 40 + 12 + reserve 12 = 64: fits exactly
+  EXPECT_EQ(planner.decide(entry(1, "experts.act")), Provision::save);
+  EXPECT_EQ(planner.decide(entry(1, "moe.combined")), Provision::save);
+  planner.plan_layer(0, 2, layer, 6 * kMiB, 100);  // 6 MiB more to keep later: drop 8 MiB
+  EXPECT_EQ(planner.decide(entry(2, "experts.act")), Provision::recompute);       // elementwise: cheapest
+  EXPECT_EQ(planner.decide(entry(2, "experts.gate_out")), Provision::recompute);  // then the GEMM output
+  EXPECT_EQ(planner.decide(entry(2, "moe.combined")), Provision::save);
+  planner.plan_layer(0, 3, layer, 10 * kMiB, 100);  // must drop all 12: the all-to-all output goes to host
+  EXPECT_EQ(planner.decide(entry(3, "moe.combined")), Provision::offload);
+  EXPECT_EQ(planner.decisions(), 3);
+  EXPECT_LE(planner.last_projected_peak(), 64 * kMiB + 10 * kMiB);
+  arena.deallocate(live, 12 * kMiB, MemCategory::activations);
+  arena.deallocate(held, 40 * kMiB, MemCategory::weights);
 }

@@ -203,6 +203,15 @@ RecomputeFn MoEModel::swiglu_lineage(int mb, int l, std::string gate, std::strin
   };
 }
 
+void MoEModel::plan_saves(int mb, int l, std::initializer_list<Candidate> c, std::int64_t n, int floor_residuals,
+                          std::int64_t tokens) {
+  if (!planner_) return;
+  std::vector<SaveCandidate> v;
+  for (const Candidate& x : c)
+    if (x.t && x.t->defined()) v.push_back({x.name, x.op, x.t->nbytes(), x.recomputable});
+  planner_->plan_layer(mb, l, v, Bytes(floor_residuals) * Arena::round_up(n * cfg_.hidden_size * 4), tokens);
+}
+
 Tensor MoEModel::act(std::vector<std::int64_t> shape, const char* name, DType dt) {
   return Tensor(arena_, std::move(shape), MemCategory::activations, name, dt);
 }
@@ -299,6 +308,10 @@ Tensor MoEModel::forward_impl(const std::int32_t* ids, const std::int32_t* targe
   }
   loss.total = loss.ce + loss.aux + loss.z;
   if (train) {
+    plan_saves(mb, kHeadLayer,
+               {{"final_norm.in", "residual", &x, false}, {"final_norm.out", "rmsnorm", &hn, true},
+                {"final_norm.rstd", "rmsnorm", &rstd, true}, {"lm_head.probs", "cross_entropy", &logits, true}},
+               n, 0, 0);
     stash_.save(mb, kHeadLayer, "final_norm.in", "residual", std::move(x));
     stash_.save(mb, kHeadLayer, "final_norm.out", "rmsnorm", std::move(hn),
                 rmsnorm_lineage(mb, kHeadLayer, "final_norm.in", final_norm_, false, n));
@@ -374,6 +387,13 @@ void MoEModel::attention_forward(int l, Tensor& x, std::int64_t B, std::int64_t 
   add_inplace(h.f32(), x.f32(), n * d);
   if (train) {
     rope_seq_ = S;
+    const int after = 2 * (par_.last_layer - l) - 1 + (par_.head ? 1 : 0);  // residual inputs still to come
+    plan_saves(mb, l,
+               {{"attn_norm.in", "residual", &x, false}, {"attn_norm.out", "rmsnorm", &a, true},
+                {"attn_norm.rstd", "rmsnorm", &rstd, true}, {"attn.q", "rope", &q, true},
+                {"attn.k", "rope", &k, true}, {"attn.v", "linear", &v, true},
+                {"attn.probs", "attention", &probs, true}, {"attn.out", "attention", &o, true}},
+               n, after, 0);
     stash_.save(mb, l, "attn_norm.in", "residual", std::move(x));
     stash_.save(mb, l, "attn_norm.out", "rmsnorm", std::move(a), rmsnorm_lineage(mb, l, "attn_norm.in", P.in_norm, false, n));
     stash_.save(mb, l, "attn_norm.rstd", "rmsnorm", std::move(rstd), rmsnorm_lineage(mb, l, "attn_norm.in", P.in_norm, true, n));
@@ -562,6 +582,16 @@ double MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool trai
           };
         };
         stash_.set_routing_context(Rr, n * k / dispatcher_.ep_size());
+        const int after = 2 * (par_.last_layer - l - 1) + (par_.head ? 1 : 0);
+        plan_saves(mb, l,
+                   {{"experts.in", "permute", &xe, !ep}, {"experts.gate_out", "grouped_gemm", &h1, true},
+                    {"experts.up_out", "grouped_gemm", &h3, true}, {"experts.act", "swiglu", &a, true},
+                    {"moe.combined", "grouped_gemm", &yp, !ep}, {"router.logits", "linear", &logits, true},
+                    {"router.probs", "router", &probs, true}, {"router.topk_idx", "router", &idx, false},
+                    {"router.topk_w", "router", &w, true}, {"moe.offsets", "dispatch", &offsets, false},
+                    {"moe.slot_of", "dispatch", &slot_of, false}, {"ffn_norm.in", "residual", &x, false},
+                    {"ffn_norm.out", "rmsnorm", &m, true}, {"ffn_norm.rstd", "rmsnorm", &rstd, true}},
+                   n, after, Rr);
         stash_.save(mb, l, "experts.in", "dispatch", std::move(xe), xe_fn);
         stash_.save(mb, l, "experts.gate_out", "grouped_gemm", std::move(h1), grouped(P.w1));
         stash_.save(mb, l, "experts.up_out", "grouped_gemm", std::move(h3), grouped(P.w3));

@@ -12,6 +12,7 @@
 #include "moeflex/core/tensor.h"
 #include "moeflex/model/config.h"
 #include "moeflex/model/token_dispatcher.h"
+#include "moeflex/provision/planner.h"
 #include "moeflex/provision/stash.h"
 
 namespace moeflex {
@@ -123,6 +124,11 @@ class MoEModel {
   /// (max over EP ranks, or over experts without EP, of assignments / mean) reaches
   /// `ratio` in the forwards that follow; ratio <= 1 turns it off. For spike tests.
   void set_router_skew(double ratio) { router_skew_ = ratio; }
+  /// The adaptive planner deciding this model's saves (null: the stash's policy alone).
+  void set_planner(AdaptivePlanner* planner) {
+    planner_ = planner;
+    stash_.set_policy(planner ? planner->policy() : ProvisionPolicy{});
+  }
 
  private:
   using Shared = std::shared_ptr<Tensor>;
@@ -167,6 +173,17 @@ class MoEModel {
   ModelParallel par_;
   bool defer_wgrad_ = false;
   double router_skew_ = 0;
+  AdaptivePlanner* planner_ = nullptr;
+  struct Candidate {
+    const char* name;
+    const char* op;
+    const Tensor* t;
+    bool recomputable;
+  };
+  /// Asks the planner (if any) to decide a layer's saves; floor_residuals: residual
+  /// streams [n, d] the rest of the forward must keep at least.
+  void plan_saves(int mb, int l, std::initializer_list<Candidate> c, std::int64_t n, int floor_residuals,
+                  std::int64_t tokens);
   std::int64_t rope_seq_ = 1;  // sequence length of the current micro-batches (for RoPE in lineages)
   std::map<int, std::vector<std::function<void()>>> wgrad_queue_;
   TokenDispatcher dispatcher_;

@@ -57,10 +57,7 @@ bool static_policy_recomputes(const std::string& policy, const std::string& a) {
   if (policy == "moe-light") return moe_light(a);
   if (policy == "moe-medium") return moe_medium(a);
   if (policy == "moe-full") return moe_full(a);
-  if (policy == "adaptive")
-    throw ConfigError(fmt::format("provisioning policy '{}' is not implemented yet (issue 4); known: {}", policy,
-                                  fmt::join(static_policy_names(), ", ")));
-  throw ConfigError(fmt::format("unknown provisioning policy '{}' (known: {})", policy,
+  throw ConfigError(fmt::format("unknown provisioning policy '{}' (known: adaptive, threshold[=R], {})", policy,
                                 fmt::join(static_policy_names(), ", ")));
 }
 

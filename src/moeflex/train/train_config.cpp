@@ -94,7 +94,7 @@ void RunConfig::validate() const {
   rule(t.eval_batches >= 1, "train.eval_batches: must be at least 1");
   rule(t.checkpoint_every >= 0, "train.checkpoint_every: must not be negative");
   rule(t.keep_checkpoints >= 1, "train.keep_checkpoints: must be at least 1");
-  static_policy_recomputes(t.policy, "");  // throws ConfigError naming the known policies
+  if (t.policy != "adaptive") static_policy_recomputes(t.policy, "");  // throws ConfigError naming the policies
   ops::parse_imbalance(t.inject_imbalance);  // throws ConfigError naming the bad part
   rule(data.val_fraction > 0 && data.val_fraction < 0.5, "data.val_fraction: must be in (0, 0.5)");
   rule(device_memory == -1 || device_memory > 0, "device.memory: must be positive or \"unlimited\"");

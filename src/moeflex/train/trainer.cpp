@@ -22,6 +22,7 @@
 #include "moeflex/train/dataset.h"
 #include "moeflex/train/distributed.h"
 #include "moeflex/ops/imbalance.h"
+#include "moeflex/provision/planner.h"
 #include "moeflex/provision/policies.h"
 #include "moeflex/train/optimizer.h"
 #include "moeflex/train/replica.h"
@@ -236,6 +237,10 @@ TrainResult run_training(const TrainOptions& opts) {
     s["oom_count"] = res.oom_count;
     s["policy"] = cfg.train.policy;
     s["bytes_recomputed"] = res.bytes_recomputed;
+    s["bytes_offloaded"] = res.bytes_offloaded;
+    s["decisions"] = res.decisions;
+    s["decision_seconds_p99"] = res.decision_seconds_p99;
+    s["max_load_ratio"] = res.max_load_ratio;
     s["params"] = cfg.model.num_params();
     s["active_params"] = cfg.model.num_active_params();
     s["val_loss_history"] = history;
@@ -274,7 +279,14 @@ TrainResult run_training(const TrainOptions& opts) {
     train::TraceWriter trace(world_size > 1 ? train::rank_trace_path(trace_path, rank) : trace_path, rank,
                              t.trace_steps > 0);
     trace.set_process_name(fmt::format("rank {}", rank));
-    for (MoEModel* c : replica.chunks()) c->stash().set_policy(make_static_policy(t.policy));
+    // Provisioning: the adaptive planner (one per rank: it sees the rank's arena), or a static policy.
+    std::unique_ptr<AdaptivePlanner> planner;
+    if (t.policy == "adaptive") planner = std::make_unique<AdaptivePlanner>(arena);
+    for (MoEModel* c : replica.chunks()) {
+      if (planner) c->set_planner(planner.get());
+      else c->stash().set_policy(make_static_policy(t.policy));
+    }
+    std::vector<double> all_decision_seconds;
     std::vector<std::unique_ptr<AdamW>> opts_;
     for (MoEModel* c : replica.chunks())
       opts_.push_back(std::make_unique<AdamW>(c->params(), arena, AdamWConfig{t.beta1, t.beta2, 1e-8, t.weight_decay}));
@@ -363,6 +375,27 @@ TrainResult run_training(const TrainOptions& opts) {
         data.sample_batch(Split::kTrain, t.seed, step, global_microbatch(dp_rank, M, mb), B, S, ids, targets);
       });
       for (MoEModel* c : replica.chunks()) c->set_router_skew(0.0);  // evaluation routes naturally
+      json plan_line;
+      if (planner) {
+        Bytes stash_peak = 0;
+        for (MoEModel* c : replica.chunks()) {
+          stash_peak += c->stash().peak_bytes();
+          c->stash().reset_peak();
+        }
+        const auto& ds = planner->decision_seconds();
+        double dmax = 0, dsum = 0;
+        for (double x : ds) {
+          dmax = std::max(dmax, x);
+          dsum += x;
+          all_decision_seconds.push_back(x);
+        }
+        plan_line = {{"decisions", ds.size()},
+                     {"decision_seconds_max", dmax},
+                     {"decision_seconds_total", dsum},
+                     {"predicted_peak_bytes", planner->last_projected_peak()},
+                     {"transient_reserve_bytes", planner->transient_reserve()}};
+        planner->end_step(stash_peak);
+      }
       const double gnorm = replica.clip_grad_norm(t.grad_clip);
       double provisioned[2] = {0, 0};  // bytes saved, recomputed (this step, all ranks)
       for (MoEModel* c : replica.chunks()) {
@@ -371,6 +404,10 @@ TrainResult run_training(const TrainOptions& opts) {
       }
       if (world_size > 1) world->all_reduce_sum(provisioned, 2);
       res.bytes_recomputed += std::int64_t(provisioned[1]);
+      double offl = 0;
+      for (MoEModel* c : replica.chunks()) offl += double(c->stash().counters().offloaded);
+      if (world_size > 1) world->all_reduce_sum(&offl, 1);
+      res.bytes_offloaded += std::int64_t(offl);
       double max_imbalance = 1.0;
       std::int64_t dropped = 0;
       std::map<int, std::int64_t> received_by_layer;  // rows this rank's experts received, summed over micro-batches
@@ -381,6 +418,7 @@ TrainResult run_training(const TrainOptions& opts) {
       }
       std::vector<std::int64_t> received;
       for (auto& [l, v] : received_by_layer) received.push_back(v);
+      res.max_load_ratio = std::max(res.max_load_ratio, max_imbalance);
       // EP: tokens each rank's experts received, per MoE layer; imbalance = max / mean.
       json ep_received = json::array();
       double ep_imbalance = 1.0;
@@ -437,8 +475,9 @@ TrainResult run_training(const TrainOptions& opts) {
                    {"bubble_fraction", bubble},
                    {"bytes_saved", std::int64_t(provisioned[0])},
                    {"bytes_recomputed", std::int64_t(provisioned[1])},
-                   {"bytes_offloaded", 0},
+                   {"bytes_offloaded", std::int64_t(offl)},
                    {"injected_imbalance", spike ? imbalance.ratio : 0.0}};
+      for (auto& [k, v] : plan_line.items()) line[k] = v;
       if (layout.ep() > 1) {
         line["ep_received_tokens"] = ep_received;
         line["ep_imbalance"] = ep_imbalance;
@@ -465,6 +504,12 @@ TrainResult run_training(const TrainOptions& opts) {
           train::merge_traces(parts, trace_path);
           for (auto& part : parts) fs::remove(part);
         }
+      }
+      if (planner && !all_decision_seconds.empty()) {
+        std::vector<double> sorted = all_decision_seconds;
+        std::sort(sorted.begin(), sorted.end());
+        res.decisions = std::int64_t(sorted.size());
+        res.decision_seconds_p99 = sorted[std::min(sorted.size() - 1, std::size_t(0.99 * double(sorted.size())))];
       }
       progress.update(step + 1, sum.ce, last_val, double(step_tokens) / dt, std::int64_t(peak), arena.budget(),
                       recompute_share);

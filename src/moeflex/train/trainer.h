@@ -32,6 +32,10 @@ struct TrainResult {
   std::int64_t peak_device_bytes = 0;
   std::int64_t oom_count = 0;
   std::int64_t bytes_recomputed = 0;  ///< activation bytes dropped in forward and rebuilt in backward
+  std::int64_t bytes_offloaded = 0;   ///< activation bytes copied to host memory and back
+  std::int64_t decisions = 0;         ///< adaptive planner layer decisions
+  double decision_seconds_p99 = 0;    ///< 99th percentile of one layer decision's time
+  double max_load_ratio = 1.0;        ///< largest expert-load imbalance seen (max / mean)
 };
 
 /// Runs (or resumes) a training run. Throws ConfigError / DataError on bad input and

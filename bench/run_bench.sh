@@ -45,3 +45,4 @@ print(f"{'pytorch':<10} {pt:>10.0f}")
 print(f"ratio moeflex/pytorch: {mf / pt:.2f}x")
 PY
 echo; bash bench/schedules.sh
+echo; bash bench/policies.sh

@@ -11,6 +11,9 @@ cd "$src"
 "${mpi[@]}" "$bin" train --config tests/configs/tiny.toml --pp 2 --ep 2 --schedule zb-h1 --stop-after 2 \
   --out "$out/run" --quiet
 "${mpi[@]}" "$bin" train --resume "$out/run" --quiet
+# generate gathers the stages and expert shards of every rank's checkpoint
+text=$("$bin" generate --run "$out/run" --prompt "The jury" --max-new-tokens 8 --temperature 0)
+[[ $text == "The jury"* ]] || { echo "generate failed: $text"; exit 1; }
 /usr/bin/python3 - "$out/run" <<'PY'
 import json, sys
 run = sys.argv[1]

@@ -3,19 +3,69 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <map>
 #include <cmath>
 #include <numeric>
 
 #include "moeflex/core/error.h"
 #include "moeflex/core/rng.h"
 #include "moeflex/model/model.h"
+#include "moeflex/comm/layout.h"
 #include "moeflex/train/checkpoint.h"
+#include "moeflex/train/safetensors.h"
 #include "moeflex/train/tokenizer.h"
 #include "moeflex/train/train_config.h"
 
 namespace moeflex {
 
 namespace fs = std::filesystem;
+
+namespace {
+
+// A multi-rank run keeps one checkpoint per rank (rankNNNNN/checkpoints/...): pipeline
+// stages hold different layers and EP ranks different expert slices. This gathers
+// every parameter of the whole model from the ranks of data-parallel replica 0.
+void load_sharded_weights(const fs::path& run, const RunConfig& cfg, MoEModel& model) {
+  int world = 0;
+  while (fs::is_directory(run / fmt::format("rank{:05d}", world))) ++world;
+  comm::LayoutSpec spec;
+  spec.world_size = world;
+  spec.pp = cfg.parallel.pp;
+  spec.dp = cfg.parallel.dp > 0 ? cfg.parallel.dp : world / cfg.parallel.pp;
+  spec.ep = cfg.parallel.ep;
+  spec.vpp = cfg.parallel.schedule == "dualpipev" && cfg.parallel.vpp == 1 ? 2 : cfg.parallel.vpp;
+  spec.num_layers = int(cfg.model.num_hidden_layers);
+  spec.num_experts = int(cfg.model.num_experts);
+  spec.pad_layers = cfg.parallel.pad_layers;
+  spec.stage_layers = cfg.parallel.stage_layers;
+  const comm::ParallelLayout layout(spec);
+  const std::int64_t El = cfg.model.num_experts / layout.ep();
+  std::map<std::string, int> filled;
+  for (int r = 0; r < world; ++r) {
+    const comm::RankCoords c = layout.coords(r);
+    if (c.expert_dp_rank != 0) continue;  // replicas hold the same numbers
+    const fs::path rank_dir = run / fmt::format("rank{:05d}", r);
+    auto ckpt = train::latest_checkpoint(rank_dir);
+    if (!ckpt) throw DataError(fmt::format("run '{}': rank {} has no complete checkpoint", run.string(), r));
+    auto file = train::SafetensorsFile::open(*ckpt / "model.safetensors");
+    for (auto& p : model.params()) {
+      if (!file.contains(p.name)) continue;
+      const bool expert = p.name.find(".mlp.experts.") != std::string::npos;
+      if (!expert) {
+        if (c.ep_rank == 0) file.read_f32(p.name, p.w.f32(), p.w.numel());
+      } else {
+        const std::int64_t slice = p.w.numel() / cfg.model.num_experts * El;
+        file.read_f32(p.name, p.w.f32() + c.ep_rank * slice, slice);
+      }
+      ++filled[p.name];
+    }
+  }
+  for (auto& p : model.params())
+    if (!filled.count(p.name))
+      throw DataError(fmt::format("run '{}': no rank's checkpoint holds '{}'", run.string(), p.name));
+}
+
+}  // namespace
 
 std::string generate_text(const GenerateOptions& opts) {
   const fs::path& run = opts.run_dir;
@@ -24,14 +74,18 @@ std::string generate_text(const GenerateOptions& opts) {
   if (opts.top_k < 0) throw ConfigError(fmt::format("--top-k must be >= 0 (0 = the whole vocabulary), got {}", opts.top_k));
   if (opts.max_new_tokens < 0) throw ConfigError("--max-new-tokens must be >= 0");
   RunConfig cfg = RunConfig::from_file((run / "config.toml").string());
-  auto ckpt = train::latest_checkpoint(run);
-  if (!ckpt) throw DataError(fmt::format("run '{}' has no complete checkpoint to sample from", run.string()));
   Tokenizer tok = Tokenizer::load((run / "tokenizer.model").string());
   Arena arena;
   MoEModel model(cfg.model, arena);
-  std::vector<train::NamedBuffer> bufs;
-  for (auto& p : model.params()) bufs.push_back({p.name, p.w.shape(), p.w.f32()});
-  train::load_model_weights(*ckpt, bufs);
+  if (fs::is_directory(run / "rank00000")) {
+    load_sharded_weights(run, cfg, model);
+  } else {
+    auto ckpt = train::latest_checkpoint(run);
+    if (!ckpt) throw DataError(fmt::format("run '{}' has no complete checkpoint to sample from", run.string()));
+    std::vector<train::NamedBuffer> bufs;
+    for (auto& p : model.params()) bufs.push_back({p.name, p.w.shape(), p.w.f32()});
+    train::load_model_weights(*ckpt, bufs);
+  }
 
   std::vector<std::int32_t> ids = tok.encode(opts.prompt);
   if (ids.empty()) ids.push_back(0);

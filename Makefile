@@ -20,9 +20,12 @@ build: setup $(BUILD)/CMakeCache.txt
 data: setup
 	@bash scripts/prepare_corpus.sh
 
-# The main job: train the default model on the Brown corpus (run dir under runs/).
+# The main job: the default model on the Brown corpus, on 2 ranks with expert
+# parallelism, under a 250 MiB device budget where the adaptive planner is active
+# (the summary and the progress bar show its decisions). Run dir under runs/.
+MPIRUN ?= mpirun --allow-run-as-root --oversubscribe -np 2 -x OMP_NUM_THREADS=1
 train: build data
-	$(BUILD)/moeflex train $(ARGS)
+	$(MPIRUN) $(BUILD)/moeflex train --ep 2 --policy adaptive --device-memory 250MiB $(ARGS)
 
 # The whole test suite (CTest + GoogleTest).
 test: build data

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 
 namespace moeflex {
 
@@ -24,7 +26,11 @@ void AdaptivePlanner::plan_layer(int mb, int layer, const std::vector<SaveCandid
   for (auto& e : entries) total += Arena::round_up(e.bytes);
   // A working-set reserve: what earlier steps needed beyond the stash, and at least
   // this layer's own size (its backward re-materialises what is recomputed).
-  const Bytes reserve = (transient_ > 0 ? transient_ : total) + arena_.fragmentation_peak();
+  // Fragmentation margin: free bytes that no single block can serve right now.
+  const Bytes frag = arena_.unlimited() ? 0 : (budget - arena_.in_use()) - arena_.largest_free_block();
+  // The backward of a layer holds its activations (rebuilt ones included) and their
+  // gradients at once: about twice the layer.
+  const Bytes reserve = std::max(transient_, 2 * total) + std::max<Bytes>(0, frag);
   // The layer's tensors are alive now: what stays held afterwards is the rest plus `keep`.
   const Bytes held = std::max<Bytes>(0, arena_.in_use() - total);
   std::map<std::string, Provision> choice;
@@ -59,6 +65,10 @@ void AdaptivePlanner::plan_layer(int mb, int layer, const std::vector<SaveCandid
     }
   }
   projected_peak_ = std::max(projected_peak_, projected());
+  if (std::getenv("MOEFLEX_PLANNER_DEBUG"))
+    std::fprintf(stderr, "plan mb %d layer %d: held %.1f total %.1f keep %.1f floor %.1f reserve %.1f (frag %.1f) -> %.1f MiB\n",
+                 mb, layer, held / 1048576.0, total / 1048576.0, keep / 1048576.0, floor_after / 1048576.0,
+                 reserve / 1048576.0, frag / 1048576.0, projected() / 1048576.0);
   for (auto& [name, p] : choice) current_[{mb, layer, name}] = p;
   decision_seconds_.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 }

@@ -9,6 +9,7 @@
 #include "moeflex/comm/mpi_communicator.h"
 #include "moeflex/core/arena.h"
 #include "moeflex/core/error.h"
+#include "moeflex/train/calibrate.h"
 #include "moeflex/train/generate.h"
 #include "moeflex/train/trainer.h"
 
@@ -75,6 +76,15 @@ int main(int argc, char** argv) {
   gen->add_option("--top-k", gopts.top_k, "sample among the k most likely tokens (0 = all)")->capture_default_str();
   gen->add_option("--seed", gseed, "sampling seed")->capture_default_str();
 
+  // --- calibrate
+  auto* cal = app.add_subcommand("calibrate", "measure this machine's kernels and write a hardware profile");
+  std::string cal_out = "data/hardware/this-machine.json";
+  int cal_threads = 0;
+  double cal_seconds = 20;
+  cal->add_option("--out", cal_out, "profile JSON to write")->capture_default_str();
+  cal->add_option("--threads", cal_threads, "threads (default: all cores)");
+  cal->add_option("--seconds", cal_seconds, "time budget")->capture_default_str();
+
   CLI11_PARSE(app, argc, argv);
   try {
     if (*train) {
@@ -107,6 +117,8 @@ int main(int argc, char** argv) {
         fmt::print("run {}: {} steps, {} tokens, val loss {:.4f} -> {:.4f}, {:.0f} tokens/s, peak device memory {}\n",
                  run.string(), r.steps, r.tokens, r.initial_val_loss, r.final_val_loss, r.tokens_per_second,
                  format_bytes(r.peak_device_bytes));
+    } else if (*cal) {
+      return run_calibrate_command(cal_out, cal_threads, cal_seconds);
     } else if (*gen) {
       gopts.seed = std::uint64_t(gseed);
       fmt::print("{}\n", generate_text(gopts));

@@ -1,0 +1,456 @@
+// The time cost model and its hardware profile (see cost_model.h for how a time is
+// formed). The profile's JSON:
+//   {"format": "moeflex-hardware-profile", "version": 1, "name": "...", "threads": 2,
+//    "launch_overhead_s": ..., "memory_bandwidth_Bps": ...,
+//    "h2d_bandwidth_Bps": ..., "d2h_bandwidth_Bps": ..., "copy_latency_s": ...,
+//    "all_to_all_bandwidth_Bps": 0, "all_to_all_latency_s": 0,
+//    "gemm": [{"M": .., "N": .., "K": .., "flops_per_s": ..}, ...],
+//    "op_tables": {"rmsnorm_forward": [{"bytes": .., "seconds": ..}, ...], ...}}
+#include "moeflex/provision/cost_model.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <limits>
+
+#include "moeflex/core/error.h"
+
+namespace moeflex {
+
+// ---- op_bytes -------------------------------------------------------------------
+
+namespace op_bytes {
+
+Bytes rmsnorm_forward(std::int64_t n, std::int64_t d) { return (2 * n * d + d + n) * kActivationBytes; }
+Bytes rmsnorm_backward(std::int64_t n, std::int64_t d) { return (3 * n * d + 2 * d + n) * kActivationBytes; }
+Bytes rope(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd) {
+  return 2 * B * S * H * hd * kActivationBytes;
+}
+Bytes rope_tables(std::int64_t S, std::int64_t hd) { return 2 * S * (hd / 2) * kActivationBytes; }
+Bytes swiglu_forward(std::int64_t n) { return 3 * n * kActivationBytes; }
+Bytes swiglu_backward(std::int64_t n) { return 5 * n * kActivationBytes; }
+Bytes router_forward(std::int64_t n, std::int64_t E, std::int64_t k) {
+  return (2 * n * E + 2 * n * k) * kActivationBytes;
+}
+Bytes router_backward(std::int64_t n, std::int64_t E, std::int64_t k) {
+  return (2 * n * E + 2 * n * k) * kActivationBytes;
+}
+Bytes permute(std::int64_t n, std::int64_t k, std::int64_t d) { return (2 * n * k * d + n * k) * kActivationBytes; }
+Bytes cross_entropy(std::int64_t n, std::int64_t V) { return (2 * n * V + 2 * n) * kActivationBytes; }
+Bytes attention_softmax_forward(std::int64_t B, std::int64_t S, std::int64_t H) {
+  return 2 * B * H * S * S * kActivationBytes;
+}
+Bytes attention_softmax_backward(std::int64_t B, std::int64_t S, std::int64_t H) {
+  return 3 * B * H * S * S * kActivationBytes;
+}
+
+}  // namespace op_bytes
+
+// ---- JSON -----------------------------------------------------------------------
+
+namespace {
+
+using nlohmann::json;
+
+[[noreturn]] void bad_field(const std::string& source, const std::string& field, const std::string& rule) {
+  throw DataError(fmt::format("hardware profile '{}': field '{}' {}", source, field, rule));
+}
+
+const json& member(const json& obj, const char* key, const std::string& source, const std::string& field) {
+  if (!obj.is_object()) bad_field(source, field, "is inside something that is not a JSON object");
+  auto it = obj.find(key);
+  if (it == obj.end()) bad_field(source, field, "is missing");
+  return *it;
+}
+
+double number(const json& obj, const char* key, const std::string& source, const std::string& field) {
+  const json& v = member(obj, key, source, field);
+  if (!v.is_number()) bad_field(source, field, "must be a number");
+  const double x = v.get<double>();
+  if (!std::isfinite(x)) bad_field(source, field, "must be finite");
+  return x;
+}
+
+double positive(const json& obj, const char* key, const std::string& source, const std::string& field) {
+  const double x = number(obj, key, source, field);
+  if (!(x > 0)) bad_field(source, field, fmt::format("must be > 0 (got {})", x));
+  return x;
+}
+
+double non_negative(const json& obj, const char* key, const std::string& source, const std::string& field) {
+  const double x = number(obj, key, source, field);
+  if (x < 0) bad_field(source, field, fmt::format("must be >= 0 (got {})", x));
+  return x;
+}
+
+std::int64_t positive_int(const json& obj, const char* key, const std::string& source, const std::string& field) {
+  const json& v = member(obj, key, source, field);
+  if (!v.is_number_integer()) bad_field(source, field, "must be an integer");
+  const std::int64_t x = v.get<std::int64_t>();
+  if (x <= 0) bad_field(source, field, fmt::format("must be >= 1 (got {})", x));
+  return x;
+}
+
+}  // namespace
+
+nlohmann::json HardwareProfile::to_json() const {
+  json j;
+  j["format"] = kHardwareProfileFormat;
+  j["version"] = kHardwareProfileVersion;
+  j["name"] = name;
+  j["threads"] = threads;
+  j["launch_overhead_s"] = launch_overhead;
+  j["memory_bandwidth_Bps"] = memory_bandwidth;
+  j["h2d_bandwidth_Bps"] = h2d_bandwidth;
+  j["d2h_bandwidth_Bps"] = d2h_bandwidth;
+  j["copy_latency_s"] = copy_latency;
+  j["all_to_all_bandwidth_Bps"] = all_to_all_bandwidth;
+  j["all_to_all_latency_s"] = all_to_all_latency;
+  json g = json::array();
+  for (const GemmSample& s : gemm) g.push_back({{"M", s.M}, {"N", s.N}, {"K", s.K}, {"flops_per_s", s.rate}});
+  j["gemm"] = std::move(g);
+  json ops = json::object();
+  for (const auto& [op, points] : op_tables) {
+    json arr = json::array();
+    for (const OpSample& p : points) arr.push_back({{"bytes", p.bytes}, {"seconds", p.seconds}});
+    ops[op] = std::move(arr);
+  }
+  j["op_tables"] = std::move(ops);
+  return j;
+}
+
+HardwareProfile HardwareProfile::from_json(const nlohmann::json& j, const std::string& source) {
+  if (!j.is_object()) bad_field(source, "(top level)", "must be a JSON object");
+  const json& format = member(j, "format", source, "format");
+  if (!format.is_string() || format.get<std::string>() != kHardwareProfileFormat)
+    bad_field(source, "format", fmt::format("must be \"{}\"", kHardwareProfileFormat));
+  const json& version = member(j, "version", source, "version");
+  if (!version.is_number_integer() || version.get<int>() != kHardwareProfileVersion)
+    bad_field(source, "version", fmt::format("must be {} (got {})", kHardwareProfileVersion, version.dump()));
+
+  HardwareProfile p;
+  const json& name = member(j, "name", source, "name");
+  if (!name.is_string()) bad_field(source, "name", "must be a string");
+  p.name = name.get<std::string>();
+  p.threads = static_cast<int>(positive_int(j, "threads", source, "threads"));
+  p.launch_overhead = non_negative(j, "launch_overhead_s", source, "launch_overhead_s");
+  p.memory_bandwidth = positive(j, "memory_bandwidth_Bps", source, "memory_bandwidth_Bps");
+  p.h2d_bandwidth = positive(j, "h2d_bandwidth_Bps", source, "h2d_bandwidth_Bps");
+  p.d2h_bandwidth = positive(j, "d2h_bandwidth_Bps", source, "d2h_bandwidth_Bps");
+  p.copy_latency = non_negative(j, "copy_latency_s", source, "copy_latency_s");
+  p.all_to_all_bandwidth = non_negative(j, "all_to_all_bandwidth_Bps", source, "all_to_all_bandwidth_Bps");
+  p.all_to_all_latency = non_negative(j, "all_to_all_latency_s", source, "all_to_all_latency_s");
+
+  const json& g = member(j, "gemm", source, "gemm");
+  if (!g.is_array() || g.empty()) bad_field(source, "gemm", "must be a non-empty array of {M, N, K, flops_per_s}");
+  for (std::size_t i = 0; i < g.size(); ++i) {
+    const std::string f = fmt::format("gemm[{}]", i);
+    if (!g[i].is_object()) bad_field(source, f, "must be an object {M, N, K, flops_per_s}");
+    GemmSample s;
+    s.M = positive_int(g[i], "M", source, f + ".M");
+    s.N = positive_int(g[i], "N", source, f + ".N");
+    s.K = positive_int(g[i], "K", source, f + ".K");
+    s.rate = positive(g[i], "flops_per_s", source, f + ".flops_per_s");
+    p.gemm.push_back(s);
+  }
+
+  if (auto it = j.find("op_tables"); it != j.end()) {
+    if (!it->is_object()) bad_field(source, "op_tables", "must be an object of op name -> [{bytes, seconds}]");
+    for (const auto& [op, arr] : it->items()) {
+      const std::string f = "op_tables." + op;
+      if (!arr.is_array() || arr.empty()) bad_field(source, f, "must be a non-empty array of {bytes, seconds}");
+      std::vector<OpSample> points;
+      for (std::size_t i = 0; i < arr.size(); ++i) {
+        const std::string fi = fmt::format("{}[{}]", f, i);
+        if (!arr[i].is_object()) bad_field(source, fi, "must be an object {bytes, seconds}");
+        OpSample s;
+        s.bytes = positive_int(arr[i], "bytes", source, fi + ".bytes");
+        s.seconds = non_negative(arr[i], "seconds", source, fi + ".seconds");
+        if (!points.empty() && s.bytes <= points.back().bytes)
+          bad_field(source, fi + ".bytes", "must be larger than the previous point's (points sorted by bytes)");
+        points.push_back(s);
+      }
+      p.op_tables[op] = std::move(points);
+    }
+  }
+  return p;
+}
+
+void HardwareProfile::save(const std::filesystem::path& path) const {
+  std::error_code ec;
+  if (path.has_parent_path()) std::filesystem::create_directories(path.parent_path(), ec);
+  if (ec) throw DataError(fmt::format("cannot create the folder of hardware profile '{}': {}", path.string(), ec.message()));
+  std::ofstream out(path);
+  if (!out) throw DataError(fmt::format("cannot write hardware profile '{}'", path.string()));
+  out << to_json().dump(2) << "\n";
+  out.close();
+  if (!out) throw DataError(fmt::format("cannot write hardware profile '{}' (disk full?)", path.string()));
+}
+
+HardwareProfile HardwareProfile::load(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  if (!in) throw DataError(fmt::format("hardware profile '{}' cannot be opened (run `moeflex calibrate`?)", path.string()));
+  json j;
+  try {
+    j = json::parse(in);
+  } catch (const json::parse_error& e) {
+    throw DataError(fmt::format("hardware profile '{}' is not valid JSON: {}", path.string(), e.what()));
+  }
+  return from_json(j, path.string());
+}
+
+// ---- CostModel --------------------------------------------------------------------
+
+namespace {
+
+/// Samples blended by the nearest-neighbour fallback of gemm_rate.
+constexpr std::size_t kGemmNeighbours = 4;
+
+double flops(std::int64_t M, std::int64_t N, std::int64_t K) { return 2.0 * double(M) * double(N) * double(K); }
+
+}  // namespace
+
+CostModel::CostModel(HardwareProfile profile) : profile_(std::move(profile)) {
+  // A profile that did not come through from_json (one built in code) is checked here.
+  if (profile_.gemm.empty()) bad_field("profile", "gemm", "must hold at least one sample");
+  if (!(profile_.memory_bandwidth > 0)) bad_field("profile", "memory_bandwidth_Bps", "must be > 0");
+  if (!(profile_.h2d_bandwidth > 0)) bad_field("profile", "h2d_bandwidth_Bps", "must be > 0");
+  if (!(profile_.d2h_bandwidth > 0)) bad_field("profile", "d2h_bandwidth_Bps", "must be > 0");
+  for (std::size_t i = 0; i < profile_.gemm.size(); ++i) {
+    const GemmSample& s = profile_.gemm[i];
+    if (s.M <= 0 || s.N <= 0 || s.K <= 0 || !(s.rate > 0) || !std::isfinite(s.rate))
+      bad_field("profile", fmt::format("gemm[{}]", i), "must have positive extents and a positive finite rate");
+    const Seconds t = flops(s.M, s.N, s.K) / s.rate;
+    lines_[0][{s.N, s.K}].emplace_back(s.M, t);
+    lines_[1][{s.M, s.K}].emplace_back(s.N, t);
+    lines_[2][{s.M, s.N}].emplace_back(s.K, t);
+  }
+  for (auto& axis : lines_) {
+    for (auto& [key, line] : axis) {
+      std::sort(line.begin(), line.end());
+      // A shape measured twice keeps the mean of its times.
+      Line merged;
+      for (std::size_t i = 0; i < line.size();) {
+        std::size_t j = i;
+        Seconds sum = 0;
+        while (j < line.size() && line[j].first == line[i].first) sum += line[j++].second;
+        merged.emplace_back(line[i].first, sum / double(j - i));
+        i = j;
+      }
+      line = std::move(merged);
+    }
+  }
+  for (auto& [op, points] : profile_.op_tables) std::sort(points.begin(), points.end(),
+                                                          [](const OpSample& a, const OpSample& b) { return a.bytes < b.bytes; });
+}
+
+FlopsPerSecond CostModel::gemm_rate(std::int64_t M, std::int64_t N, std::int64_t K) const {
+  const std::int64_t ext[3] = {M, N, K};
+  const double f = flops(M, N, K);
+  // 2. Lines through the query (an exact sample is a line point at distance 0).
+  double best_span = std::numeric_limits<double>::infinity();
+  Seconds best_time = 0;
+  double nearest_end = std::numeric_limits<double>::infinity();
+  FlopsPerSecond nearest_end_rate = 0;
+  for (int a = 0; a < 3; ++a) {
+    const LineKey key = a == 0 ? LineKey{N, K} : a == 1 ? LineKey{M, K} : LineKey{M, N};
+    auto it = lines_[a].find(key);
+    if (it == lines_[a].end()) continue;
+    const Line& line = it->second;
+    const std::int64_t x = ext[a];
+    auto hi = std::lower_bound(line.begin(), line.end(), std::pair<std::int64_t, Seconds>{x, -1.0});
+    if (hi != line.end() && hi->first == x) return f / hi->second;  // 1. exact
+    if (hi != line.begin() && hi != line.end()) {
+      const auto lo = hi - 1;
+      const double span = std::log(double(hi->first) / double(lo->first));
+      if (span < best_span) {
+        best_span = span;
+        const double w = double(x - lo->first) / double(hi->first - lo->first);
+        best_time = lo->second + w * (hi->second - lo->second);
+      }
+      continue;
+    }
+    const auto& end = hi == line.end() ? line.back() : line.front();
+    const double dist = std::abs(std::log(double(x) / double(end.first)));
+    if (dist < nearest_end) {
+      nearest_end = dist;
+      const std::int64_t e[3] = {a == 0 ? end.first : M, a == 1 ? end.first : N, a == 2 ? end.first : K};
+      nearest_end_rate = flops(e[0], e[1], e[2]) / end.second;
+    }
+  }
+  if (std::isfinite(best_span)) return f / best_time;
+  if (std::isfinite(nearest_end)) return nearest_end_rate;
+
+  // 3. Nearest samples in log-extent space.
+  std::vector<std::pair<double, double>> dist_lograte;  // (squared distance, log rate)
+  dist_lograte.reserve(profile_.gemm.size());
+  for (const GemmSample& s : profile_.gemm) {
+    const double dm = std::log2(double(M) / double(s.M)), dn = std::log2(double(N) / double(s.N)),
+                 dk = std::log2(double(K) / double(s.K));
+    dist_lograte.emplace_back(dm * dm + dn * dn + dk * dk, std::log(s.rate));
+  }
+  const std::size_t k = std::min(kGemmNeighbours, dist_lograte.size());
+  std::partial_sort(dist_lograte.begin(), dist_lograte.begin() + std::ptrdiff_t(k), dist_lograte.end());
+  double wsum = 0, acc = 0;
+  for (std::size_t i = 0; i < k; ++i) {
+    const double w = 1.0 / dist_lograte[i].first;  // distance > 0: exact shapes returned above
+    wsum += w;
+    acc += w * dist_lograte[i].second;
+  }
+  return std::exp(acc / wsum);
+}
+
+Seconds CostModel::gemm(std::int64_t M, std::int64_t N, std::int64_t K) const {
+  if (M <= 0 || N <= 0) return 0;
+  if (K <= 0) return elementwise(M * N * kActivationBytes);
+  return flops(M, N, K) / gemm_rate(M, N, K);
+}
+
+Seconds CostModel::grouped_gemm(const std::vector<std::int64_t>& rows_per_group, std::int64_t N,
+                                std::int64_t K) const {
+  Seconds t = 0;
+  for (std::int64_t rows : rows_per_group)
+    if (rows > 0) t += gemm(rows, N, K);
+  return t;
+}
+
+Seconds CostModel::elementwise(Bytes bytes_moved) const {
+  if (bytes_moved <= 0) return 0;
+  return profile_.launch_overhead + double(bytes_moved) / profile_.memory_bandwidth;
+}
+
+Seconds CostModel::copy_h2d(Bytes bytes) const {
+  if (bytes <= 0) return 0;
+  auto it = profile_.op_tables.find(op_names::kCopyH2D);
+  if (it != profile_.op_tables.end() && !it->second.empty()) return table_time(it->second, bytes, profile_.copy_latency);
+  return profile_.copy_latency + double(bytes) / profile_.h2d_bandwidth;
+}
+
+Seconds CostModel::copy_d2h(Bytes bytes) const {
+  if (bytes <= 0) return 0;
+  auto it = profile_.op_tables.find(op_names::kCopyD2H);
+  if (it != profile_.op_tables.end() && !it->second.empty()) return table_time(it->second, bytes, profile_.copy_latency);
+  return profile_.copy_latency + double(bytes) / profile_.d2h_bandwidth;
+}
+
+Seconds CostModel::op(const std::string& name, Bytes bytes) const {
+  if (bytes <= 0) return 0;
+  auto it = profile_.op_tables.find(name);
+  if (it == profile_.op_tables.end() || it->second.empty()) return elementwise(bytes);
+  return table_time(it->second, bytes, profile_.launch_overhead);
+}
+
+Seconds CostModel::table_time(const std::vector<OpSample>& pts, Bytes bytes, Seconds zero_time) {
+  const double x = double(bytes);
+  if (bytes <= pts.front().bytes) {
+    const double w = x / double(pts.front().bytes);
+    return zero_time + w * (pts.front().seconds - zero_time);
+  }
+  if (bytes >= pts.back().bytes) return pts.back().seconds * x / double(pts.back().bytes);
+  auto hi = std::lower_bound(pts.begin(), pts.end(), bytes, [](const OpSample& p, Bytes b) { return p.bytes < b; });
+  const auto lo = hi - 1;
+  const double w = (x - double(lo->bytes)) / double(hi->bytes - lo->bytes);
+  return lo->seconds + w * (hi->seconds - lo->seconds);
+}
+
+Seconds CostModel::rmsnorm_forward(std::int64_t n, std::int64_t d) const {
+  if (n <= 0 || d <= 0) return 0;
+  return op(op_names::kRmsnormForward, op_bytes::rmsnorm_forward(n, d));
+}
+
+Seconds CostModel::rmsnorm_backward(std::int64_t n, std::int64_t d) const {
+  if (n <= 0 || d <= 0) return 0;
+  return op(op_names::kRmsnormBackward, op_bytes::rmsnorm_backward(n, d));
+}
+
+Seconds CostModel::rope(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd) const {
+  if (B <= 0 || S <= 0 || H <= 0 || hd <= 0) return 0;
+  return op(op_names::kRopeTables, op_bytes::rope_tables(S, hd)) + op(op_names::kRope, op_bytes::rope(B, S, H, hd));
+}
+
+Seconds CostModel::attention_forward(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd) const {
+  if (B <= 0 || S <= 0 || H <= 0 || hd <= 0) return 0;
+  const Seconds per_head = gemm(S, S, hd) + gemm(S, hd, S);
+  return double(B * H) * per_head +
+         op(op_names::kAttentionSoftmaxForward, op_bytes::attention_softmax_forward(B, S, H));
+}
+
+Seconds CostModel::attention_backward(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd) const {
+  if (B <= 0 || S <= 0 || H <= 0 || hd <= 0) return 0;
+  // dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q.
+  const Seconds per_head = 3 * gemm(S, hd, S) + gemm(S, S, hd);
+  return double(B * H) * per_head +
+         op(op_names::kAttentionSoftmaxBackward, op_bytes::attention_softmax_backward(B, S, H));
+}
+
+Seconds CostModel::swiglu_forward(std::int64_t n) const {
+  return n <= 0 ? 0 : op(op_names::kSwigluForward, op_bytes::swiglu_forward(n));
+}
+
+Seconds CostModel::swiglu_backward(std::int64_t n) const {
+  return n <= 0 ? 0 : op(op_names::kSwigluBackward, op_bytes::swiglu_backward(n));
+}
+
+Seconds CostModel::router_forward(std::int64_t n, std::int64_t E, std::int64_t k) const {
+  return n <= 0 ? 0 : op(op_names::kRouterForward, op_bytes::router_forward(n, E, k));
+}
+
+Seconds CostModel::router_backward(std::int64_t n, std::int64_t E, std::int64_t k) const {
+  return n <= 0 ? 0 : op(op_names::kRouterBackward, op_bytes::router_backward(n, E, k));
+}
+
+Seconds CostModel::permute_forward(std::int64_t n, std::int64_t k, std::int64_t d) const {
+  return n <= 0 ? 0 : op(op_names::kPermuteForward, op_bytes::permute(n, k, d));
+}
+
+Seconds CostModel::permute_backward(std::int64_t n, std::int64_t k, std::int64_t d) const {
+  return n <= 0 ? 0 : op(op_names::kPermuteBackward, op_bytes::permute(n, k, d));
+}
+
+Seconds CostModel::unpermute_forward(std::int64_t n, std::int64_t k, std::int64_t d) const {
+  return n <= 0 ? 0 : op(op_names::kUnpermuteForward, op_bytes::permute(n, k, d));
+}
+
+Seconds CostModel::unpermute_backward(std::int64_t n, std::int64_t k, std::int64_t d) const {
+  return n <= 0 ? 0 : op(op_names::kUnpermuteBackward, op_bytes::permute(n, k, d));
+}
+
+Seconds CostModel::cross_entropy_forward(std::int64_t n, std::int64_t V) const {
+  return n <= 0 ? 0 : op(op_names::kCrossEntropyForward, op_bytes::cross_entropy(n, V));
+}
+
+Seconds CostModel::cross_entropy_backward(std::int64_t n, std::int64_t V) const {
+  return n <= 0 ? 0 : op(op_names::kCrossEntropyBackward, op_bytes::cross_entropy(n, V));
+}
+
+Seconds CostModel::linear_forward(std::int64_t n, std::int64_t in, std::int64_t out) const {
+  return gemm(n, out, in);
+}
+
+Seconds CostModel::linear_backward(std::int64_t n, std::int64_t in, std::int64_t out, bool want_dx,
+                                   bool want_dw) const {
+  if (n <= 0) return 0;  // the kernel's dw GEMM has K = 0 and changes nothing
+  return (want_dx ? gemm(n, in, out) : 0) + (want_dw ? gemm(out, in, n) : 0);
+}
+
+Seconds CostModel::grouped_linear_forward(const std::vector<std::int64_t>& rows_per_group, std::int64_t in,
+                                          std::int64_t out) const {
+  return grouped_gemm(rows_per_group, out, in);
+}
+
+Seconds CostModel::grouped_linear_backward(const std::vector<std::int64_t>& rows_per_group, std::int64_t in,
+                                           std::int64_t out, bool want_dx, bool want_dw) const {
+  Seconds t = 0;
+  for (std::int64_t rows : rows_per_group) {
+    if (rows <= 0) continue;  // skipped by the kernel, like the forward
+    if (want_dx) t += gemm(rows, in, out);
+    if (want_dw) t += gemm(out, in, rows);
+  }
+  return t;
+}
+
+Seconds overlapped(Seconds extra, Seconds available) { return std::max<Seconds>(0, extra - available); }
+
+}  // namespace moeflex

@@ -1,0 +1,235 @@
+// The time cost model: what each op and copy of a step costs on one device, read
+// from a HardwareProfile that `moeflex calibrate` measures on the machine.
+//
+// One model, three consumers (DESIGN.md): the planner ranks provisioning choices by
+// it, the simulator (sim/) advances virtual time by it, the search scores plans by
+// it. So this file knows shapes and bytes, never tensors: it includes only core/.
+//
+// How a time is formed:
+// - GEMM: 2*M*N*K / rate(M, N, K), the rate looked up in the profile's GEMM table
+//   (see CostModel::gemm_rate). The table's rates were measured on whole calls, with
+//   the weight operand cold in the caches as in a real step, so they already include
+//   the call overhead; nothing is added.
+// - An op family with a measured table (rmsnorm, swiglu, router, permute, cross
+//   entropy, the parts of rope and attention that are not GEMMs): piecewise-linear
+//   interpolation in the bytes the op moves (op_bytes:: below), between (0 bytes,
+//   launch_overhead) and the measured points, and at the last point's rate beyond.
+// - Any other elementwise work: launch_overhead + bytes / memory_bandwidth.
+// - Copies host <-> device: their table when measured (from (0 bytes, copy_latency)),
+//   else copy_latency + bytes / bandwidth of that direction.
+// Bytes are fp32 activations (kActivationBytes); a zero-sized op costs 0 (the
+// kernels return before launching anything).
+#pragma once
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "moeflex/core/units.h"
+
+namespace moeflex {
+
+/// Bytes per activation element: fp32 on every backend for now.
+inline constexpr Bytes kActivationBytes = 4;
+
+/// The profile file's format tag and version.
+inline constexpr const char* kHardwareProfileFormat = "moeflex-hardware-profile";
+inline constexpr int kHardwareProfileVersion = 1;
+
+/// The op families that may carry a measured table in HardwareProfile::op_tables.
+namespace op_names {
+inline constexpr const char* kRmsnormForward = "rmsnorm_forward";
+inline constexpr const char* kRmsnormBackward = "rmsnorm_backward";
+inline constexpr const char* kRope = "rope";                 ///< the rotation, beyond its tables; forward = backward
+inline constexpr const char* kRopeTables = "rope_tables";    ///< building the cos/sin tables of one call
+inline constexpr const char* kSwigluForward = "swiglu_forward";
+inline constexpr const char* kSwigluBackward = "swiglu_backward";
+inline constexpr const char* kRouterForward = "router_forward";
+inline constexpr const char* kRouterBackward = "router_backward";
+inline constexpr const char* kPermuteForward = "permute_forward";
+inline constexpr const char* kPermuteBackward = "permute_backward";
+inline constexpr const char* kUnpermuteForward = "unpermute_forward";
+inline constexpr const char* kUnpermuteBackward = "unpermute_backward";
+inline constexpr const char* kCrossEntropyForward = "cross_entropy_forward";
+inline constexpr const char* kCrossEntropyBackward = "cross_entropy_backward";
+/// Attention beyond its per-head GEMMs (the causal softmax and its backward).
+inline constexpr const char* kAttentionSoftmaxForward = "attention_softmax_forward";
+inline constexpr const char* kAttentionSoftmaxBackward = "attention_softmax_backward";
+/// Copies: memcpy speed depends on whether the block fits the caches, so a measured
+/// table refines the scalar bandwidths when present.
+inline constexpr const char* kCopyH2D = "copy_h2d";
+inline constexpr const char* kCopyD2H = "copy_d2h";
+}  // namespace op_names
+
+/// Bytes each op family reads plus writes: the x axis of its op table. Calibration
+/// and the cost model both use these, so a table means the same thing to both.
+namespace op_bytes {
+/// x, y: [n, d]; w: [d]; rstd: [n].
+Bytes rmsnorm_forward(std::int64_t n, std::int64_t d);
+/// dy, x, dx: [n, d]; w, dw: [d]; rstd: [n].
+Bytes rmsnorm_backward(std::int64_t n, std::int64_t d);
+/// x: [B, S, H, hd] read and written in place.
+Bytes rope(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd);
+/// The cos and sin tables, [S, hd/2] each.
+Bytes rope_tables(std::int64_t S, std::int64_t hd);
+/// gate, up, out: [n].
+Bytes swiglu_forward(std::int64_t n);
+/// dout, gate, up, dgate, dup: [n].
+Bytes swiglu_backward(std::int64_t n);
+/// logits, probs: [n, E]; topk_idx, topk_w: [n, k].
+Bytes router_forward(std::int64_t n, std::int64_t E, std::int64_t k);
+/// dtopk_w, topk_idx: [n, k]; probs, dlogits: [n, E].
+Bytes router_backward(std::int64_t n, std::int64_t E, std::int64_t k);
+/// x: [n, d] read once per kept slot; xp: [n*k, d]; slot_of: [n*k].
+Bytes permute(std::int64_t n, std::int64_t k, std::int64_t d);
+/// logits, probs: [n, V]; targets, losses: [n].
+Bytes cross_entropy(std::int64_t n, std::int64_t V);
+/// probs: [B, H, S, S], written then read by the second GEMM.
+Bytes attention_softmax_forward(std::int64_t B, std::int64_t S, std::int64_t H);
+/// probs read, dP written and rewritten: [B, H, S, S].
+Bytes attention_softmax_backward(std::int64_t B, std::int64_t S, std::int64_t H);
+}  // namespace op_bytes
+
+/// One measured GEMM: C[M,N] = A[M,K] @ B[K,N] at `rate` FLOP/s (2*M*N*K FLOPs).
+struct GemmSample {
+  std::int64_t M = 0;
+  std::int64_t N = 0;
+  std::int64_t K = 0;
+  FlopsPerSecond rate = 0;
+};
+
+/// One measured op invocation: it moved `bytes` (op_bytes::) in `seconds`.
+struct OpSample {
+  Bytes bytes = 0;
+  Seconds seconds = 0;
+};
+
+/// What one device of this machine does, as measured by `moeflex calibrate` (or
+/// written by hand for a machine we only simulate). Saved as JSON.
+struct HardwareProfile {
+  std::string name;                 ///< free text, e.g. the host and the backend
+  int threads = 1;                  ///< OpenMP/BLAS threads the numbers were measured with
+  std::vector<GemmSample> gemm;     ///< GEMM throughput by shape (at least one sample)
+  BytesPerSecond memory_bandwidth = 0;  ///< streaming elementwise ops (reads + writes)
+  Seconds launch_overhead = 0;      ///< fixed cost of one op call (an OpenMP region, a kernel launch)
+  BytesPerSecond h2d_bandwidth = 0;     ///< host -> device copies (CPU: memcpy host pool -> arena)
+  BytesPerSecond d2h_bandwidth = 0;     ///< device -> host copies (CPU: memcpy arena -> host pool)
+  Seconds copy_latency = 0;         ///< fixed cost of one copy
+  BytesPerSecond all_to_all_bandwidth = 0;  ///< per-rank all-to-all bandwidth; 0 = not measured yet
+  Seconds all_to_all_latency = 0;           ///< fixed cost of one all-to-all; 0 = not measured yet
+  /// Optional per-op-family tables (op_names::), points sorted by bytes. A family
+  /// without a table is costed as generic elementwise work.
+  std::map<std::string, std::vector<OpSample>> op_tables;
+
+  /// The JSON document (see HardwareProfile::from_json for the fields).
+  nlohmann::json to_json() const;
+  /// Parses and checks a profile; `source` (a file name) starts every error.
+  /// Throws DataError naming the source and the field.
+  static HardwareProfile from_json(const nlohmann::json& j, const std::string& source);
+
+  /// Writes the JSON to `path`, creating its folder. Throws DataError on I/O failure.
+  void save(const std::filesystem::path& path) const;
+  /// Reads a profile written by save(). Throws DataError naming the file and the field.
+  static HardwareProfile load(const std::filesystem::path& path);
+};
+
+/// Times of ops and copies on one device, from a HardwareProfile. Immutable after
+/// construction, so concurrent readers need no lock.
+class CostModel {
+ public:
+  /// Indexes the profile's GEMM table. Throws DataError (source "profile") when the
+  /// profile has no GEMM samples or a non-positive rate or bandwidth.
+  explicit CostModel(HardwareProfile profile);
+
+  const HardwareProfile& profile() const { return profile_; }
+
+  // ---- primitives ------------------------------------------------------------
+
+  /// FLOP/s of a GEMM of this shape. Lookup, in order:
+  /// 1. a sample of exactly this shape: its rate;
+  /// 2. samples that share two of the three extents with the query (a "line" along
+  ///    the third): time is interpolated linearly in the free extent between the two
+  ///    samples around it (GEMM time is close to affine between tile steps); outside
+  ///    the line's range, the nearest end's rate is kept;
+  /// 3. otherwise the four samples nearest in log2(M), log2(N), log2(K): an average
+  ///    of log(rate) weighted by 1 / distance^2.
+  FlopsPerSecond gemm_rate(std::int64_t M, std::int64_t N, std::int64_t K) const;
+
+  /// One GEMM C[M,N] = A[M,K] @ B[K,N] (any transposes): 2*M*N*K / gemm_rate.
+  /// 0 when M or N is 0; an elementwise pass over C when K is 0.
+  Seconds gemm(std::int64_t M, std::int64_t N, std::int64_t K) const;
+
+  /// One GEMM per group of rows_per_group[g] rows against an [N, K] weight, as the
+  /// grouped linear kernel runs them. Empty groups cost 0: the kernel skips them
+  /// without calling BLAS, so no overhead is paid for an expert that got no token.
+  Seconds grouped_gemm(const std::vector<std::int64_t>& rows_per_group, std::int64_t N, std::int64_t K) const;
+
+  /// Generic elementwise work: launch_overhead + bytes / memory_bandwidth (0 for 0 bytes).
+  Seconds elementwise(Bytes bytes_moved) const;
+
+  /// Copy of `bytes` host -> device (prefetch) and device -> host (offload): the
+  /// op_names::kCopyH2D / kCopyD2H table when the profile has one, else
+  /// copy_latency + bytes / h2d_bandwidth (d2h_bandwidth).
+  Seconds copy_h2d(Bytes bytes) const;
+  Seconds copy_d2h(Bytes bytes) const;
+
+  /// An op family's time for `bytes` (op_bytes::): its table when the profile has
+  /// one, else elementwise(bytes).
+  Seconds op(const std::string& name, Bytes bytes) const;
+
+  // ---- the model's ops (shapes as in the ops/ headers) ------------------------
+
+  Seconds rmsnorm_forward(std::int64_t n, std::int64_t d) const;
+  Seconds rmsnorm_backward(std::int64_t n, std::int64_t d) const;
+  /// x: [B, S, H, hd] rotated in place; forward and backward cost the same.
+  Seconds rope(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd) const;
+  /// Per head (b, h): S x S x hd scores GEMM, softmax, S x hd x S output GEMM.
+  Seconds attention_forward(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd) const;
+  /// Per head: four GEMMs (dV, dP, dQ, dK) and the softmax backward.
+  Seconds attention_backward(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd) const;
+  /// n elements of gate, up and out.
+  Seconds swiglu_forward(std::int64_t n) const;
+  Seconds swiglu_backward(std::int64_t n) const;
+  /// Softmax and top-k over [n, E] logits (the router's GEMM is a linear_forward).
+  Seconds router_forward(std::int64_t n, std::int64_t E, std::int64_t k) const;
+  Seconds router_backward(std::int64_t n, std::int64_t E, std::int64_t k) const;
+  /// Token permutation into expert order, [n, d] -> [n*k, d], and its inverse (combine).
+  Seconds permute_forward(std::int64_t n, std::int64_t k, std::int64_t d) const;
+  Seconds permute_backward(std::int64_t n, std::int64_t k, std::int64_t d) const;
+  Seconds unpermute_forward(std::int64_t n, std::int64_t k, std::int64_t d) const;
+  Seconds unpermute_backward(std::int64_t n, std::int64_t k, std::int64_t d) const;
+  Seconds cross_entropy_forward(std::int64_t n, std::int64_t V) const;
+  Seconds cross_entropy_backward(std::int64_t n, std::int64_t V) const;
+  /// y[n, out] = x[n, in] @ w[out, in]^T.
+  Seconds linear_forward(std::int64_t n, std::int64_t in, std::int64_t out) const;
+  /// dx = dy @ w (when want_dx) and dw += dy^T @ x (when want_dw).
+  Seconds linear_backward(std::int64_t n, std::int64_t in, std::int64_t out, bool want_dx = true,
+                          bool want_dw = true) const;
+  /// Grouped linear over experts: group g has rows_per_group[g] rows.
+  Seconds grouped_linear_forward(const std::vector<std::int64_t>& rows_per_group, std::int64_t in,
+                                 std::int64_t out) const;
+  Seconds grouped_linear_backward(const std::vector<std::int64_t>& rows_per_group, std::int64_t in,
+                                  std::int64_t out, bool want_dx = true, bool want_dw = true) const;
+
+ private:
+  /// A GEMM sample's extents with one axis left out, the key of a line along it.
+  using LineKey = std::pair<std::int64_t, std::int64_t>;
+  /// Points (free extent, seconds) of one line, sorted by the extent.
+  using Line = std::vector<std::pair<std::int64_t, Seconds>>;
+
+  /// Piecewise-linear time of `bytes` on a table, starting from (0 bytes, zero_time).
+  static Seconds table_time(const std::vector<OpSample>& points, Bytes bytes, Seconds zero_time);
+
+  HardwareProfile profile_;
+  std::map<LineKey, Line> lines_[3];  ///< lines along M (key N,K), along N (key M,K), along K (key M,N)
+};
+
+/// The exposed part of `extra` work (an offload or a prefetch) that runs beside
+/// `available` seconds of compute it can hide under: max(0, extra - available).
+Seconds overlapped(Seconds extra, Seconds available);
+
+}  // namespace moeflex

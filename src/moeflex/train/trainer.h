@@ -36,6 +36,7 @@ struct TrainResult {
   std::int64_t decisions = 0;         ///< adaptive planner layer decisions
   double decision_seconds_p99 = 0;    ///< 99th percentile of one layer decision's time
   double max_load_ratio = 1.0;        ///< largest expert-load imbalance seen (max / mean)
+  std::int64_t predicted_peak_bytes = 0;  ///< the adaptive planner's largest projected peak (0 otherwise)
 };
 
 /// Runs (or resumes) a training run. Throws ConfigError / DataError on bad input and

@@ -77,16 +77,17 @@ void truncate_metrics(const fs::path& path, std::int64_t step) {
 class Progress {
  public:
   Progress(bool enabled, std::int64_t total) : enabled_(enabled), total_(total), tty_(isatty(fileno(stderr))) {}
-  void update(std::int64_t step, double loss, double val, double tps, Bytes peak, Bytes budget, double recomputed) {
+  void update(std::int64_t step, double loss, double val, double tps, Bytes peak, Bytes budget, double recomputed,
+              double offloaded) {
     if (!enabled_) return;
     const int width = 24;
     const int filled = int(double(width) * double(step) / double(std::max<std::int64_t>(total_, 1)));
     std::string bar(std::size_t(filled), '=');
     bar.resize(std::size_t(width), ' ');
-    std::string line = fmt::format("step {:>5}/{} [{}] loss {:.4f} | val {} | {:.0f} tok/s | mem {} / {} | recomp {:.0f}%",
-                                   step, total_, bar, loss,
-                                   std::isnan(val) ? std::string("-") : fmt::format("{:.4f}", val), tps,
-                                   format_bytes(peak), format_bytes(budget), 100.0 * recomputed);
+    std::string line = fmt::format(
+        "step {:>5}/{} [{}] loss {:.4f} | val {} | {:.0f} tok/s | mem {} / {} | recomp {:.0f}% offl {:.0f}%", step,
+        total_, bar, loss, std::isnan(val) ? std::string("-") : fmt::format("{:.4f}", val), tps, format_bytes(peak),
+        format_bytes(budget), 100.0 * recomputed, 100.0 * offloaded);
     if (tty_) {
       fmt::print(stderr, "\r{}\x1b[K", line);
       if (step == total_) fmt::print(stderr, "\n");
@@ -241,6 +242,7 @@ TrainResult run_training(const TrainOptions& opts) {
     s["decisions"] = res.decisions;
     s["decision_seconds_p99"] = res.decision_seconds_p99;
     s["max_load_ratio"] = res.max_load_ratio;
+    s["predicted_peak_bytes"] = res.predicted_peak_bytes;
     s["params"] = cfg.model.num_params();
     s["active_params"] = cfg.model.num_active_params();
     s["val_loss_history"] = history;
@@ -394,6 +396,9 @@ TrainResult run_training(const TrainOptions& opts) {
                      {"decision_seconds_total", dsum},
                      {"predicted_peak_bytes", planner->last_projected_peak()},
                      {"transient_reserve_bytes", planner->transient_reserve()}};
+        double predicted = double(planner->last_projected_peak());
+        if (world_size > 1) world->all_reduce_max(&predicted, 1);
+        res.predicted_peak_bytes = std::max(res.predicted_peak_bytes, std::int64_t(predicted));
         planner->end_step(stash_peak);
       }
       const double gnorm = replica.clip_grad_norm(t.grad_clip);
@@ -493,8 +498,7 @@ TrainResult run_training(const TrainOptions& opts) {
         metrics.flush();
       }
       res.tokens_per_second = double(res.tokens) / std::max(train_seconds, 1e-9);
-      const double recompute_share = provisioned[0] + provisioned[1] > 0
-                                         ? provisioned[1] / (provisioned[0] + provisioned[1]) : 0.0;
+      const double all_bytes = provisioned[0] + provisioned[1] + offl;
       if (tracing && (step - start_step + 1 == t.trace_steps || step + 1 == t.steps)) {
         trace.close();
         world->barrier();
@@ -512,7 +516,7 @@ TrainResult run_training(const TrainOptions& opts) {
         res.decision_seconds_p99 = sorted[std::min(sorted.size() - 1, std::size_t(0.99 * double(sorted.size())))];
       }
       progress.update(step + 1, sum.ce, last_val, double(step_tokens) / dt, std::int64_t(peak), arena.budget(),
-                      recompute_share);
+                      all_bytes > 0 ? provisioned[1] / all_bytes : 0.0, all_bytes > 0 ? offl / all_bytes : 0.0);
       // A stop request must be seen by every rank at the same step.
       double stop_flag = g_stop_requested ? 1.0 : 0.0;
       if (world_size > 1) world->all_reduce_max(&stop_flag, 1);

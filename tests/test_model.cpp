@@ -10,6 +10,7 @@
 #include "moeflex/core/rng.h"
 #include "moeflex/model/model.h"
 #include "moeflex/train/safetensors.h"
+#include "model_fixtures.h"
 
 using namespace moeflex;
 
@@ -17,32 +18,7 @@ namespace {
 
 const std::string kRefDir = std::string(MOEFLEX_SOURCE_DIR) + "/tests/reference/";
 
-double rel_norm_err(const float* a, const double* b, std::int64_t n) {
-  double num = 0, den = 0;
-  for (std::int64_t i = 0; i < n; ++i) {
-    num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
-    den += b[i] * b[i];
-  }
-  return std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
-}
 
-ModelConfig tiny_config() {
-  ModelConfig c;
-  c.vocab_size = 64;
-  c.hidden_size = 32;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.max_position_embeddings = 16;
-  c.num_experts = 4;
-  c.num_experts_per_tok = 2;
-  c.moe_intermediate_size = 16;
-  c.n_shared_experts = 1;
-  c.router_aux_loss_coef = 0.01;
-  c.router_z_loss_coef = 0.001;
-  c.tie_word_embeddings = false;
-  c.initializer_range = 0.1;
-  return c;
-}
 
 std::vector<std::int32_t> random_tokens(std::int64_t n, std::int64_t V, std::uint64_t stream) {
   std::vector<std::int32_t> t(static_cast<std::size_t>(n));
@@ -70,7 +46,7 @@ void check_golden(const std::string& file) {
   std::vector<double> ref_logits(std::size_t(n * V));
   st.read_f64("out.logits", ref_logits.data(), n * V);
   for (std::int64_t b = 0; b < B; ++b)
-    EXPECT_LT(rel_norm_err(last.data() + b * V, ref_logits.data() + ((b + 1) * S - 1) * V, V), 1e-5) << "seq " << b;
+    EXPECT_LT(test::rel_norm_err(last.data() + b * V, ref_logits.data() + ((b + 1) * S - 1) * V, V), 1e-5) << "seq " << b;
 
   model.zero_grads();
   LossParts lp = model.forward_backward(ids.data(), tg.data(), B, S, 0, 1.0);
@@ -84,7 +60,7 @@ void check_golden(const std::string& file) {
   for (auto& p : model.params()) {
     std::vector<double> ref(std::size_t(p.g.numel()));
     st.read_f64("grad." + p.name, ref.data(), p.g.numel());
-    const double err = rel_norm_err(p.g.f32(), ref.data(), p.g.numel());
+    const double err = test::rel_norm_err(p.g.f32(), ref.data(), p.g.numel());
     EXPECT_LT(err, 1e-4) << "gradient of " << p.name;
     ++checked;
   }
@@ -99,7 +75,7 @@ TEST(Golden, CapacityTiedMatchesPyTorchReference) { check_golden("golden_v1_capa
 
 // d loss along random directions vs central differences of the float model.
 TEST(Model, DirectionalFiniteDifferences) {
-  ModelConfig cfg = tiny_config();
+  ModelConfig cfg = test::small_moe_config(2, 0, 4, false);
   cfg.first_k_dense_replace = 1;
   cfg.num_hidden_layers = 3;
   Arena arena;
@@ -150,7 +126,7 @@ TEST(Model, DirectionalFiniteDifferences) {
 
 // All tokens routed to experts 0 and 1; the others receive none.
 TEST(Model, SkewedRoutingAllTokensToTwoExperts) {
-  ModelConfig cfg = tiny_config();
+  ModelConfig cfg = test::small_moe_config(2, 0, 4, false);
   cfg.num_experts = 8;
   Arena arena;
   MoEModel model(cfg, arena);
@@ -190,7 +166,7 @@ TEST(Model, SkewedRoutingAllTokensToTwoExperts) {
 }
 
 TEST(Model, ActivationsAreFreedAndAccountedExactly) {
-  ModelConfig cfg = tiny_config();
+  ModelConfig cfg = test::small_moe_config(2, 0, 4, false);
   Arena arena(64 * kMiB);
   MoEModel model(cfg, arena);
   model.init_weights(1);
@@ -214,7 +190,7 @@ TEST(Model, ActivationsAreFreedAndAccountedExactly) {
 }
 
 TEST(Model, BudgetTooSmallThrowsTypedOOM) {
-  ModelConfig cfg = tiny_config();
+  ModelConfig cfg = test::small_moe_config(2, 0, 4, false);
   Arena arena(256 * kKiB);
   try {
     MoEModel model(cfg, arena);
@@ -232,7 +208,7 @@ TEST(Model, BudgetTooSmallThrowsTypedOOM) {
 }
 
 TEST(Model, BitIdenticalAcrossRuns) {
-  ModelConfig cfg = tiny_config();
+  ModelConfig cfg = test::small_moe_config(2, 0, 4, false);
   const std::int64_t B = 2, S = 8, n = B * S;
   auto ids = random_tokens(n, cfg.vocab_size, 1), tg = random_tokens(n, cfg.vocab_size, 2);
   std::vector<std::vector<float>> grads[2];
@@ -252,7 +228,7 @@ TEST(Model, BitIdenticalAcrossRuns) {
 // Zero-bubble split: B now, W later gives the same gradients bit for bit, and
 // before W the weight-gradient GEMMs have not touched the matrices' gradients.
 TEST(Model, DeferredWeightGradientsMatchFusedBackward) {
-  ModelConfig cfg = tiny_config();
+  ModelConfig cfg = test::small_moe_config(2, 0, 4, false);
   cfg.first_k_dense_replace = 1;
   cfg.num_hidden_layers = 3;
   const std::int64_t B = 2, S = 8, n = B * S;

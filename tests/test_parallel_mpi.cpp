@@ -18,6 +18,7 @@
 #include "moeflex/model/model.h"
 #include "moeflex/train/distributed.h"
 #include "moeflex/train/optimizer.h"
+#include "model_fixtures.h"
 
 using namespace moeflex;
 
@@ -25,52 +26,14 @@ namespace {
 
 comm::Communicator* g_world = nullptr;
 
-ModelConfig parity_config() {
-  ModelConfig c;
-  c.vocab_size = 64;
-  c.hidden_size = 32;
-  c.num_hidden_layers = 3;
-  c.first_k_dense_replace = 1;
-  c.intermediate_size = 48;
-  c.num_attention_heads = 4;
-  c.max_position_embeddings = 16;
-  c.num_experts = 8;
-  c.num_experts_per_tok = 2;
-  c.moe_intermediate_size = 16;
-  c.n_shared_experts = 1;
-  c.router_aux_loss_coef = 0.01;
-  c.router_z_loss_coef = 0.001;
-  c.tie_word_embeddings = false;
-  c.initializer_range = 0.1;
-  return c;
-}
 
-void micro_batch(std::int64_t global_mb, std::int64_t n, std::int64_t V, std::vector<std::int32_t>& ids,
-                 std::vector<std::int32_t>& tg) {
-  ids.resize(std::size_t(n));
-  tg.resize(std::size_t(n));
-  for (std::int64_t i = 0; i < n; ++i) {
-    // Skewed on purpose: low token ids are far more frequent, so routing is uneven.
-    const double u = uniform01(99, std::uint64_t(global_mb), std::uint64_t(i));
-    ids[std::size_t(i)] = std::int32_t(u * u * double(V));
-    tg[std::size_t(i)] = std::int32_t(uniform01(98, std::uint64_t(global_mb), std::uint64_t(i)) * double(V));
-  }
-}
 
-double rel_norm_err(const float* a, const float* b, std::int64_t n) {
-  double num = 0, den = 0;
-  for (std::int64_t i = 0; i < n; ++i) {
-    num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
-    den += double(b[i]) * b[i];
-  }
-  return std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
-}
 
 // One step's gradients for `dp` x `ep` on this world, against the reference.
 void check_layout(int dp, int ep) {
   const int world = g_world->size();
   ASSERT_EQ(dp, world);
-  ModelConfig cfg = parity_config();
+  ModelConfig cfg = test::small_moe_config(3, 1, 8, false);
   comm::LayoutSpec spec;
   spec.world_size = world;
   spec.dp = dp;
@@ -90,7 +53,9 @@ void check_layout(int dp, int ep) {
   double loss = 0;
   std::vector<std::int32_t> ids, tg;
   for (std::int64_t mb = 0; mb < M; ++mb) {
-    micro_batch(global_microbatch(dp_rank, M, mb), n, cfg.vocab_size, ids, tg);
+    ids.resize(std::size_t(n));
+    tg.resize(std::size_t(n));
+    test::skewed_batch(global_microbatch(dp_rank, M, mb), n, cfg.vocab_size, ids.data(), tg.data());
     loss += model.forward_backward(ids.data(), tg.data(), B, S, int(mb), 1.0 / double(M * dp)).total / double(M);
   }
   reduce_gradients(param_ptrs(model.params()), groups);
@@ -103,7 +68,7 @@ void check_layout(int dp, int ep) {
   ref.init_weights(17);
   double ref_loss = 0;
   for (std::int64_t mb = 0; mb < M * dp; ++mb) {
-    micro_batch(mb, n, cfg.vocab_size, ids, tg);
+    test::skewed_batch(mb, n, cfg.vocab_size, ids.data(), tg.data());
     ref_loss += ref.forward_backward(ids.data(), tg.data(), B, S, int(mb), 1.0 / double(M * dp)).total;
   }
   ref_loss /= double(M * dp);
@@ -113,7 +78,7 @@ void check_layout(int dp, int ep) {
     Param& r = ref.param(p.name);
     const std::int64_t offset = p.expert ? e0 * (p.g.numel() / El) : 0;
     ASSERT_EQ(p.g.numel() + (p.expert ? (cfg.num_experts - El) * (p.g.numel() / El) : 0), r.g.numel());
-    const double err = rel_norm_err(p.g.f32(), r.g.f32() + offset, p.g.numel());
+    const double err = test::rel_norm_err(p.g.f32(), r.g.f32() + offset, p.g.numel());
     EXPECT_LT(err, 1e-6) << p.name << " (dp " << dp << ", ep " << ep << ", rank " << g_world->rank() << ")";
     if (p.expert) {  // the shard's weights are the reference's slice
       EXPECT_EQ(0, std::memcmp(p.w.f32(), r.w.f32() + offset, std::size_t(p.w.nbytes()))) << p.name;
@@ -139,17 +104,4 @@ TEST(Parallel, ExpertParallelTwoWithinData) {
   check_layout(g_world->size(), 2);
 }
 
-int main(int argc, char** argv) {
-  comm::MpiSession session(&argc, &argv);
-  ::testing::InitGoogleTest(&argc, argv);
-  auto world = comm::make_world_communicator();
-  g_world = world.get();
-  if (g_world->rank() != 0) {
-    // Only rank 0 prints; every rank still fails its exit code on its own failures.
-    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-  }
-  const int rc = RUN_ALL_TESTS();
-  world.reset();
-  return rc;
-}
+int main(int argc, char** argv) { return test::run_mpi_tests(argc, argv, g_world); }

@@ -18,6 +18,7 @@
 #include "moeflex/core/rng.h"
 #include "moeflex/train/distributed.h"
 #include "moeflex/train/replica.h"
+#include "model_fixtures.h"
 
 using namespace moeflex;
 
@@ -25,42 +26,8 @@ namespace {
 
 comm::Communicator* g_world = nullptr;
 
-ModelConfig pipeline_config(bool tied) {
-  ModelConfig c;
-  c.vocab_size = 64;
-  c.hidden_size = 32;
-  c.num_hidden_layers = 4;
-  c.first_k_dense_replace = 1;
-  c.intermediate_size = 48;
-  c.num_attention_heads = 4;
-  c.max_position_embeddings = 16;
-  c.num_experts = 4;
-  c.num_experts_per_tok = 2;
-  c.moe_intermediate_size = 16;
-  c.n_shared_experts = 1;
-  c.router_aux_loss_coef = 0.01;
-  c.router_z_loss_coef = 0.001;
-  c.tie_word_embeddings = tied;
-  c.initializer_range = 0.1;
-  return c;
-}
 
-void micro_batch(std::int64_t global_mb, std::int64_t n, std::int64_t V, std::int32_t* ids, std::int32_t* tg) {
-  for (std::int64_t i = 0; i < n; ++i) {
-    const double u = uniform01(99, std::uint64_t(global_mb), std::uint64_t(i));
-    ids[i] = std::int32_t(u * u * double(V));  // skewed token ids: uneven routing
-    tg[i] = std::int32_t(uniform01(98, std::uint64_t(global_mb), std::uint64_t(i)) * double(V));
-  }
-}
 
-double rel_norm_err(const float* a, const float* b, std::int64_t n) {
-  double num = 0, den = 0;
-  for (std::int64_t i = 0; i < n; ++i) {
-    num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
-    den += double(b[i]) * b[i];
-  }
-  return std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
-}
 
 struct Case {
   int world, pp, dp, ep, vpp;
@@ -73,7 +40,7 @@ struct Case {
 };
 
 void run_case(const Case& c) {
-  ModelConfig cfg = pipeline_config(c.tied);
+  ModelConfig cfg = test::small_moe_config(4, 1, 4, c.tied);
   cfg.num_hidden_layers = c.layers;
   comm::LayoutSpec spec;
   spec.world_size = c.world;
@@ -93,7 +60,7 @@ void run_case(const Case& c) {
   replica.init_weights(21);
   const int dp_rank = groups.coords.dp_rank;
   const LossParts loss = replica.forward_backward([&](int mb, std::int32_t* ids, std::int32_t* tg) {
-    micro_batch(global_microbatch(dp_rank, c.M, mb), n, cfg.vocab_size, ids, tg);
+    test::skewed_batch(global_microbatch(dp_rank, c.M, mb), n, cfg.vocab_size, ids, tg);
   });
   const double norm = replica.clip_grad_norm(0.0);
 
@@ -104,7 +71,7 @@ void run_case(const Case& c) {
   std::vector<std::int32_t> ids(static_cast<std::size_t>(n)), tg(static_cast<std::size_t>(n));
   const std::int64_t Mg = c.M * c.dp;
   for (std::int64_t mb = 0; mb < Mg; ++mb) {
-    micro_batch(mb, n, cfg.vocab_size, ids.data(), tg.data());
+    test::skewed_batch(mb, n, cfg.vocab_size, ids.data(), tg.data());
     const LossParts lp = ref.forward_backward(ids.data(), tg.data(), B, S, int(mb), 1.0 / double(Mg));
     ref_ce += lp.ce;
     ref_total += lp.total;
@@ -120,7 +87,7 @@ void run_case(const Case& c) {
   for (Param* p : replica.params()) {
     Param& r = ref.param(p->name);
     const std::int64_t offset = p->expert ? e0 * (p->g.numel() / El) : 0;
-    EXPECT_LT(rel_norm_err(p->g.f32(), r.g.f32() + offset, p->g.numel()), 1e-6) << p->name << " " << where;
+    EXPECT_LT(test::rel_norm_err(p->g.f32(), r.g.f32() + offset, p->g.numel()), 1e-6) << p->name << " " << where;
     ++compared;
   }
   EXPECT_GT(compared, 0) << where;
@@ -164,16 +131,4 @@ TEST(PipelineParity, AllSchedulesAndLayouts) {
   if (ran == 0) GTEST_SKIP() << "no case for world size " << g_world->size() << "; run under mpirun -np 2 or 4";
 }
 
-int main(int argc, char** argv) {
-  comm::MpiSession session(&argc, &argv);
-  ::testing::InitGoogleTest(&argc, argv);
-  auto world = comm::make_world_communicator();
-  g_world = world.get();
-  if (g_world->rank() != 0) {
-    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-  }
-  const int rc = RUN_ALL_TESTS();
-  world.reset();
-  return rc;
-}
+int main(int argc, char** argv) { return test::run_mpi_tests(argc, argv, g_world); }

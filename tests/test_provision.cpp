@@ -10,30 +10,12 @@
 #include "moeflex/model/model.h"
 #include "moeflex/provision/planner.h"
 #include "moeflex/provision/policies.h"
+#include "model_fixtures.h"
 
 using namespace moeflex;
 
 namespace {
 
-ModelConfig provision_config() {
-  ModelConfig c;
-  c.vocab_size = 64;
-  c.hidden_size = 32;
-  c.num_hidden_layers = 3;
-  c.first_k_dense_replace = 1;
-  c.intermediate_size = 48;
-  c.num_attention_heads = 4;
-  c.max_position_embeddings = 16;
-  c.num_experts = 4;
-  c.num_experts_per_tok = 2;
-  c.moe_intermediate_size = 16;
-  c.n_shared_experts = 1;
-  c.router_aux_loss_coef = 0.01;
-  c.router_z_loss_coef = 0.001;
-  c.tie_word_embeddings = true;
-  c.initializer_range = 0.1;
-  return c;
-}
 
 struct PolicyRun {
   std::vector<std::vector<float>> grads;
@@ -82,7 +64,7 @@ void expect_same_grads(const PolicyRun& a, const PolicyRun& b, const std::string
 }  // namespace
 
 TEST(Provision, EveryStaticPolicyGivesBitIdenticalGradients) {
-  const ModelConfig cfg = provision_config();
+  const ModelConfig cfg = test::small_moe_config(3, 1, 4, true);
   const PolicyRun base = run(cfg, {});
   EXPECT_GT(base.counters.saved, 0);
   EXPECT_EQ(base.counters.recomputed, 0);
@@ -95,14 +77,14 @@ TEST(Provision, EveryStaticPolicyGivesBitIdenticalGradients) {
 }
 
 TEST(Provision, FullRecomputeHoldsLessThanMoeFullThanNone) {
-  const ModelConfig cfg = provision_config();
+  const ModelConfig cfg = test::small_moe_config(3, 1, 4, true);
   const PolicyRun none = run(cfg, {}), moe = run(cfg, make_static_policy("moe-full")), full = run(cfg, make_static_policy("full"));
   EXPECT_LT(full.activation_peak, moe.activation_peak);
   EXPECT_LT(moe.activation_peak, none.activation_peak);
 }
 
 TEST(Provision, RandomAssignmentsGiveBitIdenticalGradients) {
-  ModelConfig cfg = provision_config();
+  ModelConfig cfg = test::small_moe_config(3, 1, 4, true);
   const PolicyRun base = run(cfg, {});
   for (std::uint64_t seed = 0; seed < 16; ++seed) {
     // Each (micro-batch, layer, activation) independently saved or recomputed.
@@ -117,7 +99,7 @@ TEST(Provision, RandomAssignmentsGiveBitIdenticalGradients) {
 }
 
 TEST(Provision, CapacityDroppingAndSplitBackward) {
-  ModelConfig cfg = provision_config();
+  ModelConfig cfg = test::small_moe_config(3, 1, 4, true);
   cfg.capacity_factor = 0.75;  // skewed tokens overflow the capacity
   const PolicyRun base = run(cfg, {});
   expect_same_grads(base, run(cfg, make_static_policy("full"), true), "full + B/W split + capacity");
@@ -125,7 +107,7 @@ TEST(Provision, CapacityDroppingAndSplitBackward) {
 }
 
 TEST(Provision, OffloadEverythingFreesTheDeviceAndGivesTheSameGradients) {
-  const ModelConfig cfg = provision_config();
+  const ModelConfig cfg = test::small_moe_config(3, 1, 4, true);
   const PolicyRun base = run(cfg, {});
   ProvisionPolicy offload_all = [](const LedgerEntry&) { return Provision::offload; };
   const PolicyRun off = run(cfg, offload_all);
@@ -160,7 +142,7 @@ TEST(Provision, UnknownPolicyIsRefusedWithTheNames) {
 // threshold=R decides after the router: skewed micro-batches recompute their MoE
 // part, calm ones save everything; gradients stay bit-identical either way.
 TEST(Provision, ThresholdRecomputesOnlySpikingLayers) {
-  const ModelConfig cfg = provision_config();
+  const ModelConfig cfg = test::small_moe_config(3, 1, 4, true);
   const PolicyRun base = run(cfg, {});
   // Without EP the balanced load equals what the rank receives (n * k), so R < 1
   // makes every MoE layer a spike and R >= 1 none.

@@ -37,18 +37,17 @@ void for_each_field(ModelConfig& c, F&& f) {
   f("initializer_range", c.initializer_range);
 }
 
-// Shortest round-trip text of a double that TOML reads as a float.
-std::string toml_float(double v) {
-  std::string s = fmt::format("{}", v);
-  if (s.find_first_of(".eEn") == std::string::npos) s += ".0";
-  return s;
-}
-
 void rule(bool ok, const char* field, const std::string& msg) {
   if (!ok) throw ConfigError(fmt::format("model.{}: {}", field, msg));
 }
 
 }  // namespace
+
+std::string toml_float(double v) {
+  std::string s = fmt::format("{}", v);
+  if (s.find_first_of(".eEn") == std::string::npos) s += ".0";
+  return s;
+}
 
 void ModelConfig::validate() const {
   rule(vocab_size >= 2, "vocab_size", fmt::format("must be at least 2 (got {})", vocab_size));

@@ -14,6 +14,9 @@ class table;
 
 namespace moeflex {
 
+/// Shortest round-trip text of a double that TOML reads back as a float ("1e-05", "10000.0").
+std::string toml_float(double v);
+
 struct ModelConfig {
   std::int64_t vocab_size = 4096;              ///< tokens in the vocabulary
   std::int64_t hidden_size = 256;              ///< d, model width

@@ -38,12 +38,6 @@ void for_each_train_field(TrainConfig& c, F&& f) {
   f("trace_steps", c.trace_steps);
 }
 
-std::string toml_float(double v) {
-  std::string s = fmt::format("{}", v);
-  if (s.find_first_of(".eEn") == std::string::npos) s += ".0";
-  return s;
-}
-
 // Reads one scalar field of `section` into `field`, with a typed error naming it.
 template <typename T>
 void read_field(const toml::table& t, const char* section, const char* key, T& field) {

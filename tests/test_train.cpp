@@ -136,6 +136,13 @@ TEST(Train, BadInputsGetClearErrors) {
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("stepz"), std::string::npos);
   }
+  EXPECT_THROW(RunConfig::from_toml_text("[train]\nlr = inf\n", "x").validate(), ConfigError);
+  EXPECT_THROW(RunConfig::from_toml_text("[model]\ncapacity_factor = nan\n", "x").validate(), ConfigError);
+  EXPECT_THROW(RunConfig::from_toml_text("[parallel]\npp = 4294967297\n", "x"), ConfigError);
+  // Strings with quotes and backslashes survive the resolved config.toml.
+  RunConfig odd = RunConfig::defaults();
+  odd.data.path = "/tmp/we\"ird\\dir\ttab";
+  EXPECT_EQ(RunConfig::from_toml_text(odd.to_toml(), "resolved").data.path, odd.data.path);
   EXPECT_THROW(parse_size("12 parsecs"), ConfigError);
   EXPECT_EQ(parse_size("1.5GiB"), 1536 * kMiB);
 }

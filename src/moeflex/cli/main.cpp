@@ -25,6 +25,14 @@ std::string timestamp_dir() {
   return buf;
 }
 
+// Reports an error. Under MPI with other ranks, an error this rank alone may have
+// seen ends the whole job (MPI_Abort) instead of leaving the others waiting.
+int fail(comm::MpiSession& mpi, const std::string& msg, int code) {
+  if (comm::MpiSession::active() && mpi.world_size() > 1) comm::abort_job(msg, code);
+  fmt::print(stderr, "\nmoeflex: {}\n", msg);
+  return code;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -43,13 +51,14 @@ int main(int argc, char** argv) {
   train->add_option("--config", config_path, "run config (TOML); default: the embedded config")->check(CLI::ExistingFile);
   train->add_option("--steps", steps, "optimizer steps (overrides train.steps)");
   train->add_option("--out", out_dir, "run directory (default: runs/<date-time>)");
-  train->add_option("--seed", seed, "seed for init and data order (overrides train.seed)");
+  train->add_option("--seed", seed, "seed for init and data order (overrides train.seed)")->check(CLI::NonNegativeNumber);
   train->add_option("--device-memory", device_memory, "device-memory budget, e.g. 512MiB, 2GiB (default unlimited)");
   train->add_option("--data", data_path, "a UTF-8 text file or folder (default: the Brown corpus from `make data`)");
   train->add_option("--resume", resume_dir, "continue the run in this directory from its newest checkpoint");
   train->add_option("--data-cache", data_cache, "where tokenized corpora are cached")->capture_default_str();
-  train->add_option("--threads", threads, "OpenMP/BLAS threads (default: all cores)");
-  train->add_option("--stop-after", stop_after, "stop after this step with a checkpoint, as if interrupted");
+  train->add_option("--threads", threads, "OpenMP/BLAS threads (default: all cores)")->check(CLI::NonNegativeNumber);
+  train->add_option("--stop-after", stop_after, "stop after this step with a checkpoint, as if interrupted")
+      ->check(CLI::PositiveNumber);
   train->add_flag("--quiet", quiet, "no progress output");
   std::string policy, inject;
   train->add_option("--inject-imbalance", inject, "routing spikes: every=N:ratio=R or prob=P:ratio=R:seed=S");
@@ -104,6 +113,10 @@ int main(int argc, char** argv) {
       if (pad_layers) o.config.parallel.pad_layers = true;
       o.out_dir = out_dir.empty() ? fs::path(timestamp_dir()) : fs::path(out_dir);
       if (!resume_dir.empty()) {
+        const bool others = !config_path.empty() || !device_memory.empty() || !data_path.empty() || !policy.empty() ||
+                            !inject.empty() || pp > 0 || dp >= 0 || ep > 0 || vpp > 0 || !schedule.empty() || seed >= 0;
+        if (others && (!comm::MpiSession::active() || mpi.world_rank() == 0))
+          fmt::print(stderr, "moeflex: --resume uses the run's own config.toml; other flags than --steps are ignored\n");
         o.resume = fs::path(resume_dir);
         if (steps < 0) o.config.train.steps = -1;  // keep the run's own step count
       }
@@ -124,14 +137,11 @@ int main(int argc, char** argv) {
       fmt::print("{}\n", generate_text(gopts));
     }
   } catch (const OutOfMemoryError& e) {
-    fmt::print(stderr, "\nmoeflex: {}\n", e.what());
-    return 3;
+    return fail(mpi, e.what(), 3);
   } catch (const Error& e) {
-    fmt::print(stderr, "\nmoeflex: error: {}\n", e.what());
-    return 2;
+    return fail(mpi, fmt::format("error: {}", e.what()), 2);
   } catch (const std::exception& e) {
-    fmt::print(stderr, "\nmoeflex: unexpected error: {}\n", e.what());
-    return 1;
+    return fail(mpi, fmt::format("unexpected error: {}", e.what()), 1);
   }
   return 0;
 }

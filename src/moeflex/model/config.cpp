@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <cmath>
+
 #include <nlohmann/json.hpp>
 #include <set>
 #include <toml++/toml.h>
@@ -49,8 +51,26 @@ std::string toml_float(double v) {
   return s;
 }
 
+std::string toml_string(const std::string& v) {
+  std::string out = "\"";
+  for (unsigned char c : v) {
+    if (c == '"') out += "\\\"";
+    else if (c == '\\') out += "\\\\";
+    else if (c < 0x20 || c == 0x7f) out += fmt::format("\\u{:04X}", unsigned(c));
+    else out += char(c);
+  }
+  return out + "\"";
+}
+
 void ModelConfig::validate() const {
-  rule(vocab_size >= 2, "vocab_size", fmt::format("must be at least 2 (got {})", vocab_size));
+  rule(vocab_size >= 2 && vocab_size <= (1 << 24), "vocab_size",
+       fmt::format("must be in [2, 16777216] (got {})", vocab_size));
+  rule(num_hidden_layers <= 4096, "num_hidden_layers", fmt::format("must be at most 4096 (got {})", num_hidden_layers));
+  rule(hidden_size <= (1 << 16), "hidden_size", fmt::format("must be at most 65536 (got {})", hidden_size));
+  for (auto [name, v] : {std::pair<const char*, double>{"rope_theta", rope_theta}, {"rms_norm_eps", rms_norm_eps},
+                         {"router_aux_loss_coef", router_aux_loss_coef}, {"router_z_loss_coef", router_z_loss_coef},
+                         {"capacity_factor", capacity_factor}, {"initializer_range", initializer_range}})
+    rule(std::isfinite(v), name, fmt::format("must be a finite number (got {})", v));
   rule(hidden_size >= 2, "hidden_size", fmt::format("must be at least 2 (got {})", hidden_size));
   rule(num_hidden_layers >= 1, "num_hidden_layers", fmt::format("must be at least 1 (got {})", num_hidden_layers));
   rule(num_attention_heads >= 1 && hidden_size % num_attention_heads == 0, "num_attention_heads",

@@ -16,6 +16,8 @@ namespace moeflex {
 
 /// Shortest round-trip text of a double that TOML reads back as a float ("1e-05", "10000.0").
 std::string toml_float(double v);
+/// A TOML basic string literal with quotes, backslashes and control characters escaped.
+std::string toml_string(const std::string& v);
 
 struct ModelConfig {
   std::int64_t vocab_size = 4096;              ///< tokens in the vocabulary

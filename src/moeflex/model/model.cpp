@@ -209,7 +209,11 @@ void MoEModel::plan_saves(int mb, int l, std::initializer_list<Candidate> c, std
   std::vector<SaveCandidate> v;
   for (const Candidate& x : c)
     if (x.t && x.t->defined()) v.push_back({x.name, x.op, x.t->nbytes(), x.recomputable});
-  planner_->plan_layer(mb, l, v, Bytes(floor_residuals) * Arena::round_up(n * cfg_.hidden_size * 4), tokens);
+  // The rest of the forward keeps at least its residual inputs, and the LM head
+  // allocates its logits [n, V] on this stage before anything can be dropped.
+  Bytes floor = Bytes(floor_residuals) * Arena::round_up(n * cfg_.hidden_size * 4);
+  if (par_.head && l != kHeadLayer) floor += Arena::round_up(n * cfg_.vocab_size * 4);
+  planner_->plan_layer(mb, l, v, floor, tokens);
 }
 
 Tensor MoEModel::act(std::vector<std::int64_t> shape, const char* name, DType dt) {

@@ -30,7 +30,8 @@ void AdaptivePlanner::plan_layer(int mb, int layer, const std::vector<SaveCandid
   const Bytes frag = arena_.unlimited() ? 0 : (budget - arena_.in_use()) - arena_.largest_free_block();
   // The backward of a layer holds its activations (rebuilt ones included) and their
   // gradients at once: about twice the layer.
-  const Bytes reserve = std::max(transient_, 2 * total) + std::max<Bytes>(0, frag);
+  // Plus 2% of the budget against allocator fragmentation still to come.
+  const Bytes reserve = std::max(transient_, 2 * total) + std::max<Bytes>(0, frag) + (budget > 0 ? budget / 50 : 0);
   // The layer's tensors are alive now: what stays held afterwards is the rest plus `keep`.
   const Bytes held = std::max<Bytes>(0, arena_.in_use() - total);
   std::map<std::string, Provision> choice;

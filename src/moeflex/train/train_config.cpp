@@ -3,7 +3,9 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <cmath>
 #include <fstream>
+#include <limits>
 #include <set>
 #include <sstream>
 #include <toml++/toml.h>
@@ -48,6 +50,9 @@ void read_field(const toml::table& t, const char* section, const char* key, T& f
     auto v = n->value<std::int64_t>();
     if constexpr (std::is_unsigned_v<T>) {
       if (*v < 0) throw ConfigError(fmt::format("{}.{}: must not be negative", section, key));
+    } else {
+      if (*v < std::numeric_limits<T>::min() || *v > std::numeric_limits<T>::max())
+        throw ConfigError(fmt::format("{}.{}: {} is out of range", section, key, *v));
     }
     field = static_cast<T>(*v);
   } else {
@@ -72,6 +77,9 @@ void RunConfig::validate() const {
     if (!ok) throw ConfigError(msg);
   };
   rule(t.steps >= 1, fmt::format("train.steps: must be at least 1 (got {})", t.steps));
+  for (auto [name, v] : {std::pair<const char*, double>{"lr", t.lr}, {"min_lr", t.min_lr}, {"weight_decay", t.weight_decay},
+                         {"beta1", t.beta1}, {"beta2", t.beta2}, {"grad_clip", t.grad_clip}})
+    rule(std::isfinite(v), fmt::format("train.{}: must be a finite number (got {})", name, v));
   rule(t.micro_batch_size >= 1, fmt::format("train.micro_batch_size: must be at least 1 (got {})", t.micro_batch_size));
   rule(t.seq_len >= 2 && t.seq_len <= model.max_position_embeddings,
        fmt::format("train.seq_len: must be in [2, model.max_position_embeddings={}] (got {})",
@@ -221,11 +229,11 @@ std::string RunConfig::to_toml() const {
     if constexpr (std::is_integral_v<F>) s += fmt::format("{} = {}\n", key, field);
     else s += fmt::format("{} = {}\n", key, toml_float(field));
   });
-  s += fmt::format("policy = \"{}\"\n", train.policy);
-  if (!train.inject_imbalance.empty()) s += fmt::format("inject_imbalance = \"{}\"\n", train.inject_imbalance);
-  s += fmt::format("\n[data]\npath = \"{}\"\nval_fraction = {}\n", data.path, toml_float(data.val_fraction));
-  s += fmt::format("\n[parallel]\npp = {}\ndp = {}\nep = {}\nvpp = {}\nschedule = \"{}\"\npad_layers = {}\n",
-                   parallel.pp, parallel.dp, parallel.ep, parallel.vpp, parallel.schedule,
+  s += fmt::format("policy = {}\n", toml_string(train.policy));
+  if (!train.inject_imbalance.empty()) s += fmt::format("inject_imbalance = {}\n", toml_string(train.inject_imbalance));
+  s += fmt::format("\n[data]\npath = {}\nval_fraction = {}\n", toml_string(data.path), toml_float(data.val_fraction));
+  s += fmt::format("\n[parallel]\npp = {}\ndp = {}\nep = {}\nvpp = {}\nschedule = {}\npad_layers = {}\n",
+                   parallel.pp, parallel.dp, parallel.ep, parallel.vpp, toml_string(parallel.schedule),
                    parallel.pad_layers ? "true" : "false");
   if (!parallel.stage_layers.empty())
     s += fmt::format("stage_layers = [{}]\n", fmt::join(parallel.stage_layers, ", "));

@@ -157,6 +157,7 @@ TrainResult run_training(const TrainOptions& opts) {
   cfg.validate();
   const TrainConfig& t = cfg.train;
 
+  std::string progress_note_pending;
   // Ranks: the layout of DESIGN.md's comm/ (one rank without a launcher).
   std::unique_ptr<comm::Communicator> world = comm::make_world_communicator();
   const int rank = world->rank(), world_size = world->size();
@@ -182,12 +183,27 @@ TrainResult run_training(const TrainOptions& opts) {
     if (!ckpt)
       throw DataError(fmt::format("--resume: '{}' holds no complete checkpoint to resume from:{}", ckpt_root.string(),
                                   describe_checkpoints(ckpt_root)));
+    if (world_size > 1) {
+      // Every rank must resume from the same step: the newest one all ranks completed
+      // (a crash while checkpointing can leave some ranks one checkpoint ahead).
+      double step = -double(train::checkpoint_step(*ckpt));
+      world->all_reduce_max(&step, 1);
+      const std::int64_t common = std::int64_t(-step);
+      if (common != train::checkpoint_step(*ckpt)) {
+        const fs::path older = train::checkpoint_dir(ckpt_root, common);
+        train::read_checkpoint_manifest(older);  // throws DataError naming the problem
+        progress_note_pending = fmt::format("rank {}: resuming from step {}, the newest step every rank completed",
+                                            rank, common);
+        ckpt = older;
+      }
+    }
   }
   if (opts.threads > 0) {
     omp_set_num_threads(opts.threads);
     openblas_set_num_threads(opts.threads);
   }
   Progress progress(opts.progress && rank0, t.steps);
+  if (!progress_note_pending.empty()) fmt::print(stderr, "moeflex: {}\n", progress_note_pending);
   if (world_size > 1) progress.note(fmt::format("moeflex: {} ranks: {}", world_size, layout.describe()));
 
   // Data: tokenize (or reuse) the corpus.
@@ -275,7 +291,17 @@ TrainResult run_training(const TrainOptions& opts) {
     const std::int64_t M = t.grad_accum;
     Replica replica(cfg.model, pc.schedule, layout, groups, arena, M, B, S);
     replica.init_weights(t.seed);
-    const ops::ImbalanceSpec imbalance = ops::parse_imbalance(t.inject_imbalance);
+    ops::ImbalanceSpec imbalance = ops::parse_imbalance(t.inject_imbalance);
+    if (imbalance.ratio > 1) {
+      const int groups = layout.ep() > 1 ? layout.ep() : int(cfg.model.num_experts);
+      const double cap = ops::max_imbalance_ratio(cfg.model.num_experts, cfg.model.num_experts_per_tok, groups);
+      if (imbalance.ratio > cap) {
+        progress.note(fmt::format("--inject-imbalance: ratio {} is above the most {} groups of experts allow with "
+                                  "top-{} ({}); injecting {}", imbalance.ratio, groups,
+                                  cfg.model.num_experts_per_tok, cap, cap));
+        imbalance.ratio = cap;
+      }
+    }
     // trace.json: the first trace_steps steps of this run, one file per rank, merged by rank 0.
     const fs::path trace_path = run_dir / "trace.json";
     train::TraceWriter trace(world_size > 1 ? train::rank_trace_path(trace_path, rank) : trace_path, rank,
@@ -402,6 +428,9 @@ TrainResult run_training(const TrainOptions& opts) {
         planner->end_step(stash_peak);
       }
       const double gnorm = replica.clip_grad_norm(t.grad_clip);
+      if (!std::isfinite(sum.total) || !std::isfinite(gnorm))
+        throw Error(fmt::format("training diverged at step {}: loss {} and gradient norm {} (lower train.lr or "
+                                "model.initializer_range; the last checkpoint is kept)", step + 1, sum.total, gnorm));
       double provisioned[2] = {0, 0};  // bytes saved, recomputed (this step, all ranks)
       for (MoEModel* c : replica.chunks()) {
         provisioned[0] += double(c->stash().counters().saved);

@@ -482,7 +482,7 @@ void MoEModel::swiglu_mlp_backward(const Shared& dy, const Shared& m, Param* w1,
   linear_bw(mb, share(std::move(dh3)), m, w3, dm, n, d, w, true);
 }
 
-double MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train, LossParts& loss) {
+void MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train, LossParts& loss) {
   const LayerParams& P = layer(l);
   const std::int64_t d = cfg_.hidden_size;
   Tensor m = act({n, d}, "ffn_norm.out"), rstd = act({n}, "ffn_norm.rstd");
@@ -639,7 +639,6 @@ double MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool trai
     stash_.set_routing_context(0, 0);
   }
   x = std::move(out);
-  return loss.aux;
 }
 
 void MoEModel::ffn_backward(int l, Tensor& dx, std::int64_t n, int mb, double grad_scale) {

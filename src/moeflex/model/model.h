@@ -146,7 +146,7 @@ class MoEModel {
   LayerParams& layer(int l) { return layers_[std::size_t(l - par_.first_layer)]; }
   void attention_forward(int l, Tensor& x, std::int64_t B, std::int64_t S, int mb, bool train);
   void attention_backward(int l, Tensor& dx, std::int64_t B, std::int64_t S, int mb);
-  double ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train, LossParts& loss);
+  void ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train, LossParts& loss);
   void ffn_backward(int l, Tensor& dx, std::int64_t n, int mb, double grad_scale);
   void swiglu_mlp_forward(const float* m, Param* w1, Param* w3, Param* w2, float* y, std::int64_t n, int l, int mb,
                           bool train, const char* prefix, bool accumulate);

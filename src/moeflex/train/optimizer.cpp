@@ -89,15 +89,6 @@ void scale_grads(std::vector<Param>& params, float scale) {
   for (auto& p : params) scale_grads(p, scale);
 }
 
-double clip_grad_norm(std::vector<Param>& params, double max_norm) {
-  double total = 0;
-  for (auto& p : params)
-    if (!p.tied_copy) total += square_sum(p);
-  const double norm = std::sqrt(total);
-  if (max_norm > 0 && norm > max_norm) scale_grads(params, float(max_norm / (norm + 1e-6)));
-  return norm;
-}
-
 double lr_at(std::int64_t step, std::int64_t warmup, std::int64_t total, double lr_max, double lr_min) {
   if (warmup > 0 && step < warmup) return lr_max * double(step + 1) / double(warmup);
   if (total <= warmup) return lr_max;

@@ -44,11 +44,6 @@ double grad_square_sum(const Param& p);
 void scale_grads(std::vector<Param>& params, float scale);
 void scale_grads(Param& p, float scale);
 
-/// Global L2 norm of all gradients (summed in parameter order, in double), then
-/// scales them by max_norm / norm when norm > max_norm (max_norm <= 0: no clipping).
-/// Returns the norm before clipping.
-double clip_grad_norm(std::vector<Param>& params, double max_norm);
-
 /// Linear warm-up over `warmup` steps from 0 to lr_max, then cosine decay to lr_min
 /// at `total` steps (Loshchilov & Hutter 2017, SGDR without restarts). step is 0-based.
 double lr_at(std::int64_t step, std::int64_t warmup, std::int64_t total, double lr_max, double lr_min);

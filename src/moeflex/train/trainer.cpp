@@ -26,6 +26,7 @@
 #include "moeflex/provision/policies.h"
 #include "moeflex/train/optimizer.h"
 #include "moeflex/train/replica.h"
+#include "moeflex/train/safetensors.h"
 #include "moeflex/train/trace.h"
 
 extern "C" void openblas_set_num_threads(int);
@@ -44,17 +45,6 @@ double seconds_since(Clock::time_point t0) {
 
 
 
-void write_text_atomic(const fs::path& path, const std::string& text) {
-  fs::path tmp = path;
-  tmp += ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    if (!f) throw Error(fmt::format("cannot write '{}'", tmp.string()));
-    f << text;
-    if (!f) throw Error(fmt::format("cannot write '{}' (disk full?)", tmp.string()));
-  }
-  fs::rename(tmp, path);
-}
 
 // Keeps only the metrics lines of steps <= `step` (a resumed run rewrites the rest).
 void truncate_metrics(const fs::path& path, std::int64_t step) {
@@ -69,7 +59,7 @@ void truncate_metrics(const fs::path& path, std::int64_t step) {
       // A torn last line from a crash: drop it.
     }
   }
-  write_text_atomic(path, kept);
+  train::write_file_atomically(path, kept);
 }
 
 
@@ -228,7 +218,7 @@ TrainResult run_training(const TrainOptions& opts) {
   world->barrier();
   if (rank0) {
     fs::create_directories(run_dir);
-    if (!opts.resume) write_text_atomic(run_dir / "config.toml", cfg.to_toml());
+    if (!opts.resume) train::write_file_atomically(run_dir / "config.toml", cfg.to_toml());
     fs::copy_file(data_dir / "tokenizer.model", run_dir / "tokenizer.model", fs::copy_options::overwrite_existing);
   }
   world->barrier();
@@ -271,7 +261,7 @@ TrainResult run_training(const TrainOptions& opts) {
       mem[to_string(MemCategory(c))] = arena.stat(MemCategory(c)).peak;
     s["peak_device_bytes_by_category"] = mem;
     s["dataset"] = {{"dir", info.dir.string()}, {"train_tokens", info.train_tokens}, {"val_tokens", info.val_tokens}};
-    write_text_atomic(summary_path_override.empty() ? summary_path : summary_path_override, s.dump(2) + "\n");
+    train::write_file_atomically(summary_path_override.empty() ? summary_path : summary_path_override, s.dump(2) + "\n");
   };
 
   const auto t_start = Clock::now();

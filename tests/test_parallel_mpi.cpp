@@ -15,7 +15,9 @@
 #include "moeflex/comm/layout.h"
 #include "moeflex/comm/mpi_communicator.h"
 #include "moeflex/core/rng.h"
+#include "moeflex/model/memory_plan.h"
 #include "moeflex/model/model.h"
+#include "moeflex/provision/policies.h"
 #include "moeflex/train/distributed.h"
 #include "moeflex/train/optimizer.h"
 #include "model_fixtures.h"
@@ -102,6 +104,51 @@ TEST(Parallel, ExpertParallelAll) {
 TEST(Parallel, ExpertParallelTwoWithinData) {
   if (g_world->size() < 4) GTEST_SKIP() << "needs 4 ranks";
   check_layout(g_world->size(), 2);
+}
+
+// The memory program under expert parallelism (dispatch and combine buffers, rows
+// received from other ranks): its replayed peak equals each rank's measured arena
+// peak exactly, with skewed routing, for several policies.
+TEST(Parallel, MemoryPlanUnderExpertParallelism) {
+  const int world = g_world->size();
+  const ModelConfig cfg = test::small_moe_config(2, 0, 4, true);
+  if (cfg.num_experts % world != 0) GTEST_SKIP() << "experts do not divide over " << world << " ranks";
+  const std::int64_t B = 2, S = 8, n = B * S, M = 2;
+  for (const char* policy : {"none", "full", "moe-light", "threshold=1.1"}) {
+    Arena arena;
+    ModelParallel par;
+    par.ep_group = world > 1 ? g_world : nullptr;
+    MoEModel model(cfg, arena, par);
+    model.init_weights(5);
+    model.set_router_skew(2.5);
+    model.stash().set_policy(make_static_policy(policy));
+    arena.reset_peaks();
+    MemoryWalk walk(cfg, B, S, arena.in_use());
+    const StageSpec stage{0, int(cfg.num_hidden_layers), true, true, world};
+    std::vector<std::vector<std::int32_t>> ids(static_cast<std::size_t>(M)), tg(static_cast<std::size_t>(M));
+    for (int mb = 0; mb < M; ++mb) {
+      ids[std::size_t(mb)].resize(std::size_t(n));
+      tg[std::size_t(mb)].resize(std::size_t(n));
+      test::skewed_batch(g_world->rank() * 10 + mb, n, cfg.vocab_size, ids[std::size_t(mb)].data(), tg[std::size_t(mb)].data());
+      const std::size_t before = model.routing().size();
+      model.forward_train(ids[std::size_t(mb)].data(), tg[std::size_t(mb)].data(), B, S, mb);
+      std::vector<MoERows> rows(std::size_t(cfg.num_hidden_layers));
+      for (std::size_t i = before; i < model.routing().size(); ++i) {
+        const auto& r = model.routing()[i];
+        std::int64_t kept = 0;
+        for (auto c : r.tokens_per_expert) kept += c;
+        rows[std::size_t(r.layer)] = {kept, r.received_rows};
+      }
+      walk.forward(mb, stage, rows, make_static_policy(policy));
+      EXPECT_EQ(walk.in_use(), arena.in_use()) << policy << " after forward " << mb << " on rank " << g_world->rank();
+    }
+    for (int mb = 0; mb < M; ++mb) {
+      model.backward(ids[std::size_t(mb)].data(), tg[std::size_t(mb)].data(), B, S, mb, 0.5);
+      walk.backward(mb, stage);
+    }
+    EXPECT_EQ(walk.peak(), arena.peak()) << policy << " on rank " << g_world->rank();
+    EXPECT_EQ(walk.in_use(), arena.in_use()) << policy << " at the end on rank " << g_world->rank();
+  }
 }
 
 int main(int argc, char** argv) { return test::run_mpi_tests(argc, argv, g_world); }

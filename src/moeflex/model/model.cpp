@@ -2,6 +2,7 @@
 // backward needs is saved by name into the ActivationStash; everything else is
 // workspace freed as soon as it is used, so the arena's peak is what the ledger says.
 #include "moeflex/model/model.h"
+#include "moeflex/model/memory_plan.h"
 
 #include <fmt/format.h>
 
@@ -26,7 +27,6 @@ namespace moeflex {
 
 namespace {
 
-constexpr int kHeadLayer = 1 << 20;  // stash layer index of the final norm and LM head
 
 void add_inplace(float* y, const float* x, std::int64_t n) {
 #pragma omp parallel for schedule(static)

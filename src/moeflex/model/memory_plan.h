@@ -1,0 +1,142 @@
+// The model's exact device-memory program: what one rank's forward and backward
+// allocate and free in its arena, replayed symbolically (sizes only, no tensors).
+//
+// This is the memory half of the cost model of DESIGN.md, shared by its three
+// consumers: the adaptive planner projects the rest of a step with it, the
+// feasibility check computes the smallest workable budget with it, and the
+// simulator (sim/) predicts each rank's peak with it. It mirrors model.cpp's
+// allocation order tensor by tensor (test_memory_plan checks the replayed peak
+// against the arena's measured peak over whole steps), so a change to the model's
+// allocations must be made here too.
+//
+// Every size is rounded as the arena rounds it (Arena::round_up).
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "moeflex/core/units.h"
+#include "moeflex/model/config.h"
+#include "moeflex/provision/stash.h"
+
+namespace moeflex {
+
+/// The stash layer index of the final norm and the LM head (after every transformer layer).
+inline constexpr int kHeadLayer = 1 << 20;
+
+/// Rows of one MoE layer's expert path for one micro-batch on one rank.
+struct MoERows {
+  std::int64_t permuted = 0;  ///< R: this rank's kept assignments (rows of moe.permuted); n*k when dropless
+  std::int64_t received = 0;  ///< Rr: rows this rank's local experts process (= permuted without EP)
+
+  /// Balanced routing of n tokens: R = n*k (capacity dropping ignored), Rr = R.
+  static MoERows balanced(const ModelConfig& cfg, std::int64_t n);
+  /// The most rows a rank can receive: every EP rank sends every assignment it can
+  /// to this rank's experts (a token picks distinct experts, so at most
+  /// min(k, local experts) of its k per sending rank), capped by the capacity
+  /// factor when one is set.
+  static MoERows worst_case(const ModelConfig& cfg, std::int64_t n, int ep_size);
+};
+
+/// One activation a layer's forward keeps for its backward, with its exact size.
+struct ActivationSpec {
+  std::string name;                 ///< stash key, e.g. "attn.probs"
+  std::string op;                   ///< producer family, as the stash records it
+  Bytes bytes = 0;                  ///< numel * dtype size (LedgerEntry::bytes)
+  bool recomputable = false;        ///< has a lineage (the stash can drop and rebuild it)
+  std::vector<std::string> inputs;  ///< the same layer's entries its lineage reads
+  bool routed = false;              ///< its size depends on the routing (MoERows)
+};
+
+/// The activations layer `layer`'s forward keeps (attention block then FFN block),
+/// for a micro-batch of B sequences of S tokens. `rows` matters for MoE layers
+/// only; `ep` is whether an expert-parallel group of more than one rank dispatches
+/// (then the all-to-all outputs have no lineage).
+std::vector<ActivationSpec> layer_activations(const ModelConfig& cfg, int layer, std::int64_t B, std::int64_t S,
+                                              const MoERows& rows, bool ep);
+/// The activations of the final norm and LM head (stash layer kHeadLayer).
+std::vector<ActivationSpec> head_activations(const ModelConfig& cfg, std::int64_t B, std::int64_t S);
+
+/// The layers and ends of the model one rank's pipeline stage (chunk) holds.
+struct StageSpec {
+  int first_layer = 0;
+  int last_layer = 0;  ///< one past the last layer
+  bool embedding = true;
+  bool head = true;
+  int ep_size = 1;  ///< ranks of the expert-parallel group (> 1: tokens are dispatched)
+  bool ep() const { return ep_size > 1; }
+};
+
+/// Decides an activation's provision from the ledger entry the stash would see
+/// (name, op, layer, micro-batch, bytes, recomputable, routing context): the same
+/// ProvisionPolicy the engine's stash calls. Offload is treated as freed once the
+/// block's saves are done (the copy has landed).
+using ProvisionFn = ProvisionPolicy;
+
+/// A symbolic arena plus a symbolic activation stash, replaying the engine's
+/// allocations for forwards and backwards of micro-batches on one rank.
+///
+/// Covers the non-split backward (the zero-bubble W queue is not modelled).
+/// Copyable, so a planner can fork it to project the rest of a step.
+class MemoryWalk {
+ public:
+  /// persistent: bytes in use before the step (weights, gradients, optimizer state).
+  MemoryWalk(const ModelConfig& cfg, std::int64_t B, std::int64_t S, Bytes persistent);
+
+  /// The forward of micro-batch `mb` through `stage` (MoEModel::forward_stage):
+  /// rows[i] for the stage's i-th layer (ignored for dense layers; may be empty for
+  /// a stage without MoE layers). Its kept activations stay until backward(mb, stage).
+  /// A stage that is not the last leaves its output [B*S, d] allocated (the
+  /// pipeline's send buffer): free it with buffer(-1) when it is sent.
+  void forward(int mb, const StageSpec& stage, const std::vector<MoERows>& rows, const ProvisionFn& provision);
+  /// The backward of `mb` through `stage` (MoEModel::backward_stage): rebuilds
+  /// recomputed entries as the engine fetches them, allocates the gradients, and
+  /// releases the micro-batch's activations of the stage. The pipeline's gradient
+  /// buffers (dy received, dx to send) are the caller's, via buffer().
+  void backward(int mb, const StageSpec& stage);
+  /// Allocates (+1) or frees (-1) `count` pipeline buffers of [B*S, d] floats.
+  void buffer(int count);
+
+  Bytes in_use() const { return in_use_; }
+  Bytes peak() const { return peak_; }
+  void reset_peak() { peak_ = in_use_; }
+  /// Bytes of `mb`'s activations on the device now (all stages).
+  Bytes held(int mb) const;
+
+ private:
+  struct Entry {
+    ActivationSpec spec;
+    Provision provision = Provision::save;
+    bool on_device = true;
+  };
+  using Key = std::tuple<int, int, std::string>;
+  void alloc(Bytes bytes);
+  void free(Bytes bytes);
+  /// Brings (mb, layer, name) onto the device as the stash's get() does.
+  void get(int mb, int layer, const std::string& name);
+  /// Saves the entries of `names` (in that order) from `specs` under the provision.
+  void save(int mb, int layer, const std::vector<ActivationSpec>& specs, const std::vector<std::string>& names,
+            const ProvisionFn& provision);
+  void prefetch(int mb, int layer);
+  void release_layer(int mb, int layer);
+  void attention_forward(int mb, int l, const std::vector<ActivationSpec>& specs, const ProvisionFn& provision);
+  void ffn_forward(int mb, int l, const std::vector<ActivationSpec>& specs, const MoERows& rows, int ep_size,
+                   const ProvisionFn& provision);
+  void mlp_forward(int mb, int l, const std::vector<ActivationSpec>& specs, const std::string& prefix,
+                   std::int64_t width, const ProvisionFn& provision);
+  void attention_backward(int mb, int l);
+  void ffn_backward(int mb, int l);
+  void mlp_backward(int mb, int l, const std::string& prefix, std::int64_t width);
+
+  ModelConfig cfg_;
+  std::int64_t B_, S_;
+  Bytes in_use_ = 0, peak_ = 0;
+  std::map<Key, Entry> stash_;
+  std::map<std::pair<int, int>, std::pair<MoERows, int>> rows_;  // (mb, layer) -> rows, EP size; for backward
+  const std::pair<MoERows, int>* ctx_ = nullptr;  // routing context of the saves under way
+};
+
+}  // namespace moeflex

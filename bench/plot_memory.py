@@ -3,6 +3,7 @@
 
 Usage:
   /usr/bin/python3 bench/plot_memory.py RUN_DIR [RUN_DIR...] --out FILE.png [--title T]
+                                        [--grid] [--each DIR]
 
 Each RUN_DIR holds
   metrics.jsonl  one JSON object per step: "step", "peak_device_bytes", and
@@ -11,7 +12,10 @@ Each RUN_DIR holds
 
 The figure has one line per run (peak device memory per step, MiB), labelled by
 its policy, a dashed horizontal line per distinct budget, and a red cross on
-every step whose metrics line reports an OOM. When a run restarted from a
+every step whose metrics line reports an OOM (drawn at the step's demand, which
+--on-oom=restart records, since the arena then served the overflow from the heap).
+--grid puts each run in its own panel; --each DIR also writes one PNG per run,
+DIR/memory-<run directory name>.png. When a run restarted from a
 checkpoint (its step numbers go back), the line is broken there and the restart
 is marked with a dotted vertical line. If any run recomputed or offloaded
 activations, a lower panel shows those bytes per step.
@@ -97,7 +101,8 @@ def load_run(run_dir):
 
 def segments(rows, key):
     """Splits rows into runs of increasing step (a restart starts a new one).
-    Returns [(steps, values)], skipping rows without a numeric `key`."""
+    Returns [(steps, values)], skipping rows without a numeric `key` and the
+    dropped (OOM) steps, and the steps at which a restart went back."""
     segs, cur_x, cur_y, last_step = [], [], [], None
     restarts = []
     for r in rows:
@@ -109,6 +114,8 @@ def segments(rows, key):
             cur_x, cur_y = [], []
         last_step = step
         v = r.get(key)
+        if truthy_oom(r.get("oom")):
+            continue  # a dropped step: marked by a cross at its demand, not part of the line
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             cur_x.append(step)
             cur_y.append(v / MIB)
@@ -117,61 +124,32 @@ def segments(rows, key):
     return segs, restarts
 
 
-def main():
-    ap = argparse.ArgumentParser(description="Plot peak device memory per step against the budget.")
-    ap.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directory with metrics.jsonl and summary.json")
-    ap.add_argument("--out", required=True, metavar="FILE.png", help="the PNG to write")
-    ap.add_argument("--title", default=None, help="figure title (default: 'Device memory per step')")
-    args = ap.parse_args()
-
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        fail("matplotlib is missing: install Debian's python3-matplotlib (scripts/setup.sh) "
-             "and run with /usr/bin/python3")
-
-    runs = [load_run(d) for d in args.run_dirs]
-    # Labels: the policy, disambiguated by the directory when two runs share one.
-    policies = [r["policy"] for r in runs]
-    for r in runs:
-        r["label"] = r["policy"] if policies.count(r["policy"]) == 1 else f"{r['policy']} ({r['name']})"
-
-    has_provision = any(
-        (row.get("bytes_recomputed") or 0) > 0 or (row.get("bytes_offloaded") or 0) > 0
-        for r in runs for row in r["rows"])
-    if has_provision:
-        fig, (ax, ax2) = plt.subplots(2, 1, figsize=(10, 7.5), sharex=True,
-                                      gridspec_kw={"height_ratios": [3, 1.3]})
-    else:
-        fig, ax = plt.subplots(figsize=(10, 5.5))
-        ax2 = None
-
+def draw(ax, ax2, runs, plt, color_offset=0, legend_size=9):
+    """Draws `runs` on `ax` (peak memory per step against the budgets) and, if
+    `ax2` is given, their recomputed / offloaded bytes per step on `ax2`."""
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     budgets = sorted({r["budget"] for r in runs if r["budget"] is not None})
     one_budget = len(budgets) == 1
     oom_labelled = restart_labelled = False
-    for r in runs:
-        if budgets and r["budget"] is None:
-            r["label"] += " (no budget)"  # not to be read against another run's budget line
     for i, r in enumerate(runs):
-        color = colors[i % len(colors)]
+        color = colors[(i + color_offset) % len(colors)]
+        label = r["label"] + (" (no budget)" if budgets and r["budget"] is None and "no budget" not in r["label"] else "")
         segs, restarts = segments(r["rows"], "peak_device_bytes")
         for j, (xs, ys) in enumerate(segs):
             ax.plot(xs, ys, color=color, lw=1.6, marker="." if len(xs) <= 60 else None,
-                    label=r["label"] if j == 0 else None)
+                    label=label if j == 0 else None)
         if not segs:
             warn(f"{r['dir']}: no step has peak_device_bytes")
-            ax.plot([], [], color=color, label=r["label"])
+            ax.plot([], [], color=color, label=label)
         for s in restarts:
             ax.axvline(s, color=color, ls=":", lw=1.0,
-                       label=None if restart_labelled else "restart (checkpoint reload)")
+                       label=None if restart_labelled else "restart: steps redone from here")
             restart_labelled = True
         if r["budget"] is not None and not one_budget:
             ax.axhline(r["budget"] / MIB, color=color, ls="--", lw=1.2,
                        label=f"budget {r['label']}: {r['budget'] / MIB:,.1f} MiB")
-        # OOM steps: at the step's measured peak, or at the budget if none was recorded.
+        # OOM steps: at the step's measured peak (its demand, with --on-oom=restart),
+        # or at the budget if none was recorded.
         ox, oy = [], []
         for row in r["rows"]:
             if truthy_oom(row.get("oom")):
@@ -184,10 +162,11 @@ def main():
                 oy.append(v / MIB)
         if ox:
             ax.scatter(ox, oy, marker="x", s=70, linewidths=2.2, color="red", zorder=5,
-                       label=None if oom_labelled else "OOM")
+                       label=None if oom_labelled else "OOM (step dropped)")
             oom_labelled = True
         r["oom_steps"] = len(ox)
         r["max_peak"] = max((y for _, ys in segs for y in ys), default=float("nan"))
+        r["max_oom"] = max(oy, default=float("nan"))
 
         if ax2 is not None:
             for key, ls, what in (("bytes_recomputed", "-", "recomputed"), ("bytes_offloaded", "--", "offloaded")):
@@ -203,39 +182,118 @@ def main():
     if not budgets:
         ax.text(0.99, 0.02, "no budget (unlimited)", transform=ax.transAxes, ha="right", va="bottom",
                 fontsize=9, color="gray")
-
     ax.set_ylabel("peak device memory (MiB)")
-    # Headroom above the highest peak or budget, so a budget line is never hidden in the frame.
-    top = max([r["max_peak"] for r in runs if r["max_peak"] == r["max_peak"]] + [b / MIB for b in budgets] + [1.0])
+    # Headroom above the highest peak, OOM demand or budget, so nothing hides in the frame.
+    tops = [x for r in runs for x in (r["max_peak"], r["max_oom"]) if x == x]
+    top = max(tops + [b / MIB for b in budgets] + [1.0])
     ax.set_ylim(0, top * 1.08)
     ax.grid(True, alpha=0.3)
-    ax.legend(loc="best", fontsize=9, framealpha=0.9)
-    ax.set_title(args.title or "Device memory per step")
+    ax.legend(loc="best", fontsize=legend_size, framealpha=0.9)
+    from matplotlib.ticker import MaxNLocator
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are integers
     if ax2 is not None:
         ax2.set_ylabel("activations (MiB)")
         ax2.set_ylim(bottom=0)
         ax2.grid(True, alpha=0.3)
-        ax2.legend(loc="best", fontsize=8, framealpha=0.9)
+        ax2.legend(loc="best", fontsize=legend_size - 1, framealpha=0.9)
         ax2.set_xlabel("step")
     else:
         ax.set_xlabel("step")
-    # Steps are integers.
-    from matplotlib.ticker import MaxNLocator
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
+
+def has_provision(runs):
+    return any((row.get("bytes_recomputed") or 0) > 0 or (row.get("bytes_offloaded") or 0) > 0
+               for r in runs for row in r["rows"])
+
+
+def save(fig, plt, path):
     fig.tight_layout()
-    out_dir = os.path.dirname(os.path.abspath(args.out))
-    os.makedirs(out_dir, exist_ok=True)
-    tmp = args.out + ".tmp.png"
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp.png"
     fig.savefig(tmp, dpi=120)
-    os.replace(tmp, args.out)
+    os.replace(tmp, path)
     plt.close(fig)
+    print(f"wrote {path}")
+
+
+def plot_together(runs, path, title, plt):
+    """All runs in one axes (and a lower panel for recomputed/offloaded bytes)."""
+    if has_provision(runs):
+        fig, (ax, ax2) = plt.subplots(2, 1, figsize=(10, 7.5), sharex=True,
+                                      gridspec_kw={"height_ratios": [3, 1.3]})
+    else:
+        fig, ax = plt.subplots(figsize=(10, 5.5))
+        ax2 = None
+    draw(ax, ax2, runs, plt)
+    ax.set_title(title or "Device memory per step")
+    save(fig, plt, path)
+
+
+def plot_grid(runs, path, title, plt):
+    """One panel per run, each against its own budget, on shared axes."""
+    n = len(runs)
+    cols = min(3, n)
+    rows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.6 * rows), sharex=True, sharey=True,
+                             squeeze=False)
+    for i, r in enumerate(runs):
+        ax = axes[i // cols][i % cols]
+        draw(ax, None, [r], plt, color_offset=i, legend_size=7)
+        ax.set_title(r["label"], fontsize=10)
+    for j in range(n, rows * cols):
+        axes[j // cols][j % cols].set_visible(False)
+    top = max([x for r in runs for x in (r["max_peak"], r["max_oom"]) if x == x]
+              + [r["budget"] / MIB for r in runs if r["budget"] is not None] + [1.0])
+    axes[0][0].set_ylim(0, top * 1.08)
+    fig.suptitle(title or "Device memory per step")
+    save(fig, plt, path)
+
+
+def main():
+    ap = argparse.ArgumentParser(description="Plot peak device memory per step against the budget.")
+    ap.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directory with metrics.jsonl and summary.json")
+    ap.add_argument("--out", required=True, metavar="FILE.png", help="the PNG to write")
+    ap.add_argument("--title", default=None, help="figure title (default: 'Device memory per step')")
+    ap.add_argument("--grid", action="store_true", help="one panel per run instead of all runs in one axes")
+    ap.add_argument("--each", metavar="DIR", default=None,
+                    help="also write one PNG per run, DIR/memory-<run directory name>.png, each against its budget")
+    args = ap.parse_args()
+
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        fail("matplotlib is missing: install Debian's python3-matplotlib (scripts/setup.sh) "
+             "and run with /usr/bin/python3")
+
+    runs = [load_run(d) for d in args.run_dirs]
+    # Labels: the policy, disambiguated by the directory when two runs share one.
+    policies = [r["policy"] for r in runs]
+    for r in runs:
+        same = [q for q in runs if q["policy"] == r["policy"]]
+        if len(same) == 1:
+            r["label"] = r["policy"]
+        elif r["budget"] is None and sum(q["budget"] is None for q in same) == 1:
+            r["label"] = f"{r['policy']}, no budget"
+        else:
+            r["label"] = f"{r['policy']} ({r['name']})"
+
+    if args.grid:
+        plot_grid(runs, args.out, args.title, plt)
+    else:
+        plot_together(runs, args.out, args.title, plt)
+    if args.each:
+        for r in runs:
+            safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in r["name"])
+            budget = "no budget" if r["budget"] is None else f"budget {r['budget'] / MIB:,.1f} MiB"
+            plot_together([r], os.path.join(args.each, f"memory-{safe}.png"),
+                          f"{r['label']}: device memory per step, {budget}", plt)
 
     for r in runs:
         budget = "unlimited" if r["budget"] is None else f"{r['budget'] / MIB:,.1f} MiB"
         print(f"{r['label']}: {len(r['rows'])} steps, max peak {r['max_peak']:,.1f} MiB, "
               f"budget {budget}, OOM steps {r['oom_steps']}")
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@
 #include "moeflex/core/arena.h"
 #include "moeflex/model/memory_plan.h"
 #include "moeflex/model/model.h"
+#include "moeflex/provision/planner.h"
 #include "moeflex/provision/policies.h"
 
 namespace moeflex {
@@ -133,6 +134,73 @@ TEST(MemoryPlan, PeakEqualsTheArenaForRandomMixes) {
     const StepResult r = run_step(cfg, policy, 1 + int(trial % 3), trial % 2 ? 3.0 : 0.0, trial + 20);
     EXPECT_EQ(r.predicted, r.measured) << "trial " << trial;
   }
+}
+
+struct AdaptiveRun {
+  Bytes budget = 0, peak = 0, predicted = 0;
+  std::int64_t infeasible = 0, decisions = 0;
+  std::vector<std::vector<float>> grads;
+  Bytes recomputed = 0;
+};
+
+/// M micro-batches (forward then backward each) under `budget` (0: unlimited, no
+/// planner), with skewed routing; the planner predicts each step's peak.
+AdaptiveRun run_adaptive(const ModelConfig& cfg, Bytes budget, int M, int steps) {
+  AdaptiveRun out;
+  Arena arena(budget > 0 ? budget : Arena::kUnlimited);
+  MoEModel model(cfg, arena);
+  model.init_weights(11);
+  model.set_router_skew(2.5);
+  AdaptivePlanner planner(arena);
+  if (budget > 0) model.set_planner(&planner);
+  const std::int64_t n = kB * kS;
+  std::vector<std::int32_t> ids(static_cast<std::size_t>(n)), tg(static_cast<std::size_t>(n));
+  for (int step = 0; step < steps; ++step) {
+    arena.reset_peaks();
+    for (int mb = 0; mb < M; ++mb) {
+      test::skewed_batch(step * 10 + mb, n, cfg.vocab_size, ids.data(), tg.data());
+      model.forward_backward(ids.data(), tg.data(), kB, kS, mb, 1.0 / M);
+    }
+    if (budget > 0) {
+      EXPECT_EQ(planner.predicted_step_peak(), arena.peak()) << "step " << step;
+      out.infeasible += planner.infeasible();
+      planner.end_step();
+    }
+    out.peak = std::max(out.peak, arena.peak());
+  }
+  out.decisions = planner.decisions();
+  out.recomputed = model.stash().counters().recomputed + model.stash().counters().offloaded;
+  for (auto& p : model.params()) out.grads.emplace_back(p.g.f32(), p.g.f32() + p.g.numel());
+  return out;
+}
+
+// The adaptive planner under a budget between its feasibility minimum and what
+// saving everything needs: it never runs out of memory, keeps every decision
+// feasible, predicts each step's peak exactly, drops something, and gives the
+// gradients of the unbudgeted run bit for bit.
+TEST(MemoryPlan, AdaptivePlannerFitsPredictsAndKeepsGradients) {
+  const ModelConfig cfg = config_with_dense_and_shared();
+  const int M = 2, steps = 3;
+  const AdaptiveRun free_run = run_adaptive(cfg, 0, M, steps);
+  // The smallest feasible budget, from the same walk the trainer uses.
+  Arena probe;
+  MoEModel m(cfg, probe);
+  StepProgram program;
+  program.stages = {StageSpec{0, int(cfg.num_hidden_layers), true, true, 1}};
+  for (int mb = 0; mb < M; ++mb) {
+    program.actions.push_back({WalkAction::Kind::forward, mb, 0});
+    program.actions.push_back({WalkAction::Kind::backward, mb, 0});
+  }
+  const Bytes minimum = minimum_budget(cfg, kB, kS, program, probe.in_use(), kPlannerMarginFraction);
+  ASSERT_LT(minimum, free_run.peak) << "the test needs room between the floor and saving everything";
+  const Bytes budget = Arena::round_up(minimum + (free_run.peak - minimum) / 3);
+  const AdaptiveRun r = run_adaptive(cfg, budget, M, steps);
+  EXPECT_LE(r.peak, budget);
+  EXPECT_EQ(r.infeasible, 0);
+  EXPECT_GT(r.recomputed, 0) << "the budget should force drops";
+  EXPECT_EQ(r.decisions, steps * M * (2 * cfg.num_hidden_layers + 1));  // attention + FFN per layer, and the head
+  ASSERT_EQ(r.grads.size(), free_run.grads.size());
+  for (std::size_t i = 0; i < r.grads.size(); ++i) EXPECT_EQ(r.grads[i], free_run.grads[i]) << "param " << i;
 }
 
 TEST(MemoryPlan, WorstCaseRowsBoundTheReceivedRows) {

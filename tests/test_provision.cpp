@@ -155,30 +155,64 @@ TEST(Provision, ThresholdRecomputesOnlySpikingLayers) {
   EXPECT_THROW(make_static_policy("threshold=abc"), ConfigError);
 }
 
-// The planner keeps everything when it fits, drops the cheapest-to-rebuild bytes
-// first when it does not, and offloads what has no lineage.
-TEST(Planner, DecidesFromExactBytesAndBudget) {
-  Arena arena(128 * kMiB);
+// The closed form of a block's projection: drops lower the phases before the
+// layer's backward, offloads only until their prefetch, recomputes add their
+// lineage's extra outputs to the backward.
+TEST(Planner, ProjectionEvaluatesChoicesInClosedForm) {
+  const std::vector<SaveCandidate> c = {{"a", "swiglu", 4 * kMiB, true, 0, 1 * kMiB, true},
+                                        {"b", "grouped_gemm", 8 * kMiB, true, 0, 0, false},
+                                        {"c", "combine", 2 * kMiB, false, 0, 0, true}};
+  const BlockProjection p{100 * kMiB, 120 * kMiB, 110 * kMiB, 105 * kMiB, 100 * kMiB, 90 * kMiB};
+  EXPECT_EQ(p.evaluate(c, {}), 120 * kMiB);
+  EXPECT_EQ(p.evaluate(c, {{"b", Provision::recompute}}), 112 * kMiB);  // held 112, prefetched 102
+  // offloading c frees it until the prefetch only: prefetched 110 stays.
+  EXPECT_EQ(p.evaluate(c, {{"b", Provision::recompute}, {"c", Provision::offload}}), 110 * kMiB);
+  // all three: tail 100-6, held 120-14, prefetched 110-12, backward 105+1, after 90.
+  EXPECT_EQ(p.evaluate(c, {{"a", Provision::recompute}, {"b", Provision::recompute}, {"c", Provision::offload}}),
+            106 * kMiB);
+}
+
+// The planner keeps everything when it fits, drops the cheapest bytes to rebuild
+// first when it does not (and puts back what then fits), offloads what has no
+// lineage, and counts a decision whose every choice is over the budget.
+TEST(Planner, DecidesFromTheProjectionAndBudget) {
+  Arena arena(128 * kMiB);  // margin: 5% = 6.4 MiB
   void* held = arena.allocate(80 * kMiB, MemCategory::weights, "weights");
   AdaptivePlanner planner(arena);
+  EXPECT_EQ(planner.margin(), Bytes(128 * kMiB * kPlannerMarginFraction));
   const std::vector<SaveCandidate> layer = {{"experts.act", "swiglu", 4 * kMiB, true},
                                             {"experts.gate_out", "grouped_gemm", 4 * kMiB, true},
                                             {"moe.combined", "grouped_gemm", 4 * kMiB, false}};
   auto entry = [](int layer, const char* name) { return LedgerEntry{name, "", layer, 0, 0, true}; };
-  // The layer's 12 MiB are alive when it decides; its backward reserve is 2 x 12 MiB.
-  void* live = arena.allocate(12 * kMiB, MemCategory::activations, "layer");
-  // Projected = held 80 + kept + floor + reserve (2 x 12 + 2% of 128 = 26.56 MiB).
-  planner.plan_layer(0, 1, layer, 8 * kMiB, 100);  // 80 + 12 + 8 + 26.56 <= 128: keep all
+  // A walk whose peak falls while the block is held: every drop counts fully.
+  auto flat = [](Bytes peak) {
+    return [peak](const BlockChoice* c) {
+      Bytes p = peak;
+      if (c)
+        for (auto& [name, prov] : *c) p -= prov == Provision::save ? 0 : 4 * kMiB;
+      return BlockProjection{p, p, 0, 0, 0, 0};
+    };
+  };
+  int calls = 0;
+  planner.plan_block(0, 1, layer, [&](const BlockChoice* c) { ++calls; return flat(115 * kMiB)(c); }, {1});  // fits: keep all
   EXPECT_EQ(planner.decide(entry(1, "experts.act")), Provision::save);
   EXPECT_EQ(planner.decide(entry(1, "moe.combined")), Provision::save);
-  planner.plan_layer(0, 2, layer, 16 * kMiB, 100);  // 134.56: drop 8 MiB, cheapest to rebuild first
-  EXPECT_EQ(planner.decide(entry(2, "experts.act")), Provision::recompute);       // elementwise
-  EXPECT_EQ(planner.decide(entry(2, "experts.gate_out")), Provision::recompute);  // then the GEMM output
+  planner.plan_block(0, 1, layer, [&](const BlockChoice* c) { ++calls; return flat(115 * kMiB)(c); }, {1});  // same situation: cached
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(planner.cache_hits(), 1);
+  // Limit 128 - 6.4 = 121.6 MiB.
+  planner.plan_block(0, 2, layer, flat(125 * kMiB), {2});  // 3.4 MiB over: the cheapest per byte goes
+  EXPECT_EQ(planner.decide(entry(2, "experts.act")), Provision::recompute);  // elementwise
+  EXPECT_EQ(planner.decide(entry(2, "experts.gate_out")), Provision::save);  // a GEMM output: dearer
   EXPECT_EQ(planner.decide(entry(2, "moe.combined")), Provision::save);
-  planner.plan_layer(0, 3, layer, 26 * kMiB, 100);  // everything goes: the all-to-all output to host
+  planner.plan_block(0, 3, layer, flat(130 * kMiB), {3});  // everything goes: the all-to-all output to host
+  EXPECT_EQ(planner.decide(entry(3, "experts.gate_out")), Provision::recompute);
   EXPECT_EQ(planner.decide(entry(3, "moe.combined")), Provision::offload);
-  EXPECT_EQ(planner.decisions(), 3);
-  EXPECT_EQ(planner.decide(entry(4, "experts.act")), Provision::save);  // undecided layers save
-  arena.deallocate(live, 12 * kMiB, MemCategory::activations);
+  EXPECT_EQ(planner.infeasible(), 0);
+  planner.plan_block(0, 4, layer, flat(140 * kMiB), {4});  // 128 after dropping all 12: over, infeasible
+  EXPECT_EQ(planner.infeasible(), 1);
+  EXPECT_EQ(planner.decide(entry(4, "experts.act")), Provision::recompute);
+  EXPECT_EQ(planner.decisions(), 5);
+  EXPECT_EQ(planner.decide(entry(5, "experts.act")), Provision::save);  // undecided layers save
   arena.deallocate(held, 80 * kMiB, MemCategory::weights);
 }

@@ -1,5 +1,6 @@
 // The Chrome trace writer: valid JSON with the right events and fields, tracks
 // as distinct threads, counters, thread safety, atomic flushes, rank merging.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -13,7 +14,11 @@
 #include <thread>
 #include <vector>
 
+#include "model_fixtures.h"
+#include "moeflex/comm/layout.h"
+#include "moeflex/core/arena.h"
 #include "moeflex/core/error.h"
+#include "moeflex/train/replica.h"
 #include "moeflex/train/trace.h"
 
 namespace fs = std::filesystem;
@@ -326,4 +331,81 @@ TEST_F(TraceTest, MergeRejectsBadInputs) {
   EXPECT_THROW(merge_traces({good, notrace}, dir_ / "out.json"), moeflex::DataError);
   EXPECT_THROW(merge_traces({good, dir_ / "missing.json"}, dir_ / "out.json"), moeflex::DataError);
   EXPECT_FALSE(fs::exists(dir_ / "out.json"));
+}
+
+// A training step whose every activation is offloaded: the copy engine's copies
+// (offloads to host memory, prefetches back) appear on their own "copy" track with
+// positive durations and the ledger's exact byte counts.
+TEST_F(TraceTest, OffloadCopiesFormACopyTrackWithTheirBytes) {
+  using namespace moeflex;
+  const ModelConfig cfg = test::small_moe_config(2, 0, 4, false);
+  const std::int64_t M = 2, B = 2, S = 8;
+  auto world = comm::make_world_communicator();
+  comm::LayoutSpec spec;
+  spec.num_layers = int(cfg.num_hidden_layers);
+  spec.num_experts = int(cfg.num_experts);
+  const comm::ParallelLayout layout(spec);
+  comm::ParallelGroups groups = comm::make_groups(*world, layout);
+  Arena arena;
+  Replica replica(cfg, "1f1b", layout, groups, arena, M, B, S);
+  replica.init_weights(5);
+  std::map<std::string, Bytes> ledger;  // "L<layer> <name> mb<mb>" -> bytes, as the policy saw them
+  for (MoEModel* c : replica.chunks())
+    c->stash().set_policy([&ledger](const LedgerEntry& e) {
+      ledger[fmt::format("L{} {} mb{}", e.layer, e.name, e.microbatch)] = e.bytes;
+      return Provision::offload;
+    });
+  const fs::path path = dir_ / "trace.json";
+  {
+    TraceWriter trace(path, 0, true);
+    replica.set_trace(&trace);
+    replica.zero_grads();
+    replica.forward_backward([&](int mb, std::int32_t* ids, std::int32_t* tg) {
+      test::skewed_batch(mb, B * S, cfg.vocab_size, ids, tg);
+    });
+    replica.set_trace(nullptr);
+    trace.close();
+  }
+  Bytes offloaded = 0;
+  for (MoEModel* c : replica.chunks()) offloaded += c->stash().counters().offloaded;
+  ASSERT_GT(offloaded, 0);
+  ASSERT_FALSE(ledger.empty());
+
+  const json doc = read_json(path);
+  const auto tids = track_tids(doc, 0);
+  ASSERT_TRUE(tids.count("copy")) << "no copy track";
+  ASSERT_TRUE(tids.count("compute"));
+  EXPECT_NE(tids.at("copy"), tids.at("compute"));
+  Bytes d2h = 0, h2d = 0;
+  std::map<std::string, int> offloads, prefetches;
+  double compute_start = 1e300, compute_end = 0;
+  for (const json& e : events_with(doc, "X")) {
+    if (e.at("tid") == tids.at("compute")) {
+      compute_start = std::min(compute_start, e.at("ts").get<double>());
+      compute_end = std::max(compute_end, e.at("ts").get<double>() + e.at("dur").get<double>());
+    }
+  }
+  for (const json& e : events_with(doc, "X")) {
+    if (e.at("tid") != tids.at("copy")) continue;
+    const std::string name = e.at("name");
+    const Bytes bytes = e.at("args").at("bytes");
+    EXPECT_GT(e.at("dur").get<double>(), 0.0) << name;
+    // Copies happen inside the step: after its first action starts, before its last ends.
+    EXPECT_GE(e.at("ts").get<double>(), compute_start) << name;
+    EXPECT_LE(e.at("ts").get<double>() + e.at("dur").get<double>(), compute_end) << name;
+    const bool off = name.rfind("offload ", 0) == 0, pre = name.rfind("prefetch ", 0) == 0;
+    ASSERT_TRUE(off || pre) << name;
+    const std::string key = name.substr(off ? 8 : 9);
+    ASSERT_TRUE(ledger.count(key)) << name;
+    EXPECT_EQ(bytes, ledger.at(key)) << name;  // the ledger's exact bytes
+    (off ? d2h : h2d) += bytes;
+    ++(off ? offloads : prefetches)[key];
+  }
+  EXPECT_EQ(d2h, offloaded);
+  EXPECT_EQ(h2d, offloaded);  // every offloaded activation came back for its backward
+  EXPECT_EQ(offloads.size(), ledger.size());
+  for (auto& [key, n] : offloads) {
+    EXPECT_EQ(n, 1) << key;
+    EXPECT_EQ(prefetches[key], 1) << key;
+  }
 }

@@ -9,6 +9,7 @@
 #include "moeflex/comm/mpi_communicator.h"
 #include "moeflex/core/arena.h"
 #include "moeflex/core/error.h"
+#include "moeflex/cli/sim_commands.h"
 #include "moeflex/train/calibrate.h"
 #include "moeflex/train/generate.h"
 #include "moeflex/train/trainer.h"
@@ -64,6 +65,20 @@ int main(int argc, char** argv) {
   train->add_option("--inject-imbalance", inject, "routing spikes: every=N:ratio=R or prob=P:ratio=R:seed=S");
   train->add_option("--policy", policy,
                     "activation provisioning: none, full, selective, moe-light, moe-medium, moe-full (train.policy)");
+  std::string on_oom;
+  std::int64_t max_restarts = -1, checkpoint_every = -1;
+  double restart_seconds = -1;
+  train->add_option("--on-oom", on_oom, "a step out of device memory: fail (exit 3) or restart from the newest "
+                                        "checkpoint (train.on_oom)")
+      ->check(CLI::IsMember({"fail", "restart"}));
+  train->add_option("--max-restarts", max_restarts, "on-oom=restart: restarts allowed at one step (train.max_restarts)")
+      ->check(CLI::NonNegativeNumber);
+  train->add_option("--restart-seconds", restart_seconds,
+                    "on-oom=restart: seconds charged per restart in tokens/s (train.restart_seconds)")
+      ->check(CLI::NonNegativeNumber);
+  train->add_option("--checkpoint-every", checkpoint_every, "steps between checkpoints, 0 = end only "
+                                                            "(train.checkpoint_every)")
+      ->check(CLI::NonNegativeNumber);
   int pp = 0, dp = -1, ep = 0, vpp = 0;
   std::string schedule;
   train->add_option("--pp", pp, "pipeline-parallel size (parallel.pp)");
@@ -94,6 +109,9 @@ int main(int argc, char** argv) {
   cal->add_option("--threads", cal_threads, "threads (default: all cores)");
   cal->add_option("--seconds", cal_seconds, "time budget")->capture_default_str();
 
+  // --- simulate, search (cli/sim_commands.cpp)
+  add_sim_commands(app);
+
   CLI11_PARSE(app, argc, argv);
   try {
     if (*train) {
@@ -105,6 +123,10 @@ int main(int argc, char** argv) {
       if (!data_path.empty()) o.config.data.path = data_path;
       if (!policy.empty()) o.config.train.policy = policy;
       if (!inject.empty()) o.config.train.inject_imbalance = inject;
+      if (!on_oom.empty()) o.config.train.on_oom = on_oom;
+      if (max_restarts >= 0) o.config.train.max_restarts = max_restarts;
+      if (restart_seconds >= 0) o.config.train.restart_seconds = restart_seconds;
+      if (checkpoint_every >= 0) o.config.train.checkpoint_every = checkpoint_every;
       if (pp > 0) o.config.parallel.pp = pp;
       if (dp >= 0) o.config.parallel.dp = dp;
       if (ep > 0) o.config.parallel.ep = ep;
@@ -114,7 +136,8 @@ int main(int argc, char** argv) {
       o.out_dir = out_dir.empty() ? fs::path(timestamp_dir()) : fs::path(out_dir);
       if (!resume_dir.empty()) {
         const bool others = !config_path.empty() || !device_memory.empty() || !data_path.empty() || !policy.empty() ||
-                            !inject.empty() || pp > 0 || dp >= 0 || ep > 0 || vpp > 0 || !schedule.empty() || seed >= 0;
+                            !inject.empty() || pp > 0 || dp >= 0 || ep > 0 || vpp > 0 || !schedule.empty() || seed >= 0 ||
+                            !on_oom.empty() || max_restarts >= 0 || restart_seconds >= 0 || checkpoint_every >= 0;
         if (others && (!comm::MpiSession::active() || mpi.world_rank() == 0))
           fmt::print(stderr, "moeflex: --resume uses the run's own config.toml; other flags than --steps are ignored\n");
         o.resume = fs::path(resume_dir);
@@ -130,6 +153,8 @@ int main(int argc, char** argv) {
         fmt::print("run {}: {} steps, {} tokens, val loss {:.4f} -> {:.4f}, {:.0f} tokens/s, peak device memory {}\n",
                  run.string(), r.steps, r.tokens, r.initial_val_loss, r.final_val_loss, r.tokens_per_second,
                  format_bytes(r.peak_device_bytes));
+    } else if (run_sim_commands()) {
+      return 0;
     } else if (*cal) {
       return run_calibrate_command(cal_out, cal_threads, cal_seconds);
     } else if (*gen) {

@@ -2,6 +2,7 @@
 
 #include <sys/mman.h>
 
+#include <cstdint>
 #include <cstdlib>
 #include <fmt/format.h>
 
@@ -27,6 +28,11 @@ OutOfMemoryError::OutOfMemoryError(Bytes requested_, Bytes free_, Bytes largest_
                         format_bytes(largest_))),
       requested(requested_), free(free_), largest_free_block(largest_), budget(budget_),
       category(category_), op(std::move(op_)) {}
+
+OutOfMemoryError::OutOfMemoryError(const OutOfMemoryError& cause, const std::string& context)
+    : Error(fmt::format("{}: {}", context, cause.what())), requested(cause.requested), free(cause.free),
+      largest_free_block(cause.largest_free_block), budget(cause.budget), category(cause.category),
+      op(cause.op) {}
 
 Arena::Arena(Bytes budget) : budget_(budget) {
   if (budget_ == 0) throw ConfigError("device memory budget must be positive (got 0 bytes)");
@@ -74,15 +80,44 @@ void* Arena::allocate(Bytes bytes, MemCategory category, std::string_view op) {
     return p;
   }
   auto it = free_.lower_bound({size, 0});
-  if (it == free_.end())
-    throw OutOfMemoryError(size, budget_ - total_.current, largest_free_block(), budget_, category,
-                           std::string(op));
-  const auto [block_size, offset] = *it;
-  free_.erase(it);
-  blocks_[offset] = {size, false};
-  if (block_size > size) {
-    blocks_[offset + size] = {block_size - size, true};
-    free_.insert({block_size - size, offset + size});
+  if (it == free_.end()) {
+    OutOfMemoryError oom(size, budget_ - (total_.current - overflow_current_), largest_free_block(), budget_,
+                         category, std::string(op));
+    if (!overflow_) throw oom;
+    // Overflow mode: record the event and serve the request from the heap.
+    void* p = std::aligned_alloc(kAlignment, static_cast<std::size_t>(size));
+    if (!p) throw Error(fmt::format("arena overflow: the host cannot provide {} for '{}'", format_bytes(size), op));
+    if (oom_events_++ == 0) first_oom_ = std::move(oom);
+    overflow_current_ += size;
+    account(category, size);
+    return p;
+  }
+  Bytes offset = 0;
+  if (category == MemCategory::workspace) {
+    // Short-lived workspace comes from the top of the region, carved from the top
+    // end of the highest free block that fits, so that it does not leave holes
+    // between the long-lived blocks (weights, saved activations) growing from below.
+    auto top = blocks_.rbegin();
+    while (top != blocks_.rend() && !(top->second.second && top->second.first >= size)) ++top;
+    const Bytes block_offset = top->first, block_size = top->second.first;  // exists: `it` fits somewhere
+    free_.erase({block_size, block_offset});
+    offset = block_offset + block_size - size;
+    blocks_[offset] = {size, false};
+    if (block_size > size) {
+      blocks_[block_offset] = {block_size - size, true};
+      free_.insert({block_size - size, block_offset});
+    } else {
+      blocks_[block_offset] = {size, false};
+    }
+  } else {
+    const auto [block_size, block_offset] = *it;
+    offset = block_offset;
+    free_.erase(it);
+    blocks_[offset] = {size, false};
+    if (block_size > size) {
+      blocks_[offset + size] = {block_size - size, true};
+      free_.insert({block_size - size, offset + size});
+    }
   }
   account(category, size);
   // Fragmentation: bytes free below the highest used block's end.
@@ -90,7 +125,7 @@ void* Arena::allocate(Bytes bytes, MemCategory category, std::string_view op) {
   while (last_used != blocks_.rend() && last_used->second.second) ++last_used;
   if (last_used != blocks_.rend()) {
     const Bytes end = last_used->first + last_used->second.first;
-    frag_peak_ = std::max(frag_peak_, end - total_.current);
+    frag_peak_ = std::max(frag_peak_, end - (total_.current - overflow_current_));
   }
   return base_ + offset;
 }
@@ -103,7 +138,13 @@ void Arena::deallocate(void* ptr, Bytes bytes, MemCategory category) {
     std::free(ptr);
     return;
   }
-  Bytes offset = static_cast<char*>(ptr) - base_;
+  const auto addr = reinterpret_cast<std::uintptr_t>(ptr), lo = reinterpret_cast<std::uintptr_t>(base_);
+  if (addr < lo || addr >= lo + static_cast<std::uintptr_t>(budget_)) {  // served from the heap in overflow mode
+    overflow_current_ -= size;
+    std::free(ptr);
+    return;
+  }
+  Bytes offset = static_cast<Bytes>(addr - lo);
   auto it = blocks_.find(offset);
   if (it == blocks_.end() || it->second.second || it->second.first != size)
     throw Error(fmt::format("arena: invalid free of {} B at offset {}", size, offset));

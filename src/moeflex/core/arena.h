@@ -7,16 +7,24 @@
 //   a larger block is split and the remainder returned to the free list; a freed
 //   block coalesces with free neighbours. Fragmentation therefore exists and is
 //   measured (`fragmentation_peak()`), as on a GPU.
+// - Workspace requests (short-lived) are served from the top instead: the highest
+//   free block that fits, carved from its top end, so that transients do not leave
+//   holes between the long-lived blocks growing from below.
 // - Without a budget (unlimited) every request is its own aligned host
 //   allocation; the accounting is identical, fragmentation is zero.
 // - Accounting is exact and per category: every byte handed out is counted in
 //   one `Stat{current, peak, allocated, freed}`, changed in one place (`account`).
 // - A request that does not fit throws OutOfMemoryError naming the request, the
 //   free bytes, the largest free block, the budget and the operator.
+// - Overflow mode (set_overflow): a request that does not fit is recorded as an OOM
+//   event (counted, the first one kept) and served from the heap instead, so a run
+//   can go on and report its OOMs; heap blocks are told apart by address on free.
 #pragma once
 #include <array>
 #include <cstddef>
+#include <cstdint>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <string_view>
@@ -47,6 +55,8 @@ class OutOfMemoryError : public Error {
  public:
   OutOfMemoryError(Bytes requested, Bytes free, Bytes largest_free_block, Bytes budget,
                    MemCategory category, std::string op);
+  /// The same error with `context` prefixed to its message ("context: ...").
+  OutOfMemoryError(const OutOfMemoryError& cause, const std::string& context);
   Bytes requested;           ///< bytes asked for (after rounding)
   Bytes free;                ///< budget minus bytes in use
   Bytes largest_free_block;  ///< largest contiguous free block
@@ -93,6 +103,22 @@ class Arena {
   /// Resets every peak to the current value (call at step boundaries).
   void reset_peaks();
 
+  /// Overflow mode (see the file comment): while on, allocate() records a request
+  /// that does not fit as an OOM event and serves it from the heap instead of
+  /// throwing. No effect without a budget.
+  void set_overflow(bool on) { overflow_ = on; }
+  bool overflow() const { return overflow_; }
+  /// OOM events recorded in overflow mode since clear_oom_events().
+  std::int64_t oom_events() const { return oom_events_; }
+  /// The first of them (what allocate() would have thrown); null when none.
+  const OutOfMemoryError* first_oom() const { return first_oom_ ? &*first_oom_ : nullptr; }
+  void clear_oom_events() {
+    oom_events_ = 0;
+    first_oom_.reset();
+  }
+  /// Bytes served from the heap outside the budget and not yet freed.
+  Bytes overflow_in_use() const { return overflow_current_; }
+
  private:
   void account(MemCategory c, Bytes delta);
   Bytes budget_;
@@ -103,6 +129,10 @@ class Arena {
   std::map<Bytes, std::pair<Bytes, bool>> blocks_;
   std::set<std::pair<Bytes, Bytes>> free_;
   Bytes frag_peak_ = 0;
+  bool overflow_ = false;
+  std::int64_t oom_events_ = 0;
+  std::optional<OutOfMemoryError> first_oom_;
+  Bytes overflow_current_ = 0;
 };
 
 }  // namespace moeflex

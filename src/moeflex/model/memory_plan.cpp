@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 
 #include "moeflex/core/arena.h"
 #include "moeflex/core/error.h"
@@ -14,6 +15,8 @@ namespace moeflex {
 namespace {
 
 constexpr Bytes kF32 = 4;  // f32 and i32 elements alike
+const std::vector<std::string> kAttentionSaves = {"attn_norm.in", "attn_norm.out", "attn_norm.rstd", "attn.q",
+                                                  "attn.k",       "attn.v",        "attn.probs",     "attn.out"};
 Bytes rounded(std::int64_t numel) { return Arena::round_up(std::max<Bytes>(1, numel * kF32)); }
 
 }  // namespace
@@ -88,6 +91,41 @@ std::vector<ActivationSpec> head_activations(const ModelConfig& cfg, std::int64_
           {"lm_head.probs", "cross_entropy", n * V * kF32, true, {"final_norm.out"}, false}};
 }
 
+bool planner_decides(const ModelConfig& cfg, const LedgerEntry& e) {
+  if (e.name.starts_with("shared.")) return false;
+  if (e.layer != kHeadLayer && !cfg.is_moe_layer(e.layer) && e.name.starts_with("ffn_norm.")) return false;
+  return true;
+}
+
+Provision most_memory_saving(const ModelConfig& cfg, const LedgerEntry& e) {
+  if (!planner_decides(cfg, e)) return Provision::save;
+  return e.recomputable ? Provision::recompute : Provision::offload;
+}
+
+Bytes minimum_budget(const ModelConfig& cfg, std::int64_t B, std::int64_t S, const StepProgram& program,
+                     Bytes persistent, double margin_fraction) {
+  MemoryWalk w(cfg, B, S, persistent);
+  const RowsFn worst = [&](int, const StageSpec& st) {
+    return std::vector<MoERows>(std::size_t(std::max(0, st.last_layer - st.first_layer)),
+                                MoERows::worst_case(cfg, B * S, st.ep_size));
+  };
+  w.run(program.actions, 0, program.stages, worst, [&](const LedgerEntry& e) { return most_memory_saving(cfg, e); });
+  return Bytes(std::ceil(double(w.peak()) / (1.0 - margin_fraction)));
+}
+
+Bytes rebuild_extra_bytes(const ModelConfig& cfg, std::int64_t B, std::int64_t S, const std::string& name) {
+  const std::int64_t n = B * S, d = cfg.hidden_size;
+  const Bytes probs = rounded(B * cfg.num_attention_heads * S * S);
+  if (name.ends_with("norm.rstd")) return rounded(n * d);
+  if (name.ends_with("norm.out")) return rounded(n);
+  if (name == "attn.probs") return rounded(n * d);
+  if (name == "attn.out") return probs;
+  if (name == "router.probs") return 2 * rounded(n * cfg.num_experts_per_tok);
+  if (name == "router.topk_w") return rounded(n * cfg.num_experts) + rounded(n * cfg.num_experts_per_tok);
+  if (name == "lm_head.probs") return rounded(n);
+  return 0;
+}
+
 // ---------------------------------------------------------------------------------------------
 // MemoryWalk: each function below mirrors the same-named one of model.cpp, allocation
 // by allocation (a Tensor's constructor is alloc, its destruction or reset is free).
@@ -98,6 +136,22 @@ MemoryWalk::MemoryWalk(const ModelConfig& cfg, std::int64_t B, std::int64_t S, B
 void MemoryWalk::alloc(Bytes bytes) {
   in_use_ += bytes;
   peak_ = std::max(peak_, in_use_);
+  phase_peak_[phase_] = std::max(phase_peak_[phase_], in_use_);
+}
+
+void MemoryWalk::watch(int mb, int layer, SavePoint point) {
+  watch_mb_ = mb;
+  watch_layer_ = layer;
+  watch_attention_ = point == SavePoint::attention;
+  phase_ = kTail;
+  for (auto& p : phase_peak_) p = 0;
+  phase_peak_[kTail] = in_use_;
+}
+
+void MemoryWalk::enter(Phase phase, int mb, int layer) {
+  if (mb != watch_mb_ || layer != watch_layer_ || phase <= phase_) return;
+  phase_ = phase;
+  phase_peak_[phase_] = std::max(phase_peak_[phase_], in_use_);
 }
 
 void MemoryWalk::free(Bytes bytes) { in_use_ -= bytes; }
@@ -208,23 +262,109 @@ void MemoryWalk::release_layer(int mb, int layer) {
 }
 
 void MemoryWalk::forward(int mb, const StageSpec& st, const std::vector<MoERows>& rows, const ProvisionFn& provision) {
-  const std::int64_t n = B_ * S_, d = cfg_.hidden_size, V = cfg_.vocab_size;
-  alloc(rounded(n * d));  // stage.input
-  for (int l = st.first_layer; l < st.last_layer; ++l) {
-    const std::size_t i = std::size_t(l - st.first_layer);
-    const MoERows r = i < rows.size() ? rows[i] : MoERows::balanced(cfg_, n);
+  alloc(rounded(B_ * S_ * cfg_.hidden_size));  // stage.input
+  forward_layers(mb, st, st.first_layer, rows, provision);
+}
+
+MoERows MemoryWalk::rows_at(const StageSpec& st, int l, const std::vector<MoERows>& rows) const {
+  const std::size_t i = std::size_t(l - st.first_layer);
+  return i < rows.size() ? rows[i] : MoERows::balanced(cfg_, B_ * S_);
+}
+
+void MemoryWalk::forward_layers(int mb, const StageSpec& st, int from, const std::vector<MoERows>& rows,
+                                const ProvisionFn& provision) {
+  for (int l = from; l < st.last_layer; ++l) {
+    const MoERows r = rows_at(st, l, rows);
     const auto specs = layer_activations(cfg_, l, B_, S_, r, st.ep());
     attention_forward(mb, l, specs, provision);
     ffn_forward(mb, l, specs, r, st.ep_size, provision);
   }
   if (!st.head) return;  // the output stays allocated until it is sent
+  const std::int64_t n = B_ * S_, d = cfg_.hidden_size, V = cfg_.vocab_size;
   alloc(rounded(n * d));  // final_norm.out
   alloc(rounded(n));      // final_norm.rstd
   alloc(rounded(n * V));  // lm_head.logits
   alloc(rounded(n));      // cross_entropy.losses
   free(rounded(n));
+  save_head(mb, provision);
+}
+
+void MemoryWalk::save_head(int mb, const ProvisionFn& provision) {
   save(mb, kHeadLayer, head_activations(cfg_, B_, S_),
        {"final_norm.in", "final_norm.out", "final_norm.rstd", "lm_head.probs"}, provision);
+}
+
+void MemoryWalk::finish_forward(int mb, const StageSpec& st, int l, SavePoint point, const std::vector<MoERows>& rows,
+                                const ProvisionFn& provision) {
+  if (point == SavePoint::head) {
+    save_head(mb, provision);
+    land();
+    enter(kHeld, mb, l);
+    return;
+  }
+  const MoERows r = rows_at(st, l, rows);
+  const auto specs = layer_activations(cfg_, l, B_, S_, r, st.ep());
+  if (point == SavePoint::attention) {
+    save(mb, l, specs, kAttentionSaves, provision);
+    ffn_forward(mb, l, specs, r, st.ep_size, provision);
+  } else if (point == SavePoint::dense_ffn) {
+    save(mb, l, specs, {"dense.gate_out", "dense.up_out", "dense.act"}, provision);
+    save(mb, l, specs, {"ffn_norm.in", "ffn_norm.out", "ffn_norm.rstd"}, provision);
+  } else {
+    rows_[{mb, l}] = {r, st.ep_size};
+    ffn_moe_tail(mb, l, specs, provision);
+  }
+  land();
+  enter(kHeld, mb, l);
+  forward_layers(mb, st, l + 1, rows, provision);
+}
+
+void MemoryWalk::adopt(const LedgerEntry& e, bool on_device, int ep_size) {
+  const auto specs = e.layer == kHeadLayer ? head_activations(cfg_, B_, S_)
+                                           : layer_activations(cfg_, e.layer, B_, S_, MoERows::balanced(cfg_, B_ * S_),
+                                                               ep_size > 1);
+  auto it = std::find_if(specs.begin(), specs.end(), [&](const ActivationSpec& s) { return s.name == e.name; });
+  if (it == specs.end()) throw Error(fmt::format("memory plan: cannot adopt unknown activation '{}'", e.name));
+  Entry entry{*it, e.provision, on_device};
+  entry.spec.bytes = e.bytes;
+  // An offload whose copy is still in flight: its device block goes once the copy
+  // lands, taken (as for the walk's own offloads) as the end of the block under way.
+  if (on_device && e.provision == Provision::offload) landing_.push_back({e.microbatch, e.layer, e.name});
+  stash_[{e.microbatch, e.layer, e.name}] = entry;
+  // The backward needs the layer's rows: read them off the routed entries' sizes.
+  auto& rr = rows_[{e.microbatch, e.layer}];
+  rr.second = ep_size;
+  if (e.name == "experts.gate_out") rr.first.received = e.bytes / (kF32 * cfg_.moe_intermediate_size);
+  if (e.name == "moe.combined") rr.first.permuted = e.bytes / (kF32 * cfg_.hidden_size);
+  if (ep_size <= 1 && e.name == "experts.gate_out") rr.first.permuted = rr.first.received;
+}
+
+void MemoryWalk::land() {
+  for (const Key& k : landing_) {
+    auto it = stash_.find(k);
+    if (it != stash_.end() && it->second.on_device) {
+      free(Arena::round_up(std::max<Bytes>(1, it->second.spec.bytes)));
+      it->second.on_device = false;
+    }
+  }
+  landing_.clear();
+}
+
+void MemoryWalk::run(const std::vector<WalkAction>& actions, std::size_t from, const std::vector<StageSpec>& stages,
+                     const RowsFn& rows, const ProvisionFn& provision) {
+  for (std::size_t i = from; i < actions.size(); ++i) {
+    const WalkAction& a = actions[i];
+    switch (a.kind) {
+      case WalkAction::Kind::forward: {
+        const StageSpec& st = stages.at(std::size_t(a.stage));
+        forward(a.microbatch, st, rows(a.microbatch, st), provision);
+        break;
+      }
+      case WalkAction::Kind::backward: backward(a.microbatch, stages.at(std::size_t(a.stage))); break;
+      case WalkAction::Kind::alloc_buffer: buffer(1); break;
+      case WalkAction::Kind::free_buffer: buffer(-1); break;
+    }
+  }
 }
 
 void MemoryWalk::attention_forward(int mb, int l, const std::vector<ActivationSpec>& specs,
@@ -236,9 +376,7 @@ void MemoryWalk::attention_forward(int mb, int l, const std::vector<ActivationSp
   alloc(rounded(n * d));  // o
   alloc(rounded(B_ * cfg_.num_attention_heads * S_ * S_));  // probs
   alloc(rounded(n * d));  // h, the next residual
-  save(mb, l, specs,
-       {"attn_norm.in", "attn_norm.out", "attn_norm.rstd", "attn.q", "attn.k", "attn.v", "attn.probs", "attn.out"},
-       provision);
+  save(mb, l, specs, kAttentionSaves, provision);
 }
 
 void MemoryWalk::mlp_forward(int mb, int l, const std::vector<ActivationSpec>& specs, const std::string& prefix,
@@ -261,7 +399,6 @@ void MemoryWalk::ffn_forward(int mb, int l, const std::vector<ActivationSpec>& s
     const std::int64_t E = cfg_.num_experts, k = cfg_.num_experts_per_tok, f = cfg_.moe_intermediate_size;
     const std::int64_t R = rows.permuted, Rr = ep ? rows.received : rows.permuted;
     rows_[{mb, l}] = {rows, ep_size};
-    ctx_ = &rows_[{mb, l}];
     alloc(rounded(n * E));  // logits
     alloc(rounded(n * E));  // probs
     alloc(rounded(n * k));  // topk_idx
@@ -284,24 +421,35 @@ void MemoryWalk::ffn_forward(int mb, int l, const std::vector<ActivationSpec>& s
       free(rounded(Rr * d));
       free(rounded(Rr * d));  // experts.out
     }
-    save(mb, l, specs, {"experts.in", "experts.gate_out", "experts.up_out", "experts.act", "moe.combined"}, provision);
-    if (cfg_.n_shared_experts > 0 || cfg_.shared_expert_intermediate_size > 0)
-      mlp_forward(mb, l, specs, "shared", cfg_.shared_width(), provision);
-    save(mb, l, specs,
-         {"router.logits", "router.probs", "router.topk_idx", "router.topk_w", "moe.offsets", "moe.slot_of"},
-         provision);
-    free(rounded(E));  // counts
+    ffn_moe_tail(mb, l, specs, provision);
+    return;
   }
+  save(mb, l, specs, {"ffn_norm.in", "ffn_norm.out", "ffn_norm.rstd"}, provision);
+}
+
+void MemoryWalk::ffn_moe_tail(int mb, int l, const std::vector<ActivationSpec>& specs, const ProvisionFn& provision) {
+  ctx_ = &rows_.at({mb, l});
+  save(mb, l, specs, {"experts.in", "experts.gate_out", "experts.up_out", "experts.act", "moe.combined"}, provision);
+  if (cfg_.n_shared_experts > 0 || cfg_.shared_expert_intermediate_size > 0)
+    mlp_forward(mb, l, specs, "shared", cfg_.shared_width(), provision);
+  save(mb, l, specs, {"router.logits", "router.probs", "router.topk_idx", "router.topk_w", "moe.offsets", "moe.slot_of"},
+       provision);
+  free(rounded(cfg_.num_experts));  // counts
   save(mb, l, specs, {"ffn_norm.in", "ffn_norm.out", "ffn_norm.rstd"}, provision);
   ctx_ = nullptr;
 }
 
 void MemoryWalk::backward(int mb, const StageSpec& st) {
   const std::int64_t n = B_ * S_, d = cfg_.hidden_size;
+  enter(kPrefetched, mb, kHeadLayer);
   prefetch(mb, kHeadLayer);
-  if (st.last_layer > st.first_layer) prefetch(mb, st.last_layer - 1);
+  if (st.last_layer > st.first_layer) {
+    enter(kPrefetched, mb, st.last_layer - 1);
+    prefetch(mb, st.last_layer - 1);
+  }
   alloc(rounded(n * d));  // grad.residual
   if (st.head) {
+    enter(kBackward, mb, kHeadLayer);
     get(mb, kHeadLayer, "lm_head.probs");
     alloc(rounded(n * d));  // lm_head.dx
     get(mb, kHeadLayer, "final_norm.out");
@@ -310,11 +458,19 @@ void MemoryWalk::backward(int mb, const StageSpec& st) {
     free(rounded(n * d));  // lm_head.dx
   }
   release_layer(mb, kHeadLayer);
+  enter(kAfter, mb, kHeadLayer);
   for (int l = st.last_layer - 1; l >= st.first_layer; --l) {
-    if (l > st.first_layer) prefetch(mb, l - 1);
+    if (l > st.first_layer) {
+      enter(kPrefetched, mb, l - 1);
+      prefetch(mb, l - 1);
+    }
+    enter(kPrefetched, mb, l);  // (no-op unless watched and not yet entered)
+    if (!watch_attention_) enter(kBackward, mb, l);
     ffn_backward(mb, l);
+    enter(watch_attention_ ? kBackward : kBackwardRest, mb, l);
     attention_backward(mb, l);
     release_layer(mb, l);
+    enter(kAfter, mb, l);
   }
   free(rounded(n * d));  // grad.residual
   for (auto it = rows_.begin(); it != rows_.end();)

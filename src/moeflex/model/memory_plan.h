@@ -60,6 +60,10 @@ std::vector<ActivationSpec> layer_activations(const ModelConfig& cfg, int layer,
 /// The activations of the final norm and LM head (stash layer kHeadLayer).
 std::vector<ActivationSpec> head_activations(const ModelConfig& cfg, std::int64_t B, std::int64_t S);
 
+/// Bytes the recompute of activation `name` allocates beyond the activation itself
+/// for a moment (its lineage's other outputs, freed when it returns).
+Bytes rebuild_extra_bytes(const ModelConfig& cfg, std::int64_t B, std::int64_t S, const std::string& name);
+
 /// The layers and ends of the model one rank's pipeline stage (chunk) holds.
 struct StageSpec {
   int first_layer = 0;
@@ -75,6 +79,49 @@ struct StageSpec {
 /// ProvisionPolicy the engine's stash calls. Offload is treated as freed once the
 /// block's saves are done (the copy has landed).
 using ProvisionFn = ProvisionPolicy;
+
+/// Where a forward stands when the planner decides: just before the saves of an
+/// attention block, of an MoE block (after its experts ran, before the shared
+/// expert), of a dense FFN block, or of the head.
+enum class SavePoint { attention, moe, dense_ffn, head };
+
+/// One step of a rank's plan, as the memory walk replays it (train/pipeline.cpp
+/// turns a StepPlan into these, mirroring its executor's buffers).
+struct WalkAction {
+  enum class Kind { forward, backward, alloc_buffer, free_buffer };
+  Kind kind = Kind::forward;
+  int microbatch = 0;
+  int stage = 0;  ///< index into the rank's StageSpec list (forward, backward)
+};
+
+/// What one rank's step does, for projections: its stages (chunks), its actions
+/// in order, and the index of the action running now (kept by the executor).
+struct StepProgram {
+  std::vector<StageSpec> stages;
+  std::vector<const ActivationStash*> stashes;  ///< every chunk's stash on the rank (what it holds now)
+  std::vector<WalkAction> actions;
+  std::size_t current = 0;
+};
+
+/// Whether the adaptive planner decides an activation (else it is saved): every
+/// block's entries except the shared expert's and a dense layer's FFN norm.
+bool planner_decides(const ModelConfig& cfg, const LedgerEntry& entry);
+
+/// The most memory-saving provision of an activation the planner decides:
+/// recompute when it has a lineage, else offload; save when it does not decide.
+Provision most_memory_saving(const ModelConfig& cfg, const LedgerEntry& entry);
+
+/// The smallest device budget for which the adaptive planner's invariant holds
+/// (DESIGN.md, "The planner's contract"): the peak of one step of `program` with
+/// every activation the planner decides at its most memory-saving choice and every
+/// MoE layer at its worst-case routing (MoERows::worst_case), from `persistent`
+/// bytes, divided by (1 - margin_fraction), the planner's fragmentation margin.
+/// Fragmentation beyond that margin is not foreseeable and not included.
+Bytes minimum_budget(const ModelConfig& cfg, std::int64_t B, std::int64_t S, const StepProgram& program,
+                     Bytes persistent, double margin_fraction);
+
+/// Rows of each layer of a stage for a micro-batch (see MemoryWalk::forward).
+using RowsFn = std::function<std::vector<MoERows>(int microbatch, const StageSpec& stage)>;
 
 /// A symbolic arena plus a symbolic activation stash, replaying the engine's
 /// allocations for forwards and backwards of micro-batches on one rank.
@@ -100,6 +147,33 @@ class MemoryWalk {
   /// Allocates (+1) or frees (-1) `count` pipeline buffers of [B*S, d] floats.
   void buffer(int count);
 
+  /// Continues a forward that stopped at `point` of layer `layer` (kHeadLayer for
+  /// the head) with the block's tensors allocated and not yet saved: the block's
+  /// saves under `provision`, the rest of the block, the later layers and the head.
+  /// rows as for forward() (rows of `layer` itself are the real ones).
+  void finish_forward(int mb, const StageSpec& stage, int layer, SavePoint point, const std::vector<MoERows>& rows,
+                      const ProvisionFn& provision);
+  /// Replays actions[from..] (see WalkAction) on `stages`.
+  void run(const std::vector<WalkAction>& actions, std::size_t from, const std::vector<StageSpec>& stages,
+           const RowsFn& rows, const ProvisionFn& provision);
+  /// Takes over an activation the real stash holds (its bytes already counted in
+  /// the persistent/in-use figure the walk started from when on_device). The
+  /// lineage is looked up by name; `ep_size` as in StageSpec.
+  void adopt(const LedgerEntry& entry, bool on_device, int ep_size);
+
+  /// Phases of the walk around one layer's activations of one micro-batch (see
+  /// watch()): the block still finishing its forward, held until the backward,
+  /// prefetched (offloads back one layer ahead), its backward, after its release.
+  enum Phase { kTail, kHeld, kPrefetched, kBackward, kBackwardRest, kAfter, kPhases };
+  /// From now on, also records the peak of each Phase for the block at `point` of
+  /// layer `layer` (or kHeadLayer) of micro-batch `mb`; the walk starts in kTail
+  /// and moves to kHeld when finish_forward() ends. kBackward is the block's own
+  /// backward (an attention block's starts after its layer's FFN backward),
+  /// kBackwardRest the rest of its layer's backward until the layer is released.
+  void watch(int mb, int layer, SavePoint point);
+  /// The peak in_use of `phase` since watch() (0 if the walk never entered it).
+  Bytes phase_peak(Phase phase) const { return phase_peak_[phase]; }
+
   Bytes in_use() const { return in_use_; }
   Bytes peak() const { return peak_; }
   void reset_peak() { peak_ = in_use_; }
@@ -122,6 +196,11 @@ class MemoryWalk {
             const ProvisionFn& provision);
   void prefetch(int mb, int layer);
   void release_layer(int mb, int layer);
+  MoERows rows_at(const StageSpec& st, int l, const std::vector<MoERows>& rows) const;
+  void forward_layers(int mb, const StageSpec& st, int from, const std::vector<MoERows>& rows,
+                      const ProvisionFn& provision);
+  void save_head(int mb, const ProvisionFn& provision);
+  void ffn_moe_tail(int mb, int l, const std::vector<ActivationSpec>& specs, const ProvisionFn& provision);
   void attention_forward(int mb, int l, const std::vector<ActivationSpec>& specs, const ProvisionFn& provision);
   void ffn_forward(int mb, int l, const std::vector<ActivationSpec>& specs, const MoERows& rows, int ep_size,
                    const ProvisionFn& provision);
@@ -137,6 +216,13 @@ class MemoryWalk {
   std::map<Key, Entry> stash_;
   std::map<std::pair<int, int>, std::pair<MoERows, int>> rows_;  // (mb, layer) -> rows, EP size; for backward
   const std::pair<MoERows, int>* ctx_ = nullptr;  // routing context of the saves under way
+  int watch_mb_ = -1, watch_layer_ = -1;
+  bool watch_attention_ = false;
+  Phase phase_ = kTail;
+  Bytes phase_peak_[kPhases] = {};
+  void enter(Phase phase, int mb, int layer);
+  std::vector<Key> landing_;  // adopted offloads whose copy is in flight
+  void land();
 };
 
 }  // namespace moeflex

@@ -203,17 +203,73 @@ RecomputeFn MoEModel::swiglu_lineage(int mb, int l, std::string gate, std::strin
   };
 }
 
-void MoEModel::plan_saves(int mb, int l, std::initializer_list<Candidate> c, std::int64_t n, int floor_residuals,
-                          std::int64_t tokens) {
+void MoEModel::plan_saves(int mb, int l, SavePoint point, std::initializer_list<Candidate> c, const MoERows& rows) {
   if (!planner_) return;
+  const std::int64_t B = batch_, S = rope_seq_, n = B * S;
   std::vector<SaveCandidate> v;
   for (const Candidate& x : c)
-    if (x.t && x.t->defined()) v.push_back({x.name, x.op, x.t->nbytes(), x.recomputable});
-  // The rest of the forward keeps at least its residual inputs, and the LM head
-  // allocates its logits [n, V] on this stage before anything can be dropped.
-  Bytes floor = Bytes(floor_residuals) * Arena::round_up(n * cfg_.hidden_size * 4);
-  if (par_.head && l != kHeadLayer) floor += Arena::round_up(n * cfg_.vocab_size * 4);
-  planner_->plan_layer(mb, l, v, floor, tokens);
+    if (x.t && x.t->defined()) {
+      const std::string name = x.name;
+      // In an MoE block the router and FFN-norm entries are saved after the shared expert ran.
+      const bool first = point != SavePoint::moe || name.starts_with("experts.") || name == "moe.combined";
+      v.push_back({name, x.op, x.t->nbytes(), x.recomputable, 0, rebuild_extra_bytes(cfg_, B, S, name), first});
+    }
+  const int ep_size = dispatcher_.active() ? dispatcher_.ep_size() : 1;
+  const StageSpec stage{par_.first_layer, par_.last_layer < 0 ? int(cfg_.num_hidden_layers) : par_.last_layer,
+                        par_.embedding, par_.head, ep_size};
+  const MoERows worst = MoERows::worst_case(cfg_, n, ep_size);
+  // One walk of the rest of the step: this block kept whole, later blocks at their
+  // most memory-saving choice, unknown routings at their worst case.
+  ProjectFn project = [&](const BlockChoice* choice) -> BlockProjection {
+    MemoryWalk w(cfg_, B, S, arena_.in_use());
+    if (program_ && !program_->stashes.empty()) {
+      for (const ActivationStash* st : program_->stashes)
+        for (const auto& [e, on] : st->ledger()) w.adopt(e, on, ep_size);
+    } else {
+      for (const auto& [e, on] : stash_.ledger()) w.adopt(e, on, ep_size);
+    }
+    std::vector<MoERows> own(std::size_t(std::max(0, stage.last_layer - stage.first_layer)), worst);
+    if (point == SavePoint::moe) own.at(std::size_t(l - stage.first_layer)) = rows;
+    const RowsFn future = [&](int, const StageSpec& st) {
+      return std::vector<MoERows>(std::size_t(std::max(0, st.last_layer - st.first_layer)), worst);
+    };
+    const ProvisionFn provision = [&](const LedgerEntry& e) {
+      if (e.microbatch == mb && e.layer == l &&
+          std::any_of(v.begin(), v.end(), [&](const SaveCandidate& x) { return x.name == e.name; })) {
+        if (!choice) return Provision::save;  // this block kept whole: the closed form drops from it
+        auto it = choice->find(e.name);
+        return it == choice->end() ? Provision::save : it->second;
+      }
+      return most_memory_saving(cfg_, e);
+    };
+    w.watch(mb, l, point);
+    w.finish_forward(mb, stage, l, point, own, provision);
+    if (program_) w.run(program_->actions, program_->current + 1, program_->stages, future, provision);
+    else w.backward(mb, stage);
+    using P = MemoryWalk;
+    return {w.phase_peak(P::kTail),     w.phase_peak(P::kHeld),         w.phase_peak(P::kPrefetched),
+            w.phase_peak(P::kBackward), w.phase_peak(P::kBackwardRest), w.phase_peak(P::kAfter)};
+  };
+  // The cache key: everything the projection depends on besides the bytes in use
+  // (the planner adds those): the block, its place in the step, its rows, and the
+  // state of every activation held (a digest of name, size, provision, residency).
+  std::uint64_t digest = 1469598103934665603ull;
+  auto mix = [&](std::uint64_t x) { digest = (digest ^ x) * 1099511628211ull; };
+  auto digest_stash = [&](const ActivationStash& st) {
+    for (const auto& [e, on] : st.ledger()) {
+      mix(std::uint64_t(e.microbatch) << 32 ^ std::uint64_t(e.layer));
+      mix(std::hash<std::string>{}(e.name));
+      mix(std::uint64_t(e.bytes) << 3 ^ std::uint64_t(e.provision) << 1 ^ std::uint64_t(on));
+    }
+  };
+  if (program_ && !program_->stashes.empty()) {
+    for (const ActivationStash* st : program_->stashes) digest_stash(*st);
+  } else {
+    digest_stash(stash_);
+  }
+  std::vector<std::int64_t> key = {l, int(point), program_ ? std::int64_t(program_->current) : -1, rows.permuted,
+                                    rows.received, std::int64_t(digest)};
+  planner_->plan_block(mb, l, v, project, key);
 }
 
 Tensor MoEModel::act(std::vector<std::int64_t> shape, const char* name, DType dt) {
@@ -312,10 +368,9 @@ Tensor MoEModel::forward_impl(const std::int32_t* ids, const std::int32_t* targe
   }
   loss.total = loss.ce + loss.aux + loss.z;
   if (train) {
-    plan_saves(mb, kHeadLayer,
+    plan_saves(mb, kHeadLayer, SavePoint::head,
                {{"final_norm.in", "residual", &x, false}, {"final_norm.out", "rmsnorm", &hn, true},
-                {"final_norm.rstd", "rmsnorm", &rstd, true}, {"lm_head.probs", "cross_entropy", &logits, true}},
-               n, 0, 0);
+                {"final_norm.rstd", "rmsnorm", &rstd, true}, {"lm_head.probs", "cross_entropy", &logits, true}});
     stash_.save(mb, kHeadLayer, "final_norm.in", "residual", std::move(x));
     stash_.save(mb, kHeadLayer, "final_norm.out", "rmsnorm", std::move(hn),
                 rmsnorm_lineage(mb, kHeadLayer, "final_norm.in", final_norm_, false, n));
@@ -391,13 +446,12 @@ void MoEModel::attention_forward(int l, Tensor& x, std::int64_t B, std::int64_t 
   add_inplace(h.f32(), x.f32(), n * d);
   if (train) {
     rope_seq_ = S;
-    const int after = 2 * (par_.last_layer - l) - 1 + (par_.head ? 1 : 0);  // residual inputs still to come
-    plan_saves(mb, l,
+    batch_ = B;
+    plan_saves(mb, l, SavePoint::attention,
                {{"attn_norm.in", "residual", &x, false}, {"attn_norm.out", "rmsnorm", &a, true},
                 {"attn_norm.rstd", "rmsnorm", &rstd, true}, {"attn.q", "rope", &q, true},
                 {"attn.k", "rope", &k, true}, {"attn.v", "linear", &v, true},
-                {"attn.probs", "attention", &probs, true}, {"attn.out", "attention", &o, true}},
-               n, after, 0);
+                {"attn.probs", "attention", &probs, true}, {"attn.out", "attention", &o, true}});
     stash_.save(mb, l, "attn_norm.in", "residual", std::move(x));
     stash_.save(mb, l, "attn_norm.out", "rmsnorm", std::move(a), rmsnorm_lineage(mb, l, "attn_norm.in", P.in_norm, false, n));
     stash_.save(mb, l, "attn_norm.rstd", "rmsnorm", std::move(rstd), rmsnorm_lineage(mb, l, "attn_norm.in", P.in_norm, true, n));
@@ -458,6 +512,10 @@ void MoEModel::swiglu_mlp_forward(const float* m, Param* w1, Param* w3, Param* w
   ops::linear_forward(m, w3->w.f32(), h3.f32(), n, d, w);
   ops::swiglu_forward(h1.f32(), h3.f32(), a.f32(), n * w);
   ops::gemm<float>(false, true, n, d, w, 1.0f, a.f32(), w, w2->w.f32(), w, accumulate ? 1.0f : 0.0f, y, d);
+  if (train && std::string_view(prefix) == "dense")
+    plan_saves(mb, l, SavePoint::dense_ffn,
+               {{"dense.gate_out", "linear", &h1, true}, {"dense.up_out", "linear", &h3, true},
+                {"dense.act", "swiglu", &a, true}});
   if (train) {
     const std::string g = fmt::format("{}.gate_out", prefix), u = fmt::format("{}.up_out", prefix);
     stash_.save(mb, l, g, "linear", std::move(h1), linear_lineage(mb, l, "ffn_norm.out", w1, n, d, w, false));
@@ -586,8 +644,7 @@ void MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train,
           };
         };
         stash_.set_routing_context(Rr, n * k / dispatcher_.ep_size());
-        const int after = 2 * (par_.last_layer - l - 1) + (par_.head ? 1 : 0);
-        plan_saves(mb, l,
+        plan_saves(mb, l, SavePoint::moe,
                    {{"experts.in", "permute", &xe, !ep}, {"experts.gate_out", "grouped_gemm", &h1, true},
                     {"experts.up_out", "grouped_gemm", &h3, true}, {"experts.act", "swiglu", &a, true},
                     {"moe.combined", "grouped_gemm", &yp, !ep}, {"router.logits", "linear", &logits, true},
@@ -595,7 +652,7 @@ void MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train,
                     {"router.topk_w", "router", &w, true}, {"moe.offsets", "dispatch", &offsets, false},
                     {"moe.slot_of", "dispatch", &slot_of, false}, {"ffn_norm.in", "residual", &x, false},
                     {"ffn_norm.out", "rmsnorm", &m, true}, {"ffn_norm.rstd", "rmsnorm", &rstd, true}},
-                   n, after, Rr);
+                   MoERows{R, Rr});
         stash_.save(mb, l, "experts.in", "dispatch", std::move(xe), xe_fn);
         stash_.save(mb, l, "experts.gate_out", "grouped_gemm", std::move(h1), grouped(P.w1));
         stash_.save(mb, l, "experts.up_out", "grouped_gemm", std::move(h3), grouped(P.w3));

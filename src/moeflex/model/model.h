@@ -11,6 +11,7 @@
 
 #include "moeflex/core/tensor.h"
 #include "moeflex/model/config.h"
+#include "moeflex/model/memory_plan.h"
 #include "moeflex/model/token_dispatcher.h"
 #include "moeflex/provision/planner.h"
 #include "moeflex/provision/stash.h"
@@ -96,6 +97,8 @@ class MoEModel {
   void backward_stage(const std::int32_t* ids, const std::int32_t* targets, const float* dy, float* dx_in,
                       std::int64_t B, std::int64_t S, int microbatch, double grad_scale);
   const ModelParallel& parallel() const { return par_; }
+  /// Ranks of the expert-parallel group dispatching this chunk's tokens (1: none).
+  int ep_size() const { return dispatcher_.active() ? dispatcher_.ep_size() : 1; }
 
   /// Zero-bubble split (Qi et al. 2023): while set, backward_stage computes only
   /// input gradients (B) plus the cheap norm and embedding weight gradients, and
@@ -115,6 +118,8 @@ class MoEModel {
   std::vector<Param>& params() { return params_; }
   Param& param(const std::string& name);
   ActivationStash& stash() { return stash_; }
+  /// The copy engine that moves this chunk's offloaded activations (e.g. to observe its copies).
+  CopyEngine& copy_engine() { return copy_engine_; }
   Arena& arena() { return arena_; }
   /// Routing statistics of every MoE-layer forward since clear_routing(), in order.
   const std::vector<RoutingStats>& routing() const { return routing_; }
@@ -129,6 +134,10 @@ class MoEModel {
     planner_ = planner;
     stash_.set_policy(planner ? planner->policy() : ProvisionPolicy{});
   }
+  /// The rank's step, for the planner's projections (owned by the executor, which
+  /// keeps its `current` action up to date); null: the micro-batch's own backward
+  /// follows its forward directly.
+  void set_step_program(const StepProgram* program) { program_ = program; }
 
  private:
   using Shared = std::shared_ptr<Tensor>;
@@ -174,16 +183,17 @@ class MoEModel {
   bool defer_wgrad_ = false;
   double router_skew_ = 0;
   AdaptivePlanner* planner_ = nullptr;
+  const StepProgram* program_ = nullptr;
+  std::int64_t batch_ = 1;  // B of the micro-batch under way (S is rope_seq_)
   struct Candidate {
     const char* name;
     const char* op;
     const Tensor* t;
     bool recomputable;
   };
-  /// Asks the planner (if any) to decide a layer's saves; floor_residuals: residual
-  /// streams [n, d] the rest of the forward must keep at least.
-  void plan_saves(int mb, int l, std::initializer_list<Candidate> c, std::int64_t n, int floor_residuals,
-                  std::int64_t tokens);
+  /// Asks the planner (if any) to decide a block's saves at `point` of layer l,
+  /// projecting the rest of the step on the memory program; rows: the MoE layer's.
+  void plan_saves(int mb, int l, SavePoint point, std::initializer_list<Candidate> c, const MoERows& rows = {});
   std::int64_t rope_seq_ = 1;  // sequence length of the current micro-batches (for RoPE in lineages)
   std::map<int, std::vector<std::function<void()>>> wgrad_queue_;
   TokenDispatcher dispatcher_;

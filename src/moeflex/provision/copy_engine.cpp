@@ -28,15 +28,20 @@ CopyEngine::~CopyEngine() {
   worker_.join();
 }
 
-CopyEngine::Ticket CopyEngine::copy(void* dst, const void* src, Bytes bytes) {
+CopyEngine::Ticket CopyEngine::copy(void* dst, const void* src, Bytes bytes, std::string label) {
   Ticket t;
   t.state_ = std::make_shared<Ticket::State>();
   {
     std::lock_guard<std::mutex> lock(mu_);
-    jobs_.push_back(Job{dst, src, bytes, t.state_});
+    jobs_.push_back(Job{dst, src, bytes, std::move(label), t.state_});
   }
   cv_.notify_one();
   return t;
+}
+
+void CopyEngine::set_observer(Observer observer) {
+  std::lock_guard<std::mutex> lock(observer_mu_);
+  observer_ = std::move(observer);
 }
 
 Bytes CopyEngine::bytes_copied() const {
@@ -61,11 +66,17 @@ void CopyEngine::run() {
     }
     const auto t0 = std::chrono::steady_clock::now();
     std::memcpy(job.dst, job.src, static_cast<std::size_t>(job.bytes));
-    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const auto t1 = std::chrono::steady_clock::now();
+    const double dt = std::chrono::duration<double>(t1 - t0).count();
     {
       std::lock_guard<std::mutex> lock(mu_);
       copied_ += job.bytes;
       busy_ += dt;
+    }
+    {
+      // Told before the ticket completes: a copy whose ticket is done has been observed.
+      std::lock_guard<std::mutex> lock(observer_mu_);
+      if (observer_) observer_(CopyRecord{t0, t1, job.bytes, std::move(job.label)});
     }
     {
       std::lock_guard<std::mutex> lock(job.state->mu);

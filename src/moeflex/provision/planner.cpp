@@ -17,60 +17,120 @@ double recompute_cost_per_byte(const std::string& op) {
   return 16.0;
 }
 
-void AdaptivePlanner::plan_layer(int mb, int layer, const std::vector<SaveCandidate>& entries, Bytes floor_after,
-                                 std::int64_t tokens) {
-  const auto t0 = std::chrono::steady_clock::now();
-  ++decisions_;
-  const Bytes budget = arena_.unlimited() ? -1 : arena_.budget();
-  Bytes total = 0;
-  for (auto& e : entries) total += Arena::round_up(e.bytes);
-  // A working-set reserve: what earlier steps needed beyond the stash, and at least
-  // this layer's own size (its backward re-materialises what is recomputed).
-  // Fragmentation margin: free bytes that no single block can serve right now.
-  const Bytes frag = arena_.unlimited() ? 0 : (budget - arena_.in_use()) - arena_.largest_free_block();
-  // The backward of a layer holds its activations (rebuilt ones included) and their
-  // gradients at once: about twice the layer.
-  // Plus 2% of the budget against allocator fragmentation still to come.
-  const Bytes reserve = std::max(transient_, 2 * total) + std::max<Bytes>(0, frag) + (budget > 0 ? budget / 50 : 0);
-  // The layer's tensors are alive now: what stays held afterwards is the rest plus `keep`.
-  const Bytes held = std::max<Bytes>(0, arena_.in_use() - total);
-  std::map<std::string, Provision> choice;
-  for (auto& e : entries) choice[e.name] = Provision::save;
-  Bytes keep = total;
-  auto projected = [&] { return held + keep + floor_after + reserve; };
-  if (budget > 0 && projected() > budget) {
-    // Cache by layer, token bucket (1/16 of the layer's size) and memory bucket.
-    const Bytes unit = std::max<Bytes>(total / 16, Arena::kAlignment);
-    const auto key = std::make_tuple(layer, tokens / std::max<std::int64_t>(1, tokens / 16 + 1),
-                                     (budget - held - floor_after - reserve) / unit);
-    if (auto it = cache_.find(key); it != cache_.end()) {
-      ++cache_hits_;
-      choice = it->second;
-      keep = 0;
-      for (auto& e : entries)
-        if (choice[e.name] == Provision::save) keep += Arena::round_up(e.bytes);
-    } else {
-      // Drop the cheapest bytes to rebuild first; then offload what has no lineage.
-      std::vector<const SaveCandidate*> order;
-      for (auto& e : entries) order.push_back(&e);
-      std::stable_sort(order.begin(), order.end(), [](const SaveCandidate* a, const SaveCandidate* b) {
-        if (a->recomputable != b->recomputable) return a->recomputable;
-        return recompute_cost_per_byte(a->op) < recompute_cost_per_byte(b->op);
-      });
-      for (const SaveCandidate* e : order) {
-        if (projected() <= budget) break;
-        choice[e->name] = e->recomputable ? Provision::recompute : Provision::offload;
-        keep -= Arena::round_up(e->bytes);
-      }
-      cache_[key] = choice;
+Bytes BlockProjection::evaluate(const std::vector<SaveCandidate>& candidates, const BlockChoice& choice) const {
+  Bytes dropped = 0, dropped_first = 0, recomputed = 0, extra = 0;
+  for (const auto& c : candidates) {
+    auto it = choice.find(c.name);
+    if (it == choice.end() || it->second == Provision::save) continue;
+    const Bytes b = Arena::round_up(std::max<Bytes>(1, c.bytes));
+    dropped += b;
+    if (c.saved_first) dropped_first += b;
+    if (it->second == Provision::recompute) {
+      recomputed += b;
+      extra = std::max(extra, c.rebuild_extra);
     }
   }
-  projected_peak_ = std::max(projected_peak_, projected());
-  if (std::getenv("MOEFLEX_PLANNER_DEBUG"))
-    std::fprintf(stderr, "plan mb %d layer %d: held %.1f total %.1f keep %.1f floor %.1f reserve %.1f (frag %.1f) -> %.1f MiB\n",
-                 mb, layer, held / 1048576.0, total / 1048576.0, keep / 1048576.0, floor_after / 1048576.0,
-                 reserve / 1048576.0, frag / 1048576.0, projected() / 1048576.0);
-  for (auto& [name, p] : choice) current_[{mb, layer, name}] = p;
+  return std::max({tail - dropped_first, held - dropped, prefetched - recomputed, backward + extra, backward_rest, after});
+}
+
+Bytes BlockProjection::peak() const { return std::max({tail, held, prefetched, backward, backward_rest, after}); }
+
+Bytes AdaptivePlanner::margin() const {
+  return arena_.unlimited() ? 0 : Bytes(double(arena_.budget()) * kPlannerMarginFraction);
+}
+
+void AdaptivePlanner::plan_block(int mb, int layer, const std::vector<SaveCandidate>& candidates,
+                                 const ProjectFn& project, const std::vector<std::int64_t>& cache_key) {
+  const auto t0 = std::chrono::steady_clock::now();
+  ++decisions_;
+  BlockChoice choice;
+  Bytes peak = 0, raw = 0;
+  if (arena_.unlimited()) {
+    peak = raw = project(nullptr).evaluate(candidates, choice);
+  } else {
+    const Bytes limit = arena_.budget() - margin();
+    // The cache key adds the bytes in use, rounded up to 1/256 of the budget: a
+    // cached choice was projected from the top of its bucket, so it still fits.
+    const Bytes quantum = std::max<Bytes>(arena_.budget() / 256, Arena::kAlignment);
+    std::vector<std::int64_t> key = cache_key;
+    const Bytes bucket = (arena_.in_use() + margin() + quantum - 1) / quantum;
+    key.push_back(bucket);
+    const Bytes slack = bucket * quantum - (arena_.in_use() + margin());
+    auto hit = cache_key.empty() ? cache_.end() : cache_.find(key);
+    if (hit != cache_.end()) {
+      ++cache_hits_;
+      choice = hit->second.choice;
+      peak = hit->second.peak;
+      raw = hit->second.raw + (arena_.in_use() - hit->second.in_use);  // the same walk, shifted
+    } else {
+      const BlockProjection proj = project(nullptr);
+      Bytes raw_exact = -1;
+      bool cacheable = !cache_key.empty();
+      auto projected = [&](const BlockChoice& c) { return proj.evaluate(candidates, c) + slack; };
+      peak = projected(choice);
+      if (peak > limit) {
+        // Drop the cheapest exposed seconds per byte first; what has no lineage is offloaded.
+        std::vector<const SaveCandidate*> order;
+        for (const auto& c : candidates) order.push_back(&c);
+        auto cost = [](const SaveCandidate* c) {
+          if (c->drop_seconds > 0) return c->drop_seconds / double(std::max<Bytes>(1, c->bytes));
+          return (c->recomputable ? 1.0 : 4.0) * recompute_cost_per_byte(c->op) * 1e-12;
+        };
+        std::stable_sort(order.begin(), order.end(),
+                         [&](const SaveCandidate* a, const SaveCandidate* b) { return cost(a) < cost(b); });
+        BlockChoice most;
+        for (const auto* c : order) most[c->name] = c->recomputable ? Provision::recompute : Provision::offload;
+        Bytes floor = projected(most);
+        if (floor > limit) {
+          // The closed form is an upper bound: walk the floor exactly before giving up.
+          // (Judged without the cache bucket's slack: such a decision is not cached.)
+          const Bytes exact = project(&most).peak();
+          choice = most;
+          peak = exact;
+          raw_exact = exact;
+          cacheable = false;
+          if (peak > limit) {
+            ++infeasible_;
+            if (std::getenv("MOEFLEX_PLANNER_DEBUG"))
+              std::fprintf(stderr, "infeasible mb %d layer %d: floor %.2f MiB > limit %.2f MiB (margin %.2f MiB)\n", mb,
+                           layer, peak / 1048576.0, limit / 1048576.0, margin() / 1048576.0);
+          }
+        } else {
+          // Greedy in cost order, then put back what the budget still allows (a
+          // large later drop can make smaller earlier ones unnecessary).
+          std::size_t i = 0;
+          for (; i < order.size() && peak > limit; ++i) {
+            choice[order[i]->name] = most[order[i]->name];
+            peak = projected(choice);
+          }
+          for (std::size_t j = i; j-- > 0;) {
+            BlockChoice trial = choice;
+            trial.erase(order[j]->name);
+            const Bytes p = projected(trial);
+            if (p <= limit) {
+              choice = std::move(trial);
+              peak = p;
+            }
+          }
+        }
+      }
+      // The prediction of the step's peak is exact: a choice other than keeping the
+      // block whole (whose walk is exact) is walked once more as taken.
+      raw = raw_exact >= 0 ? raw_exact : choice.empty() ? proj.evaluate(candidates, choice) : project(&choice).peak();
+      if (cacheable) cache_[key] = {choice, peak, raw, arena_.in_use()};
+    }
+  }
+  projected_peak_ = std::max(projected_peak_, peak);
+  predicted_step_peak_ = std::max(arena_.peak(), raw);
+  if (std::getenv("MOEFLEX_PLANNER_DEBUG")) {
+    std::size_t dropped = choice.size();
+    std::fprintf(stderr, "plan mb %d layer %d: in use %.1f MiB, %zu of %zu dropped, projected peak %.1f MiB\n", mb,
+                 layer, arena_.in_use() / 1048576.0, dropped, candidates.size(), peak / 1048576.0);
+  }
+  for (const auto& c : candidates) {
+    auto it = choice.find(c.name);
+    current_[{mb, layer, c.name}] = it == choice.end() ? Provision::save : it->second;
+  }
   decision_seconds_.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 }
 
@@ -79,13 +139,10 @@ Provision AdaptivePlanner::decide(const LedgerEntry& e) const {
   return it == current_.end() ? Provision::save : it->second;
 }
 
-void AdaptivePlanner::end_step(Bytes stash_peak) {
-  // Transient = the arena's peak beyond persistent state and stashed activations.
-  const Bytes persistent = arena_.stat(MemCategory::weights).current + arena_.stat(MemCategory::grads).current +
-                           arena_.stat(MemCategory::optimizer).current;
-  const Bytes transient = arena_.peak() - persistent - stash_peak;
-  transient_ = std::max(transient_, transient);
+void AdaptivePlanner::end_step() {
   current_.clear();
+  infeasible_ = 0;
+  predicted_step_peak_ = 0;
   decision_seconds_.clear();
   projected_peak_ = 0;
 }

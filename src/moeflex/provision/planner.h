@@ -1,19 +1,23 @@
-// The adaptive provisioning planner (first version): decides, per micro-batch and
-// per layer, which activations are saved, recomputed or offloaded, once their exact
-// sizes for the real token counts are known (after the router for MoE layers), so
-// that the projected device-memory use stays under the budget at the least
-// recompute cost.
+// The adaptive provisioning planner: decides, per micro-batch and per layer block,
+// which activations are saved, recomputed or offloaded, once their exact sizes for
+// the real token counts are known (after the router for MoE layers), so that the
+// step's projected device-memory peak stays under the budget at the least cost.
 //
-// Projection (bytes): held now (arena in use) + what this layer keeps + the floor
-// of the rest of the micro-batch's forward (layer inputs only) + a working-set
-// reserve for transients (the largest transient seen in earlier steps, at least an
-// estimate from the layer's own sizes). Choices are tried from cheapest to most
-// memory-saving: keep all; recompute the cheapest-to-rebuild bytes first (ranked by
-// recompute cost per byte saved, from the op family); offload what cannot be
-// recomputed (all-to-all outputs under EP). Decisions are cached by (layer, token
-// bucket, memory bucket), so repeated situations cost a map lookup.
+// The projection is the caller's (DESIGN.md, "The planner's contract"): the model
+// replays the rest of the rank's step on its exact memory program (model/
+// memory_plan.h) with this block's choice, every later block at its most
+// memory-saving choice, and unknown routings at their worst case, so the no-OOM
+// invariant holds by construction. This class searches the choices: keep all if
+// that fits; else drop candidates cheapest first (exposed seconds per byte freed:
+// recompute time, or the part of an offload's copies not hidden under compute)
+// until the projection fits. The closed form is an upper bound; the most-saving
+// choice is also walked exactly, so a block whose floor an earlier decision's walk
+// found to fit always finds it fitting too (the invariant). If even that does not
+// fit, it takes it and counts an infeasible decision. Decisions are cached by (caller's key,
+// memory bucket), so repeated situations cost a lookup.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <tuple>
@@ -24,51 +28,110 @@
 
 namespace moeflex {
 
-/// One activation a layer is about to save.
+/// One activation a block is about to save.
 struct SaveCandidate {
   std::string name;
   std::string op;
   Bytes bytes = 0;
   bool recomputable = false;
+  /// Exposed seconds if it is not kept (recompute time, or the unhidden part of
+  /// its offload and prefetch copies); <= 0: estimated from the op family.
+  Seconds drop_seconds = 0;
+  /// Bytes its recompute allocates beyond itself for a moment (the lineage's other
+  /// outputs, e.g. the rstd beside a recomputed RMSNorm output).
+  Bytes rebuild_extra = 0;
+  /// Saved before the block allocates anything more (the MoE block's experts are
+  /// saved before its shared expert runs; its router entries after).
+  bool saved_first = true;
 };
+
+/// A block's choice: provision by activation name (absent = save).
+using BlockChoice = std::map<std::string, Provision>;
+
+/// The projected peak of the rest of a step as a function of one block's choice,
+/// from one walk of the step with the block kept whole (MemoryWalk's phases around
+/// the block's layer): dropping a candidate lowers every phase until its layer's
+/// backward by its bytes (offloads only until they are prefetched back, one layer
+/// ahead), and its recompute adds at most its lineage's extra outputs to the
+/// layer's backward, where every entry is back on the device anyway.
+struct BlockProjection {
+  Bytes tail = 0;        ///< the block finishing (only saved_first drops are freed yet)
+  Bytes held = 0;        ///< until the layer's offloads are prefetched back
+  Bytes prefetched = 0;  ///< from then until the layer's backward starts
+  Bytes backward = 0;    ///< during the block's own backward, everything kept
+  Bytes backward_rest = 0;  ///< the rest of the layer's backward (all entries back by then)
+  Bytes after = 0;       ///< after the layer is released
+  /// The largest phase: the peak of the walk itself.
+  Bytes peak() const;
+  /// The projected peak if the block takes `choice` (rounded bytes per candidate).
+  Bytes evaluate(const std::vector<SaveCandidate>& candidates, const BlockChoice& choice) const;
+};
+
+/// Computes the block's projection (one walk of the rest of the step) with the
+/// block kept whole (choice null), or exactly with `choice` applied (its peak()
+/// is then that choice's projected peak).
+using ProjectFn = std::function<BlockProjection(const BlockChoice* choice)>;
+
+/// The planner's margin for allocator fragmentation, as a fraction of the budget.
+/// Constant, so that a decision's projection still holds at the next one (a margin
+/// following the arena's momentary fragmentation moved the limit under decisions
+/// already taken).
+inline constexpr double kPlannerMarginFraction = 0.05;
 
 class AdaptivePlanner {
  public:
   explicit AdaptivePlanner(Arena& arena) : arena_(arena) {}
 
-  /// Decides the provision of a layer's activations (called just before they are
-  /// saved). floor_after: bytes the rest of the micro-batch's forward must keep at
-  /// least. tokens: rows this rank's experts received (0 for dense parts).
-  void plan_layer(int microbatch, int layer, const std::vector<SaveCandidate>& entries, Bytes floor_after,
-                  std::int64_t tokens);
+  /// Decides the provision of one block's activations (called just before they are
+  /// saved). `cache_key`: what, besides the arena's use, determines the projection
+  /// (layer, save point, position in the step's plan, token-count buckets), or empty
+  /// for no caching. The decision is what decide() answers for these entries.
+  void plan_block(int microbatch, int layer, const std::vector<SaveCandidate>& candidates, const ProjectFn& project,
+                  const std::vector<std::int64_t>& cache_key);
   /// The policy callback for ActivationStash::set_policy.
   Provision decide(const LedgerEntry& e) const;
   ProvisionPolicy policy() {
     return [this](const LedgerEntry& e) { return decide(e); };
   }
-  /// At the end of a step: learns the transient working set from the arena's peak
-  /// over what the stashes held (stash_peak), and clears the step's decisions.
-  void end_step(Bytes stash_peak);
+  /// At the end of a step: clears the step's decisions and per-step statistics.
+  void end_step();
+
+  /// Bytes kept out of the budget for the allocator's fragmentation
+  /// (kPlannerMarginFraction of the budget).
+  Bytes margin() const;
 
   std::int64_t decisions() const { return decisions_; }
   std::int64_t cache_hits() const { return cache_hits_; }
-  /// Seconds per plan_layer call in the last step, for percentiles.
+  /// Decisions of the current step where even the most memory-saving choice did
+  /// not fit the projection (worst-case routing of what is still unknown).
+  std::int64_t infeasible() const { return infeasible_; }
+  /// Seconds per plan_block call in the last step, for percentiles.
   const std::vector<double>& decision_seconds() const { return decision_seconds_; }
-  Bytes transient_reserve() const { return transient_; }
+  /// The largest projected peak of the step's decisions (bytes; a bound, as each
+  /// projection takes every later block at its most memory-saving choice).
   Bytes last_projected_peak() const { return projected_peak_; }
+  /// The step's peak as predicted at its last decision: the arena's peak until
+  /// then, or that decision's projection of the rest with its choice (bytes).
+  Bytes predicted_step_peak() const { return predicted_step_peak_; }
 
  private:
   Arena& arena_;
   std::map<std::tuple<int, int, std::string>, Provision> current_;
-  std::map<std::tuple<int, std::int64_t, std::int64_t>, std::map<std::string, Provision>> cache_;
-  Bytes transient_ = 0;
-  Bytes projected_peak_ = 0;
-  std::int64_t decisions_ = 0, cache_hits_ = 0;
+  struct Cached {
+    BlockChoice choice;
+    Bytes peak = 0;      ///< projected peak with the bucket's slack
+    Bytes raw = 0;       ///< the projection itself
+    Bytes in_use = 0;    ///< arena use when it was computed
+  };
+  std::map<std::vector<std::int64_t>, Cached> cache_;
+  Bytes projected_peak_ = 0, predicted_step_peak_ = 0;
+  std::int64_t decisions_ = 0, cache_hits_ = 0, infeasible_ = 0;
   std::vector<double> decision_seconds_;
 };
 
-/// Recompute cost per byte of an op family, relative (GEMM-produced tensors cost
-/// most to rebuild, elementwise results least). Used to rank what to drop first.
+/// Exposed seconds per byte of rebuilding an op family's output, relative (GEMM
+/// outputs cost most, elementwise results least); the fallback ranking when a
+/// candidate carries no drop_seconds.
 double recompute_cost_per_byte(const std::string& op);
 
 }  // namespace moeflex

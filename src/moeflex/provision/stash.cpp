@@ -65,7 +65,8 @@ void ActivationStash::prefetch_layer(int microbatch, int layer) {
     if (item.tensor || !item.host) continue;
     item.tensor = std::make_shared<Tensor>(*arena_, item.shape, MemCategory::activations, item.entry.name, item.dtype);
     account(item.tensor, +1);
-    item.h2d = engine_->copy(item.tensor->raw(), item.host.get(), item.entry.bytes);
+    item.h2d = engine_->copy(item.tensor->raw(), item.host.get(), item.entry.bytes,
+                             fmt::format("prefetch L{} {} mb{}", layer, item.entry.name, microbatch));
     item.prefetching = true;
   }
 }
@@ -90,7 +91,8 @@ void ActivationStash::save(int microbatch, int layer, std::string_view name, std
     if (!item.host) throw Error(fmt::format("host pool: cannot allocate {} for offloading '{}'", format_bytes(item.entry.bytes), name));
     host_bytes_ += item.entry.bytes;
     host_peak_ = std::max(host_peak_, host_bytes_);
-    item.d2h = engine_->copy(item.host.get(), item.tensor->raw(), item.entry.bytes);
+    item.d2h = engine_->copy(item.host.get(), item.tensor->raw(), item.entry.bytes,
+                             fmt::format("offload L{} {} mb{}", layer, name, microbatch));
     item.offloading = true;
     item.lineage = std::move(lineage);
     counters_.offloaded += item.entry.bytes;
@@ -151,6 +153,13 @@ std::vector<LedgerEntry> ActivationStash::entries() const {
   out.reserve(items_.size());
   for (auto& [k, v] : items_)
     if (v.tensor) out.push_back(v.entry);
+  return out;
+}
+
+std::vector<std::pair<LedgerEntry, bool>> ActivationStash::ledger() const {
+  std::vector<std::pair<LedgerEntry, bool>> out;
+  out.reserve(items_.size());
+  for (auto& [k, v] : items_) out.emplace_back(v.entry, bool(v.tensor));
   return out;
 }
 

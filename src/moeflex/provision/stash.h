@@ -100,6 +100,9 @@ class ActivationStash {
 
   /// Ledger records of the activations held now, in (micro-batch, layer, name) order.
   std::vector<LedgerEntry> entries() const;
+  /// Every ledger record, held or not, with whether its device copy exists now
+  /// (false: dropped for recompute, or offloaded and not yet prefetched).
+  std::vector<std::pair<LedgerEntry, bool>> ledger() const;
   /// Bytes held on the device now (recomputed-and-dropped entries count 0).
   Bytes bytes() const { return bytes_; }
   /// High-water mark of bytes() since the last reset_peak().

@@ -13,6 +13,45 @@ PipelineExecutor::PipelineExecutor(const StepPlan& plan, int pp_rank, std::map<i
     : plan_(plan), rank_(pp_rank), stages_(std::move(stages)), pp_(pp_group), arena_(arena), B_(B), S_(S), d_(d) {
   for (int s : plan_.stages_of(rank_))
     if (!stages_.count(s)) throw Error(fmt::format("pipeline rank {} holds stage {} but has no model for it", rank_, s));
+  for (int s : plan_.stages_of(rank_)) {
+    MoEModel* m = stages_.at(s);
+    const ModelParallel& par = m->parallel();
+    program_.stages.push_back({par.first_layer, par.last_layer < 0 ? int(m->config().num_hidden_layers) : par.last_layer,
+                               par.embedding, par.head, m->ep_size()});
+    program_.stashes.push_back(&m->stash());
+  }
+  program_.actions = walk_actions(plan_, rank_, &walk_at_);
+  for (auto& [s, m] : stages_) m->set_step_program(&program_);
+}
+
+std::vector<WalkAction> walk_actions(const StepPlan& plan, int rank, std::vector<std::size_t>* walk_at) {
+  using K = WalkAction::Kind;
+  const int last = plan.num_stages - 1;
+  std::vector<WalkAction> w;
+  for (const Action& a : plan.actions[std::size_t(rank)]) {
+    const int chunk = is_compute(a.kind) ? plan.chunk_of(a.stage) : 0;
+    std::size_t at = w.size();
+    switch (a.kind) {
+      case ActionKind::RecvActivation:
+      case ActionKind::RecvGrad: w.push_back({K::alloc_buffer, a.microbatch, 0}); break;
+      case ActionKind::SendActivation:
+      case ActionKind::SendGrad: w.push_back({K::free_buffer, a.microbatch, 0}); break;
+      case ActionKind::Forward:
+        w.push_back({K::forward, a.microbatch, chunk});
+        if (a.stage > 0) w.push_back({K::free_buffer, a.microbatch, 0});  // its input
+        break;
+      case ActionKind::Backward:
+      case ActionKind::BackwardInput:
+        if (a.stage > 0) w.push_back({K::alloc_buffer, a.microbatch, 0});  // dx
+        at = w.size();
+        w.push_back({K::backward, a.microbatch, chunk});
+        if (a.stage != last) w.push_back({K::free_buffer, a.microbatch, 0});  // dy
+        break;
+      case ActionKind::BackwardWeight: break;  // the W queue is not modelled
+    }
+    if (walk_at) walk_at->push_back(at);
+  }
+  return w;
 }
 
 Tensor PipelineExecutor::buffer(const char* name) {
@@ -47,8 +86,10 @@ LossParts PipelineExecutor::run_step(const BatchFn& batch, double grad_scale) {
   LossParts loss;
   compute_seconds_ = 0;
   using Clock = std::chrono::steady_clock;
-  for (const Action& a : plan_.actions[std::size_t(rank_)]) {
+  for (std::size_t ai = 0; ai < plan_.actions[std::size_t(rank_)].size(); ++ai) {
+    const Action& a = plan_.actions[std::size_t(rank_)][ai];
     const int mb = a.microbatch, s = a.stage;
+    program_.current = walk_at_[ai];
     const auto t0 = Clock::now();
     struct ComputeTimer {  // adds the action's time when it is a compute action; traces it
       const Action& a;

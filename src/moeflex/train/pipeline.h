@@ -14,6 +14,12 @@
 
 namespace moeflex {
 
+/// One rank's actions of `plan` as the memory walk replays them, mirroring the
+/// executor's pipeline buffers (a received activation lives until its forward, a
+/// stage's output until it is sent or consumed, a gradient likewise). walk_at[i]
+/// is the index of the step of plan action i (its forward or backward).
+std::vector<WalkAction> walk_actions(const StepPlan& plan, int rank, std::vector<std::size_t>* walk_at = nullptr);
+
 /// Fills ids and targets [B*S] of a micro-batch (0 .. M-1 within the step).
 using BatchFn = std::function<void(int microbatch, std::int32_t* ids, std::int32_t* targets)>;
 
@@ -42,6 +48,8 @@ class PipelineExecutor {
   /// the rest of the step is pipeline bubble and communication.
   double last_compute_seconds() const { return compute_seconds_; }
 
+  /// This rank's step as the memory walk replays it (stages, stashes, actions).
+  const StepProgram& step_program() const { return program_; }
   /// Routing statistics of the MoE-layer forwards this rank ran since clear_routing().
   std::vector<RoutingStats> routing() const;
   void clear_routing();
@@ -49,6 +57,8 @@ class PipelineExecutor {
  private:
   using Key = std::pair<int, int>;  // (micro-batch, stage)
   Tensor buffer(const char* name);
+  StepProgram program_;              // this rank's step for the planner's projections
+  std::vector<std::size_t> walk_at_;  // action index -> index of its step in program_.actions
   const StepPlan& plan_;
   int rank_;
   std::map<int, MoEModel*> stages_;

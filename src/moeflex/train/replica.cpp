@@ -42,6 +42,24 @@ Replica::Replica(const ModelConfig& cfg, const std::string& schedule, const comm
                                                  cfg.hidden_size);
 }
 
+void Replica::set_trace(train::TraceWriter* trace) {
+  executor_->set_trace(trace);
+  for (auto& c : chunks_) {
+    if (!trace) {
+      c->copy_engine().set_observer({});
+      continue;
+    }
+    c->copy_engine().set_observer([trace](const CopyEngine::CopyRecord& r) {
+      try {  // on the copy thread: a tracing problem must not end the process
+        const double start = trace->to_us(r.start);
+        trace->complete("copy", r.label.empty() ? std::string_view("copy") : std::string_view(r.label), start,
+                        trace->to_us(r.end) - start, {{"bytes", r.bytes}});
+      } catch (const std::exception&) {
+      }
+    });
+  }
+}
+
 void Replica::init_weights(std::uint64_t seed) {
   for (auto& c : chunks_) c->init_weights(seed);
 }

@@ -38,11 +38,17 @@ class Replica {
   /// Seconds of compute (F, B, W) in the last forward_backward on this rank.
   double last_compute_seconds() const { return executor_->last_compute_seconds(); }
 
-  void set_trace(train::TraceWriter* trace) { executor_->set_trace(trace); }
+  /// Records the following steps into `trace` (null stops): compute and comm tracks
+  /// and a device-memory counter from the executor, and every copy of the chunks'
+  /// copy engines (offloads and prefetches, with their bytes) on a "copy" track.
+  /// `trace` must outlive the recording: call set_trace(nullptr) before it goes.
+  void set_trace(train::TraceWriter* trace);
 
   std::vector<Param*> params();
   std::vector<MoEModel*> chunks();
   const StepPlan& plan() const { return plan_; }
+  /// This rank's step as the memory walk replays it (for projections and feasibility).
+  const StepProgram& step_program() const { return executor_->step_program(); }
   /// Routing statistics of the MoE-layer forwards since clear_routing().
   std::vector<RoutingStats> routing() const { return executor_->routing(); }
   void clear_routing() { executor_->clear_routing(); }

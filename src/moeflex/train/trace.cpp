@@ -99,6 +99,11 @@ double TraceWriter::now_us() const {
   return std::chrono::duration<double, std::micro>(d).count();
 }
 
+double TraceWriter::to_us(std::chrono::steady_clock::time_point t) const {
+  Clock::duration d = t.time_since_epoch() - Clock::duration(origin_.load(std::memory_order_relaxed));
+  return std::chrono::duration<double, std::micro>(d).count();
+}
+
 void TraceWriter::reset_origin() {
   origin_.store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
 }

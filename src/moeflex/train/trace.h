@@ -62,6 +62,9 @@ class TraceWriter {
   double now_us() const;
   /// Moves the origin to now; later timestamps from now_us() start again at 0.
   void reset_origin();
+  /// A steady-clock time point in microseconds since the origin (the time base of
+  /// now_us()), e.g. for events timed on another thread such as the copy engine's.
+  double to_us(std::chrono::steady_clock::time_point t) const;
 
   /// A complete ("X") event: `name` ran on `track` from start_us for dur_us.
   /// `args` must be a JSON object or null (shown in the viewer's details pane).

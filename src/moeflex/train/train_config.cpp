@@ -38,6 +38,8 @@ void for_each_train_field(TrainConfig& c, F&& f) {
   f("checkpoint_every", c.checkpoint_every);
   f("keep_checkpoints", c.keep_checkpoints);
   f("trace_steps", c.trace_steps);
+  f("max_restarts", c.max_restarts);
+  f("restart_seconds", c.restart_seconds);
 }
 
 // Reads one scalar field of `section` into `field`, with a typed error naming it.
@@ -98,6 +100,11 @@ void RunConfig::validate() const {
   rule(t.keep_checkpoints >= 1, "train.keep_checkpoints: must be at least 1");
   if (t.policy != "adaptive") static_policy_recomputes(t.policy, "");  // throws ConfigError naming the policies
   ops::parse_imbalance(t.inject_imbalance);  // throws ConfigError naming the bad part
+  rule(t.on_oom == "fail" || t.on_oom == "restart",
+       fmt::format("train.on_oom: must be \"fail\" or \"restart\" (got \"{}\")", t.on_oom));
+  rule(t.max_restarts >= 0, fmt::format("train.max_restarts: must not be negative (got {})", t.max_restarts));
+  rule(std::isfinite(t.restart_seconds) && t.restart_seconds >= 0,
+       fmt::format("train.restart_seconds: must be a finite number >= 0 (got {})", t.restart_seconds));
   rule(data.val_fraction > 0 && data.val_fraction < 0.5, "data.val_fraction: must be in (0, 0.5)");
   rule(device_memory == -1 || device_memory > 0, "device.memory: must be positive or \"unlimited\"");
   rule(parallel.pp >= 1, "parallel.pp: must be at least 1");
@@ -161,6 +168,12 @@ RunConfig RunConfig::from_toml_text(const std::string& text, const std::string& 
         c.train.inject_imbalance = *v;
       }
       known.insert("inject_imbalance");
+      if (auto* oo = t->get("on_oom")) {
+        auto v = oo->value<std::string>();
+        if (!v) throw ConfigError("train.on_oom: must be a string, \"fail\" or \"restart\"");
+        c.train.on_oom = *v;
+      }
+      known.insert("on_oom");
       reject_unknown(*t, "train", known);
     }
     if (auto* d = root["data"].as_table()) {
@@ -231,6 +244,7 @@ std::string RunConfig::to_toml() const {
   });
   s += fmt::format("policy = {}\n", toml_string(train.policy));
   if (!train.inject_imbalance.empty()) s += fmt::format("inject_imbalance = {}\n", toml_string(train.inject_imbalance));
+  s += fmt::format("on_oom = {}\n", toml_string(train.on_oom));
   s += fmt::format("\n[data]\npath = {}\nval_fraction = {}\n", toml_string(data.path), toml_float(data.val_fraction));
   s += fmt::format("\n[parallel]\npp = {}\ndp = {}\nep = {}\nvpp = {}\nschedule = {}\npad_layers = {}\n",
                    parallel.pp, parallel.dp, parallel.ep, parallel.vpp, toml_string(parallel.schedule),

@@ -30,6 +30,9 @@ struct TrainConfig {
   std::string policy = "none";         ///< activation provisioning: none, full, selective, moe-light, moe-medium, moe-full, threshold[=R]
   std::int64_t trace_steps = 3;        ///< steps recorded in trace.json (Chrome trace format); 0 = none
   std::string inject_imbalance;        ///< routing spikes on demand: "every=N:ratio=R" or "prob=P:ratio=R:seed=S"
+  std::string on_oom = "fail";         ///< a step out of device memory: "fail" (typed error, exit 3) or "restart" (reload the newest checkpoint)
+  std::int64_t max_restarts = 3;       ///< on_oom = restart: restarts allowed at one step before the run fails
+  double restart_seconds = 0;          ///< on_oom = restart: seconds charged per restart (a real cold restart: minutes)
 };
 
 struct DataConfig {

@@ -22,6 +22,7 @@
 #include "moeflex/train/dataset.h"
 #include "moeflex/train/distributed.h"
 #include "moeflex/ops/imbalance.h"
+#include "moeflex/model/memory_plan.h"
 #include "moeflex/provision/planner.h"
 #include "moeflex/provision/policies.h"
 #include "moeflex/train/optimizer.h"
@@ -249,6 +250,14 @@ TrainResult run_training(const TrainOptions& opts) {
     s["decision_seconds_p99"] = res.decision_seconds_p99;
     s["max_load_ratio"] = res.max_load_ratio;
     s["predicted_peak_bytes"] = res.predicted_peak_bytes;
+    s["on_oom"] = cfg.train.on_oom;
+    s["restarts"] = res.restarts;
+    s["lost_steps"] = res.lost_steps;
+    s["steps_run"] = res.steps_run;
+    s["restart_seconds"] = res.restart_seconds;
+    s["tokens_per_second_effective"] = res.tokens_per_second_effective;
+    s["oom_peak_demand_bytes"] = res.oom_peak_demand_bytes;
+    s["first_oom"] = res.first_oom.empty() ? json(nullptr) : json(res.first_oom);
     s["params"] = cfg.model.num_params();
     s["active_params"] = cfg.model.num_active_params();
     s["val_loss_history"] = history;
@@ -276,6 +285,7 @@ TrainResult run_training(const TrainOptions& opts) {
       std::signal(SIGTERM, t);
     }
   } restore{old_int, old_term};
+  bool restart_limit_reached = false;  // on_oom = restart gave up: every rank throws at the same step
   try {
     const int B = int(t.micro_batch_size), S = int(t.seq_len);
     const std::int64_t M = t.grad_accum;
@@ -297,6 +307,11 @@ TrainResult run_training(const TrainOptions& opts) {
     train::TraceWriter trace(world_size > 1 ? train::rank_trace_path(trace_path, rank) : trace_path, rank,
                              t.trace_steps > 0);
     trace.set_process_name(fmt::format("rank {}", rank));
+    struct DetachTrace {  // the copy engines' observers point at `trace`: detached before it goes
+      Replica& replica;
+      ~DetachTrace() { replica.set_trace(nullptr); }
+    } detach_trace{replica};
+    bool trace_finished = false;
     // Provisioning: the adaptive planner (one per rank: it sees the rank's arena), or a static policy.
     std::unique_ptr<AdaptivePlanner> planner;
     if (t.policy == "adaptive") planner = std::make_unique<AdaptivePlanner>(arena);
@@ -308,6 +323,25 @@ TrainResult run_training(const TrainOptions& opts) {
     std::vector<std::unique_ptr<AdamW>> opts_;
     for (MoEModel* c : replica.chunks())
       opts_.push_back(std::make_unique<AdamW>(c->params(), arena, AdamWConfig{t.beta1, t.beta2, 1e-8, t.weight_decay}));
+    // Feasibility up front (DESIGN.md, the planner's invariant): the smallest budget
+    // under which every step fits with every activation at its most memory-saving
+    // choice and every MoE layer at its worst-case routing. A smaller one is refused.
+    if (planner && !arena.unlimited()) {
+      double need[2] = {double(minimum_budget(cfg.model, B, S, replica.step_program(), arena.in_use(),
+                                              kPlannerMarginFraction)),
+                        double(arena.in_use())};
+      if (world_size > 1) world->all_reduce_max(need, 2);
+      if (double(arena.budget()) < need[0])
+        throw ConfigError(fmt::format(
+            "--device-memory {} is below the smallest budget for which adaptive provisioning can guarantee no "
+            "out-of-memory error: {} ({} of weights, gradients and optimizer state on the fullest rank, plus one "
+            "step with every activation recomputed or offloaded and worst-case expert routing, plus a {:.0f}% "
+            "fragmentation margin); use --device-memory {} or more", format_bytes(arena.budget()),
+            format_bytes(Bytes(need[0])), format_bytes(Bytes(need[1])), 100 * kPlannerMarginFraction,
+            format_bytes(Bytes(std::ceil(need[0] / double(kMiB)) * double(kMiB)))));
+      progress.note(fmt::format("adaptive provisioning: budget {}, smallest feasible {}", format_bytes(arena.budget()),
+                                format_bytes(Bytes(need[0]))));
+    }
     auto model_bufs = [&] {
       std::vector<train::NamedBuffer> out;
       for (Param* p : replica.params())
@@ -334,17 +368,31 @@ TrainResult run_training(const TrainOptions& opts) {
     };
     std::int64_t start_step = 0;
     double elapsed_before = 0;
-    if (ckpt) {
-      json st = train::load_checkpoint(*ckpt, model_bufs(), opt_bufs());
-      start_step = st.at("step").get<std::int64_t>();
+    // The training state a checkpoint holds (weights, AdamW moments and step, tokens,
+    // losses); shared by --resume and by the restart after an OOM. Returns its step.
+    auto restore_checkpoint = [&](const fs::path& dir) {
+      json st = train::load_checkpoint(dir, model_bufs(), opt_bufs());
       for (auto& o : opts_) o->set_steps_taken(st.at("adam_steps").get<std::int64_t>());
       res.tokens = st.at("tokens").get<std::int64_t>();
       res.initial_val_loss = st.at("initial_val_loss").get<double>();
       res.final_val_loss = st.value("last_val_loss", res.initial_val_loss);
       res.final_train_loss = st.value("last_train_loss", 0.0);
-      res.peak_device_bytes = st.value("peak_device_bytes", std::int64_t(0));
       history = st.value("val_loss_history", json::array());
+      return st;
+    };
+    if (ckpt) {
+      json st = restore_checkpoint(*ckpt);
+      start_step = st.at("step").get<std::int64_t>();
+      res.peak_device_bytes = st.value("peak_device_bytes", std::int64_t(0));
       elapsed_before = st.value("train_seconds", 0.0);
+      // What earlier restarts cost stays in the account of the resumed run.
+      res.oom_count = st.value("oom_count", std::int64_t(0));
+      res.restarts = st.value("restarts", std::int64_t(0));
+      res.lost_steps = st.value("lost_steps", std::int64_t(0));
+      res.steps_run = st.value("steps_run", start_step);
+      res.restart_seconds = st.value("restart_seconds", 0.0);
+      res.oom_peak_demand_bytes = st.value("oom_peak_demand_bytes", std::int64_t(0));
+      res.first_oom = st.value("first_oom", std::string());
       if (rank0) truncate_metrics(run_dir / "metrics.jsonl", start_step);
       if (start_step >= t.steps)
         progress.note(fmt::format("run {} is already complete at step {}; pass --steps N > {} to extend it",
@@ -374,11 +422,114 @@ TrainResult run_training(const TrainOptions& opts) {
                  {"last_train_loss", res.final_train_loss},
                  {"peak_device_bytes", res.peak_device_bytes},
                  {"val_loss_history", history},
-                 {"train_seconds", train_seconds}};
+                 {"train_seconds", train_seconds},
+                 {"oom_count", res.oom_count},
+                 {"restarts", res.restarts},
+                 {"lost_steps", res.lost_steps},
+                 {"steps_run", res.steps_run},
+                 {"restart_seconds", res.restart_seconds},
+                 {"oom_peak_demand_bytes", res.oom_peak_demand_bytes},
+                 {"first_oom", res.first_oom}};
       train::save_checkpoint(ckpt_root, step, model_bufs(), opt_bufs(), st, int(t.keep_checkpoints));
     };
 
     double last_val = res.final_val_loss;
+    // --on-oom=restart. The arena serves what does not fit from the heap during the
+    // step (overflow mode), so that every rank completes its collectives; then the
+    // ranks agree whether any of them ran out of memory, and if so all drop the step
+    // and go back to the newest checkpoint every rank holds (the initial state, with
+    // the same seed, when there is none yet), as a crashed and relaunched job would.
+    // The data order, the LR schedule and the injected spikes are functions of the
+    // global step, so the redone steps are the same steps (and a recurring spike
+    // recurs: after train.max_restarts restarts at one step the run gives up).
+    const bool restart_on_oom = t.on_oom == "restart";
+    struct OverflowScope {
+      Arena& arena;
+      OverflowScope(Arena& a, bool on) : arena(a) { arena.set_overflow(on); }
+      ~OverflowScope() { arena.set_overflow(false); }
+    };
+    std::map<std::int64_t, std::int64_t> restarts_at;  // 1-based step -> restarts caused by it
+    auto restore_initial_state = [&] {
+      replica.init_weights(t.seed);
+      for (auto& o : opts_) {
+        for (auto& [name, tt] : o->state()) tt->zero();
+        o->set_steps_taken(0);
+      }
+      res.tokens = 0;
+      res.final_val_loss = res.initial_val_loss;
+      res.final_train_loss = 0;
+      history = json::array({{{"step", 0}, {"val_loss", res.initial_val_loss}}});
+    };
+    // Handles an OOM of step index `step` (0-based) seen first on `oom_rank`: records
+    // it, gives up past the restart limit, else restores and returns the step to go on
+    // from. Collective: every rank calls it at the same step.
+    auto restart_after_oom = [&](std::int64_t step, int oom_rank, double step_seconds) -> std::int64_t {
+      struct OomInfo {  // the first OOM of the lowest rank that had one, sent to every rank
+        std::int64_t requested, free, largest, budget, category;
+        char op[256];
+      } info{};
+      if (const OutOfMemoryError* e = arena.first_oom(); e && rank == oom_rank) {
+        info = {e->requested, e->free, e->largest_free_block, e->budget, std::int64_t(e->category), {}};
+        std::snprintf(info.op, sizeof info.op, "%s", e->op.c_str());
+      }
+      if (world_size > 1) world->broadcast(&info, sizeof info, oom_rank);
+      const OutOfMemoryError oom(info.requested, info.free, info.largest, info.budget, MemCategory(info.category),
+                                 info.op);
+      const std::int64_t oom_step = step + 1;
+      double demand = double(arena.peak());
+      if (world_size > 1) world->all_reduce_max(&demand, 1);
+      res.oom_count += 1;
+      res.oom_peak_demand_bytes = std::max(res.oom_peak_demand_bytes, std::int64_t(demand));
+      if (res.first_oom.empty()) res.first_oom = fmt::format("step {}, rank {}: {}", oom_step, oom_rank, oom.what());
+      train_seconds += step_seconds;
+      const std::int64_t tried = restarts_at[oom_step];
+      if (rank0) {
+        json line = {{"step", oom_step},
+                     {"oom", true},
+                     {"oom_rank", oom_rank},
+                     {"oom_message", oom.what()},
+                     {"step_seconds", step_seconds},
+                     {"peak_device_bytes", std::int64_t(demand)},
+                     {"injected_imbalance", ops::imbalance_active(imbalance, oom_step) ? imbalance.ratio : 0.0}};
+        metrics << line.dump() << "\n";
+        metrics.flush();
+      }
+      if (tried >= t.max_restarts) {
+        res.tokens_per_second_effective = double(res.tokens) / std::max(train_seconds + res.restart_seconds, 1e-9);
+        write_summary(seconds_since(t_start));
+        world->barrier();  // rank 0's summary is on disk before any rank ends the job
+        restart_limit_reached = true;
+        throw OutOfMemoryError(
+            oom, fmt::format("step {} ran out of device memory {} times (on-oom=restart, max-restarts {}; rank {}); "
+                             "this policy cannot fit the step under the budget",
+                             oom_step, tried + 1, t.max_restarts, oom_rank));
+      }
+      restarts_at[oom_step] = tried + 1;
+      res.restarts += 1;
+      const auto r0 = Clock::now();
+      // The newest checkpoint every rank holds (one rank may have died while writing).
+      std::optional<fs::path> newest = train::latest_checkpoint(ckpt_root);
+      double back_neg = -double(newest ? train::checkpoint_step(*newest) : 0);
+      if (world_size > 1) world->all_reduce_max(&back_neg, 1);
+      const std::int64_t back = std::int64_t(-back_neg);
+      if (back > 0) {
+        const fs::path dir = newest && train::checkpoint_step(*newest) == back ? *newest
+                                                                               : train::checkpoint_dir(ckpt_root, back);
+        if (restore_checkpoint(dir).at("step").get<std::int64_t>() != back)
+          throw DataError(fmt::format("checkpoint '{}' does not hold step {}", dir.string(), back));
+      } else {
+        restore_initial_state();
+      }
+      last_val = res.final_val_loss;
+      res.steps = back;
+      res.lost_steps += step - back;
+      res.restart_seconds += seconds_since(r0) + t.restart_seconds;
+      progress.note(fmt::format("moeflex: step {} ran out of device memory on rank {}: restart {} of {} from {} ({} "
+                                "steps lost): {}", oom_step, oom_rank, tried + 1, t.max_restarts,
+                                back > 0 ? fmt::format("the checkpoint of step {}", back) : "the initial state",
+                                step - back, oom.what()));
+      return back;
+    };
     for (std::int64_t step = start_step; step < t.steps; ++step) {
       const auto t0 = Clock::now();
       arena.reset_peaks();
@@ -386,20 +537,20 @@ TrainResult run_training(const TrainOptions& opts) {
       replica.clear_routing();
       for (MoEModel* c : replica.chunks()) c->stash().reset_counters();
       const bool spike = ops::imbalance_active(imbalance, step + 1);
-      const bool tracing = step - start_step < t.trace_steps;
+      const bool tracing = !trace_finished && step - start_step < t.trace_steps;
       replica.set_trace(tracing ? &trace : nullptr);
       for (MoEModel* c : replica.chunks()) c->set_router_skew(spike ? imbalance.ratio : 0.0);
-      const LossParts sum = replica.forward_backward([&](int mb, std::int32_t* ids, std::int32_t* targets) {
-        data.sample_batch(Split::kTrain, t.seed, step, global_microbatch(dp_rank, M, mb), B, S, ids, targets);
-      });
+      if (restart_on_oom) arena.clear_oom_events();
+      const LossParts sum = [&] {
+        OverflowScope overflow(arena, restart_on_oom);
+        return replica.forward_backward([&](int mb, std::int32_t* ids, std::int32_t* targets) {
+          data.sample_batch(Split::kTrain, t.seed, step, global_microbatch(dp_rank, M, mb), B, S, ids, targets);
+        });
+      }();
+      res.steps_run += 1;
       for (MoEModel* c : replica.chunks()) c->set_router_skew(0.0);  // evaluation routes naturally
       json plan_line;
       if (planner) {
-        Bytes stash_peak = 0;
-        for (MoEModel* c : replica.chunks()) {
-          stash_peak += c->stash().peak_bytes();
-          c->stash().reset_peak();
-        }
         const auto& ds = planner->decision_seconds();
         double dmax = 0, dsum = 0;
         for (double x : ds) {
@@ -407,15 +558,28 @@ TrainResult run_training(const TrainOptions& opts) {
           dsum += x;
           all_decision_seconds.push_back(x);
         }
+        // The step's peak as predicted at its last decision (max over ranks), and the
+        // bound the decisions kept under (each projected later blocks at their floor).
+        double pred[2] = {double(planner->predicted_step_peak()), double(planner->last_projected_peak())};
+        if (world_size > 1) world->all_reduce_max(pred, 2);
+        const double predicted = pred[0];
         plan_line = {{"decisions", ds.size()},
                      {"decision_seconds_max", dmax},
                      {"decision_seconds_total", dsum},
-                     {"predicted_peak_bytes", planner->last_projected_peak()},
-                     {"transient_reserve_bytes", planner->transient_reserve()}};
-        double predicted = double(planner->last_projected_peak());
-        if (world_size > 1) world->all_reduce_max(&predicted, 1);
+                     {"predicted_peak_bytes", std::int64_t(pred[0])},
+                     {"projected_bound_bytes", std::int64_t(pred[1])},
+                     {"infeasible_decisions", planner->infeasible()}};
         res.predicted_peak_bytes = std::max(res.predicted_peak_bytes, std::int64_t(predicted));
-        planner->end_step(stash_peak);
+        planner->end_step();
+      }
+      if (restart_on_oom) {
+        // Did any rank run out of memory? The lowest such rank reports (world - rank > 0).
+        double oom_rank = arena.oom_events() > 0 ? double(world_size - rank) : 0.0;
+        if (world_size > 1) world->all_reduce_max(&oom_rank, 1);
+        if (oom_rank > 0) {
+          step = restart_after_oom(step, world_size - int(oom_rank), seconds_since(t0)) - 1;
+          continue;
+        }
       }
       const double gnorm = replica.clip_grad_norm(t.grad_clip);
       if (!std::isfinite(sum.total) || !std::isfinite(gnorm))
@@ -500,7 +664,8 @@ TrainResult run_training(const TrainOptions& opts) {
                    {"bytes_saved", std::int64_t(provisioned[0])},
                    {"bytes_recomputed", std::int64_t(provisioned[1])},
                    {"bytes_offloaded", std::int64_t(offl)},
-                   {"injected_imbalance", spike ? imbalance.ratio : 0.0}};
+                   {"injected_imbalance", spike ? imbalance.ratio : 0.0},
+                   {"oom", false}};
       for (auto& [k, v] : plan_line.items()) line[k] = v;
       if (layout.ep() > 1) {
         line["ep_received_tokens"] = ep_received;
@@ -517,9 +682,11 @@ TrainResult run_training(const TrainOptions& opts) {
         metrics.flush();
       }
       res.tokens_per_second = double(res.tokens) / std::max(train_seconds, 1e-9);
+      res.tokens_per_second_effective = double(res.tokens) / std::max(train_seconds + res.restart_seconds, 1e-9);
       const double all_bytes = provisioned[0] + provisioned[1] + offl;
       if (tracing && (step - start_step + 1 == t.trace_steps || step + 1 == t.steps)) {
         trace.close();
+        trace_finished = true;
         world->barrier();
         if (world_size > 1 && rank0) {
           std::vector<fs::path> parts;
@@ -556,7 +723,9 @@ TrainResult run_training(const TrainOptions& opts) {
                  "{:.2f} M parameters need {} before any activation\n",
                  format_bytes(arena.budget()), double(cfg.model.num_params()) / 1e6,
                  format_bytes(16 * cfg.model.num_params()));
+    if (restart_limit_reached) throw;  // counted, summarised and agreed on by every rank already
     res.oom_count += 1;
+    if (res.first_oom.empty()) res.first_oom = e.what();
     res.peak_device_bytes = std::max(res.peak_device_bytes, arena.peak());
     if (world_size > 1) {  // the other ranks are in collectives: record, then end the job with the reason
       if (!rank0) summary_path_override = run_dir / fmt::format("summary.rank{:05d}.json", rank);

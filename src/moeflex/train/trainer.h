@@ -37,11 +37,23 @@ struct TrainResult {
   double decision_seconds_p99 = 0;    ///< 99th percentile of one layer decision's time
   double max_load_ratio = 1.0;        ///< largest expert-load imbalance seen (max / mean)
   std::int64_t predicted_peak_bytes = 0;  ///< the adaptive planner's largest projected peak (0 otherwise)
+  // --on-oom=restart: a step that ran out of device memory on any rank is dropped and
+  // the run goes back to its newest checkpoint (or the initial state), as a job would
+  // that crashed and was relaunched.
+  std::int64_t restarts = 0;     ///< checkpoint reloads after an OOM
+  std::int64_t lost_steps = 0;   ///< completed steps rolled back by restarts (done twice); OOM steps not included
+  std::int64_t steps_run = 0;    ///< forward/backward passes run: kept, lost and dropped (OOM) steps
+  double restart_seconds = 0;    ///< charged for restarts: train.restart_seconds each + the measured reloads
+  /// Kept tokens / (seconds of every step run, lost and dropped ones included, + restart_seconds).
+  double tokens_per_second_effective = 0;
+  std::int64_t oom_peak_demand_bytes = 0;  ///< the most device memory a dropped (OOM) step used, heap overflow included
+  std::string first_oom;                   ///< the first OutOfMemoryError's message (empty: none)
 };
 
 /// Runs (or resumes) a training run. Throws ConfigError / DataError on bad input and
 /// OutOfMemoryError when a step does not fit the device budget (the summary with
-/// oom_count = 1 is written first).
+/// oom_count = 1 is written first); with train.on_oom = "restart", only once one step
+/// has run out of memory more than train.max_restarts times (the message names it).
 TrainResult run_training(const TrainOptions& opts);
 
 /// The default corpus location (prepared by `make data`).

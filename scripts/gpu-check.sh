@@ -1,0 +1,198 @@
+#!/usr/bin/env bash
+# The CUDA backend's check on a machine with a GPU (issue 6). Needs no network.
+#
+#   1. builds the CUDA backend and its tests (cmake -DMOEFLEX_CUDA=ON, in build-gpu/);
+#      when this machine cannot configure the project (e.g. an image without the
+#      project's dev packages) and build-gpu-bundle/ (scripts/gpu-bundle.sh, made on
+#      the CPU machine and carried) is here, it uses those prebuilt binaries and says so;
+#   2. runs the op harness (every CUDA op against the CPU reference, forward and
+#      backward, fp32 and bf16, timed; plus training-size timings) and the runtime
+#      tests (device arena, pinned pool, copy streams, NCCL on one rank);
+#   3./4. training the default model and a ~1B MoE on the GPU: not available yet
+#      (the training engine runs on the CPU only in this slice); the script says so;
+#   5. prints the table of per-op error and time, the card's measured bf16 GEMM rate,
+#      and the same ops timed in this machine's PyTorch when it has CUDA.
+# The table and the details go to bench/results/gpu-<date>-<card>.txt (or $OUT_DIR).
+# Exit status: 0 only if everything built and every test passed; any failure is
+# printed as "gpu-check: FAILED: ..." and makes the exit status non-zero (the results
+# file is still written with what was measured).
+#
+# Environment: BUILD (build-gpu), BUNDLE (build-gpu-bundle), JOBS (nproc), OUT_DIR
+# (bench/results), PYTHON (a python3 whose torch has CUDA; searched otherwise),
+# PREBUILT=1 uses the bundle without trying to build (saves device time),
+# MOEFLEX_GPU_CHECK_QUICK=1 skips the training-size timings.
+set -uo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+BUILD=${BUILD:-build-gpu}
+BUNDLE=${BUNDLE:-build-gpu-bundle}
+JOBS=${JOBS:-$(nproc)}
+OUT_DIR=${OUT_DIR:-bench/results}
+WORK=$(mktemp -d /tmp/gpu-check.XXXXXX)
+FAILURES=()
+START=$(date +%s)
+
+step() { printf '\n=== gpu-check %s: %s\n' "$(date +%H:%M:%S)" "$*"; }
+fail() { echo "gpu-check: FAILED: $*" >&2; FAILURES+=("$*"); }
+die() {
+  echo "gpu-check: FAILED: $*" >&2
+  echo "gpu-check: stopped after $(($(date +%s) - START)) s; logs in $WORK" >&2
+  exit 1
+}
+
+step "0. this machine"
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader ||
+  echo "(no nvidia-smi)"
+NVCC=$(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null || true)
+echo "nvcc: ${NVCC:-none}${NVCC:+ ($("$NVCC" --version | tail -n 2 | head -n 1))}"
+echo "cmake: $(command -v cmake || echo none)   cores: $(nproc)"
+
+# --------------------------------------------------------------------------------
+step "1. build"
+BIN=""
+BUILT_FROM=""
+if [[ ${PREBUILT:-0} == 1 ]]; then
+  echo "gpu-check: PREBUILT=1: not building"
+elif [[ -n $NVCC ]] && command -v cmake >/dev/null; then
+  gen=()
+  if command -v ninja >/dev/null && [[ ! -f $BUILD/CMakeCache.txt ]]; then gen=(-G Ninja); fi
+  if cmake -S . -B "$BUILD" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DMOEFLEX_CUDA=ON -DCMAKE_CUDA_COMPILER="$NVCC" \
+      >"$WORK/configure.log" 2>&1; then
+    if cmake --build "$BUILD" -j "$JOBS" --target test_cuda_ops test_cuda_bench test_cuda_runtime test_backend_host \
+        >"$WORK/build.log" 2>&1; then
+      BIN=$BUILD
+      BUILT_FROM="built here in $BUILD/ ($(($(date +%s) - START)) s)"
+    else
+      grep -E 'error|Error' "$WORK/build.log" | head -n 30
+      [[ -x $BUNDLE/bin/test_cuda_ops ]] || die "the build failed (full log: $WORK/build.log)"
+      fail "the build failed here (full log: $WORK/build.log); going on with the prebuilt bundle"
+    fi
+  else
+    echo "gpu-check: WARNING: cannot configure the project on this machine (missing dev packages?); last lines:"
+    tail -n 15 "$WORK/configure.log"
+  fi
+else
+  echo "gpu-check: no nvcc or no cmake here, so no build"
+fi
+if [[ -z $BIN ]]; then
+  [[ -x $BUNDLE/bin/test_cuda_ops ]] ||
+    die "no build, and no prebuilt bundle in $BUNDLE/ (make one with scripts/gpu-bundle.sh on the CPU machine and carry it)"
+  echo "gpu-check: USING PREBUILT BINARIES from $BUNDLE/: $(head -n 1 "$BUNDLE/BUILD_INFO" 2>/dev/null)"
+  BIN=$BUNDLE/bin
+  BUILT_FROM="PREBUILT: $(tr '\n' ' ' <"$BUNDLE/BUILD_INFO" 2>/dev/null)"
+  # The CUDA libraries come from this machine: the toolkit's, or the pip wheels'.
+  libdirs=$BUNDLE/lib
+  for lib in libcudart.so.13 libcublas.so.13 libcublasLt.so.13 libnccl.so.2; do
+    found=$(find /usr/local /usr/lib /opt -name "$lib" -print -quit 2>/dev/null || true)
+    [[ -n $found ]] && libdirs=$libdirs:$(dirname "$found")
+  done
+  export LD_LIBRARY_PATH=$libdirs:${LD_LIBRARY_PATH:-}
+fi
+for t in test_cuda_ops test_cuda_bench test_cuda_runtime test_backend_host; do
+  missing=$(ldd "$BIN/$t" 2>&1 | grep "not found" || true)
+  [[ -z $missing ]] || die "$BIN/$t cannot load: $missing"
+done
+echo "gpu-check: binaries: $BUILT_FROM"
+
+# --------------------------------------------------------------------------------
+step "2. op harness and runtime tests"
+REPORT=$WORK/ops.tsv
+: >"$REPORT"
+bench=1
+[[ ${MOEFLEX_GPU_CHECK_QUICK:-0} == 1 ]] && bench=0
+run_test() {  # name: runs $BIN/name, keeps its log, records failures
+  local name=$1 rc=0
+  MOEFLEX_OP_REPORT=$REPORT MOEFLEX_OP_BENCH=$bench timeout 1200 "$BIN/$name" --gtest_color=no \
+    >"$WORK/$name.log" 2>&1 || rc=$?
+  grep -E '^\[  (PASSED|FAILED|SKIPPED) +\] [0-9]+ test|^\[  FAILED  \] [A-Z]|^\[==========\] [0-9]+ tests.* ran' \
+    "$WORK/$name.log" | sed "s/^/  $name: /"
+  if grep -q 'skipped: no GPU' "$WORK/$name.log"; then
+    die "$name sees no GPU: $(grep -m1 'skipped: no GPU' "$WORK/$name.log")"
+  fi
+  [[ $rc -eq 0 ]] || fail "$name exited with status $rc (failures: $(grep -c '^\[  FAILED  \] [A-Z]' "$WORK/$name.log" || true); log below)"
+}
+run_test test_backend_host
+run_test test_cuda_runtime
+run_test test_cuda_ops
+run_test test_cuda_bench
+grep -q . "$REPORT" || fail "the op harness wrote no rows to its report"
+
+# --------------------------------------------------------------------------------
+step "3./4. training on the GPU"
+TRAIN_NOTE="not available yet: the training engine (model, train) runs on the CPU only in this slice of the CUDA backend; training the default model and a ~1B MoE on the GPU come with the next slices of issue 6"
+echo "gpu-check: steps 3 and 4 (training the default model / a ~1B MoE on the GPU): $TRAIN_NOTE"
+
+# --------------------------------------------------------------------------------
+step "5. results"
+PY=""
+TORCH_NOTE=""
+for cand in ${PYTHON:-} python3 /usr/bin/python3 /opt/torch/.venv/bin/python3; do
+  command -v "$cand" >/dev/null 2>&1 || continue
+  if "$cand" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
+    PY=$cand
+    break
+  fi
+done
+TORCH_TSV=$WORK/torch.tsv
+if [[ -n $PY ]]; then
+  if ! "$PY" bench/gpu_torch_ops.py --report "$REPORT" --out "$TORCH_TSV" 2>"$WORK/torch.err"; then
+    tail -n 20 "$WORK/torch.err"
+    fail "bench/gpu_torch_ops.py failed (PyTorch timings missing)"
+  fi
+else
+  TORCH_NOTE="no python3 with a CUDA-enabled torch on this machine: PyTorch timings skipped"
+  echo "gpu-check: $TORCH_NOTE"
+fi
+REPORT_PY=$(command -v python3 || command -v "$PY" || true)
+[[ -n $REPORT_PY ]] || die "no python3 to format the table (raw rows: $REPORT)"
+
+card=$(awk -F'\t' '$1 == "#device" {split($2, a, ","); print a[1]; exit}' "$REPORT")
+[[ -n $card ]] || card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
+card=$(echo "${card:-unknown-gpu}" | tr -c 'A-Za-z0-9._-' '-' | sed 's/-\+/-/g; s/^-//; s/-$//')
+mkdir -p "$OUT_DIR"
+RESULT=$OUT_DIR/gpu-$(date +%Y-%m-%d)-$card.txt
+TABLE=$WORK/table.txt
+"$REPORT_PY" bench/gpu_report.py --report "$REPORT" --torch "$TORCH_TSV" --torch-note "$TORCH_NOTE" >"$TABLE" ||
+  fail "rows above their tolerance in the table (see 'FAIL' in the check column)"
+{
+  echo "moeflex GPU check (scripts/gpu-check.sh), $(date -u +%Y-%m-%dT%H:%MZ)"
+  echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git status --porcelain 2>/dev/null | grep -q . && echo ' (with uncommitted changes)')"
+  echo "binaries: $BUILT_FROM"
+  echo "nvcc: ${NVCC:-none}; driver: $(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n 1)"
+  echo
+  echo "steps 1-2 (build, op harness and runtime tests): $([[ ${#FAILURES[@]} -eq 0 ]] && echo 'all passed' || echo 'FAILURES (below)')"
+  echo "steps 3-4 (training on the GPU): $TRAIN_NOTE"
+  echo
+  cat "$TABLE"
+  if [[ ${#FAILURES[@]} -gt 0 ]]; then
+    echo
+    echo "FAILURES:"
+    printf '  %s\n' "${FAILURES[@]}"
+    for t in test_backend_host test_cuda_runtime test_cuda_ops test_cuda_bench; do
+      [[ -f $WORK/$t.log ]] || continue
+      if grep -q '^\[  FAILED  \]' "$WORK/$t.log"; then
+        echo
+        echo "--- $t: failure messages"
+        grep -B2 -A8 -E 'Failure$|error:|what\(\)' "$WORK/$t.log" | head -n 300
+      fi
+    done
+  fi
+  echo
+  echo "--- raw harness rows (op, dtype, shape, err, tol, ms, TFLOP/s, GB/s, note)"
+  cat "$REPORT"
+  if [[ -s $TORCH_TSV ]]; then
+    echo
+    echo "--- raw PyTorch rows (op, dtype, shape, ms, note)"
+    cat "$TORCH_TSV"
+  fi
+} >"$RESULT"
+cat "$TABLE"
+echo
+echo "gpu-check: results in $RESULT (logs in $WORK); $(($(date +%s) - START)) s in all"
+if [[ ${#FAILURES[@]} -gt 0 ]]; then
+  echo
+  echo "gpu-check: FAILED (${#FAILURES[@]}):" >&2
+  printf '  %s\n' "${FAILURES[@]}" >&2
+  exit 1
+fi
+echo "gpu-check: PASSED"

@@ -1,0 +1,158 @@
+// `moeflex simulate` and `moeflex search` (see sim_commands.h).
+#include "moeflex/cli/sim_commands.h"
+
+#include <fmt/format.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "moeflex/core/error.h"
+#include "moeflex/search/search.h"
+#include "moeflex/sim/presets.h"
+#include "moeflex/sim/simulator.h"
+#include "moeflex/train/train_config.h"
+
+namespace moeflex {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Flags {
+  CLI::App* simulate = nullptr;
+  CLI::App* search = nullptr;
+  std::string model = "default", cluster = "this-machine", parallel, schedule, policy = "none", out, loads,
+              imbalance, trace_ranks = "0", objective = "tgs", memory;
+  std::int64_t micro_batch_size = 0, seq_len = 0, global_batch = 0;
+  int iterations = 1, gpus = 8, top = 10, checkpoint_interval = 50;
+  double restart_seconds = 284;
+};
+
+Flags& flags() {
+  static Flags f;
+  return f;
+}
+
+/// A model from a preset, an HF config.json, "default" (the embedded run config)
+/// or a run config TOML; the last two also give B and S.
+ModelConfig model_of(const std::string& m, std::int64_t& B, std::int64_t& S, const fs::path& root) {
+  if (m == "default" || (fs::is_regular_file(m) && fs::path(m).extension() == ".toml")) {
+    const RunConfig rc = m == "default" ? RunConfig::defaults() : RunConfig::from_file(m);
+    if (B <= 0) B = rc.train.micro_batch_size;
+    if (S <= 0) S = rc.train.seq_len;
+    return rc.model;
+  }
+  return sim::load_model(m, root);
+}
+
+Bytes size_of(const std::string& s) {
+  std::size_t i = 0;
+  const double v = std::stod(s, &i);
+  const std::string unit = s.substr(i);
+  if (unit.empty() || unit == "B") return Bytes(v);
+  if (unit == "KiB") return Bytes(v * double(kKiB));
+  if (unit == "MiB") return Bytes(v * double(kMiB));
+  if (unit == "GiB") return Bytes(v * double(kGiB));
+  if (unit == "GB") return Bytes(v * 1e9);
+  throw ConfigError(fmt::format("--memory '{}': expected a number with B, KiB, MiB, GiB or GB", s));
+}
+
+}  // namespace
+
+void add_sim_commands(CLI::App& app) {
+  Flags& f = flags();
+  f.simulate = app.add_subcommand("simulate", "simulate training on a cluster in virtual time");
+  f.search = app.add_subcommand("search", "search parallel layouts, schedules and policies by simulation");
+  for (CLI::App* c : {f.simulate, f.search}) {
+    c->add_option("--model", f.model, "preset name (configs/models), HF config.json, run config .toml, or 'default'")
+        ->capture_default_str();
+    c->add_option("--cluster", f.cluster, "preset name (configs/clusters) or cluster JSON")->capture_default_str();
+    c->add_option("--seq-len", f.seq_len, "tokens per sequence (default: 4096, or the run config's)");
+    c->add_option("--global-batch", f.global_batch, "sequences per iteration");
+    c->add_option("--imbalance", f.imbalance, "load distribution calm=1.2:spike=2.6:p=0.029[:seed=S]");
+    c->add_option("--restart-seconds", f.restart_seconds, "cold restart after an OOM")->capture_default_str();
+    c->add_option("--checkpoint-interval", f.checkpoint_interval, "iterations between checkpoints")->capture_default_str();
+    c->add_option("--memory", f.memory, "per-device memory limit, e.g. 250MiB (default: the cluster's)");
+  }
+  auto* s = f.simulate;
+  s->add_option("--parallel", f.parallel, "tp=..,pp=..,vpp=..,ep=..,dp=.. (default all 1)");
+  s->add_option("--schedule", f.schedule, "gpipe, 1f1b, interleaved, zb-h1, dualpipev (default 1f1b)");
+  s->add_option("--policy", f.policy, "none, full, selective, moe-light, moe-medium, moe-full, threshold[=R], adaptive")
+      ->capture_default_str();
+  s->add_option("--micro-batch-size", f.micro_batch_size, "sequences per micro-batch (default 1, or the run config's)");
+  s->add_option("--iterations", f.iterations, "iterations to simulate")->capture_default_str();
+  s->add_option("--loads", f.loads, "replay expert loads from a `moeflex train` run's metrics.jsonl");
+  s->add_option("--out", f.out, "write summary.json and trace.json here");
+  s->add_option("--trace-ranks", f.trace_ranks, "pipeline ranks in trace.json, e.g. 0,3 (empty: none)")
+      ->capture_default_str();
+  auto* q = f.search;
+  q->add_option("--gpus", f.gpus, "devices")->required();
+  q->add_option("--top", f.top, "layouts to print")->capture_default_str();
+  q->add_option("--objective", f.objective, "tgs or memory")->capture_default_str();
+  q->add_option("--out", f.out, "write the result as JSON");
+}
+
+bool run_sim_commands() {
+  Flags& f = flags();
+  if (!*f.simulate && !*f.search) return false;
+  const fs::path root = sim::preset_root();
+  std::int64_t B = f.micro_batch_size, S = f.seq_len;
+  const ModelConfig model = model_of(f.model, B, S, root);
+  if (S <= 0) S = 4096;
+  if (B <= 0) B = 1;
+  sim::ClusterSpec cluster = sim::load_cluster(f.cluster, root);
+  if (!f.memory.empty()) cluster.reserved_memory = cluster.device_memory - size_of(f.memory);
+  sim::LoadModel loads = f.imbalance.empty() ? sim::LoadModel{} : sim::LoadModel::parse(f.imbalance);
+  if (*f.simulate) {
+    sim::SimOptions o;
+    o.model = model;
+    o.cluster = cluster;
+    o.parallel = sim::ParallelSpec::parse(f.parallel);
+    if (!f.schedule.empty()) o.schedule = f.schedule;
+    else if (o.parallel.vpp > 1) o.schedule = "interleaved";
+    o.policy = f.policy;
+    o.micro_batch_size = B;
+    o.seq_len = S;
+    o.global_batch = f.global_batch;
+    o.iterations = f.iterations;
+    o.loads = f.loads.empty() ? loads : sim::LoadModel::from_metrics(f.loads);
+    o.restart_seconds = f.restart_seconds;
+    o.checkpoint_interval = f.checkpoint_interval;
+    o.overlap_pair_comm = cluster.element_bytes < 4;
+    std::stringstream ss(f.trace_ranks);
+    for (std::string x; std::getline(ss, x, ',');)
+      if (!x.empty()) o.trace_ranks.push_back(std::stoi(x));
+    if (f.out.empty()) o.trace_ranks.clear();
+    const sim::SimReport r = sim::simulate(o);
+    fmt::print("{}", r.format());
+    if (!f.out.empty()) {
+      sim::write_outputs(r, f.out);
+      fmt::print("wrote {}/summary.json{}\n", f.out, o.trace_ranks.empty() ? "" : " and trace.json");
+    }
+  } else {
+    search::SearchOptions o;
+    o.model = model;
+    o.cluster = cluster;
+    o.gpus = f.gpus;
+    o.top = f.top;
+    o.objective = f.objective;
+    o.seq_len = S;
+    o.global_batch = f.global_batch;
+    o.loads = loads;
+    o.restart_seconds = f.restart_seconds;
+    o.checkpoint_interval = f.checkpoint_interval;
+    const search::SearchResult r = search::search(o);
+    fmt::print("{}", r.format(o));
+    if (!f.out.empty()) {
+      if (fs::path(f.out).has_parent_path()) fs::create_directories(fs::path(f.out).parent_path());
+      std::ofstream out(f.out);
+      if (!out) throw DataError(fmt::format("{}: cannot write", f.out));
+      out << r.to_json(o).dump(2) << "\n";
+      fmt::print("wrote {}\n", f.out);
+    }
+  }
+  return true;
+}
+
+}  // namespace moeflex

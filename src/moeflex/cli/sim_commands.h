@@ -1,0 +1,12 @@
+// `moeflex simulate` and `moeflex search`: their flags and what they run.
+#pragma once
+#include <CLI/CLI.hpp>
+
+namespace moeflex {
+
+/// Registers the two subcommands on `app`; run_sim_commands() runs whichever was
+/// given and returns true then (false when neither was). Errors are moeflex::Error.
+void add_sim_commands(CLI::App& app);
+bool run_sim_commands();
+
+}  // namespace moeflex

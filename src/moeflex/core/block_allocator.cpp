@@ -1,0 +1,109 @@
+#include "moeflex/core/block_allocator.h"
+
+#include <algorithm>
+#include <fmt/format.h>
+
+namespace moeflex {
+
+void MemoryStats::account(MemCategory c, Bytes delta) {
+  for (Stat* s : {&stats_[static_cast<int>(c)], &total_}) {
+    s->current += delta;
+    if (delta > 0) s->allocated += delta;
+    else s->freed -= delta;
+    if (s->current > s->peak) s->peak = s->current;
+  }
+}
+
+void MemoryStats::reset_peaks() {
+  for (auto& s : stats_) s.peak = s.current;
+  total_.peak = total_.current;
+}
+
+BlockAllocator::BlockAllocator(Bytes capacity, Bytes alignment) : alignment_(alignment) {
+  if (alignment <= 0 || (alignment & (alignment - 1)) != 0)
+    throw ConfigError(fmt::format("allocator alignment must be a power of two (got {} B)", alignment));
+  capacity_ = capacity / alignment * alignment;
+  if (capacity_ <= 0)
+    throw ConfigError(fmt::format("memory budget must hold at least one {} B block (got {} B)", alignment,
+                                  capacity));
+  blocks_[0] = {capacity_, true};
+  free_.insert({capacity_, 0});
+}
+
+Bytes BlockAllocator::round_up(Bytes bytes) const {
+  const Bytes b = bytes < 1 ? 1 : bytes;
+  return (b + alignment_ - 1) / alignment_ * alignment_;
+}
+
+Bytes BlockAllocator::allocate(Bytes bytes, MemCategory category, std::string_view op) {
+  const Bytes size = round_up(bytes);
+  auto it = free_.lower_bound({size, 0});
+  if (it == free_.end())
+    throw OutOfMemoryError(size, capacity_ - in_use(), largest_free_block(), capacity_, category,
+                           std::string(op));
+  Bytes offset = 0;
+  if (category == MemCategory::workspace) {
+    // Short-lived workspace: the top end of the highest free block that fits, so
+    // transients do not leave holes between the long-lived blocks growing from below.
+    auto top = blocks_.rbegin();
+    while (top != blocks_.rend() && !(top->second.second && top->second.first >= size)) ++top;
+    const Bytes block_offset = top->first, block_size = top->second.first;  // exists: `it` fits somewhere
+    free_.erase({block_size, block_offset});
+    offset = block_offset + block_size - size;
+    blocks_[offset] = {size, false};
+    if (block_size > size) {
+      blocks_[block_offset] = {block_size - size, true};
+      free_.insert({block_size - size, block_offset});
+    }
+  } else {
+    const auto [block_size, block_offset] = *it;
+    offset = block_offset;
+    free_.erase(it);
+    blocks_[offset] = {size, false};
+    if (block_size > size) {
+      blocks_[offset + size] = {block_size - size, true};
+      free_.insert({block_size - size, offset + size});
+    }
+  }
+  stats_.account(category, size);
+  // Fragmentation: bytes free below the highest used block's end.
+  auto last_used = blocks_.rbegin();
+  while (last_used != blocks_.rend() && last_used->second.second) ++last_used;
+  if (last_used != blocks_.rend()) {
+    const Bytes end = last_used->first + last_used->second.first;
+    frag_peak_ = std::max(frag_peak_, end - in_use());
+  }
+  return offset;
+}
+
+void BlockAllocator::deallocate(Bytes offset, Bytes bytes, MemCategory category) {
+  const Bytes size = round_up(bytes);
+  auto it = blocks_.find(offset);
+  if (it == blocks_.end() || it->second.second || it->second.first != size)
+    throw Error(fmt::format("arena: invalid free of {} B at offset {}", size, offset));
+  stats_.account(category, -size);
+  it->second.second = true;
+  Bytes bsize = size;
+  // Coalesce with the next block.
+  auto next = std::next(it);
+  if (next != blocks_.end() && next->second.second) {
+    free_.erase({next->second.first, next->first});
+    bsize += next->second.first;
+    blocks_.erase(next);
+  }
+  // Coalesce with the previous block.
+  if (it != blocks_.begin()) {
+    auto prev = std::prev(it);
+    if (prev->second.second) {
+      free_.erase({prev->second.first, prev->first});
+      bsize += prev->second.first;
+      blocks_.erase(it);
+      it = prev;
+      offset = prev->first;
+    }
+  }
+  it->second = {bsize, true};
+  free_.insert({bsize, offset});
+}
+
+}  // namespace moeflex

@@ -1,0 +1,92 @@
+// The allocator behind the budgeted regions of the CUDA backend (DeviceArena, the
+// pinned host pool), with the CPU Arena's policy; the CPU Arena is to move onto it
+// too. It works on byte offsets inside [0, capacity) and never touches memory, so
+// one bookkeeping serves any base pointer (mmap, cudaMalloc, cudaHostAlloc) and is
+// tested without a GPU.
+//
+// Policy (as in c10's caching allocator, simplified to one region):
+// - Requests are rounded up to the allocator's alignment and served best-fit from a
+//   free list ordered by (size, offset); a larger block is split and the remainder
+//   returned to the free list; a freed block coalesces with free neighbours.
+//   Fragmentation therefore exists and is measured (`fragmentation_peak()`).
+// - Workspace requests (short-lived) are served from the top instead: the top end of
+//   the highest free block that fits, so transients do not leave holes between the
+//   long-lived blocks growing from below. (The CPU Arena's rule; test_backend_host
+//   replays random traces on both and requires the same placement and accounting.)
+// - Accounting is exact and per category: every byte handed out is counted in one
+//   `Stat{current, peak, allocated, freed}`, changed in one place
+//   (MemoryStats::account).
+// - A request that does not fit throws OutOfMemoryError naming the request, the free
+//   bytes, the largest free block, the capacity and the operator.
+#pragma once
+#include <array>
+#include <cstddef>
+#include <map>
+#include <set>
+#include <string>
+#include <string_view>
+#include <utility>
+
+#include "moeflex/core/arena.h"  // MemCategory, Stat, OutOfMemoryError
+#include "moeflex/core/error.h"
+#include "moeflex/core/units.h"
+
+namespace moeflex {
+
+/// Per-category and total byte counters; `account` is the only place they change.
+class MemoryStats {
+ public:
+  /// Adds `delta` bytes (negative: a free) to category `c` and to the total.
+  void account(MemCategory c, Bytes delta);
+  const Stat& stat(MemCategory c) const { return stats_[static_cast<int>(c)]; }
+  const Stat& total() const { return total_; }
+  /// Resets every peak to the current value (call at step boundaries).
+  void reset_peaks();
+
+ private:
+  std::array<Stat, static_cast<int>(MemCategory::count)> stats_{};
+  Stat total_{};
+};
+
+/// Best-fit allocation of offsets in [0, capacity) with splitting, coalescing,
+/// fragmentation measurement and exact per-category accounting. Not thread-safe.
+class BlockAllocator {
+ public:
+  /// capacity: bytes (> 0), rounded down to a multiple of `alignment` (a power of
+  /// two). Throws ConfigError when the rounded capacity is not positive.
+  BlockAllocator(Bytes capacity, Bytes alignment);
+
+  /// `bytes` (at least 1) rounded up to the alignment.
+  Bytes round_up(Bytes bytes) const;
+  /// Reserves round_up(bytes) and returns the block's offset (a multiple of the
+  /// alignment). Throws OutOfMemoryError when no free block is large enough; `op`
+  /// names the requester.
+  Bytes allocate(Bytes bytes, MemCategory category, std::string_view op);
+  /// Returns the block at `offset`; `bytes` and `category` as given to allocate().
+  /// Throws Error for an offset that is not a live block of that size.
+  void deallocate(Bytes offset, Bytes bytes, MemCategory category);
+
+  Bytes capacity() const { return capacity_; }
+  Bytes alignment() const { return alignment_; }
+  const MemoryStats& stats() const { return stats_; }
+  MemoryStats& stats() { return stats_; }
+  Bytes in_use() const { return stats_.total().current; }
+  /// Largest contiguous free block, in bytes.
+  Bytes largest_free_block() const { return free_.empty() ? 0 : free_.rbegin()->first; }
+  /// Number of free blocks (1 when nothing is allocated: everything coalesced).
+  std::size_t free_block_count() const { return free_.size(); }
+  /// High-water mark of (end of the highest used block - bytes in use): the bytes
+  /// lost to fragmentation at the worst moment so far.
+  Bytes fragmentation_peak() const { return frag_peak_; }
+
+ private:
+  Bytes capacity_;
+  Bytes alignment_;
+  MemoryStats stats_;
+  // All blocks by offset (value: size, free?) and free blocks by (size, offset).
+  std::map<Bytes, std::pair<Bytes, bool>> blocks_;
+  std::set<std::pair<Bytes, Bytes>> free_;
+  Bytes frag_peak_ = 0;
+};
+
+}  // namespace moeflex

@@ -1,0 +1,88 @@
+// The time of one transformer layer's forward, backward-input (B) and
+// backward-weight (W) on one rank, and of recomputing each of its saved
+// activations, from a CostModel. It mirrors model.cpp's op sequence
+// (attention_forward/backward, ffn_forward/backward, the head) call for call, so
+// that the simulator (sim/) advances virtual time by the same ops the engine runs
+// and the planner prices a recompute by the ops its lineage replays.
+//
+// What is and is not in a time:
+// - compute only: the expert-parallel all-to-alls (dispatch, combine and their
+//   backward twins) are returned as byte counts, for the caller's network model;
+//   their local scratch copies are compute and are included;
+// - with tp > 1 (Megatron tensor parallelism with sequence parallelism; the engine
+//   itself runs tp = 1): attention heads, the dense MLP and the shared expert are
+//   split over tp ranks, norms and the MoE layer run on the rank's n/tp tokens
+//   (expert tensor parallelism 1), and the TP collectives are returned as bytes;
+// - the backward's W is every weight-gradient GEMM (and the embedding's scatter);
+//   B is the rest. With `split_backward` the extra copies of the residual
+//   gradient that a deferred W keeps (model.cpp copy_of) are part of B.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "moeflex/core/units.h"
+#include "moeflex/model/config.h"
+#include "moeflex/model/memory_plan.h"
+#include "moeflex/provision/cost_model.h"
+
+namespace moeflex {
+
+/// The shape of one layer's work on one rank.
+struct LayerWork {
+  std::int64_t B = 1;        ///< sequences per micro-batch
+  std::int64_t S = 1;        ///< tokens per sequence
+  MoERows rows;              ///< expert rows of this rank (MoE layers only)
+  int ep = 1;                ///< expert-parallel group size (> 1: all-to-alls)
+  int tp = 1;                ///< tensor-parallel size (1 in the engine)
+  bool split_backward = false;  ///< zero-bubble schedules: W deferred, dx copied
+  Bytes element_bytes = kActivationBytes;  ///< bytes per element on the wire (fp32 engine; 2 for bf16)
+};
+
+/// Times of one layer (or the head) on one rank.
+struct LayerCost {
+  Seconds forward = 0;          ///< F, compute only
+  Seconds backward_input = 0;   ///< B (input gradient and the norms' weight gradients)
+  Seconds backward_weight = 0;  ///< W (the weight-gradient GEMMs)
+  /// Bytes this rank sends and receives in one all-to-all of dispatch (the
+  /// backward's combine moves the same), excluding what stays on the rank;
+  /// 0 without EP. A layer runs 2 all-to-alls in forward and 2 in backward.
+  Bytes a2a_send_bytes = 0;
+  Bytes a2a_recv_bytes = 0;
+  /// Bytes of one TP all-gather / reduce-scatter of the [n, d] sequence-parallel
+  /// activation (the full tensor's bytes); each of forward and backward runs 2
+  /// all-gathers and 2 reduce-scatters per layer (4 with a dense MLP too counts
+  /// the same: one pair per block). 0 when tp == 1.
+  Bytes tp_collective_bytes = 0;
+  /// Seconds of rebuilding each saved activation from its lineage, by the
+  /// activation's stash name (as layer_activations() names them), assuming its
+  /// inputs are on the device.
+  std::vector<std::pair<std::string, Seconds>> recompute;
+
+  Seconds backward() const { return backward_input + backward_weight; }
+  /// The recompute time of `name`; 0 for a name without a lineage (or unknown).
+  Seconds recompute_seconds(const std::string& name) const;
+};
+
+/// Rows per local expert when `rows` spread evenly over `experts` groups (the
+/// remainder on the first groups): the grouped GEMMs' group sizes.
+std::vector<std::int64_t> even_groups(std::int64_t rows, std::int64_t experts);
+
+/// Layer `layer` of `cfg` (dense or MoE as cfg.is_moe_layer says).
+LayerCost layer_cost(const CostModel& cost, const ModelConfig& cfg, int layer, const LayerWork& work);
+
+/// The final norm, LM head and cross entropy (a stage holding the head).
+LayerCost head_cost(const CostModel& cost, const ModelConfig& cfg, const LayerWork& work);
+
+/// The embedding lookup (forward) and its gradient scatter (W).
+LayerCost embedding_cost(const CostModel& cost, const ModelConfig& cfg, const LayerWork& work);
+
+/// Forward FLOPs of one layer for n tokens as the engine computes them (GEMMs of
+/// the projections, the full S x S attention, top-k experts and the shared expert;
+/// elementwise work not counted). A training step costs 3x (forward + 2x backward).
+double layer_forward_flops(const ModelConfig& cfg, int layer, std::int64_t B, std::int64_t S);
+/// Forward FLOPs of the LM head for B x S tokens.
+double head_forward_flops(const ModelConfig& cfg, std::int64_t B, std::int64_t S);
+
+}  // namespace moeflex

@@ -1,0 +1,216 @@
+// Enumerate, prune, simulate, rank (see search.h).
+#include "moeflex/search/search.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+
+#include "moeflex/comm/layout.h"
+#include "moeflex/core/error.h"
+
+namespace moeflex::search {
+
+namespace {
+
+using nlohmann::json;
+
+std::vector<int> divisors(int n) {
+  std::vector<int> v;
+  for (int i = 1; i <= n; ++i)
+    if (n % i == 0) v.push_back(i);
+  return v;
+}
+
+/// Expected effective TGS of a static policy whose spike does not fit: each
+/// spiking iteration costs a restart and, on average, half a checkpoint interval.
+double expected_effective(double tgs, Seconds step, double p_oom, const SearchOptions& o) {
+  const Seconds loss = p_oom * (o.restart_seconds + step * (0.5 * o.checkpoint_interval + 1));
+  return tgs * step / (step + loss);
+}
+
+}  // namespace
+
+json Candidate::to_json() const {
+  return {{"parallel", parallel.str()},       {"schedule", schedule},
+          {"policy", policy},                 {"micro_batch_size", micro_batch_size},
+          {"num_microbatches", num_microbatches}, {"step_time_s", step_time},
+          {"tgs", tgs},                       {"effective_tgs", effective_tgs},
+          {"mfu", mfu},                       {"bubble_fraction", bubble},
+          {"peak_bytes", peak_bytes},         {"spike_peak_bytes", spike_peak_bytes},
+          {"oom_probability", oom_probability}};
+}
+
+SearchResult search(const SearchOptions& o) {
+  const auto t0 = std::chrono::steady_clock::now();
+  SearchResult res;
+  const ModelConfig& cfg = o.model;
+  const int L = int(cfg.num_hidden_layers), E = int(cfg.num_experts);
+  const std::int64_t G = o.global_batch > 0 ? o.global_batch : 2 * std::int64_t(o.gpus);
+  const Bytes limit = o.cluster.usable_memory();
+  std::vector<Candidate> timed;
+  Bytes smallest_persistent = -1;
+  auto cache = std::make_shared<sim::SimCache>(o.cluster.profile);
+  sim::LoadModel calm = o.loads;
+  calm.constant = std::max(1.0, o.loads.calm_max);  // score at the top of the calm range
+  for (int tp : o.tps) {
+    if (o.gpus % tp != 0) continue;
+    for (int pp : divisors(o.gpus / tp)) {
+      if (pp > L) continue;
+      const int dp = o.gpus / (tp * pp);
+      for (int ep : divisors(dp)) {
+        for (const auto& sched : o.schedules) {
+          std::vector<int> vpps = {1};
+          if (sched == "interleaved") vpps = o.vpps;
+          for (int vpp : vpps) {
+            for (int mbs : o.micro_batch_sizes) {
+              for (const auto& pol : o.policies) {
+                ++res.enumerated;
+                Candidate c;
+                c.parallel = {tp, pp, vpp, ep, dp};
+                c.schedule = sched;
+                c.policy = pol;
+                c.micro_batch_size = mbs;
+                // 1. arithmetic rules
+                const std::int64_t per = std::int64_t(dp) * mbs;
+                const bool dualv = sched == "dualpipev";
+                const int stages = pp * (dualv ? 2 : vpp);
+                bool ok = G % per == 0 && E % ep == 0 && cfg.num_attention_heads % tp == 0 &&
+                          tp <= o.cluster.gpus_per_node && (mbs * o.seq_len) % tp == 0 && stages <= L &&
+                          !(pp == 1 && (sched != "1f1b" || vpp != 1));  // one schedule suffices without a pipeline
+                const int m = ok ? int(G / per) : 0;
+                if (ok && sched == "interleaved") ok = m % pp == 0 && pp > 1;
+                if (ok && dualv) ok = m >= 2 * pp;
+                if (ok && m > 4096) ok = false;
+                if (!ok) {
+                  ++res.invalid;
+                  continue;
+                }
+                c.num_microbatches = m;
+                sim::SimOptions so;
+                so.model = cfg;
+                so.cluster = o.cluster;
+                so.parallel = c.parallel;
+                so.schedule = sched;
+                so.policy = pol;
+                so.micro_batch_size = mbs;
+                so.seq_len = o.seq_len;
+                so.global_batch = G;
+                so.loads = calm;
+                so.walk_memory = false;
+                so.overlap_pair_comm = o.cluster.element_bytes < 4;
+                so.cache = cache;
+                // 2. memory lower bound: the persistent bytes alone
+                Bytes persist = 0;
+                try {
+                  persist = sim::max_persistent_bytes(so);
+                } catch (const ConfigError&) {
+                  ++res.invalid;
+                  continue;
+                }
+                if (smallest_persistent < 0 || persist < smallest_persistent) smallest_persistent = persist;
+                if (persist > limit) {
+                  ++res.no_fit;
+                  continue;
+                }
+                // 3. times at the calm load, no walks
+                const sim::SimReport r = sim::simulate(so);
+                ++res.timed;
+                c.step_time = r.step_time;
+                c.tgs = c.effective_tgs = r.tgs;
+                c.mfu = r.mfu;
+                c.bubble = r.bubble_fraction;
+                c.peak_bytes = persist;
+                timed.push_back(c);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  // 4. memory walks in order of the bound, branch and bound on the objective.
+  const bool by_memory = o.objective == "memory";
+  if (!by_memory && o.objective != "tgs")
+    throw ConfigError(fmt::format("--objective '{}': expected tgs or memory", o.objective));
+  std::sort(timed.begin(), timed.end(), [&](const Candidate& a, const Candidate& b) {
+    return by_memory ? a.peak_bytes < b.peak_bytes : a.tgs > b.tgs;
+  });
+  std::vector<Candidate> best;
+  auto worst_kept = [&]() { return best.size() < std::size_t(o.top) ? -1.0 : by_memory ? -double(best.back().peak_bytes) : best.back().effective_tgs; };
+  const double spike = o.loads.max_ratio();
+  for (Candidate& c : timed) {
+    const double bound = by_memory ? -double(c.peak_bytes) : c.tgs;
+    if (best.size() >= std::size_t(o.top) && bound <= worst_kept()) break;
+    sim::SimOptions so;
+    so.model = cfg;
+    so.cluster = o.cluster;
+    so.parallel = c.parallel;
+    so.schedule = c.schedule;
+    so.policy = c.policy;
+    so.micro_batch_size = c.micro_batch_size;
+    so.seq_len = o.seq_len;
+    so.global_batch = G;
+    so.loads = calm;
+    so.spike_check = spike;
+    so.cache = cache;
+    so.overlap_pair_comm = o.cluster.element_bytes < 4;
+    const sim::SimReport r = sim::simulate(so);
+    ++res.walked;
+    if (r.peak_bytes > limit) {
+      ++res.no_fit;
+      continue;
+    }
+    c.walked = true;
+    c.step_time = r.step_time;
+    c.tgs = r.tgs;
+    c.mfu = r.mfu;
+    c.peak_bytes = r.peak_bytes;
+    c.spike_peak_bytes = r.spike_peak_bytes;
+    c.oom_probability = r.spike_peak_bytes > limit ? o.loads.probability_above(o.loads.calm_max) : 0.0;
+    c.effective_tgs = expected_effective(c.tgs, c.step_time, c.oom_probability, o);
+    best.push_back(c);
+    std::sort(best.begin(), best.end(), [&](const Candidate& a, const Candidate& b) {
+      return by_memory ? a.peak_bytes < b.peak_bytes : a.effective_tgs > b.effective_tgs;
+    });
+    if (best.size() > std::size_t(o.top)) best.pop_back();
+  }
+  if (best.empty())
+    throw ConfigError(fmt::format("no layout of {} for {} on {} GPUs fits {:.2f} GiB per device (smallest persistent "
+                                  "footprint seen: {:.2f} GiB; {} combinations, {} invalid)",
+                                  o.cluster.name, cfg.num_params(), o.gpus, double(limit) / double(kGiB),
+                                  double(smallest_persistent) / double(kGiB), res.enumerated, res.invalid));
+  res.top = std::move(best);
+  res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return res;
+}
+
+json SearchResult::to_json(const SearchOptions& o) const {
+  json top_j = json::array();
+  for (const auto& c : top) top_j.push_back(c.to_json());
+  return {{"model_params", o.model.num_params()}, {"cluster", o.cluster.name}, {"gpus", o.gpus},
+          {"objective", o.objective},          {"seq_len", o.seq_len},       {"enumerated", enumerated},
+          {"invalid", invalid},                {"no_fit", no_fit},           {"timed", timed},
+          {"walked", walked},                  {"seconds", seconds},         {"loads", o.loads.describe()},
+          {"top", top_j}};
+}
+
+std::string SearchResult::format(const SearchOptions& o) const {
+  std::string s = fmt::format(
+      "{:.1f} B-parameter model on {} x {}: {} combinations, {} invalid, {} do not fit, {} timed, {} walked, "
+      "{:.1f} s\n\n",
+      o.model.num_params() / 1e9, o.gpus, o.cluster.name, enumerated, invalid, no_fit, timed, walked, seconds);
+  s += fmt::format("{:>3} {:<30} {:<12} {:<10} {:>3} {:>4} {:>9} {:>9} {:>6} {:>7} {:>9} {:>9} {:>6}\n", "#",
+                   "layout", "schedule", "policy", "mbs", "m", "TGS", "eff. TGS", "MFU", "bubble", "peak GiB",
+                   "spike GiB", "P(oom)");
+  int i = 0;
+  for (const auto& c : top)
+    s += fmt::format("{:>3} {:<30} {:<12} {:<10} {:>3} {:>4} {:>9.1f} {:>9.1f} {:>5.1f}% {:>6.1f}% {:>9.2f} {:>9.2f} {:>6.3f}\n",
+                     ++i, c.parallel.str(), c.schedule, c.policy, c.micro_batch_size, c.num_microbatches, c.tgs,
+                     c.effective_tgs, 100 * c.mfu, 100 * c.bubble, double(c.peak_bytes) / double(kGiB),
+                     double(c.spike_peak_bytes) / double(kGiB), c.oom_probability);
+  return s;
+}
+
+}  // namespace moeflex::search

@@ -1,0 +1,82 @@
+// Auto search (MXMACA's "Auto Search", BACKGROUND.md): enumerate TP x PP x VPP x
+// EP x DP x micro-batch size x schedule x provisioning policy for a model on N
+// GPUs, drop what does not validate or fit, score the rest with the simulator
+// (sim/), and return the best.
+//
+// Pruning, cheapest first:
+// 1. arithmetic: tp | heads and tp <= GPUs per node, pp x vpp stages of layers
+//    (padded), ep | dp and ep | experts, the global batch splits into micro-batches
+//    the schedule accepts (interleaved: m % pp == 0; dualpipev: m >= 2 pp);
+// 2. memory lower bound: the persistent bytes of the most loaded pipeline rank
+//    (weights, gradients, optimizer state) must fit;
+// 3. times only (no memory walk) at the calm load give each candidate's TGS, an
+//    upper bound of what it scores after its memory is known;
+// 4. candidates are then walked (MemoryWalk, calm loads plus a spike on one
+//    micro-batch) in descending TGS order until no remaining upper bound can
+//    enter the top K (branch and bound). A static policy whose spike does not fit
+//    pays the expected OOM cost; a layout whose calm load does not fit is dropped.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "moeflex/model/config.h"
+#include "moeflex/sim/simulator.h"
+
+namespace moeflex::search {
+
+struct SearchOptions {
+  ModelConfig model;
+  sim::ClusterSpec cluster;
+  int gpus = 8;
+  int top = 10;
+  std::string objective = "tgs";          ///< "tgs" (effective TGS, highest first) or "memory" (peak, lowest first)
+  std::int64_t seq_len = 4096;
+  std::int64_t global_batch = 0;          ///< sequences per iteration; 0: 2 x gpus
+  std::vector<int> micro_batch_sizes = {1, 2, 4};
+  std::vector<int> tps = {1, 2, 4, 8};
+  std::vector<int> vpps = {2, 4};         ///< for the interleaved schedule
+  std::vector<std::string> schedules = {"gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev"};
+  std::vector<std::string> policies = {"none", "selective", "moe-full", "full", "adaptive"};
+  sim::LoadModel loads;                   ///< spike ratio and probability for the OOM risk
+  Seconds restart_seconds = 284;
+  int checkpoint_interval = 50;
+};
+
+/// One scored layout.
+struct Candidate {
+  sim::ParallelSpec parallel;
+  std::string schedule, policy;
+  int micro_batch_size = 1;
+  int num_microbatches = 0;
+  Seconds step_time = 0;
+  double tgs = 0;            ///< at the calm load, no restarts
+  double effective_tgs = 0;  ///< with the expected OOM cost of spikes
+  double mfu = 0;
+  double bubble = 0;
+  Bytes peak_bytes = 0;      ///< calm load
+  Bytes spike_peak_bytes = 0;
+  double oom_probability = 0;  ///< per iteration
+  bool walked = false;       ///< memory known (else only its lower bound)
+  nlohmann::json to_json() const;
+};
+
+struct SearchResult {
+  std::vector<Candidate> top;
+  std::int64_t enumerated = 0;    ///< combinations looked at
+  std::int64_t invalid = 0;       ///< dropped by the layout and schedule rules
+  std::int64_t no_fit = 0;        ///< dropped by memory (lower bound or walk)
+  std::int64_t timed = 0;         ///< simulated for time
+  std::int64_t walked = 0;        ///< simulated with memory walks
+  Seconds seconds = 0;
+  nlohmann::json to_json(const SearchOptions& o) const;
+  std::string format(const SearchOptions& o) const;
+};
+
+/// Runs the search. Throws ConfigError when nothing fits (naming the smallest
+/// persistent footprint seen against the memory).
+SearchResult search(const SearchOptions& o);
+
+}  // namespace moeflex::search

@@ -1,0 +1,204 @@
+// Cluster descriptions and collective times (see cluster.h).
+#include "moeflex/sim/cluster.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+
+#include "moeflex/core/error.h"
+
+namespace moeflex::sim {
+
+namespace {
+
+using nlohmann::json;
+
+double number(const json& j, const char* key, const std::string& source, double fallback, bool required) {
+  if (!j.contains(key)) {
+    if (required) throw DataError(fmt::format("{}: missing field '{}'", source, key));
+    return fallback;
+  }
+  if (!j[key].is_number()) throw DataError(fmt::format("{}: field '{}' must be a number", source, key));
+  const double v = j[key].get<double>();
+  if (!std::isfinite(v) || v < 0) throw DataError(fmt::format("{}: field '{}' must be a finite non-negative number (got {})", source, key, v));
+  return v;
+}
+
+Link read_link(const json& j, const char* key, const std::string& source) {
+  if (!j.contains(key) || !j[key].is_object()) throw DataError(fmt::format("{}: missing object '{}'", source, key));
+  const std::string s = fmt::format("{}: {}", source, key);
+  Link l{number(j[key], "latency_s", s, 0, true), number(j[key], "bandwidth_Bps", s, 0, true)};
+  if (l.bandwidth <= 0) throw DataError(fmt::format("{}: bandwidth_Bps must be positive", s));
+  return l;
+}
+
+/// The link a group's ring or all-to-all is bound by.
+const Link& slowest(const ClusterSpec& c, const GroupPlacement& g) {
+  return g.ranks_per_node < g.size ? c.inter_node : c.intra_node;
+}
+
+}  // namespace
+
+HardwareProfile derive_profile(const std::string& name, const DeviceRates& r, Bytes element_bytes) {
+  if (r.peak_flops <= 0 || r.memory_bandwidth <= 0 || r.host_link.bandwidth <= 0)
+    throw DataError(fmt::format("device '{}': peak_flops, memory_bandwidth and host_link bandwidth must be positive", name));
+  HardwareProfile p;
+  p.name = fmt::format("{} (derived from peak rates: GEMM {:.0f}% of {:.0f} TFLOP/s, memory {:.0f}% of {:.0f} GB/s)",
+                       name, 100 * r.gemm_efficiency, r.peak_flops / 1e12, 100 * r.memory_efficiency,
+                       r.memory_bandwidth / 1e9);
+  p.threads = 1;
+  for (std::int64_t M = 64; M <= 65536; M *= 4)
+    for (std::int64_t N = 64; N <= 65536; N *= 4)
+      for (std::int64_t K = 64; K <= 65536; K *= 4) {
+        const double F = 2.0 * double(M) * double(N) * double(K);
+        p.gemm.push_back({M, N, K, r.peak_flops * r.gemm_efficiency * F / (F + r.gemm_half_flops)});
+      }
+  // The cost model counts fp32 bytes; a pass over bf16 data moves half of them.
+  const double scale = double(kActivationBytes) / double(element_bytes);
+  p.memory_bandwidth = r.memory_bandwidth * r.memory_efficiency * scale;
+  p.launch_overhead = r.launch_overhead;
+  p.h2d_bandwidth = p.d2h_bandwidth = r.host_link.bandwidth * scale;
+  p.copy_latency = r.host_link.latency;
+  return p;
+}
+
+ClusterSpec ClusterSpec::from_json(const json& j, const std::string& source, const std::filesystem::path& base_dir) {
+  if (!j.is_object()) throw DataError(fmt::format("{}: a cluster description must be a JSON object", source));
+  ClusterSpec c;
+  c.name = j.value("name", std::string("unnamed"));
+  c.description = j.value("description", std::string());
+  c.gpus_per_node = int(number(j, "gpus_per_node", source, 1, true));
+  if (c.gpus_per_node < 1) throw DataError(fmt::format("{}: gpus_per_node must be at least 1", source));
+  c.device_memory = Bytes(number(j, "device_memory_bytes", source, 0, true));
+  c.reserved_memory = Bytes(number(j, "reserved_memory_bytes", source, 0, false));
+  if (c.usable_memory() <= 0)
+    throw DataError(fmt::format("{}: device_memory_bytes {} leaves nothing after reserved_memory_bytes {}", source,
+                                c.device_memory, c.reserved_memory));
+  c.intra_node = read_link(j, "intra_node", source);
+  c.inter_node = read_link(j, "inter_node", source);
+  c.element_bytes = Bytes(number(j, "element_bytes", source, 4, false));
+  if (c.element_bytes != 2 && c.element_bytes != 4)
+    throw DataError(fmt::format("{}: element_bytes must be 2 or 4 (got {})", source, c.element_bytes));
+  c.param_bytes = number(j, "param_bytes", source, 8, false);
+  c.optimizer_bytes = number(j, "optimizer_bytes", source, 8, false);
+  c.optimizer_sharded = j.value("optimizer_sharded", false);
+  c.flash_attention = j.value("flash_attention", false);
+  c.host_cores = int(number(j, "host_cores", source, 0, false));
+  if (j.contains("profile")) {
+    const std::filesystem::path p = base_dir / j["profile"].get<std::string>();
+    c.profile = HardwareProfile::load(p);
+    c.peak_flops = number(j, "peak_flops", source, 0, false);
+    if (c.peak_flops <= 0) {  // a CPU: its best measured GEMM rate stands for the peak
+      for (const auto& g : c.profile.gemm) c.peak_flops = std::max(c.peak_flops, g.rate);
+    }
+  } else if (j.contains("device") && j["device"].is_object()) {
+    const json& d = j["device"];
+    const std::string s = source + ": device";
+    DeviceRates r;
+    r.peak_flops = number(d, "peak_flops", s, 0, true);
+    r.gemm_efficiency = number(d, "gemm_efficiency", s, r.gemm_efficiency, false);
+    r.gemm_half_flops = number(d, "gemm_half_flops", s, r.gemm_half_flops, false);
+    r.memory_bandwidth = number(d, "memory_bandwidth_Bps", s, 0, true);
+    r.memory_efficiency = number(d, "memory_efficiency", s, r.memory_efficiency, false);
+    r.launch_overhead = number(d, "launch_overhead_s", s, r.launch_overhead, false);
+    r.host_link = read_link(d, "host_link", s);
+    if (r.gemm_efficiency <= 0 || r.gemm_efficiency > 1 || r.memory_efficiency <= 0 || r.memory_efficiency > 1)
+      throw DataError(fmt::format("{}: efficiencies must be in (0, 1]", s));
+    c.profile = derive_profile(c.name, r, c.element_bytes);
+    c.peak_flops = r.peak_flops;
+  } else {
+    throw DataError(fmt::format("{}: needs either \"profile\" (a calibrated hardware profile) or \"device\" (peak rates)", source));
+  }
+  return c;
+}
+
+json ClusterSpec::to_json() const {
+  return {{"name", name},
+          {"description", description},
+          {"gpus_per_node", gpus_per_node},
+          {"device_memory_bytes", device_memory},
+          {"reserved_memory_bytes", reserved_memory},
+          {"element_bytes", element_bytes},
+          {"param_bytes", param_bytes},
+          {"optimizer_bytes", optimizer_bytes},
+          {"optimizer_sharded", optimizer_sharded},
+          {"flash_attention", flash_attention},
+          {"host_cores", host_cores},
+          {"peak_flops", peak_flops},
+          {"intra_node", {{"latency_s", intra_node.latency}, {"bandwidth_Bps", intra_node.bandwidth}}},
+          {"inter_node", {{"latency_s", inter_node.latency}, {"bandwidth_Bps", inter_node.bandwidth}}},
+          {"profile_name", profile.name}};
+}
+
+ClusterSpec load_cluster(const std::string& name_or_path, const std::filesystem::path& root) {
+  namespace fs = std::filesystem;
+  fs::path path = name_or_path;
+  const fs::path preset = root / "configs" / "clusters" / (name_or_path + ".json");
+  if (!fs::exists(path) || fs::is_directory(path)) {
+    if (!fs::exists(preset)) {
+      std::string known;
+      if (fs::exists(root / "configs" / "clusters"))
+        for (const auto& e : fs::directory_iterator(root / "configs" / "clusters"))
+          if (e.path().extension() == ".json") known += (known.empty() ? "" : ", ") + e.path().stem().string();
+      throw ConfigError(fmt::format("cluster '{}' is neither a file nor a preset (known presets: {})", name_or_path,
+                                    known.empty() ? "none found under " + (root / "configs/clusters").string() : known));
+    }
+    path = preset;
+  }
+  std::ifstream in(path);
+  if (!in) throw DataError(fmt::format("{}: cannot read", path.string()));
+  json j;
+  try {
+    j = json::parse(in);
+  } catch (const json::exception& e) {
+    throw DataError(fmt::format("{}: not valid JSON ({})", path.string(), e.what()));
+  }
+  // A calibrated profile's path is relative to the repository root (where
+  // `moeflex calibrate` writes it), other paths to the file's folder.
+  const fs::path base = j.contains("profile") ? root : path.parent_path();
+  if (j.contains("profile") && !fs::exists(base / j["profile"].get<std::string>()))
+    throw DataError(fmt::format("{}: profile {} does not exist; run `moeflex calibrate` first", path.string(),
+                                (base / j["profile"].get<std::string>()).string()));
+  return ClusterSpec::from_json(j, path.string(), base);
+}
+
+GroupPlacement place_group(int size, int stride, int gpus_per_node) {
+  GroupPlacement g;
+  g.size = std::max(size, 1);
+  if (stride >= gpus_per_node) g.ranks_per_node = 1;
+  else g.ranks_per_node = std::max(1, std::min(g.size, gpus_per_node / std::max(stride, 1)));
+  return g;
+}
+
+Seconds all_reduce_time(const ClusterSpec& c, const GroupPlacement& g, Bytes bytes) {
+  if (g.size <= 1 || bytes <= 0) return 0;
+  const Link& l = slowest(c, g);
+  const double n = g.size;
+  return 2 * (n - 1) * l.latency + 2 * (n - 1) / n * double(bytes) / l.bandwidth;
+}
+
+Seconds all_gather_time(const ClusterSpec& c, const GroupPlacement& g, Bytes bytes) {
+  if (g.size <= 1 || bytes <= 0) return 0;
+  const Link& l = slowest(c, g);
+  const double n = g.size;
+  return (n - 1) * l.latency + (n - 1) / n * double(bytes) / l.bandwidth;
+}
+
+Seconds all_to_all_time(const ClusterSpec& c, const GroupPlacement& g, Bytes send_bytes, Bytes recv_bytes) {
+  if (g.size <= 1) return 0;
+  const double b = double(std::max(send_bytes, recv_bytes));
+  const double n = g.size, rpn = g.ranks_per_node;
+  const double intra = b * (rpn - 1) / (n - 1) / c.intra_node.bandwidth;
+  const double inter = b * (n - rpn) / (n - 1) / c.inter_node.bandwidth;
+  const Seconds alpha = rpn < n ? c.inter_node.latency : c.intra_node.latency;
+  return alpha + std::max(intra, inter);
+}
+
+Seconds p2p_time(const ClusterSpec& c, bool same_node, Bytes bytes) {
+  const Link& l = same_node ? c.intra_node : c.inter_node;
+  return l.latency + double(std::max<Bytes>(bytes, 0)) / l.bandwidth;
+}
+
+}  // namespace moeflex::sim

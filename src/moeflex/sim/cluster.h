@@ -1,0 +1,140 @@
+// A cluster for the simulator: one kind of device, grouped into nodes, with a
+// two-level network (NVLink-class inside a node, InfiniBand/RoCE-class between
+// nodes), and the closed forms of the collectives moeflex runs over it.
+//
+// Devices are described by their public peak rates and an efficiency, from which a
+// HardwareProfile (the engine's cost-model input) is derived, since nothing can be
+// calibrated on such a device here (docs/simulator.md). The preset `this-machine`
+// instead wraps the profile `moeflex calibrate` measured (data/hardware/).
+//
+// Collective times use the alpha-beta model (Hockney 1994): a message of b bytes
+// over a link costs alpha + b / beta.
+#pragma once
+#include <cstdint>
+#include <filesystem>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "moeflex/core/units.h"
+#include "moeflex/provision/cost_model.h"
+
+namespace moeflex::sim {
+
+/// One link class: latency and bandwidth per GPU and direction.
+struct Link {
+  Seconds latency = 0;           ///< alpha: fixed cost of one message
+  BytesPerSecond bandwidth = 0;  ///< beta: bytes per second one GPU sends (and receives) at once
+};
+
+/// A cluster of identical devices. Read from JSON (configs/clusters/*.json).
+struct ClusterSpec {
+  std::string name;
+  std::string description;
+  int gpus_per_node = 8;             ///< devices sharing the intra-node link class
+  Bytes device_memory = 0;           ///< bytes of device memory per device
+  /// Bytes the framework and its libraries hold beyond moeflex's arena (CUDA
+  /// context, NCCL buffers, allocator slack); subtracted from device_memory.
+  Bytes reserved_memory = 0;
+  Link intra_node;                   ///< NVLink-class
+  Link inter_node;                   ///< InfiniBand/RoCE-class, per GPU (one NIC each)
+  /// Bytes per element on the wire and of activations in memory (2 for bf16
+  /// training; 4 for the fp32 engine). Activation sizes from MemoryWalk (fp32)
+  /// scale by element_bytes / 4.
+  Bytes element_bytes = 4;
+  /// Bytes per parameter held by every rank that holds it: weights and gradients
+  /// (fp32 engine: 4 + 4; bf16 mixed precision: 2 + 4 with fp32 main grads).
+  double param_bytes = 8;
+  /// Bytes per parameter of optimizer state (AdamW m and v: 8; plus an fp32
+  /// master copy in mixed precision: 12), divided by the data-parallel group
+  /// when optimizer_sharded (Megatron's distributed optimizer, ZeRO-1).
+  double optimizer_bytes = 8;
+  bool optimizer_sharded = false;
+  /// The framework's attention is a fused (flash) kernel: the [B, H, S, S]
+  /// probabilities are never kept for backward but recomputed inside it. The
+  /// simulator then treats attn.probs as recomputed under every policy (its
+  /// transient forward allocation still counts, an overestimate of one layer's).
+  bool flash_attention = false;
+  /// > 0: the "devices" are processes sharing this many host cores (this-machine
+  /// under mpirun --oversubscribe); with more ranks than cores every compute time
+  /// stretches by ranks / cores (Open MPI's waiting ranks spin, so they compete too).
+  int host_cores = 0;
+  /// Peak dense FLOP/s of one device at element_bytes precision; for MFU.
+  FlopsPerSecond peak_flops = 0;
+  /// The device's cost model input: derived from the fields below for GPU
+  /// presets, or the calibrated profile for this-machine.
+  HardwareProfile profile;
+
+  /// Bytes usable by one rank: device_memory - reserved_memory.
+  Bytes usable_memory() const { return device_memory - reserved_memory; }
+
+  /// Parses and checks a cluster description; `source` starts every error
+  /// (DataError naming the field). Either "profile" (a path to a calibrated
+  /// HardwareProfile, relative to `base_dir`) or "device" (peak rates, see
+  /// derive_profile) gives the cost model.
+  static ClusterSpec from_json(const nlohmann::json& j, const std::string& source,
+                               const std::filesystem::path& base_dir = ".");
+  nlohmann::json to_json() const;
+};
+
+/// Rates of a device from its data sheet, and how much of them a kernel gets.
+struct DeviceRates {
+  FlopsPerSecond peak_flops = 0;          ///< dense peak at the training precision
+  double gemm_efficiency = 0.7;           ///< fraction of peak a large GEMM reaches
+  /// A GEMM of F FLOPs reaches gemm_efficiency * F / (F + gemm_half_flops) of peak:
+  /// small GEMMs are latency-bound (half the large-GEMM rate at F = gemm_half_flops).
+  double gemm_half_flops = 2e9;
+  BytesPerSecond memory_bandwidth = 0;    ///< HBM peak
+  double memory_efficiency = 0.8;         ///< fraction of it an elementwise kernel reaches
+  Seconds launch_overhead = 5e-6;         ///< per kernel
+  Link host_link;                         ///< PCIe-class host <-> device copies
+};
+
+/// A HardwareProfile with GEMM samples on a grid of shapes (M, N, K in 64..32768,
+/// powers of 4) at the rates DeviceRates gives, elementwise work at
+/// memory_bandwidth * memory_efficiency, and copies over the host link.
+/// All FLOP/s here are per element of `element_bytes` precision: the cost model
+/// works in fp32 bytes (kActivationBytes), so bandwidths are scaled by
+/// 4 / element_bytes to keep a bf16 elementwise pass at its real speed.
+HardwareProfile derive_profile(const std::string& name, const DeviceRates& rates, Bytes element_bytes);
+
+/// Loads a cluster by preset name (configs/clusters/<name>.json, searched under
+/// `preset_dir`) or by file path. `this-machine` without a file wraps
+/// data/hardware/this-machine.json (under `root`). Throws DataError / ConfigError
+/// naming the preset or file and the known presets.
+ClusterSpec load_cluster(const std::string& name_or_path, const std::filesystem::path& root);
+
+/// Where a group of ranks lives: how many ranks, and how many share a node.
+struct GroupPlacement {
+  int size = 1;            ///< ranks in the collective
+  int ranks_per_node = 1;  ///< of them, on one node (1..size); size when the group fits a node
+};
+
+/// Placement of a group whose consecutive members are `stride` ranks apart in a
+/// world laid out node by node (gpus_per_node consecutive ranks per node).
+GroupPlacement place_group(int size, int stride, int gpus_per_node);
+
+/// Ring all-reduce of `bytes` per rank (Patarasuk & Yuan 2009; NCCL's "bus
+/// bandwidth" in nccl-tests/doc/PERFORMANCE.md): 2(n-1) steps, each moving
+/// bytes/n over the slowest link of the ring: 2(n-1) alpha + 2(n-1)/n bytes / beta.
+/// The ring crosses nodes when the group does, so beta is the inter-node link then.
+Seconds all_reduce_time(const ClusterSpec& c, const GroupPlacement& g, Bytes bytes);
+
+/// Ring all-gather or reduce-scatter whose full result is `bytes` per rank:
+/// (n-1) alpha + (n-1)/n bytes / beta (half an all-reduce).
+Seconds all_gather_time(const ClusterSpec& c, const GroupPlacement& g, Bytes bytes);
+
+/// Pairwise all-to-all (every rank sends to every other; NCCL runs n-1 send/recv
+/// pairs at once): a rank sends `send_bytes` and receives `recv_bytes` in total
+/// (what stays on the rank excluded), spread evenly over the other n-1 ranks. The
+/// share to ranks on other nodes, (n - ranks_per_node)/(n-1), goes over the
+/// inter-node link, the rest over NVLink, both at once; the slower side and the
+/// larger of send and receive decide: alpha + max(intra, inter) where
+/// intra = b (rpn-1)/(n-1) / beta_intra and inter = b (n-rpn)/(n-1) / beta_inter.
+Seconds all_to_all_time(const ClusterSpec& c, const GroupPlacement& g, Bytes send_bytes, Bytes recv_bytes);
+
+/// One point-to-point message between neighbouring pipeline stages:
+/// alpha + bytes / beta over the intra- or inter-node link.
+Seconds p2p_time(const ClusterSpec& c, bool same_node, Bytes bytes);
+
+}  // namespace moeflex::sim

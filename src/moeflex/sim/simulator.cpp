@@ -1,0 +1,798 @@
+// The discrete-event simulator (see simulator.h).
+#include "moeflex/sim/simulator.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <numeric>
+#include <sstream>
+
+#include "moeflex/comm/layout.h"
+#include "moeflex/core/arena.h"
+#include "moeflex/core/error.h"
+#include "moeflex/model/layer_cost.h"
+#include "moeflex/model/memory_plan.h"
+#include "moeflex/provision/policies.h"
+#include "moeflex/schedule/generators.h"
+
+namespace moeflex::sim {
+
+namespace {
+
+using nlohmann::json;
+
+/// Bytes of one tensor of `numel` elements at `bytes_per_element` (fractional for
+/// sharded optimizer state), rounded as the arena rounds every allocation.
+Bytes tensor_bytes(double numel, double bytes_per_element) {
+  return Arena::round_up(Bytes(std::ceil(numel * bytes_per_element)));
+}
+
+/// A global stage's model content.
+struct StageInfo {
+  int first_layer = 0, last_layer = 0;  ///< real layers [first, last) (padding dropped)
+  bool embedding = false, head = false;
+};
+
+/// What recomputes under a provisioning level or static policy.
+bool recomputes(const std::string& policy, const ActivationSpec& a, double ratio) {
+  if (!a.recomputable || policy == "none") return false;
+  if (policy.rfind("threshold", 0) == 0) {
+    const double r = policy == "threshold" ? 1.2 : std::stod(policy.substr(10));
+    return ratio > r && static_policy_recomputes("moe-full", a.name);
+  }
+  return static_policy_recomputes(policy, a.name);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Options
+
+ParallelSpec ParallelSpec::parse(const std::string& s) {
+  ParallelSpec p;
+  std::stringstream ss(s);
+  std::string part;
+  while (std::getline(ss, part, ',')) {
+    if (part.empty()) continue;
+    const auto eq = part.find('=');
+    int v = 0;
+    try {
+      if (eq == std::string::npos) throw std::invalid_argument("no =");
+      v = std::stoi(part.substr(eq + 1));
+    } catch (const std::exception&) {
+      throw ConfigError(fmt::format("--parallel '{}': expected key=integer in '{}'", s, part));
+    }
+    const std::string k = part.substr(0, eq);
+    if (v < 1) throw ConfigError(fmt::format("--parallel '{}': {} must be at least 1 (got {})", s, k, v));
+    if (k == "tp") p.tp = v;
+    else if (k == "pp") p.pp = v;
+    else if (k == "vpp") p.vpp = v;
+    else if (k == "ep") p.ep = v;
+    else if (k == "dp") p.dp = v;
+    else throw ConfigError(fmt::format("--parallel '{}': unknown key '{}' (tp, pp, vpp, ep, dp)", s, k));
+  }
+  return p;
+}
+
+std::string ParallelSpec::str() const { return fmt::format("tp={},pp={},vpp={},ep={},dp={}", tp, pp, vpp, ep, dp); }
+
+const std::vector<std::string>& adaptive_levels() {
+  static const std::vector<std::string> v = {"none", "moe-light", "moe-medium", "moe-full", "full"};
+  return v;
+}
+
+int SimOptions::num_microbatches() const {
+  const std::int64_t per = std::int64_t(parallel.dp) * micro_batch_size;
+  const std::int64_t g = global_batch > 0 ? global_batch : per * 4 * parallel.pp;
+  if (g % per != 0)
+    throw ConfigError(fmt::format("global batch {} sequences is not a multiple of dp {} x micro-batch size {}", g,
+                                  parallel.dp, micro_batch_size));
+  return int(g / per);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Plan executor
+
+PlanTimeline run_plan(const StepPlan& plan, const std::function<ActionCost(int, const Action&)>& cost,
+                      const std::function<Seconds(const Action&)>& message_time, bool overlap_pair_comm) {
+  const int P = plan.num_ranks;
+  PlanTimeline tl;
+  tl.busy.assign(std::size_t(P), 0);
+  tl.comm.assign(std::size_t(P), 0);
+  tl.idle.assign(std::size_t(P), 0);
+  tl.finish.assign(std::size_t(P), 0);
+  tl.times.resize(std::size_t(P));
+  for (int r = 0; r < P; ++r) tl.times[std::size_t(r)].resize(plan.actions[std::size_t(r)].size());
+  std::vector<Seconds> arrival(std::size_t(2 * plan.num_microbatches * plan.num_stages), -1.0);
+  auto key = [&](const Action& a) { return std::size_t(message_tag(plan, a)); };
+  std::vector<std::size_t> pc(std::size_t(P), 0);
+  std::vector<Seconds> clock(std::size_t(P), 0);
+  bool progress = true;
+  std::size_t done = 0, total = 0;
+  for (const auto& v : plan.actions) total += v.size();
+  while (done < total) {
+    if (!progress) {
+      std::string blocked;
+      for (int r = 0; r < P; ++r)
+        if (pc[std::size_t(r)] < plan.actions[std::size_t(r)].size())
+          blocked += fmt::format(" rank {} at {};", r, to_string(plan.actions[std::size_t(r)][pc[std::size_t(r)]]));
+      throw ScheduleError("deadlock in the simulated plan:" + blocked);
+    }
+    progress = false;
+    for (int r = 0; r < P; ++r) {
+      const auto& acts = plan.actions[std::size_t(r)];
+      std::size_t& i = pc[std::size_t(r)];
+      Seconds& t = clock[std::size_t(r)];
+      while (i < acts.size()) {
+        const Action& a = acts[i];
+        if (is_recv(a.kind)) {
+          const Seconds at = arrival[key(a)];
+          if (at < 0) break;
+          tl.times[std::size_t(r)][i] = {t, std::max(t, at)};
+          tl.idle[std::size_t(r)] += std::max<Seconds>(0, at - t);
+          t = std::max(t, at);
+        } else if (is_send(a.kind)) {
+          arrival[key(a)] = t + message_time(a);
+          tl.times[std::size_t(r)][i] = {t, t};
+        } else if (a.overlapped_with_next && i + 1 < acts.size()) {
+          const ActionCost f = cost(r, a), b = cost(r, acts[i + 1]);
+          const Seconds compute = f.compute + b.compute;
+          const Seconds comm = overlap_pair_comm ? std::max<Seconds>(0, f.comm + b.comm - compute) : f.comm + b.comm;
+          tl.times[std::size_t(r)][i] = tl.times[std::size_t(r)][i + 1] = {t, t + compute + comm};
+          tl.busy[std::size_t(r)] += compute + comm;
+          tl.comm[std::size_t(r)] += comm;
+          t += compute + comm;
+          ++i;
+          ++done;
+        } else {
+          const ActionCost c = cost(r, a);
+          tl.times[std::size_t(r)][i] = {t, t + c.compute + c.comm};
+          tl.busy[std::size_t(r)] += c.compute + c.comm;
+          tl.comm[std::size_t(r)] += c.comm;
+          t += c.compute + c.comm;
+        }
+        ++i;
+        ++done;
+        progress = true;
+      }
+    }
+  }
+  for (int r = 0; r < P; ++r) {
+    tl.finish[std::size_t(r)] = clock[std::size_t(r)];
+    tl.makespan = std::max(tl.makespan, clock[std::size_t(r)]);
+  }
+  for (int r = 0; r < P; ++r) tl.idle[std::size_t(r)] = tl.makespan - tl.busy[std::size_t(r)];
+  return tl;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Memory
+
+Bytes persistent_bytes(const ModelConfig& cfg, const ClusterSpec& cl, const ParallelSpec& par,
+                       const std::vector<std::pair<int, int>>& ranges, bool embedding, bool head) {
+  const double pb = cl.param_bytes / 2, ob = cl.optimizer_bytes / 2;  // two tensors each (w+g, m+v)
+  const double dense_shard = cl.optimizer_sharded ? par.dp : 1, expert_shard = cl.optimizer_sharded ? par.dp / par.ep : 1;
+  Bytes total = 0;
+  auto add = [&](double numel, bool expert) {
+    total += 2 * tensor_bytes(numel, pb) + 2 * tensor_bytes(numel / (expert ? expert_shard : dense_shard), ob);
+  };
+  const double d = double(cfg.hidden_size), tp = par.tp;
+  const double El = double(cfg.num_experts) / par.ep, f = double(cfg.moe_intermediate_size);
+  const double fs = double(cfg.shared_width()), I = double(cfg.intermediate_size), V = double(cfg.vocab_size);
+  const double attn_width = double(cfg.num_attention_heads * cfg.head_dim());
+  for (auto [first, last] : ranges) {
+    for (int l = first; l < last; ++l) {
+      add(d, false);
+      for (int i = 0; i < 4; ++i) add(d * attn_width / tp, false);
+      add(d, false);
+      if (cfg.is_moe_layer(l)) {
+        add(double(cfg.num_experts) * d, false);
+        for (int i = 0; i < 3; ++i) add(El * f * d, true);
+        if (fs > 0)
+          for (int i = 0; i < 3; ++i) add(fs * d / tp, false);
+      } else {
+        for (int i = 0; i < 3; ++i) add(I * d / tp, false);
+      }
+    }
+  }
+  if (embedding) add(V * d / tp, false);
+  if (head) {
+    add(d, false);
+    if (!cfg.tie_word_embeddings || !embedding) add(V * d / tp, false);
+  }
+  return total;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The simulation
+
+namespace {
+
+struct Simulation {
+  const SimOptions& o;
+  ModelConfig cfg;
+  std::shared_ptr<SimCache> cache;
+  const CostModel& cost;
+  StepPlan memory_plan;  // the plan the memory walks replay (fewer micro-batches when that keeps the peak)
+  StepPlan plan;
+  int m = 0, P = 0;
+  std::int64_t n_rank = 0;  // tokens per micro-batch on one rank (n / tp)
+  std::vector<StageInfo> stages;
+  std::vector<int> moe_index;  // layer -> index among MoE layers, -1 for dense
+  bool split = false;
+  Bytes limit = 0;
+  double act_scale = 1;
+  LayerCost head, embed;
+
+  explicit Simulation(const SimOptions& opt)
+      : o(opt), cfg(opt.model), cache(opt.cache ? opt.cache : std::make_shared<SimCache>(opt.cluster.profile)),
+        cost(cache->cost) {}
+
+  MoERows rows_at(double ratio) const {
+    MoERows r = MoERows::balanced(cfg, n_rank);
+    if (o.parallel.ep > 1) {
+      const MoERows cap = MoERows::worst_case(cfg, n_rank, o.parallel.ep);
+      r.received = std::min(cap.received, std::int64_t(std::llround(ratio * double(r.received))));
+    }
+    return r;
+  }
+
+  const LayerCost& layer_at(int l, double ratio) {
+    const bool moe = cfg.is_moe_layer(l);
+    const MoERows rows = moe ? rows_at(ratio) : MoERows{};
+    auto k = std::make_tuple(o.parallel.tp, o.micro_batch_size, o.seq_len, o.parallel.ep, split, moe, rows.received);
+    auto it = cache->layers.find(k);
+    if (it != cache->layers.end()) return it->second;
+    LayerWork w{o.micro_batch_size, o.seq_len, rows, o.parallel.ep, o.parallel.tp, split, o.cluster.element_bytes};
+    return cache->layers.emplace(k, layer_cost(cost, cfg, l, w)).first->second;
+  }
+
+  /// Blocking collectives of one layer, forward or backward.
+  Seconds layer_comm(const LayerCost& lc) const {
+    const ParallelSpec& p = o.parallel;
+    Seconds t = 0;
+    if (lc.a2a_send_bytes > 0 || lc.a2a_recv_bytes > 0)
+      t += 2 * all_to_all_time(o.cluster, place_group(p.ep, p.tp, o.cluster.gpus_per_node), lc.a2a_send_bytes,
+                               lc.a2a_recv_bytes);
+    if (lc.tp_collective_bytes > 0)
+      t += 4 * all_gather_time(o.cluster, place_group(p.tp, 1, o.cluster.gpus_per_node), lc.tp_collective_bytes);
+    return t;
+  }
+
+  void setup() {
+    const ParallelSpec& p = o.parallel;
+    cfg.validate();
+    m = o.num_microbatches();
+    P = p.pp;
+    if (p.tp > 1) {
+      if (cfg.num_attention_heads % p.tp != 0)
+        throw ConfigError(fmt::format("tp {} does not divide num_attention_heads {}", p.tp, cfg.num_attention_heads));
+      if (p.tp > o.cluster.gpus_per_node)
+        throw ConfigError(fmt::format("tp {} spans nodes of {} GPUs", p.tp, o.cluster.gpus_per_node));
+      if ((o.micro_batch_size * o.seq_len) % p.tp != 0)
+        throw ConfigError(fmt::format("tp {} does not divide the micro-batch's {} tokens", p.tp,
+                                      o.micro_batch_size * o.seq_len));
+    }
+    const bool dualv = o.schedule == "dualpipev";
+    if (o.schedule != "interleaved" && p.vpp != 1)
+      throw ConfigError(fmt::format("vpp {} needs --schedule interleaved (dualpipev holds 2 chunks by itself)", p.vpp));
+    const int v = dualv ? 2 : p.vpp;
+    // The layout's own checks: ep divides dp and the experts, the layers fit the stages.
+    comm::LayoutSpec ls;
+    ls.world_size = p.pp * p.dp;
+    ls.pp = p.pp;
+    ls.dp = p.dp;
+    ls.ep = p.ep;
+    ls.vpp = v;
+    ls.num_layers = int(cfg.num_hidden_layers);
+    ls.num_experts = int(cfg.num_experts);
+    ls.pad_layers = true;
+    const comm::ParallelLayout layout(ls);
+    plan = make_schedule(o.schedule, p.pp, m, dualv ? 1 : p.vpp);
+    // Memory walks replay a shorter step when the schedule's steady phase repeats:
+    // every schedule but GPipe holds at most ~2 pp x chunks micro-batches at once, so
+    // a step of mw >= that many reaches the same peak (test_sim checks it).
+    int mw = m;
+    if (o.schedule != "gpipe") {
+      mw = std::min(m, 2 * p.pp * v + 2);
+      if (o.schedule == "interleaved") mw = std::min(m, (mw + p.pp - 1) / p.pp * p.pp);
+    }
+    memory_plan = mw == m ? plan : make_schedule(o.schedule, p.pp, mw, dualv ? 1 : p.vpp);
+    split = o.schedule == "zb-h1";
+    n_rank = o.micro_batch_size * o.seq_len / p.tp;
+    const auto& sl = layout.stage_layers();
+    int first = 0;
+    for (int s = 0; s < int(sl.size()); ++s) {
+      StageInfo si;
+      si.first_layer = std::min(first, int(cfg.num_hidden_layers));
+      si.last_layer = std::min(first + sl[std::size_t(s)], int(cfg.num_hidden_layers));
+      si.embedding = s == 0;
+      si.head = s == int(sl.size()) - 1;
+      first += sl[std::size_t(s)];
+      stages.push_back(si);
+    }
+    int k = 0;
+    for (int l = 0; l < cfg.num_hidden_layers; ++l) moe_index.push_back(cfg.is_moe_layer(l) ? k++ : -1);
+    limit = o.memory_limit > 0 ? o.memory_limit : o.cluster.usable_memory();
+    act_scale = double(o.cluster.element_bytes) / double(kActivationBytes);
+    LayerWork w{o.micro_batch_size, o.seq_len, {}, p.ep, p.tp, split, o.cluster.element_bytes};
+    head = head_cost(cost, cfg, w);
+    embed = embedding_cost(cost, cfg, w);
+  }
+
+  double ratio(int it, int mb, int layer) const {
+    const int k = moe_index[std::size_t(layer)];
+    return k < 0 ? 1.0 : o.loads.ratio(it, mb, m, k);
+  }
+
+  /// Persistent bytes of pipeline rank r.
+  Bytes persistent(int r) const {
+    std::vector<std::pair<int, int>> ranges;
+    Bytes total = 0;
+    for (int s : plan.stages_of(r)) {
+      const StageInfo& si = stages[std::size_t(s)];
+      // each chunk is its own model: a tied head without the embedding keeps a copy
+      total += persistent_bytes(cfg, o.cluster, o.parallel, {{si.first_layer, si.last_layer}}, si.embedding, si.head);
+    }
+    return total;
+  }
+
+  /// Rank r's actions as the memory walk replays them, with the executor's pipeline
+  /// buffers (the same conversion as train/pipeline.cpp walk_actions, which sim/
+  /// may not include): a received tensor lives until its consumer ran, a produced
+  /// one until it is sent.
+  std::vector<WalkAction> walk_actions(int r) const {
+    using K = WalkAction::Kind;
+    const int last = plan.num_stages - 1;
+    std::vector<WalkAction> w;
+    const StepPlan& plan = memory_plan;
+    for (const Action& a : plan.actions[std::size_t(r)]) {
+      const int chunk = is_compute(a.kind) ? plan.chunk_of(a.stage) : 0;
+      switch (a.kind) {
+        case ActionKind::RecvActivation:
+        case ActionKind::RecvGrad: w.push_back({K::alloc_buffer, a.microbatch, 0}); break;
+        case ActionKind::SendActivation:
+        case ActionKind::SendGrad: w.push_back({K::free_buffer, a.microbatch, 0}); break;
+        case ActionKind::Forward:
+          w.push_back({K::forward, a.microbatch, chunk});
+          if (a.stage > 0) w.push_back({K::free_buffer, a.microbatch, 0});
+          break;
+        case ActionKind::Backward:
+        case ActionKind::BackwardInput:
+          if (a.stage > 0) w.push_back({K::alloc_buffer, a.microbatch, 0});
+          w.push_back({K::backward, a.microbatch, chunk});
+          if (a.stage != last) w.push_back({K::free_buffer, a.microbatch, 0});
+          break;
+        case ActionKind::BackwardWeight: break;
+      }
+    }
+    return w;
+  }
+
+  /// Peak bytes of pipeline rank r's activations and buffers (MemoryWalk, fp32,
+  /// persistent bytes excluded) over one iteration, with per-micro-batch ratios and
+  /// provisioning policies.
+  Bytes walk(int r, int it, const std::vector<double>& mb_ratio, const std::vector<std::string>& mb_policy) {
+    std::vector<StageSpec> specs;
+    for (int s : plan.stages_of(r)) {
+      const StageInfo& si = stages[std::size_t(s)];
+      specs.push_back({si.first_layer, si.last_layer, si.embedding, si.head, o.parallel.ep});
+    }
+    std::map<std::string, ProvisionFn> fns;
+    // Micro-batch i of a shorter walk stands for the i-th most loaded of the step
+    // (so a spike is walked, at the position held longest).
+    const int mw = memory_plan.num_microbatches;
+    std::vector<int> order(mb_ratio.size());
+    std::iota(order.begin(), order.end(), 0);
+    if (mw < int(mb_ratio.size()))
+      std::stable_sort(order.begin(), order.end(),
+                       [&](int a, int b) { return mb_ratio[std::size_t(a)] > mb_ratio[std::size_t(b)]; });
+    for (const auto& p : mb_policy)
+      if (!fns.count(p)) fns.emplace(p, p == "none" ? ProvisionFn{} : make_static_policy(p));
+    MemoryWalk w(cfg, o.micro_batch_size, o.seq_len / o.parallel.tp, 0);
+    w.run(walk_actions(r), 0, specs,
+          [&](int mb, const StageSpec& st) {
+            // each layer at its own ratio (a replayed trace differs by layer); a spike
+            // check or a shortened walk uses the micro-batch's ratio throughout
+            const int full = order[std::size_t(mb)];
+            std::vector<MoERows> rows;
+            for (int l = st.first_layer; l < st.last_layer; ++l)
+              rows.push_back(rows_at(it < 0 || mw < int(mb_ratio.size()) ? mb_ratio[std::size_t(full)]
+                                                                         : ratio(it, full, l)));
+            return rows;
+          },
+          [&](const LedgerEntry& e) {
+            if (o.cluster.flash_attention && e.name == "attn.probs") return Provision::recompute;
+            const ProvisionFn& f = fns.at(mb_policy[std::size_t(order[std::size_t(e.microbatch)])]);
+            return f ? f(e) : Provision::save;
+          });
+    return w.peak();
+  }
+
+  Bytes scaled(Bytes persistent_b, Bytes act) const { return persistent_b + Bytes(std::llround(double(act) * act_scale)); }
+};
+
+}  // namespace
+
+SimReport simulate(const SimOptions& o) {
+  const auto t_start = std::chrono::steady_clock::now();
+  Simulation sim(o);
+  sim.setup();
+  const ParallelSpec& par = o.parallel;
+  const int P = sim.P, m = sim.m;
+  SimReport rep;
+  rep.options = o;
+  rep.num_microbatches = m;
+  rep.memory_limit = sim.limit;
+  for (const auto& s : sim.stages) rep.stage_layers.push_back(s.last_layer - s.first_layer);
+  rep.ranks.resize(std::size_t(P));
+  const bool adaptive = o.policy == "adaptive";
+  if (!adaptive) recomputes(o.policy, ActivationSpec{"attn.probs", "", 0, true, {}, false}, 1.0);  // validates the name
+  if (adaptive) rep.adaptive_level_histogram.assign(adaptive_levels().size(), 0);
+  std::vector<Bytes> persist(static_cast<std::size_t>(P));
+  for (int r = 0; r < P; ++r) persist[std::size_t(r)] = rep.ranks[std::size_t(r)].persistent_bytes = sim.persistent(r);
+
+  // Data-parallel gradient reduction and optimizer, after the last backward.
+  {
+    Seconds dp_t = 0, opt_t = 0;
+    for (int r = 0; r < P; ++r) {
+      Bytes dense = 0, expert = 0;
+      for (int s : sim.plan.stages_of(r)) {
+        const StageInfo& si = sim.stages[std::size_t(s)];
+        ClusterSpec unit = o.cluster;
+        unit.param_bytes = 2;  // one "tensor" of 1 byte per parameter: counts parameters
+        unit.optimizer_bytes = 0;
+        unit.optimizer_sharded = false;
+        ModelConfig no_experts = sim.cfg;
+        const Bytes all = persistent_bytes(sim.cfg, unit, par, {{si.first_layer, si.last_layer}}, si.embedding, si.head) / 2;
+        no_experts.moe_intermediate_size = 0;
+        const Bytes d = persistent_bytes(no_experts, unit, par, {{si.first_layer, si.last_layer}}, si.embedding, si.head) / 2;
+        dense += d;
+        expert += all - d;
+      }
+      const Bytes grad_bytes = 4;  // fp32 gradients (the engine; Megatron's main_grad)
+      const Seconds t = all_reduce_time(o.cluster, place_group(par.dp, par.tp, o.cluster.gpus_per_node), dense * grad_bytes) +
+                        all_reduce_time(o.cluster, place_group(par.dp / par.ep, par.tp * par.ep, o.cluster.gpus_per_node),
+                                        expert * grad_bytes);
+      dp_t = std::max(dp_t, t);
+      // AdamW reads w, g, m, v and writes w, m, v: 7 fp32 passes over the (sharded) parameters.
+      const double shard_d = o.cluster.optimizer_sharded ? par.dp : 1, shard_e = o.cluster.optimizer_sharded ? par.dp / par.ep : 1;
+      opt_t = std::max(opt_t, sim.cost.elementwise(Bytes(7 * 4 * (double(dense) / shard_d + double(expert) / shard_e))));
+    }
+    rep.dp_reduce_time = dp_t;
+    rep.optimizer_time = opt_t * (o.cluster.host_cores > 0 ? std::max(1.0, double(par.world()) / o.cluster.host_cores) : 1.0);
+  }
+
+  // Model FLOPs of one iteration (all replicas).
+  {
+    double f = 0;
+    for (int l = 0; l < sim.cfg.num_hidden_layers; ++l) f += layer_forward_flops(sim.cfg, l, o.micro_batch_size, o.seq_len);
+    f += head_forward_flops(sim.cfg, o.micro_batch_size, o.seq_len);
+    rep.model_flops_per_iteration = 3 * f * double(m) * double(par.dp);
+  }
+
+  const bool same_node_pp = std::int64_t(par.tp) * par.dp * par.pp <= o.cluster.gpus_per_node;
+  const Bytes msg_bytes = sim.n_rank * sim.cfg.hidden_size * o.cluster.element_bytes;
+  const Seconds msg_time = sim.plan.num_ranks > 1 ? p2p_time(o.cluster, same_node_pp, msg_bytes) : 0;
+
+  double step_sum = 0, bubble_sum = 0, comm_sum = 0, recompute_sum = 0;
+  const int iters = std::max(o.iterations, 1);
+  PlanTimeline last;
+  std::vector<std::vector<std::string>> last_policy;
+  for (int it = 0; it < iters; ++it) {
+    // Loads of this iteration: the hottest EP rank's ratio per micro-batch (first MoE layer's; a
+    // replayed trace's per-layer ratios enter the times below).
+    std::vector<double> mb_ratio(static_cast<std::size_t>(m));
+    for (int mb = 0; mb < m; ++mb) {
+      double r = 1;
+      for (int l = 0; l < sim.cfg.num_hidden_layers; ++l) r = std::max(r, sim.ratio(it, mb, l));
+      mb_ratio[std::size_t(mb)] = r;
+    }
+    const std::vector<double> calm(std::size_t(m), 1.0);
+    // Provisioning per pipeline rank and micro-batch; memory walks.
+    std::vector<std::vector<std::string>> policy(std::size_t(P), std::vector<std::string>(std::size_t(m), o.policy));
+    bool oom = false;
+    for (int r = 0; r < P && o.walk_memory; ++r) {
+      RankReport& rr = rep.ranks[std::size_t(r)];
+      auto& pol = policy[std::size_t(r)];
+      Bytes hot = 0;
+      if (adaptive) {
+        // The cheapest (calm level u, spike level s >= u) whose walk fits.
+        const auto& L = adaptive_levels();
+        bool fit = false;
+        for (std::size_t u = 0; u < L.size() && !fit; ++u)
+          for (std::size_t s = u; s < L.size() && !fit; ++s) {
+            for (int mb = 0; mb < m; ++mb)
+              pol[std::size_t(mb)] = L[mb_ratio[std::size_t(mb)] > o.loads.calm_max ? s : u];
+            hot = sim.scaled(persist[std::size_t(r)], sim.walk(r, it, mb_ratio, pol));
+            fit = hot <= sim.limit;
+            if (!fit && s + 1 < L.size()) {
+              bool any_spike = false;
+              for (double x : mb_ratio) any_spike |= x > o.loads.calm_max;
+              if (!any_spike) break;  // raising the spike level changes nothing
+            }
+          }
+        for (int mb = 0; mb < m; ++mb)
+          ++rep.adaptive_level_histogram[std::size_t(
+              std::find(L.begin(), L.end(), pol[std::size_t(mb)]) - L.begin())];
+      } else {
+        hot = sim.scaled(persist[std::size_t(r)], sim.walk(r, it, mb_ratio, pol));
+      }
+      rr.peak_bytes = std::max(rr.peak_bytes, hot);
+      if (it == 0) {
+        std::vector<std::string> pol_calm = pol;
+        if (adaptive) std::fill(pol_calm.begin(), pol_calm.end(), adaptive_levels()[0]);
+        Bytes bal = sim.scaled(persist[std::size_t(r)], sim.walk(r, -1, calm, pol_calm));
+        if (adaptive && bal > sim.limit) bal = std::min(bal, hot);
+        rr.peak_balanced_bytes = bal;
+      }
+      if (hot > sim.limit) oom = true;
+      if (o.spike_check > 0 && it == 0) {
+        std::vector<double> spiked = mb_ratio;
+        spiked[0] = std::max(spiked[0], o.spike_check);
+        std::vector<std::string> pol_spiked = pol;
+        if (adaptive) pol_spiked[0] = adaptive_levels().back();  // the spike gets the most-saving level
+        rep.spike_peak_bytes =
+            std::max(rep.spike_peak_bytes, sim.scaled(persist[std::size_t(r)], sim.walk(r, -1, spiked, pol_spiked)));
+      }
+    }
+    if (!o.walk_memory)
+      for (auto& pol : policy)
+        for (auto& x : pol)
+          if (x == "adaptive") x = "none";
+    // Times of every (stage, micro-batch) at the hottest rank's loads.
+    const int S_ = sim.plan.num_stages;
+    std::vector<ActionCost> F(std::size_t(S_ * m)), Bi(std::size_t(S_ * m)), W(std::size_t(S_ * m));
+    std::vector<Seconds> recompute_rank(std::size_t(P), 0);
+    for (int s = 0; s < S_; ++s) {
+      const StageInfo& si = sim.stages[std::size_t(s)];
+      const int r = sim.plan.rank_of(s);
+      for (int mb = 0; mb < m; ++mb) {
+        ActionCost f, b, w;
+        const std::string& pol = policy[std::size_t(r)][std::size_t(mb)];
+        for (int l = si.first_layer; l < si.last_layer; ++l) {
+          const double rt = sim.ratio(it, mb, l);
+          const LayerCost& lc = sim.layer_at(l, rt);
+          const Seconds comm = sim.layer_comm(lc);
+          f.compute += lc.forward;
+          f.comm += comm;
+          b.compute += lc.backward_input;
+          b.comm += comm;
+          w.compute += lc.backward_weight;
+          if (pol != "none" || o.cluster.flash_attention) {
+            const auto specs = layer_activations(sim.cfg, l, o.micro_batch_size, o.seq_len / par.tp,
+                                                 sim.rows_at(rt), par.ep > 1);
+            Seconds rc = 0;
+            for (const auto& sp : specs)
+              if (recomputes(pol, sp, rt) || (o.cluster.flash_attention && sp.name == "attn.probs"))
+                rc += lc.recompute_seconds(sp.name);
+            b.compute += rc;
+            recompute_rank[std::size_t(r)] += rc;
+          }
+        }
+        if (si.embedding) {
+          f.compute += sim.embed.forward;
+          w.compute += sim.embed.backward_weight;
+        }
+        if (si.head) {
+          f.compute += sim.head.forward;
+          b.compute += sim.head.backward_input;
+          w.compute += sim.head.backward_weight;
+          if (pol == "full") b.compute += sim.head.recompute_seconds("final_norm.out") +
+                                          sim.head.recompute_seconds("final_norm.rstd") +
+                                          sim.head.recompute_seconds("lm_head.probs");
+        }
+        F[std::size_t(s * m + mb)] = f;
+        Bi[std::size_t(s * m + mb)] = b;
+        W[std::size_t(s * m + mb)] = w;
+      }
+    }
+    if (o.cluster.host_cores > 0 && par.world() > o.cluster.host_cores) {
+      const double stretch = double(par.world()) / double(o.cluster.host_cores);
+      for (auto* v : {&F, &Bi, &W})
+        for (auto& c : *v) c.compute *= stretch;
+    }
+    PlanTimeline tl = run_plan(
+        sim.plan,
+        [&](int, const Action& a) -> ActionCost {
+          const std::size_t i = std::size_t(a.stage * m + a.microbatch);
+          switch (a.kind) {
+            case ActionKind::Forward: return F[i];
+            case ActionKind::BackwardInput: return Bi[i];
+            case ActionKind::BackwardWeight: return W[i];
+            default: return {Bi[i].compute + W[i].compute, Bi[i].comm};
+          }
+        },
+        [&](const Action&) { return msg_time; }, o.overlap_pair_comm);
+    const Seconds step = tl.makespan + rep.dp_reduce_time + rep.optimizer_time;
+    step_sum += step;
+    rep.step_time_max = std::max(rep.step_time_max, step);
+    double idle = 0;
+    for (int r = 0; r < P; ++r) idle += tl.idle[std::size_t(r)];
+    bubble_sum += tl.makespan > 0 ? idle / (double(P) * tl.makespan) : 0;
+    int crit = int(std::max_element(tl.finish.begin(), tl.finish.end()) - tl.finish.begin());
+    comm_sum += tl.comm[std::size_t(crit)] + rep.dp_reduce_time;
+    recompute_sum += *std::max_element(recompute_rank.begin(), recompute_rank.end());
+    if (oom) {
+      ++rep.ooms;
+      const int lost = it % std::max(o.checkpoint_interval, 1);
+      rep.lost_iterations += lost;
+      rep.restart_time += o.restart_seconds + step * (lost + 1);  // the failed iteration and the redone ones
+    }
+    last = std::move(tl);
+    last_policy = std::move(policy);
+  }
+  rep.step_time = step_sum / iters;
+  rep.bubble_fraction = bubble_sum / iters;
+  rep.exposed_comm = comm_sum / iters;
+  rep.recompute_time = recompute_sum / iters;
+  const double tokens = double(m) * double(par.dp) * double(o.micro_batch_size) * double(o.seq_len);
+  const double world = par.world();
+  rep.tgs = tokens / (rep.step_time * world);
+  rep.mfu = o.cluster.peak_flops > 0 ? rep.model_flops_per_iteration / (rep.step_time * world * o.cluster.peak_flops) : 0;
+  const Seconds total = step_sum + rep.restart_time;
+  rep.effective_tgs = tokens * iters / (total * world);
+  rep.effective_mfu = rep.mfu * step_sum / total;
+  for (int r = 0; r < P; ++r) {
+    RankReport& rr = rep.ranks[std::size_t(r)];
+    rr.pp_rank = r;
+    rr.busy = last.busy[std::size_t(r)];
+    rr.comm = last.comm[std::size_t(r)];
+    rr.idle = last.idle[std::size_t(r)];
+    rep.peak_bytes = std::max(rep.peak_bytes, rr.peak_bytes);
+  }
+  // Chrome trace of the chosen ranks (last iteration), times in microseconds.
+  json ev = json::array();
+  for (int r : o.trace_ranks) {
+    if (r < 0 || r >= P) throw ConfigError(fmt::format("--trace-ranks: pipeline rank {} is not in [0, {})", r, P));
+    ev.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", r}, {"args", {{"name", fmt::format("pp rank {}", r)}}}});
+    ev.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", r}, {"tid", 0}, {"args", {{"name", "compute"}}}});
+    ev.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", r}, {"tid", 1}, {"args", {{"name", "comm"}}}});
+    const auto& acts = sim.plan.actions[std::size_t(r)];
+    for (std::size_t i = 0; i < acts.size(); ++i) {
+      const Action& a = acts[i];
+      const Interval iv = last.times[std::size_t(r)][i];
+      if (is_send(a.kind)) {
+        ev.push_back({{"name", to_string(a.kind)}, {"ph", "X"}, {"pid", r}, {"tid", 1}, {"ts", iv.start * 1e6},
+                      {"dur", msg_time * 1e6}, {"args", {{"mb", a.microbatch}, {"stage", a.stage}}}});
+      } else if (is_compute(a.kind)) {
+        if (i > 0 && acts[i - 1].overlapped_with_next) continue;  // the pair is drawn once
+        const std::string name = fmt::format("{}{} s{}{}", to_string(a.kind), a.microbatch, a.stage,
+                                             a.overlapped_with_next ? "+pair" : "");
+        ev.push_back({{"name", name}, {"cat", "compute"}, {"ph", "X"}, {"pid", r}, {"tid", 0}, {"ts", iv.start * 1e6},
+                      {"dur", (iv.end - iv.start) * 1e6},
+                      {"args", {{"mb", a.microbatch}, {"stage", a.stage},
+                                {"policy", last_policy[std::size_t(r)][std::size_t(a.microbatch)]}}}});
+      }
+    }
+    ev.push_back({{"name", "dp all-reduce"}, {"ph", "X"}, {"pid", r}, {"tid", 1}, {"ts", last.makespan * 1e6},
+                  {"dur", rep.dp_reduce_time * 1e6}});
+    ev.push_back({{"name", "optimizer"}, {"ph", "X"}, {"pid", r}, {"tid", 0},
+                  {"ts", (last.makespan + rep.dp_reduce_time) * 1e6}, {"dur", rep.optimizer_time * 1e6}});
+  }
+  rep.trace = {{"traceEvents", ev}, {"displayTimeUnit", "ms"}};
+  rep.wall_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+  return rep;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Output
+
+json SimReport::to_json() const {
+  json ranks_j = json::array();
+  for (const auto& r : ranks)
+    ranks_j.push_back({{"pp_rank", r.pp_rank}, {"persistent_bytes", r.persistent_bytes}, {"peak_bytes", r.peak_bytes},
+                       {"peak_balanced_bytes", r.peak_balanced_bytes}, {"busy_s", r.busy}, {"comm_s", r.comm},
+                       {"idle_s", r.idle}});
+  json j = {{"model_params", options.model.num_params()},
+            {"model_active_params", options.model.num_active_params()},
+            {"cluster", options.cluster.name},
+            {"parallel", options.parallel.str()},
+            {"world_size", options.parallel.world()},
+            {"schedule", options.schedule},
+            {"policy", options.policy},
+            {"micro_batch_size", options.micro_batch_size},
+            {"seq_len", options.seq_len},
+            {"num_microbatches", num_microbatches},
+            {"global_batch", std::int64_t(num_microbatches) * options.parallel.dp * options.micro_batch_size},
+            {"iterations", options.iterations},
+            {"loads", options.loads.describe()},
+            {"stage_layers", stage_layers},
+            {"step_time_s", step_time},
+            {"step_time_max_s", step_time_max},
+            {"dp_reduce_s", dp_reduce_time},
+            {"optimizer_s", optimizer_time},
+            {"bubble_fraction", bubble_fraction},
+            {"exposed_comm_s", exposed_comm},
+            {"recompute_s", recompute_time},
+            {"mfu", mfu},
+            {"tgs", tgs},
+            {"ooms", ooms},
+            {"lost_iterations", lost_iterations},
+            {"restart_s", restart_time},
+            {"restart_seconds_each", options.restart_seconds},
+            {"checkpoint_interval", options.checkpoint_interval},
+            {"effective_tgs", effective_tgs},
+            {"effective_mfu", effective_mfu},
+            {"memory_limit_bytes", memory_limit},
+            {"peak_bytes", peak_bytes},
+            {"spike_peak_bytes", spike_peak_bytes},
+            {"ranks", ranks_j},
+            {"simulation_wall_s", wall_seconds}};
+  if (!adaptive_level_histogram.empty()) {
+    json h;
+    for (std::size_t i = 0; i < adaptive_level_histogram.size(); ++i) h[adaptive_levels()[i]] = adaptive_level_histogram[i];
+    j["adaptive_levels"] = h;
+  }
+  return j;
+}
+
+std::string SimReport::format() const {
+  const double GiB = double(kGiB);
+  std::string s = fmt::format(
+      "{} params ({:.1f} B, {:.1f} B active) on {} x {} [{}], schedule {}, policy {}\n"
+      "micro-batch {} x {} tokens, {} micro-batches, {} iteration(s); loads {}\n\n",
+      options.model.num_params(), options.model.num_params() / 1e9, options.model.num_active_params() / 1e9,
+      options.parallel.world(), options.cluster.name, options.parallel.str(), options.schedule, options.policy,
+      options.micro_batch_size, options.seq_len, num_microbatches, options.iterations, options.loads.describe());
+  s += fmt::format("{:>7} {:>10} {:>12} {:>14} {:>10} {:>10} {:>10}\n", "pp rank", "layers", "persist GiB",
+                   "peak GiB (hot)", "balanced", "busy s", "comm s");
+  for (const auto& r : ranks) {
+    std::string layers;
+    for (int st : options.schedule == "dualpipev" ? std::vector<int>{r.pp_rank, 2 * options.parallel.pp - 1 - r.pp_rank}
+                                                   : std::vector<int>{})
+      layers += fmt::format("{}{}", layers.empty() ? "" : "+", stage_layers[std::size_t(st)]);
+    if (layers.empty())
+      for (int c = 0; c < options.parallel.vpp; ++c)
+        layers += fmt::format("{}{}", layers.empty() ? "" : "+",
+                              stage_layers[std::size_t(c * options.parallel.pp + r.pp_rank)]);
+    s += fmt::format("{:>7} {:>10} {:>12.2f} {:>14.2f} {:>10.2f} {:>10.3f} {:>10.3f}\n", r.pp_rank, layers,
+                     r.persistent_bytes / GiB, r.peak_bytes / GiB, r.peak_balanced_bytes / GiB, r.busy, r.comm);
+  }
+  s += fmt::format(
+      "\nstep time      {:.4f} s (max {:.4f}; dp all-reduce {:.4f}, optimizer {:.4f})\n"
+      "MFU            {:.1f}%   TGS {:.1f} tokens/GPU/s\n"
+      "bubble         {:.1f}%   exposed comm {:.4f} s/iteration   recompute {:.4f} s/iteration\n"
+      "peak memory    {:.2f} GiB of {:.2f} GiB\n"
+      "OOMs           {} (restart {:.0f} s each, {} iterations rolled back)\n"
+      "effective      TGS {:.1f}, MFU {:.1f}% (restart losses included)\n",
+      step_time, step_time_max, dp_reduce_time, optimizer_time, 100 * mfu, tgs, 100 * bubble_fraction, exposed_comm,
+      recompute_time, peak_bytes / GiB, memory_limit / GiB, ooms, options.restart_seconds, lost_iterations,
+      effective_tgs, 100 * effective_mfu);
+  if (!adaptive_level_histogram.empty()) {
+    s += "adaptive       ";
+    for (std::size_t i = 0; i < adaptive_level_histogram.size(); ++i)
+      s += fmt::format("{} {}  ", adaptive_levels()[i], adaptive_level_histogram[i]);
+    s += "(rank-micro-batches per level)\n";
+  }
+  s += fmt::format("simulated in {:.3f} s\n", wall_seconds);
+  return s;
+}
+
+Bytes max_persistent_bytes(const SimOptions& o) {
+  Simulation sim(o);
+  sim.setup();
+  Bytes mx = 0;
+  for (int r = 0; r < sim.P; ++r) mx = std::max(mx, sim.persistent(r));
+  return mx;
+}
+
+void write_outputs(const SimReport& r, const std::filesystem::path& dir) {
+  std::filesystem::create_directories(dir);
+  {
+    std::ofstream f(dir / "summary.json");
+    if (!f) throw DataError(fmt::format("{}: cannot write", (dir / "summary.json").string()));
+    f << r.to_json().dump(2) << "\n";
+  }
+  if (!r.options.trace_ranks.empty()) {
+    std::ofstream f(dir / "trace.json");
+    if (!f) throw DataError(fmt::format("{}: cannot write", (dir / "trace.json").string()));
+    f << r.trace.dump() << "\n";
+  }
+}
+
+}  // namespace moeflex::sim

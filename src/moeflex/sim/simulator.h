@@ -1,0 +1,180 @@
+// The discrete-event simulator (DESIGN.md "One plan, three consumers"): it runs
+// the step plan the engine executes (schedule/, the same generators) in virtual
+// time, pricing every action with the engine's cost model (layer_cost over a
+// CostModel), the network with the topology's collective formulas (cluster.h),
+// and device memory with the engine's own allocation replay (MemoryWalk).
+//
+// Resources per simulated rank: a compute stream, which also runs the blocking
+// collectives inside a layer (the expert-parallel all-to-alls and TP collectives,
+// as the executor does: they are on the critical path); a send queue on the
+// network for the pipeline's point-to-point messages (non-blocking sends, a Recv
+// waits for its message); the data-parallel gradient reduction after the last
+// backward; the optimizer step.
+//
+// Symmetry: all ranks of one pipeline stage run the same actions; the expert
+// all-to-alls make every rank of an EP group wait for the most loaded one, so one
+// representative per pipeline rank carries the time, at the hottest rank's load.
+// Memory differs by load, so each pipeline rank is walked twice: at the hottest
+// EP rank's loads (the same rank taking every micro-batch's maximum: an upper
+// bound) and at balanced loads. One iteration of any cluster is pp ranks' work.
+#pragma once
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <memory>
+#include <tuple>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "moeflex/core/units.h"
+#include "moeflex/model/config.h"
+#include "moeflex/model/layer_cost.h"
+#include "moeflex/schedule/plan.h"
+#include "moeflex/sim/cluster.h"
+#include "moeflex/sim/loads.h"
+
+namespace moeflex::sim {
+
+/// The parallel layout: world = tp x pp x dp, ep within dp, vpp chunks per rank.
+struct ParallelSpec {
+  int tp = 1, pp = 1, vpp = 1, ep = 1, dp = 1;
+  int world() const { return tp * pp * dp; }
+  /// Parses "tp=1,pp=4,vpp=2,ep=8,dp=16" (any subset over the defaults); ConfigError otherwise.
+  static ParallelSpec parse(const std::string& s);
+  std::string str() const;
+};
+
+/// The provisioning levels the simulated adaptive policy climbs, cheapest first.
+const std::vector<std::string>& adaptive_levels();
+
+/// State that may be shared by many simulations of one model on one cluster (the
+/// search): the cost model, built once, and layer times by shape.
+struct SimCache {
+  explicit SimCache(const HardwareProfile& profile) : cost(profile) {}
+  CostModel cost;
+  /// (tp, B, S, ep, split backward, layer is MoE, rows received) -> times.
+  std::map<std::tuple<int, std::int64_t, std::int64_t, int, bool, bool, std::int64_t>, LayerCost> layers;
+};
+
+struct SimOptions {
+  ModelConfig model;
+  ClusterSpec cluster;
+  ParallelSpec parallel;
+  std::string schedule = "1f1b";
+  std::string policy = "none";       ///< a static policy name, threshold[=R], or adaptive
+  std::int64_t micro_batch_size = 1; ///< B, sequences per micro-batch
+  std::int64_t seq_len = 4096;       ///< S
+  std::int64_t global_batch = 0;     ///< sequences per iteration; 0: dp x B x 4 pp
+  int iterations = 1;
+  LoadModel loads;
+  Seconds restart_seconds = 284;     ///< one cold restart after an OOM (BaGuaLu-2)
+  int checkpoint_interval = 50;      ///< iterations between checkpoints: an OOM loses the ones since
+  Bytes memory_limit = 0;            ///< per-rank bytes; 0: the cluster's usable memory
+  /// Pipeline ranks whose timeline goes into the trace (empty: none).
+  std::vector<int> trace_ranks;
+  /// true: the executor overlaps an overlapped F&B pair's all-to-alls with the
+  /// other half's compute (DualPipe on GPUs); the CPU engine does not.
+  bool overlap_pair_comm = false;
+  /// false: skip the memory walks (times only; adaptive then runs at level none).
+  bool walk_memory = true;
+  /// > 0: also walk each rank with micro-batch 0 at this ratio and the others at
+  /// the iteration's loads, into SimReport::spike_peak_bytes (the search's OOM check).
+  double spike_check = 0;
+  /// Shared cost model and layer times (the search); null: the simulation builds its own.
+  std::shared_ptr<SimCache> cache;
+
+  /// Micro-batches per iteration: global_batch / (dp x B); ConfigError when it does not divide.
+  int num_microbatches() const;
+};
+
+/// One simulated pipeline rank.
+struct RankReport {
+  int pp_rank = 0;
+  Bytes persistent_bytes = 0;  ///< weights, gradients, optimizer state
+  Bytes peak_bytes = 0;        ///< at the hottest EP rank's loads, max over iterations
+  Bytes peak_balanced_bytes = 0;  ///< at balanced loads
+  Seconds busy = 0;            ///< compute (incl. blocking collectives) in the last iteration
+  Seconds comm = 0;            ///< of which blocking collectives
+  Seconds idle = 0;            ///< waiting on the pipeline in the last iteration
+};
+
+struct SimReport {
+  SimOptions options;
+  int num_microbatches = 0;
+  std::vector<int> stage_layers;      ///< layers per global stage (padding layers included)
+  Seconds step_time = 0;              ///< mean over iterations, without restarts
+  Seconds step_time_max = 0;
+  Seconds dp_reduce_time = 0;         ///< gradient all-reduce after the last backward
+  Seconds optimizer_time = 0;
+  double bubble_fraction = 0;         ///< pipeline idle / (ranks x forward-backward span)
+  Seconds exposed_comm = 0;           ///< blocking collectives on the critical rank + dp reduce, per iteration
+  double model_flops_per_iteration = 0;
+  double mfu = 0;                     ///< model FLOPs / (step_time x world x peak); recompute not counted
+  double tgs = 0;                     ///< tokens per GPU per second
+  int ooms = 0;                       ///< iterations whose walk exceeded the memory limit
+  int lost_iterations = 0;            ///< rolled back to the last checkpoint
+  Seconds restart_time = 0;           ///< restarts plus redone iterations
+  double effective_tgs = 0;           ///< including restart losses
+  double effective_mfu = 0;
+  Seconds recompute_time = 0;         ///< mean per iteration on the critical rank
+  Bytes memory_limit = 0;
+  Bytes peak_bytes = 0;               ///< max over ranks
+  Bytes spike_peak_bytes = 0;         ///< max over ranks with SimOptions::spike_check's spike
+  std::vector<RankReport> ranks;
+  std::vector<int> adaptive_level_histogram;  ///< micro-batch stages per adaptive level (adaptive only)
+  nlohmann::json trace;               ///< Chrome trace events of the trace ranks (last iteration)
+  Seconds wall_seconds = 0;           ///< host time the simulation took
+
+  nlohmann::json to_json() const;
+  /// The human-readable table and summary.
+  std::string format() const;
+};
+
+/// Simulates `o.iterations` iterations. Throws ConfigError for layouts that do not
+/// validate (the message names the rule) and for an unknown schedule or policy.
+SimReport simulate(const SimOptions& o);
+
+/// The largest persistent footprint (weights, gradients, optimizer state) of any
+/// pipeline rank: a lower bound of its peak that needs no walk. Validates like simulate().
+Bytes max_persistent_bytes(const SimOptions& o);
+
+/// Writes summary.json and (when trace ranks were chosen) trace.json into `dir`.
+void write_outputs(const SimReport& r, const std::filesystem::path& dir);
+
+// ---- the plan executor (exposed for tests) ------------------------------------
+
+/// The cost of one compute action: its compute time and the blocking
+/// collectives inside it (both on the compute stream, back to back).
+struct ActionCost {
+  Seconds compute = 0;
+  Seconds comm = 0;
+};
+
+/// One action's interval on its rank.
+struct Interval {
+  Seconds start = 0, end = 0;
+};
+
+struct PlanTimeline {
+  Seconds makespan = 0;
+  std::vector<Seconds> busy, comm, idle, finish;  ///< per rank
+  std::vector<std::vector<Interval>> times;       ///< per rank, per action
+};
+
+/// Runs `plan` in virtual time: ranks run their actions in order; a compute action
+/// takes cost(rank, action); an overlapped F&B pair takes both halves' compute, and
+/// their blocking comm either added (overlap_pair_comm false) or hidden under the
+/// pair's compute up to its length; a Send never blocks and its message arrives
+/// message_time(send) later; a Recv waits for it. Throws ScheduleError on deadlock.
+PlanTimeline run_plan(const StepPlan& plan, const std::function<ActionCost(int, const Action&)>& cost,
+                      const std::function<Seconds(const Action&)>& message_time, bool overlap_pair_comm = false);
+
+/// Persistent bytes of one pipeline rank holding `stages` (layers [first, last) and
+/// the ends), for a cluster's per-parameter byte counts and the layout.
+Bytes persistent_bytes(const ModelConfig& cfg, const ClusterSpec& cluster, const ParallelSpec& par,
+                       const std::vector<std::pair<int, int>>& layer_ranges, bool embedding, bool head);
+
+}  // namespace moeflex::sim

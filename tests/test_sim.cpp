@@ -1,0 +1,309 @@
+// The simulator: layer times against the cost model's primitives, the plan
+// executor against schedule/simulate and the closed-form bubbles, collectives
+// against their formulas, memory against MemoryWalk and the real arena, OOMs and
+// their restart cost exactly at the memory limit, and the presets' parameter counts.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "model_fixtures.h"
+#include "moeflex/core/arena.h"
+#include "moeflex/core/error.h"
+#include "moeflex/model/layer_cost.h"
+#include "moeflex/model/memory_plan.h"
+#include "moeflex/model/model.h"
+#include "moeflex/schedule/generators.h"
+#include "moeflex/schedule/simulate.h"
+#include "moeflex/sim/cluster.h"
+#include "moeflex/sim/presets.h"
+#include "moeflex/sim/simulator.h"
+#include "moeflex/train/optimizer.h"
+
+using namespace moeflex;
+using namespace moeflex::sim;
+
+namespace {
+
+constexpr FlopsPerSecond kRate = 1e12;
+
+/// Every GEMM at kRate, elementwise work and launches free: a layer's time is its
+/// GEMM FLOPs / kRate.
+HardwareProfile gemm_only_profile() {
+  HardwareProfile p;
+  p.name = "gemm-only";
+  p.gemm = {{64, 64, 64, kRate}};
+  p.memory_bandwidth = 1e30;
+  p.launch_overhead = 0;
+  p.h2d_bandwidth = p.d2h_bandwidth = 1e9;
+  p.copy_latency = 0;
+  return p;
+}
+
+ClusterSpec test_cluster() {
+  ClusterSpec c;
+  c.name = "test";
+  c.gpus_per_node = 8;
+  c.device_memory = 1 * kGiB;
+  c.intra_node = {1e-6, 100e9};
+  c.inter_node = {5e-6, 10e9};
+  c.element_bytes = 4;
+  c.param_bytes = 8;
+  c.optimizer_bytes = 8;
+  c.peak_flops = kRate;
+  c.profile = gemm_only_profile();
+  return c;
+}
+
+SimOptions small_options(const std::string& schedule, int pp, int m) {
+  SimOptions o;
+  o.model = test::small_moe_config(4, 1, 8, true);
+  o.cluster = test_cluster();
+  o.parallel.pp = pp;
+  o.schedule = schedule;
+  o.micro_batch_size = 2;
+  o.seq_len = 16;
+  o.global_batch = 2 * m;
+  o.loads.constant = 1.0;
+  return o;
+}
+
+}  // namespace
+
+TEST(LayerCost, TimesAreTheGemmFlopsOverTheRate) {
+  const CostModel cost(gemm_only_profile());
+  ModelConfig cfg = test::small_moe_config(2, 1, 8, false);
+  const std::int64_t B = 2, S = 16, n = B * S;
+  for (int l = 0; l < 2; ++l) {
+    LayerWork w;
+    w.B = B;
+    w.S = S;
+    w.rows = MoERows::balanced(cfg, n);
+    const LayerCost lc = layer_cost(cost, cfg, l, w);
+    const double flops = layer_forward_flops(cfg, l, B, S);
+    EXPECT_NEAR(lc.forward, flops / kRate, 1e-9 * flops / kRate) << "layer " << l;
+    // backward = dx and dW of every GEMM: twice the forward's FLOPs
+    EXPECT_NEAR(lc.backward(), 2 * flops / kRate, 1e-9 * flops / kRate) << "layer " << l;
+    EXPECT_GT(lc.backward_weight, 0.3 * lc.backward());
+    EXPECT_EQ(lc.a2a_send_bytes, 0);
+  }
+  LayerWork w;
+  w.B = B;
+  w.S = S;
+  const LayerCost head = head_cost(cost, cfg, w);
+  EXPECT_NEAR(head.forward, head_forward_flops(cfg, B, S) / kRate, 1e-12);
+}
+
+TEST(LayerCost, RecomputeTimesAreTheLineagesOps) {
+  HardwareProfile p = gemm_only_profile();
+  p.memory_bandwidth = 1e9;
+  p.launch_overhead = 1e-6;
+  const CostModel cost(p);
+  const ModelConfig cfg = test::small_moe_config(2, 0, 8, true);
+  LayerWork w;
+  w.B = 2;
+  w.S = 16;
+  w.rows = MoERows::balanced(cfg, 32);
+  const LayerCost lc = layer_cost(cost, cfg, 0, w);
+  const std::int64_t d = cfg.hidden_size, H = cfg.num_attention_heads, hd = cfg.head_dim();
+  EXPECT_DOUBLE_EQ(lc.recompute_seconds("attn.probs"), cost.attention_forward(2, 16, H, hd));
+  EXPECT_DOUBLE_EQ(lc.recompute_seconds("attn.q"), cost.linear_forward(32, d, d) + cost.rope(2, 16, H, hd));
+  EXPECT_DOUBLE_EQ(lc.recompute_seconds("experts.act"), cost.swiglu_forward(w.rows.received * cfg.moe_intermediate_size));
+  EXPECT_DOUBLE_EQ(lc.recompute_seconds("attn_norm.in"), 0);  // a layer input: no lineage
+  // Every recomputable activation of the ledger has a time.
+  for (const auto& a : layer_activations(cfg, 0, 2, 16, w.rows, false))
+    if (a.recomputable) EXPECT_GT(lc.recompute_seconds(a.name), 0) << a.name;
+  // Twice the rows received: the expert GEMMs cost twice as much.
+  LayerWork hot = w;
+  hot.ep = 2;
+  hot.rows.received *= 2;
+  LayerWork cold = w;
+  cold.ep = 2;
+  const LayerCost a = layer_cost(cost, cfg, 0, cold), b = layer_cost(cost, cfg, 0, hot);
+  EXPECT_NEAR(b.recompute_seconds("experts.gate_out"), 2 * a.recompute_seconds("experts.gate_out"), 1e-12);
+  EXPECT_EQ(b.a2a_recv_bytes, 2 * a.a2a_recv_bytes);
+  EXPECT_EQ(a.a2a_send_bytes, w.rows.permuted / 2 * d * 4);  // half the rows stay local with ep 2
+}
+
+TEST(Sim, UnitCostBubbleEqualsTheScheduleSimulatorAndClosedForms) {
+  struct Case {
+    std::string name;
+    int p, m, v;
+  };
+  for (const Case& c : {Case{"gpipe", 4, 8, 1}, Case{"1f1b", 4, 8, 1}, Case{"interleaved", 4, 8, 2},
+                        Case{"zb-h1", 4, 8, 1}, Case{"dualpipev", 4, 10, 1}}) {
+    const StepPlan plan = make_schedule(c.name, c.p, c.m, c.v);
+    const SimResult ref = simulate(plan, Costs{});
+    const PlanTimeline tl = run_plan(
+        plan,
+        [](int, const Action& a) -> ActionCost { return {a.kind == ActionKind::Backward ? 2.0 : 1.0, 0}; },
+        [](const Action&) { return 0.0; });
+    EXPECT_DOUBLE_EQ(tl.makespan, ref.makespan) << c.name;
+    for (int r = 0; r < c.p; ++r) EXPECT_DOUBLE_EQ(tl.idle[std::size_t(r)], ref.ranks[std::size_t(r)].idle) << c.name;
+    // unit per-action costs: interleaved's (p-1)(f+b+w) is per chunk
+    EXPECT_DOUBLE_EQ(tl.idle[0], closed_form_bubble(c.name, c.p, Costs{})) << c.name;
+  }
+}
+
+TEST(Sim, MessageLatencyAddsToTheGpipeBubble) {
+  const StepPlan plan = make_schedule("gpipe", 4, 6, 1);
+  const double c = 0.25;
+  const PlanTimeline tl = run_plan(
+      plan, [](int, const Action& a) -> ActionCost { return {a.kind == ActionKind::Backward ? 2.0 : 1.0, 0}; },
+      [&](const Action&) { return c; });
+  EXPECT_DOUBLE_EQ(tl.idle[0], 3 * (3 + 2 * c));  // docs/schedules.md: (p-1)(F+B+W+2c)
+}
+
+TEST(Cluster, CollectivesFollowTheirFormulas) {
+  const ClusterSpec c = test_cluster();
+  const Bytes b = 64 * kMiB;
+  // 16 ranks, 8 per node: 7/15 of the bytes over NVLink, 8/15 over the NIC, at once.
+  const GroupPlacement g = place_group(16, 1, 8);
+  EXPECT_EQ(g.ranks_per_node, 8);
+  const double expect = 5e-6 + std::max(double(b) * 7 / 15 / 100e9, double(b) * 8 / 15 / 10e9);
+  EXPECT_DOUBLE_EQ(all_to_all_time(c, g, b, b / 2), expect);
+  // Within a node only NVLink.
+  EXPECT_DOUBLE_EQ(all_to_all_time(c, place_group(8, 1, 8), b, b), 1e-6 + double(b) / 100e9);
+  // A stride of a node: every peer is remote.
+  EXPECT_EQ(place_group(4, 8, 8).ranks_per_node, 1);
+  // Ring all-reduce: 2(n-1) alpha + 2(n-1)/n bytes / beta over the slowest link.
+  EXPECT_DOUBLE_EQ(all_reduce_time(c, place_group(4, 1, 8), b), 6 * 1e-6 + 1.5 * double(b) / 100e9);
+  EXPECT_DOUBLE_EQ(all_reduce_time(c, place_group(4, 8, 8), b), 6 * 5e-6 + 1.5 * double(b) / 10e9);
+  EXPECT_DOUBLE_EQ(all_gather_time(c, place_group(4, 1, 8), b), 3 * 1e-6 + 0.75 * double(b) / 100e9);
+  EXPECT_EQ(all_reduce_time(c, place_group(1, 1, 8), b), 0);
+}
+
+TEST(Sim, PeakEqualsMemoryWalkAndPersistentEqualsTheArena) {
+  SimOptions o = small_options("1f1b", 1, 3);
+  const SimReport r = simulate(o);
+  ASSERT_EQ(r.ranks.size(), 1u);
+  // Persistent bytes: the real model's weights and gradients plus AdamW's state.
+  {
+    Arena arena;
+    MoEModel model(o.model, arena, ModelParallel{});
+    AdamW opt(model.params(), arena, AdamWConfig{});
+    EXPECT_EQ(r.ranks[0].persistent_bytes, arena.in_use());
+  }
+  MemoryWalk w(o.model, o.micro_batch_size, o.seq_len, r.ranks[0].persistent_bytes);
+  const StageSpec st{0, int(o.model.num_hidden_layers), true, true, 1};
+  std::vector<MoERows> rows(std::size_t(o.model.num_hidden_layers), MoERows::balanced(o.model, 32));
+  for (int mb = 0; mb < 3; ++mb) {
+    w.forward(mb, st, rows, {});
+    w.backward(mb, st);
+  }
+  EXPECT_EQ(r.peak_bytes, w.peak());
+  // A policy that recomputes lowers it.
+  o.policy = "full";
+  EXPECT_LT(simulate(o).peak_bytes, r.peak_bytes);
+}
+
+TEST(Sim, ShortenedWalkKeepsThePeak) {
+  for (const std::string s : {"1f1b", "zb-h1", "interleaved", "dualpipev"}) {
+    SimOptions o = small_options(s, 2, 24);
+    if (s == "interleaved") o.parallel.vpp = 2;
+    const Bytes shortened = simulate(o).peak_bytes;  // walks 2 pp x chunks + 2 micro-batches of 24
+    const int chunks = s == "interleaved" || s == "dualpipev" ? 2 : 1;
+    o.global_batch = 2 * (2 * 2 * chunks + 2);        // a step that short, walked whole
+    EXPECT_EQ(simulate(o).peak_bytes, shortened) << s;
+  }
+}
+
+TEST(Sim, OomAndRestartCostExactlyWhenTheWalkExceedsMemory) {
+  SimOptions o = small_options("1f1b", 2, 4);
+  o.iterations = 5;
+  o.checkpoint_interval = 2;
+  o.restart_seconds = 100;
+  const SimReport fits = simulate(o);
+  EXPECT_EQ(fits.ooms, 0);
+  EXPECT_DOUBLE_EQ(fits.effective_tgs, fits.tgs);
+  o.memory_limit = fits.peak_bytes;  // exactly the peak: still fits
+  EXPECT_EQ(simulate(o).ooms, 0);
+  o.memory_limit = fits.peak_bytes - 1;
+  const SimReport oom = simulate(o);
+  EXPECT_EQ(oom.ooms, 5);
+  // iterations 0..4 with checkpoints every 2: 0, 1, 0, 1, 0 lost before each failure
+  EXPECT_EQ(oom.lost_iterations, 2);
+  EXPECT_NEAR(oom.restart_time, 5 * 100 + oom.step_time * (5 + 2), 1e-9);
+  EXPECT_NEAR(oom.effective_tgs, oom.tgs * 5 * oom.step_time / (5 * oom.step_time + oom.restart_time), 1e-9);
+  // The adaptive policy recomputes instead and does not fail.
+  o.policy = "adaptive";
+  const SimReport ad = simulate(o);
+  EXPECT_EQ(ad.ooms, 0);
+  EXPECT_LE(ad.peak_bytes, o.memory_limit);
+  EXPECT_GT(ad.recompute_time, 0);
+}
+
+TEST(Sim, SpikesRaiseTheHotRanksPeakAndStepTime) {
+  SimOptions o = small_options("1f1b", 2, 4);
+  o.parallel.dp = 2;
+  o.parallel.ep = 2;
+  o.global_batch = 2 * 2 * 4;
+  const SimReport calm = simulate(o);
+  o.loads.constant = 1.8;
+  const SimReport hot = simulate(o);
+  EXPECT_GT(hot.peak_bytes, calm.peak_bytes);
+  EXPECT_GT(hot.step_time, calm.step_time);
+  EXPECT_GT(hot.exposed_comm, calm.exposed_comm);
+  EXPECT_EQ(hot.ranks[0].peak_balanced_bytes, calm.ranks[0].peak_balanced_bytes);
+}
+
+TEST(Sim, InvalidLayoutsAreRefusedWithTheRule) {
+  SimOptions o = small_options("1f1b", 1, 2);
+  o.parallel.dp = 4;
+  o.parallel.ep = 3;  // does not divide dp 4
+  o.global_batch = 8;
+  EXPECT_THROW(simulate(o), ConfigError);
+  o = small_options("interleaved", 2, 3);  // m % p != 0
+  o.parallel.vpp = 2;
+  EXPECT_THROW(simulate(o), ConfigError);
+}
+
+TEST(Presets, ModelsHaveTheirPublishedParameterCounts) {
+  const std::filesystem::path root = MOEFLEX_SOURCE_DIR;
+  struct P {
+    const char* name;
+    double params;
+    double tol;  // relative; attention is approximated as multi-head with head_dim = hidden / heads
+  };
+  for (const P& p : {P{"deepseek-v3", 671e9, 0.01}, P{"mixtral-8x7b", 46.7e9, 0.02}, P{"mixtral-8x22b", 141e9, 0.03},
+                     P{"qwen3-30b-a3b", 30.5e9, 0.02}, P{"qwen3-235b-a22b", 235e9, 0.01},
+                     P{"kimi-k2-1t", 1.04e12, 0.02}}) {
+    const ModelConfig c = load_model(p.name, root);
+    EXPECT_NEAR(double(c.num_params()), p.params, p.tol * p.params) << p.name;
+  }
+  EXPECT_EQ(load_model("deepseek-v3", root).num_experts, 256);
+  EXPECT_EQ(load_model("mixtral-8x7b", root).moe_intermediate_size, 14336);
+  EXPECT_THROW(load_model("no-such-model", root), ConfigError);
+}
+
+TEST(Presets, ClustersLoad) {
+  const std::filesystem::path root = MOEFLEX_SOURCE_DIR;
+  const ClusterSpec h100 = load_cluster("h100", root), h200 = load_cluster("h200", root);
+  EXPECT_EQ(h100.gpus_per_node, 8);
+  EXPECT_EQ(h100.peak_flops, 989e12);
+  EXPECT_GT(h200.usable_memory(), h100.usable_memory());
+  // The derived GEMM rate reaches the stated efficiency on a large GEMM.
+  const CostModel cm(h100.profile);
+  EXPECT_NEAR(cm.gemm_rate(16384, 16384, 16384), 0.72 * 989e12, 0.01 * 989e12);
+  EXPECT_LT(cm.gemm_rate(64, 64, 64), 0.1 * 989e12);
+  const ClusterSpec g = load_cluster("generic-64g", root);
+  EXPECT_EQ(g.device_memory, 64 * kGiB);
+  EXPECT_THROW(load_cluster("no-such-cluster", root), ConfigError);
+}
+
+TEST(Sim, DeepSeekV3OnALargeClusterRuns) {
+  const std::filesystem::path root = MOEFLEX_SOURCE_DIR;
+  SimOptions o;
+  o.model = load_model("deepseek-v3", root);
+  o.cluster = load_cluster("h100", root);
+  o.parallel = ParallelSpec::parse("tp=2,pp=8,vpp=4,ep=64,dp=64");
+  o.schedule = "interleaved";
+  o.global_batch = 1024;
+  o.seq_len = 4096;
+  o.loads.constant = 1.1;
+  const SimReport r = simulate(o);
+  EXPECT_EQ(r.ranks.size(), 8u);
+  EXPECT_GT(r.mfu, 0.05);
+  EXPECT_LT(r.mfu, 0.7);
+  EXPECT_GT(r.exposed_comm, 0);
+  EXPECT_NEAR(r.tgs * r.step_time * 1024, 1024.0 * 4096, 1e-6 * 1024 * 4096);
+}

@@ -37,7 +37,8 @@ struct StepResult {
 
 /// Runs forwards of `M` micro-batches then their backwards (GPipe order) under
 /// `policy`, and replays the same on a MemoryWalk.
-StepResult run_step(const ModelConfig& cfg, const ProvisionPolicy& policy, int M, double skew, std::uint64_t seed) {
+StepResult run_step(const ModelConfig& cfg, const ProvisionPolicy& policy, int M, double skew, std::uint64_t seed,
+                    bool split = false) {
   Arena arena;
   MoEModel model(cfg, arena);
   model.init_weights(seed);
@@ -63,10 +64,17 @@ StepResult run_step(const ModelConfig& cfg, const ProvisionPolicy& policy, int M
       return h;
     }()) << "held bytes of micro-batch " << mb;
   }
+  model.set_defer_weight_grads(split);  // zero-bubble B: weight gradients wait for W
   for (int mb = 0; mb < M; ++mb) {
     model.backward(ids[std::size_t(mb)].data(), tg[std::size_t(mb)].data(), kB, kS, mb, 1.0 / M);
-    walk.backward(mb, stage);
+    walk.backward(mb, stage, split);
     EXPECT_EQ(walk.in_use(), arena.in_use()) << "after backward " << mb;
+  }
+  model.set_defer_weight_grads(false);
+  for (int mb = 0; split && mb < M; ++mb) {
+    model.backward_weight(mb);
+    walk.weight(mb, stage);
+    EXPECT_EQ(walk.in_use(), arena.in_use()) << "after W " << mb;
   }
   return {arena.peak(), walk.peak()};
 }
@@ -120,6 +128,19 @@ TEST(MemoryPlan, PeakEqualsTheArenaForEveryStaticPolicy) {
   // threshold decides from the routing context the walk hands the policy.
   const StepResult r = run_step(cfg, make_static_policy("threshold=1.1"), 3, 3.0, 8);
   EXPECT_EQ(r.predicted, r.measured) << "threshold=1.1";
+}
+
+// The zero-bubble split: what the deferred weight gradients read stays until W.
+TEST(MemoryPlan, PeakEqualsTheArenaWithTheZeroBubbleSplit) {
+  const ModelConfig cfg = config_with_dense_and_shared();
+  for (const std::string& name : {"none", "full", "moe-medium", "selective"}) {
+    const StepResult r = run_step(cfg, make_static_policy(name), 2, 2.5, 9, true);
+    EXPECT_EQ(r.predicted, r.measured) << "policy " << name;
+  }
+  ModelConfig no_shared = cfg;
+  no_shared.n_shared_experts = 0;
+  const StepResult r = run_step(no_shared, make_static_policy("none"), 3, 0.0, 10, true);
+  EXPECT_EQ(r.predicted, r.measured) << "no shared expert";
 }
 
 TEST(MemoryPlan, PeakEqualsTheArenaForRandomMixes) {

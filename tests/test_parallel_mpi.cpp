@@ -114,14 +114,16 @@ TEST(Parallel, MemoryPlanUnderExpertParallelism) {
   const ModelConfig cfg = test::small_moe_config(2, 0, 4, true);
   if (cfg.num_experts % world != 0) GTEST_SKIP() << "experts do not divide over " << world << " ranks";
   const std::int64_t B = 2, S = 8, n = B * S, M = 2;
-  for (const char* policy : {"none", "full", "moe-light", "threshold=1.1"}) {
+  for (const char* policy : {"none", "full", "moe-light", "threshold=1.1", "none/split", "full/split"}) {
+    const bool split = std::string_view(policy).ends_with("/split");  // zero-bubble B then W
+    const std::string name = split ? std::string(policy).substr(0, std::string(policy).size() - 6) : policy;
     Arena arena;
     ModelParallel par;
     par.ep_group = world > 1 ? g_world : nullptr;
     MoEModel model(cfg, arena, par);
     model.init_weights(5);
     model.set_router_skew(2.5);
-    model.stash().set_policy(make_static_policy(policy));
+    model.stash().set_policy(make_static_policy(name));
     arena.reset_peaks();
     MemoryWalk walk(cfg, B, S, arena.in_use());
     const StageSpec stage{0, int(cfg.num_hidden_layers), true, true, world};
@@ -139,12 +141,18 @@ TEST(Parallel, MemoryPlanUnderExpertParallelism) {
         for (auto c : r.tokens_per_expert) kept += c;
         rows[std::size_t(r.layer)] = {kept, r.received_rows};
       }
-      walk.forward(mb, stage, rows, make_static_policy(policy));
+      walk.forward(mb, stage, rows, make_static_policy(name));
       EXPECT_EQ(walk.in_use(), arena.in_use()) << policy << " after forward " << mb << " on rank " << g_world->rank();
     }
+    model.set_defer_weight_grads(split);
     for (int mb = 0; mb < M; ++mb) {
       model.backward(ids[std::size_t(mb)].data(), tg[std::size_t(mb)].data(), B, S, mb, 0.5);
-      walk.backward(mb, stage);
+      walk.backward(mb, stage, split);
+    }
+    model.set_defer_weight_grads(false);
+    for (int mb = 0; split && mb < M; ++mb) {
+      model.backward_weight(mb);
+      walk.weight(mb, stage);
     }
     EXPECT_EQ(walk.peak(), arena.peak()) << policy << " on rank " << g_world->rank();
     EXPECT_EQ(walk.in_use(), arena.in_use()) << policy << " at the end on rank " << g_world->rank();

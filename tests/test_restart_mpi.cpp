@@ -52,6 +52,7 @@ trace_steps = 0
 keep_checkpoints = 10
 )", "restart test config");
   c.train.steps = steps;
+  c.train.policy = "none";  // a static policy (with a budget the default would be adaptive)
   c.parallel.ep = ep;
   c.data.path = (kSrc / "data" / "brown").string();
   return c;

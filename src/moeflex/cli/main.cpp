@@ -64,7 +64,8 @@ int main(int argc, char** argv) {
   std::string policy, inject;
   train->add_option("--inject-imbalance", inject, "routing spikes: every=N:ratio=R or prob=P:ratio=R:seed=S");
   train->add_option("--policy", policy,
-                    "activation provisioning: none, full, selective, moe-light, moe-medium, moe-full (train.policy)");
+                    "activation provisioning: adaptive (the default with --device-memory), none (the default without), full, "
+                    "selective, moe-light, moe-medium, moe-full, threshold[=R] (train.policy)");
   std::string on_oom;
   std::int64_t max_restarts = -1, checkpoint_every = -1;
   double restart_seconds = -1;

@@ -9,6 +9,7 @@
 #include "moeflex/core/error.h"
 #include "moeflex/model/model.h"
 #include "moeflex/ops/moe_dispatch.h"
+#include "moeflex/schedule/plan.h"
 
 namespace moeflex {
 
@@ -133,6 +134,17 @@ Bytes rebuild_extra_bytes(const ModelConfig& cfg, std::int64_t B, std::int64_t S
 MemoryWalk::MemoryWalk(const ModelConfig& cfg, std::int64_t B, std::int64_t S, Bytes persistent)
     : cfg_(cfg), B_(B), S_(S), in_use_(persistent), peak_(persistent) {}
 
+const std::vector<ActivationSpec>& MemoryWalk::specs_of(int layer, const MoERows& rows, bool ep) {
+  // Layers of one kind with the same rows list the same activations: build once.
+  const int kind = layer == kHeadLayer ? 2 : cfg_.is_moe_layer(layer) ? 1 : 0;
+  const SpecKey key{kind, kind == 1 ? rows.permuted : 0, kind == 1 ? rows.received : 0, ep};
+  auto it = specs_.find(key);
+  if (it == specs_.end())
+    it = specs_.emplace(key, kind == 2 ? head_activations(cfg_, B_, S_) : layer_activations(cfg_, layer, B_, S_, rows, ep))
+             .first;
+  return it->second;
+}
+
 void MemoryWalk::alloc(Bytes bytes) {
   in_use_ += bytes;
   peak_ = std::max(peak_, in_use_);
@@ -168,7 +180,7 @@ void MemoryWalk::buffer(int count) {
 Bytes MemoryWalk::held(int mb) const {
   Bytes h = 0;
   for (const auto& [k, e] : stash_)
-    if (std::get<0>(k) == mb && e.on_device) h += Arena::round_up(std::max<Bytes>(1, e.spec.bytes));
+    if (std::get<0>(k) == mb && e.on_device) h += Arena::round_up(std::max<Bytes>(1, e.bytes));
   return h;
 }
 
@@ -183,8 +195,8 @@ void MemoryWalk::save(int mb, int layer, const std::vector<ActivationSpec>& spec
       le.tokens_received = ep_size > 1 ? r.received : r.permuted;
       le.tokens_balanced = B_ * S_ * cfg_.num_experts_per_tok / ep_size;
     }
-    Entry e{*it, provision ? provision(le) : Provision::save, true};
-    if (e.provision == Provision::recompute && !e.spec.recomputable) e.provision = Provision::save;
+    Entry e{&*it, it->bytes, provision ? provision(le) : Provision::save, true};
+    if (e.provision == Provision::recompute && !e.spec->recomputable) e.provision = Provision::save;
     stash_[{mb, layer, name}] = e;
   }
   // Dropped entries are freed at their save; offloads once their copy lands, taken
@@ -192,7 +204,7 @@ void MemoryWalk::save(int mb, int layer, const std::vector<ActivationSpec>& spec
   for (const std::string& name : names) {
     Entry& e = stash_[{mb, layer, name}];
     if (e.provision != Provision::save) {
-      free(Arena::round_up(std::max<Bytes>(1, e.spec.bytes)));
+      free(Arena::round_up(std::max<Bytes>(1, e.bytes)));
       e.on_device = false;
     }
   }
@@ -202,7 +214,7 @@ void MemoryWalk::get(int mb, int layer, const std::string& name) {
   auto it = stash_.find({mb, layer, name});
   if (it == stash_.end()) throw Error(fmt::format("memory plan: '{}' of layer {} micro-batch {} is not saved", name, layer, mb));
   if (it->second.on_device) return;
-  const Bytes size = Arena::round_up(std::max<Bytes>(1, it->second.spec.bytes));
+  const Bytes size = Arena::round_up(std::max<Bytes>(1, it->second.bytes));
   if (it->second.provision == Provision::offload) {  // prefetched back (prefetch_layer)
     alloc(size);
     it->second.on_device = true;
@@ -210,7 +222,7 @@ void MemoryWalk::get(int mb, int layer, const std::string& name) {
   }
   // Recompute: the lineage fetches its inputs, then allocates as model.cpp's lineages do.
   const std::int64_t n = B_ * S_, d = cfg_.hidden_size;
-  const ActivationSpec spec = it->second.spec;
+  const ActivationSpec& spec = *it->second.spec;
   for (const std::string& in : spec.inputs) get(mb, layer, in);
   if (spec.op == "rmsnorm") {  // y [n, d] and rstd [n], one returned
     alloc(rounded(n * d));
@@ -248,7 +260,7 @@ void MemoryWalk::prefetch(int mb, int layer) {
   auto it = stash_.lower_bound(Key{mb, layer, std::string()});
   for (; it != stash_.end() && std::get<0>(it->first) == mb && std::get<1>(it->first) == layer; ++it)
     if (!it->second.on_device && it->second.provision == Provision::offload) {
-      alloc(Arena::round_up(std::max<Bytes>(1, it->second.spec.bytes)));
+      alloc(Arena::round_up(std::max<Bytes>(1, it->second.bytes)));
       it->second.on_device = true;
     }
 }
@@ -256,7 +268,11 @@ void MemoryWalk::prefetch(int mb, int layer) {
 void MemoryWalk::release_layer(int mb, int layer) {
   auto it = stash_.lower_bound(Key{mb, layer, std::string()});
   while (it != stash_.end() && std::get<0>(it->first) == mb && std::get<1>(it->first) == layer) {
-    if (it->second.on_device) free(Arena::round_up(std::max<Bytes>(1, it->second.spec.bytes)));
+    if (it->second.on_device) {
+      const Bytes b = Arena::round_up(std::max<Bytes>(1, it->second.bytes));
+      if (pinned_.erase(it->first)) keep(mb, b);  // a deferred weight gradient still reads it
+      else free(b);
+    }
     it = stash_.erase(it);
   }
 }
@@ -275,7 +291,7 @@ void MemoryWalk::forward_layers(int mb, const StageSpec& st, int from, const std
                                 const ProvisionFn& provision) {
   for (int l = from; l < st.last_layer; ++l) {
     const MoERows r = rows_at(st, l, rows);
-    const auto specs = layer_activations(cfg_, l, B_, S_, r, st.ep());
+    const auto& specs = specs_of(l, r, st.ep());
     attention_forward(mb, l, specs, provision);
     ffn_forward(mb, l, specs, r, st.ep_size, provision);
   }
@@ -290,7 +306,7 @@ void MemoryWalk::forward_layers(int mb, const StageSpec& st, int from, const std
 }
 
 void MemoryWalk::save_head(int mb, const ProvisionFn& provision) {
-  save(mb, kHeadLayer, head_activations(cfg_, B_, S_),
+  save(mb, kHeadLayer, specs_of(kHeadLayer, {}, false),
        {"final_norm.in", "final_norm.out", "final_norm.rstd", "lm_head.probs"}, provision);
 }
 
@@ -303,7 +319,7 @@ void MemoryWalk::finish_forward(int mb, const StageSpec& st, int l, SavePoint po
     return;
   }
   const MoERows r = rows_at(st, l, rows);
-  const auto specs = layer_activations(cfg_, l, B_, S_, r, st.ep());
+  const auto& specs = specs_of(l, r, st.ep());
   if (point == SavePoint::attention) {
     save(mb, l, specs, kAttentionSaves, provision);
     ffn_forward(mb, l, specs, r, st.ep_size, provision);
@@ -320,13 +336,10 @@ void MemoryWalk::finish_forward(int mb, const StageSpec& st, int l, SavePoint po
 }
 
 void MemoryWalk::adopt(const LedgerEntry& e, bool on_device, int ep_size) {
-  const auto specs = e.layer == kHeadLayer ? head_activations(cfg_, B_, S_)
-                                           : layer_activations(cfg_, e.layer, B_, S_, MoERows::balanced(cfg_, B_ * S_),
-                                                               ep_size > 1);
+  const auto& specs = specs_of(e.layer, MoERows::balanced(cfg_, B_ * S_), ep_size > 1);
   auto it = std::find_if(specs.begin(), specs.end(), [&](const ActivationSpec& s) { return s.name == e.name; });
   if (it == specs.end()) throw Error(fmt::format("memory plan: cannot adopt unknown activation '{}'", e.name));
-  Entry entry{*it, e.provision, on_device};
-  entry.spec.bytes = e.bytes;
+  Entry entry{&*it, e.bytes, e.provision, on_device};
   // An offload whose copy is still in flight: its device block goes once the copy
   // lands, taken (as for the walk's own offloads) as the end of the block under way.
   if (on_device && e.provision == Provision::offload) landing_.push_back({e.microbatch, e.layer, e.name});
@@ -343,7 +356,7 @@ void MemoryWalk::land() {
   for (const Key& k : landing_) {
     auto it = stash_.find(k);
     if (it != stash_.end() && it->second.on_device) {
-      free(Arena::round_up(std::max<Bytes>(1, it->second.spec.bytes)));
+      free(Arena::round_up(std::max<Bytes>(1, it->second.bytes)));
       it->second.on_device = false;
     }
   }
@@ -361,6 +374,8 @@ void MemoryWalk::run(const std::vector<WalkAction>& actions, std::size_t from, c
         break;
       }
       case WalkAction::Kind::backward: backward(a.microbatch, stages.at(std::size_t(a.stage))); break;
+      case WalkAction::Kind::backward_input: backward(a.microbatch, stages.at(std::size_t(a.stage)), true); break;
+      case WalkAction::Kind::weight: weight(a.microbatch, stages.at(std::size_t(a.stage))); break;
       case WalkAction::Kind::alloc_buffer: buffer(1); break;
       case WalkAction::Kind::free_buffer: buffer(-1); break;
     }
@@ -439,8 +454,23 @@ void MemoryWalk::ffn_moe_tail(int mb, int l, const std::vector<ActivationSpec>& 
   ctx_ = nullptr;
 }
 
-void MemoryWalk::backward(int mb, const StageSpec& st) {
+void MemoryWalk::keep(int mb, Bytes bytes) { retained_[{mb, stage_id_}] += bytes; }
+
+void MemoryWalk::pin(int mb, int layer, const std::string& name) {
+  if (split_) pinned_.insert({mb, layer, name});
+}
+
+void MemoryWalk::weight(int mb, const StageSpec& st) {
+  auto it = retained_.find({mb, st.first_layer});
+  if (it == retained_.end()) return;
+  free(it->second);
+  retained_.erase(it);
+}
+
+void MemoryWalk::backward(int mb, const StageSpec& st, bool split) {
   const std::int64_t n = B_ * S_, d = cfg_.hidden_size;
+  split_ = split;
+  stage_id_ = st.first_layer;
   enter(kPrefetched, mb, kHeadLayer);
   prefetch(mb, kHeadLayer);
   if (st.last_layer > st.first_layer) {
@@ -453,6 +483,8 @@ void MemoryWalk::backward(int mb, const StageSpec& st) {
     get(mb, kHeadLayer, "lm_head.probs");
     alloc(rounded(n * d));  // lm_head.dx
     get(mb, kHeadLayer, "final_norm.out");
+    pin(mb, kHeadLayer, "lm_head.probs");  // the LM head's dW reads both
+    pin(mb, kHeadLayer, "final_norm.out");
     get(mb, kHeadLayer, "final_norm.in");
     get(mb, kHeadLayer, "final_norm.rstd");
     free(rounded(n * d));  // lm_head.dx
@@ -472,7 +504,9 @@ void MemoryWalk::backward(int mb, const StageSpec& st) {
     release_layer(mb, l);
     enter(kAfter, mb, l);
   }
-  free(rounded(n * d));  // grad.residual
+  if (split && st.embedding) keep(mb, rounded(n * d));  // the embedding's W scatters it
+  else free(rounded(n * d));                            // grad.residual
+  split_ = false;
   for (auto it = rows_.begin(); it != rows_.end();)
     it = it->first.first == mb && it->first.second >= st.first_layer && it->first.second < st.last_layer
              ? rows_.erase(it)
@@ -483,17 +517,27 @@ void MemoryWalk::mlp_backward(int mb, int l, const std::string& prefix, std::int
   const std::int64_t n = B_ * S_;
   alloc(rounded(n * w));  // da
   get(mb, l, prefix + ".act");
+  pin(mb, l, prefix + ".act");  // W: down projection
   get(mb, l, prefix + ".gate_out");
   get(mb, l, prefix + ".up_out");
   alloc(rounded(n * w));  // dh1
   alloc(rounded(n * w));  // dh3
-  free(3 * rounded(n * w));
+  free(rounded(n * w));   // da
+  if (split_) {  // dh1 and dh3 wait for the W of the up and gate projections, with the norm's output
+    keep(mb, 2 * rounded(n * w));
+    pin(mb, l, "ffn_norm.out");
+  } else {
+    free(2 * rounded(n * w));
+  }
 }
 
 void MemoryWalk::ffn_backward(int mb, int l) {
   const std::int64_t n = B_ * S_, d = cfg_.hidden_size;
   get(mb, l, "ffn_norm.out");
   alloc(rounded(n * d));  // dm
+  const bool shared = cfg_.n_shared_experts > 0 || cfg_.shared_expert_intermediate_size > 0;
+  const bool dy_read_by_w = !cfg_.is_moe_layer(l) || shared;  // the down projections' dW read dy
+  if (split_) alloc(rounded(n * d));  // ffn.dy, a copy of the residual gradient
   if (!cfg_.is_moe_layer(l)) {
     mlp_backward(mb, l, "dense", cfg_.intermediate_size);
   } else {
@@ -513,18 +557,23 @@ void MemoryWalk::ffn_backward(int mb, int l) {
     }
     alloc(rounded(Rr * f));  // experts.dact
     get(mb, l, "experts.act");
-    free(rounded(Rr * d));   // experts.dout (or moe.dcombined without EP)
+    pin(mb, l, "experts.act");
+    if (split_) keep(mb, rounded(Rr * d));  // experts.dout waits for W2's dW
+    else free(rounded(Rr * d));            // experts.dout (or moe.dcombined without EP)
     alloc(rounded(Rr * f));  // dh1
     alloc(rounded(Rr * f));  // dh3
     get(mb, l, "experts.gate_out");
     get(mb, l, "experts.up_out");
     free(rounded(Rr * f));  // experts.dact
     get(mb, l, "experts.in");
+    pin(mb, l, "experts.in");
     alloc(rounded(Rr * d));  // experts.din
-    free(rounded(Rr * f));   // dh1
+    if (split_) keep(mb, rounded(Rr * f));  // dh1 waits for W1's dW
+    else free(rounded(Rr * f));
     alloc(rounded(Rr * d));  // experts.din_up
     free(rounded(Rr * d));
-    free(rounded(Rr * f));  // dh3
+    if (split_) keep(mb, rounded(Rr * f));  // dh3 waits for W3's dW
+    else free(rounded(Rr * f));
     if (ep) {
       alloc(rounded(R * d));   // moe.dpermuted
       alloc(rounded(Rr * d));  // all-to-all scratch
@@ -532,15 +581,23 @@ void MemoryWalk::ffn_backward(int mb, int l) {
       free(rounded(R * d));
     }
     free(rounded(Rr * d));  // experts.din
-    if (cfg_.n_shared_experts > 0 || cfg_.shared_expert_intermediate_size > 0)
-      mlp_backward(mb, l, "shared", cfg_.shared_width());
+    if (shared) mlp_backward(mb, l, "shared", cfg_.shared_width());
     get(mb, l, "router.probs");
     get(mb, l, "router.logits");
     alloc(rounded(n * E));  // dprobs
     alloc(rounded(n * E));  // dlogits
-    free(rounded(n * E));   // dlogits, after the router GEMM's backward
+    if (split_) {           // waits for the router GEMM's dW, with the norm's output
+      keep(mb, rounded(n * E));
+      pin(mb, l, "ffn_norm.out");
+    } else {
+      free(rounded(n * E));  // dlogits, after the router GEMM's backward
+    }
     free(rounded(n * E));   // dprobs
     free(rounded(n * k));   // router.dtopk_w
+  }
+  if (split_) {  // ffn.dy: held by the down projections' W, else gone here
+    if (dy_read_by_w) keep(mb, rounded(n * d));
+    else free(rounded(n * d));
   }
   get(mb, l, "ffn_norm.in");
   get(mb, l, "ffn_norm.rstd");
@@ -553,18 +610,100 @@ void MemoryWalk::attention_backward(int mb, int l) {
   const Bytes probs = rounded(B_ * cfg_.num_attention_heads * S_ * S_);
   for (int i = 0; i < 3; ++i) alloc(rounded(n * d));  // dq, dk, dv
   alloc(rounded(n * d));                              // dout
+  if (split_) {  // attn.o_proj.dy, a copy of the residual gradient kept for o_proj's dW
+    alloc(rounded(n * d));
+    keep(mb, rounded(n * d));
+  }
   get(mb, l, "attn.out");
+  pin(mb, l, "attn.out");
   for (const char* name : {"attn.q", "attn.k", "attn.v", "attn.probs"}) get(mb, l, name);
   alloc(probs);  // dprobs
   free(probs);
   free(rounded(n * d));  // dout
   get(mb, l, "attn_norm.out");
   alloc(rounded(n * d));  // da
-  free(3 * rounded(n * d));  // dq, dk, dv after their GEMMs
+  if (split_) {  // dq, dk, dv wait for the W of q, k, v, with the norm's output
+    keep(mb, 3 * rounded(n * d));
+    pin(mb, l, "attn_norm.out");
+  } else {
+    free(3 * rounded(n * d));  // dq, dk, dv after their GEMMs
+  }
   get(mb, l, "attn_norm.in");
   get(mb, l, "attn_norm.rstd");
   alloc(rounded(n * d));  // dtmp
   free(2 * rounded(n * d));  // dtmp, da
+}
+
+std::vector<WalkAction> walk_actions(const StepPlan& plan, int rank, std::vector<std::size_t>* walk_at) {
+  using K = WalkAction::Kind;
+  const int last = plan.num_stages - 1;
+  std::vector<WalkAction> w;
+  for (const Action& a : plan.actions[std::size_t(rank)]) {
+    const int chunk = is_compute(a.kind) ? plan.chunk_of(a.stage) : 0;
+    std::size_t at = w.size();
+    switch (a.kind) {
+      case ActionKind::RecvActivation:
+      case ActionKind::RecvGrad: w.push_back({K::alloc_buffer, a.microbatch, 0}); break;
+      case ActionKind::SendActivation:
+      case ActionKind::SendGrad: w.push_back({K::free_buffer, a.microbatch, 0}); break;
+      case ActionKind::Forward:
+        w.push_back({K::forward, a.microbatch, chunk});
+        if (a.stage > 0) w.push_back({K::free_buffer, a.microbatch, 0});  // its input
+        break;
+      case ActionKind::Backward:
+      case ActionKind::BackwardInput:
+        if (a.stage > 0) w.push_back({K::alloc_buffer, a.microbatch, 0});  // dx
+        at = w.size();
+        w.push_back({a.kind == ActionKind::Backward ? K::backward : K::backward_input, a.microbatch, chunk});
+        if (a.stage != last) w.push_back({K::free_buffer, a.microbatch, 0});  // dy
+        break;
+      case ActionKind::BackwardWeight: w.push_back({K::weight, a.microbatch, chunk}); break;
+    }
+    if (walk_at) walk_at->push_back(at);
+  }
+  return w;
+}
+
+BlockProjection project_block(const ModelConfig& cfg, const BlockContext& ctx, const BlockChoice* choice) {
+  const StageSpec& stage = ctx.stage;
+  const int mb = ctx.microbatch, l = ctx.layer;
+  const MoERows worst = MoERows::worst_case(cfg, ctx.B * ctx.S, stage.ep_size);
+  MemoryWalk w(cfg, ctx.B, ctx.S, ctx.in_use);
+  for (const auto& [e, on] : ctx.ledger) w.adopt(e, on, stage.ep_size);
+  std::vector<MoERows> own(std::size_t(std::max(0, stage.last_layer - stage.first_layer)), worst);
+  if (ctx.point == SavePoint::moe) own.at(std::size_t(l - stage.first_layer)) = ctx.rows;
+  const RowsFn future = [&](int, const StageSpec& st) {
+    return std::vector<MoERows>(std::size_t(std::max(0, st.last_layer - st.first_layer)),
+                                MoERows::worst_case(cfg, ctx.B * ctx.S, st.ep_size));
+  };
+  const ProvisionFn provision = [&](const LedgerEntry& e) {
+    if (e.microbatch == mb && e.layer == l &&
+        std::find(ctx.candidates.begin(), ctx.candidates.end(), e.name) != ctx.candidates.end()) {
+      if (!choice) return Provision::save;  // kept whole: the planner's closed form drops from it
+      auto it = choice->find(e.name);
+      return it == choice->end() ? Provision::save : it->second;
+    }
+    return most_memory_saving(cfg, e);
+  };
+  w.watch(mb, l, ctx.point);
+  w.finish_forward(mb, stage, l, ctx.point, own, provision);
+  if (ctx.program) w.run(ctx.program->actions, ctx.program->current + 1, ctx.program->stages, future, provision);
+  else w.backward(mb, stage);
+  using P = MemoryWalk;
+  return {w.phase_peak(P::kTail),     w.phase_peak(P::kHeld),         w.phase_peak(P::kPrefetched),
+          w.phase_peak(P::kBackward), w.phase_peak(P::kBackwardRest), w.phase_peak(P::kAfter)};
+}
+
+std::vector<std::int64_t> block_cache_key(const BlockContext& ctx) {
+  std::uint64_t digest = 1469598103934665603ull;  // FNV-1a over the ledger's state
+  auto mix = [&](std::uint64_t x) { digest = (digest ^ x) * 1099511628211ull; };
+  for (const auto& [e, on] : ctx.ledger) {
+    mix(std::uint64_t(e.microbatch) << 32 ^ std::uint64_t(e.layer));
+    mix(std::hash<std::string>{}(e.name));
+    mix(std::uint64_t(e.bytes) << 3 ^ std::uint64_t(e.provision) << 1 ^ std::uint64_t(on));
+  }
+  return {ctx.layer, int(ctx.point), ctx.program ? std::int64_t(ctx.program->current) : -1, ctx.rows.permuted,
+          ctx.rows.received, std::int64_t(digest)};
 }
 
 }  // namespace moeflex

@@ -14,12 +14,14 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <set>
 #include <string>
 #include <tuple>
 #include <vector>
 
 #include "moeflex/core/units.h"
 #include "moeflex/model/config.h"
+#include "moeflex/provision/planner.h"
 #include "moeflex/provision/stash.h"
 
 namespace moeflex {
@@ -88,11 +90,21 @@ enum class SavePoint { attention, moe, dense_ffn, head };
 /// One step of a rank's plan, as the memory walk replays it (train/pipeline.cpp
 /// turns a StepPlan into these, mirroring its executor's buffers).
 struct WalkAction {
-  enum class Kind { forward, backward, alloc_buffer, free_buffer };
+  /// backward_input: the zero-bubble B (weight gradients deferred); weight: its W.
+  enum class Kind { forward, backward, backward_input, weight, alloc_buffer, free_buffer };
   Kind kind = Kind::forward;
   int microbatch = 0;
   int stage = 0;  ///< index into the rank's StageSpec list (forward, backward)
 };
+
+struct StepPlan;
+
+/// One rank's actions of a schedule's `plan` as the memory walk replays them,
+/// mirroring the pipeline executor's buffers (train/pipeline.cpp): a received
+/// activation lives until its forward, a stage's output until it is sent or
+/// consumed, a gradient likewise; W actions are not modelled. walk_at[i], if
+/// given, receives the index of the step of plan action i (its forward or backward).
+std::vector<WalkAction> walk_actions(const StepPlan& plan, int rank, std::vector<std::size_t>* walk_at = nullptr);
 
 /// What one rank's step does, for projections: its stages (chunks), its actions
 /// in order, and the index of the action running now (kept by the executor).
@@ -126,10 +138,12 @@ using RowsFn = std::function<std::vector<MoERows>(int microbatch, const StageSpe
 /// A symbolic arena plus a symbolic activation stash, replaying the engine's
 /// allocations for forwards and backwards of micro-batches on one rank.
 ///
-/// Covers the non-split backward (the zero-bubble W queue is not modelled).
-/// Copyable, so a planner can fork it to project the rest of a step.
+/// Covers the fused backward and the zero-bubble split (B, then W).
+/// Not copyable (its entries point into its own table of activation specs).
 class MemoryWalk {
  public:
+  MemoryWalk(const MemoryWalk&) = delete;
+  MemoryWalk& operator=(const MemoryWalk&) = delete;
   /// persistent: bytes in use before the step (weights, gradients, optimizer state).
   MemoryWalk(const ModelConfig& cfg, std::int64_t B, std::int64_t S, Bytes persistent);
 
@@ -142,8 +156,13 @@ class MemoryWalk {
   /// The backward of `mb` through `stage` (MoEModel::backward_stage): rebuilds
   /// recomputed entries as the engine fetches them, allocates the gradients, and
   /// releases the micro-batch's activations of the stage. The pipeline's gradient
-  /// buffers (dy received, dx to send) are the caller's, via buffer().
-  void backward(int mb, const StageSpec& stage);
+  /// buffers (dy received, dx to send) are the caller's, via buffer(). With
+  /// `split` (zero-bubble B), what the deferred weight gradients read stays
+  /// allocated (output gradients, copies of the residual gradient, the activations
+  /// they multiply) until weight(mb, stage).
+  void backward(int mb, const StageSpec& stage, bool split = false);
+  /// The zero-bubble W of `mb` through `stage`: frees what its B kept.
+  void weight(int mb, const StageSpec& stage);
   /// Allocates (+1) or frees (-1) `count` pipeline buffers of [B*S, d] floats.
   void buffer(int count);
 
@@ -182,7 +201,8 @@ class MemoryWalk {
 
  private:
   struct Entry {
-    ActivationSpec spec;
+    const ActivationSpec* spec = nullptr;  // in specs_ (map nodes do not move)
+    Bytes bytes = 0;
     Provision provision = Provision::save;
     bool on_device = true;
   };
@@ -196,7 +216,17 @@ class MemoryWalk {
             const ProvisionFn& provision);
   void prefetch(int mb, int layer);
   void release_layer(int mb, int layer);
+  void keep(int mb, Bytes bytes);                         // held until weight(mb) of the current stage
+  void pin(int mb, int layer, const std::string& name);   // read by a deferred weight gradient
+  bool split_ = false;
+  int stage_id_ = 0;                                      // first layer of the stage under backward
+  std::map<std::pair<int, int>, Bytes> retained_;         // (mb, stage) -> bytes held for W
+  std::set<Key> pinned_;
   MoERows rows_at(const StageSpec& st, int l, const std::vector<MoERows>& rows) const;
+  /// layer_activations (or head_activations for kHeadLayer), memoized by layer kind and rows.
+  const std::vector<ActivationSpec>& specs_of(int layer, const MoERows& rows, bool ep);
+  using SpecKey = std::tuple<int, std::int64_t, std::int64_t, bool>;
+  std::map<SpecKey, std::vector<ActivationSpec>> specs_;
   void forward_layers(int mb, const StageSpec& st, int from, const std::vector<MoERows>& rows,
                       const ProvisionFn& provision);
   void save_head(int mb, const ProvisionFn& provision);
@@ -224,5 +254,35 @@ class MemoryWalk {
   std::vector<Key> landing_;  // adopted offloads whose copy is in flight
   void land();
 };
+
+/// What the planner's projection of one block depends on (DESIGN.md, "The
+/// planner's contract": the layer's operators with exact bytes, the arena's use,
+/// the rank's remaining actions).
+struct BlockContext {
+  int microbatch = 0;
+  int layer = 0;             ///< or kHeadLayer
+  SavePoint point = SavePoint::attention;
+  std::int64_t B = 1, S = 1;
+  StageSpec stage;           ///< the chunk the block belongs to
+  MoERows rows;              ///< the MoE block's real rows (point moe)
+  Bytes in_use = 0;          ///< arena bytes in use at the decision
+  /// Every activation the rank holds (all chunks), with whether it is on the device.
+  std::vector<std::pair<LedgerEntry, bool>> ledger;
+  /// The rank's step and the action under way; null: the micro-batch's own
+  /// backward follows its forward directly.
+  const StepProgram* program = nullptr;
+  std::vector<std::string> candidates;  ///< the block's activations the planner decides
+};
+
+/// The block's projection: one walk of the rest of the rank's step from the
+/// decision, with the block kept whole (choice null) or taking `choice`, every
+/// later block the planner decides at its most memory-saving choice, and every
+/// routing not yet known at its worst case (MoERows::worst_case).
+BlockProjection project_block(const ModelConfig& cfg, const BlockContext& ctx, const BlockChoice* choice);
+
+/// The planner's cache key for the block: its layer, save point, place in the
+/// step and rows, and a digest of the ledger (name, size, provision, residency of
+/// every activation held); the planner adds the bytes in use.
+std::vector<std::int64_t> block_cache_key(const BlockContext& ctx);
 
 }  // namespace moeflex

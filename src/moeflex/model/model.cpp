@@ -205,71 +205,36 @@ RecomputeFn MoEModel::swiglu_lineage(int mb, int l, std::string gate, std::strin
 
 void MoEModel::plan_saves(int mb, int l, SavePoint point, std::initializer_list<Candidate> c, const MoERows& rows) {
   if (!planner_) return;
-  const std::int64_t B = batch_, S = rope_seq_, n = B * S;
+  BlockContext ctx;
+  ctx.microbatch = mb;
+  ctx.layer = l;
+  ctx.point = point;
+  ctx.B = batch_;
+  ctx.S = rope_seq_;
+  ctx.rows = rows;
+  ctx.stage = {par_.first_layer, par_.last_layer < 0 ? int(cfg_.num_hidden_layers) : par_.last_layer, par_.embedding,
+               par_.head, ep_size()};
+  ctx.in_use = arena_.in_use();
+  ctx.program = program_;
+  if (program_ && !program_->stashes.empty()) {  // what the rank holds now, from every chunk's stash
+    for (const ActivationStash* st : program_->stashes) {
+      auto part = st->ledger();
+      ctx.ledger.insert(ctx.ledger.end(), part.begin(), part.end());
+    }
+  } else {
+    ctx.ledger = stash_.ledger();
+  }
   std::vector<SaveCandidate> v;
   for (const Candidate& x : c)
     if (x.t && x.t->defined()) {
       const std::string name = x.name;
       // In an MoE block the router and FFN-norm entries are saved after the shared expert ran.
       const bool first = point != SavePoint::moe || name.starts_with("experts.") || name == "moe.combined";
-      v.push_back({name, x.op, x.t->nbytes(), x.recomputable, 0, rebuild_extra_bytes(cfg_, B, S, name), first});
+      v.push_back({name, x.op, x.t->nbytes(), x.recomputable, 0, rebuild_extra_bytes(cfg_, ctx.B, ctx.S, name), first});
+      ctx.candidates.push_back(name);
     }
-  const int ep_size = dispatcher_.active() ? dispatcher_.ep_size() : 1;
-  const StageSpec stage{par_.first_layer, par_.last_layer < 0 ? int(cfg_.num_hidden_layers) : par_.last_layer,
-                        par_.embedding, par_.head, ep_size};
-  const MoERows worst = MoERows::worst_case(cfg_, n, ep_size);
-  // One walk of the rest of the step: this block kept whole, later blocks at their
-  // most memory-saving choice, unknown routings at their worst case.
-  ProjectFn project = [&](const BlockChoice* choice) -> BlockProjection {
-    MemoryWalk w(cfg_, B, S, arena_.in_use());
-    if (program_ && !program_->stashes.empty()) {
-      for (const ActivationStash* st : program_->stashes)
-        for (const auto& [e, on] : st->ledger()) w.adopt(e, on, ep_size);
-    } else {
-      for (const auto& [e, on] : stash_.ledger()) w.adopt(e, on, ep_size);
-    }
-    std::vector<MoERows> own(std::size_t(std::max(0, stage.last_layer - stage.first_layer)), worst);
-    if (point == SavePoint::moe) own.at(std::size_t(l - stage.first_layer)) = rows;
-    const RowsFn future = [&](int, const StageSpec& st) {
-      return std::vector<MoERows>(std::size_t(std::max(0, st.last_layer - st.first_layer)), worst);
-    };
-    const ProvisionFn provision = [&](const LedgerEntry& e) {
-      if (e.microbatch == mb && e.layer == l &&
-          std::any_of(v.begin(), v.end(), [&](const SaveCandidate& x) { return x.name == e.name; })) {
-        if (!choice) return Provision::save;  // this block kept whole: the closed form drops from it
-        auto it = choice->find(e.name);
-        return it == choice->end() ? Provision::save : it->second;
-      }
-      return most_memory_saving(cfg_, e);
-    };
-    w.watch(mb, l, point);
-    w.finish_forward(mb, stage, l, point, own, provision);
-    if (program_) w.run(program_->actions, program_->current + 1, program_->stages, future, provision);
-    else w.backward(mb, stage);
-    using P = MemoryWalk;
-    return {w.phase_peak(P::kTail),     w.phase_peak(P::kHeld),         w.phase_peak(P::kPrefetched),
-            w.phase_peak(P::kBackward), w.phase_peak(P::kBackwardRest), w.phase_peak(P::kAfter)};
-  };
-  // The cache key: everything the projection depends on besides the bytes in use
-  // (the planner adds those): the block, its place in the step, its rows, and the
-  // state of every activation held (a digest of name, size, provision, residency).
-  std::uint64_t digest = 1469598103934665603ull;
-  auto mix = [&](std::uint64_t x) { digest = (digest ^ x) * 1099511628211ull; };
-  auto digest_stash = [&](const ActivationStash& st) {
-    for (const auto& [e, on] : st.ledger()) {
-      mix(std::uint64_t(e.microbatch) << 32 ^ std::uint64_t(e.layer));
-      mix(std::hash<std::string>{}(e.name));
-      mix(std::uint64_t(e.bytes) << 3 ^ std::uint64_t(e.provision) << 1 ^ std::uint64_t(on));
-    }
-  };
-  if (program_ && !program_->stashes.empty()) {
-    for (const ActivationStash* st : program_->stashes) digest_stash(*st);
-  } else {
-    digest_stash(stash_);
-  }
-  std::vector<std::int64_t> key = {l, int(point), program_ ? std::int64_t(program_->current) : -1, rows.permuted,
-                                    rows.received, std::int64_t(digest)};
-  planner_->plan_block(mb, l, v, project, key);
+  planner_->plan_block(mb, l, v, [&](const BlockChoice* choice) { return project_block(cfg_, ctx, choice); },
+                       block_cache_key(ctx));
 }
 
 Tensor MoEModel::act(std::vector<std::int64_t> shape, const char* name, DType dt) {

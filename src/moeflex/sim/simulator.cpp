@@ -341,38 +341,6 @@ struct Simulation {
     return total;
   }
 
-  /// Rank r's actions as the memory walk replays them, with the executor's pipeline
-  /// buffers (the same conversion as train/pipeline.cpp walk_actions, which sim/
-  /// may not include): a received tensor lives until its consumer ran, a produced
-  /// one until it is sent.
-  std::vector<WalkAction> walk_actions(int r) const {
-    using K = WalkAction::Kind;
-    const int last = plan.num_stages - 1;
-    std::vector<WalkAction> w;
-    const StepPlan& plan = memory_plan;
-    for (const Action& a : plan.actions[std::size_t(r)]) {
-      const int chunk = is_compute(a.kind) ? plan.chunk_of(a.stage) : 0;
-      switch (a.kind) {
-        case ActionKind::RecvActivation:
-        case ActionKind::RecvGrad: w.push_back({K::alloc_buffer, a.microbatch, 0}); break;
-        case ActionKind::SendActivation:
-        case ActionKind::SendGrad: w.push_back({K::free_buffer, a.microbatch, 0}); break;
-        case ActionKind::Forward:
-          w.push_back({K::forward, a.microbatch, chunk});
-          if (a.stage > 0) w.push_back({K::free_buffer, a.microbatch, 0});
-          break;
-        case ActionKind::Backward:
-        case ActionKind::BackwardInput:
-          if (a.stage > 0) w.push_back({K::alloc_buffer, a.microbatch, 0});
-          w.push_back({K::backward, a.microbatch, chunk});
-          if (a.stage != last) w.push_back({K::free_buffer, a.microbatch, 0});
-          break;
-        case ActionKind::BackwardWeight: break;
-      }
-    }
-    return w;
-  }
-
   /// Peak bytes of pipeline rank r's activations and buffers (MemoryWalk, fp32,
   /// persistent bytes excluded) over one iteration, with per-micro-batch ratios and
   /// provisioning policies.
@@ -394,7 +362,7 @@ struct Simulation {
     for (const auto& p : mb_policy)
       if (!fns.count(p)) fns.emplace(p, p == "none" ? ProvisionFn{} : make_static_policy(p));
     MemoryWalk w(cfg, o.micro_batch_size, o.seq_len / o.parallel.tp, 0);
-    w.run(walk_actions(r), 0, specs,
+    w.run(walk_actions(memory_plan, r), 0, specs,
           [&](int mb, const StageSpec& st) {
             // each layer at its own ratio (a replayed trace differs by layer); a spike
             // check or a shortened walk uses the micro-batch's ratio throughout

@@ -24,36 +24,6 @@ PipelineExecutor::PipelineExecutor(const StepPlan& plan, int pp_rank, std::map<i
   for (auto& [s, m] : stages_) m->set_step_program(&program_);
 }
 
-std::vector<WalkAction> walk_actions(const StepPlan& plan, int rank, std::vector<std::size_t>* walk_at) {
-  using K = WalkAction::Kind;
-  const int last = plan.num_stages - 1;
-  std::vector<WalkAction> w;
-  for (const Action& a : plan.actions[std::size_t(rank)]) {
-    const int chunk = is_compute(a.kind) ? plan.chunk_of(a.stage) : 0;
-    std::size_t at = w.size();
-    switch (a.kind) {
-      case ActionKind::RecvActivation:
-      case ActionKind::RecvGrad: w.push_back({K::alloc_buffer, a.microbatch, 0}); break;
-      case ActionKind::SendActivation:
-      case ActionKind::SendGrad: w.push_back({K::free_buffer, a.microbatch, 0}); break;
-      case ActionKind::Forward:
-        w.push_back({K::forward, a.microbatch, chunk});
-        if (a.stage > 0) w.push_back({K::free_buffer, a.microbatch, 0});  // its input
-        break;
-      case ActionKind::Backward:
-      case ActionKind::BackwardInput:
-        if (a.stage > 0) w.push_back({K::alloc_buffer, a.microbatch, 0});  // dx
-        at = w.size();
-        w.push_back({K::backward, a.microbatch, chunk});
-        if (a.stage != last) w.push_back({K::free_buffer, a.microbatch, 0});  // dy
-        break;
-      case ActionKind::BackwardWeight: break;  // the W queue is not modelled
-    }
-    if (walk_at) walk_at->push_back(at);
-  }
-  return w;
-}
-
 Tensor PipelineExecutor::buffer(const char* name) {
   return Tensor(arena_, {B_ * S_, d_}, MemCategory::activations, name);
 }

@@ -14,12 +14,6 @@
 
 namespace moeflex {
 
-/// One rank's actions of `plan` as the memory walk replays them, mirroring the
-/// executor's pipeline buffers (a received activation lives until its forward, a
-/// stage's output until it is sent or consumed, a gradient likewise). walk_at[i]
-/// is the index of the step of plan action i (its forward or backward).
-std::vector<WalkAction> walk_actions(const StepPlan& plan, int rank, std::vector<std::size_t>* walk_at = nullptr);
-
 /// Fills ids and targets [B*S] of a micro-batch (0 .. M-1 within the step).
 using BatchFn = std::function<void(int microbatch, std::int32_t* ids, std::int32_t* targets)>;
 

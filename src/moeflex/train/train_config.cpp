@@ -98,7 +98,7 @@ void RunConfig::validate() const {
   rule(t.eval_batches >= 1, "train.eval_batches: must be at least 1");
   rule(t.checkpoint_every >= 0, "train.checkpoint_every: must not be negative");
   rule(t.keep_checkpoints >= 1, "train.keep_checkpoints: must be at least 1");
-  if (t.policy != "adaptive") static_policy_recomputes(t.policy, "");  // throws ConfigError naming the policies
+  if (t.policy != "adaptive" && t.policy != "auto") static_policy_recomputes(t.policy, "");  // throws ConfigError naming the policies
   ops::parse_imbalance(t.inject_imbalance);  // throws ConfigError naming the bad part
   rule(t.on_oom == "fail" || t.on_oom == "restart",
        fmt::format("train.on_oom: must be \"fail\" or \"restart\" (got \"{}\")", t.on_oom));

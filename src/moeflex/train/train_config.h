@@ -27,7 +27,7 @@ struct TrainConfig {
   std::int64_t eval_batches = 8;       ///< validation micro-batches per evaluation
   std::int64_t checkpoint_every = 100; ///< steps between checkpoints; 0 = end only
   std::int64_t keep_checkpoints = 2;   ///< newest checkpoints kept
-  std::string policy = "none";         ///< activation provisioning: none, full, selective, moe-light, moe-medium, moe-full, threshold[=R]
+  std::string policy = "auto";         ///< activation provisioning: auto (adaptive with a budget, else none), none, full, selective, moe-light, moe-medium, moe-full, threshold[=R], adaptive
   std::int64_t trace_steps = 3;        ///< steps recorded in trace.json (Chrome trace format); 0 = none
   std::string inject_imbalance;        ///< routing spikes on demand: "every=N:ratio=R" or "prob=P:ratio=R:seed=S"
   std::string on_oom = "fail";         ///< a step out of device memory: "fail" (typed error, exit 3) or "restart" (reload the newest checkpoint)

@@ -145,6 +145,8 @@ TrainResult run_training(const TrainOptions& opts) {
     // An explicit --steps on resume changes the run's length (and its LR schedule).
     if (opts.config.train.steps > 0) cfg.train.steps = opts.config.train.steps;
   }
+  // "auto": adaptive provisioning whenever a budget is set, else save everything.
+  if (cfg.train.policy == "auto") cfg.train.policy = cfg.device_memory > 0 ? "adaptive" : "none";
   cfg.validate();
   const TrainConfig& t = cfg.train;
 

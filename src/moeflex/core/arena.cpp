@@ -1,4 +1,5 @@
 #include "moeflex/core/arena.h"
+#include "moeflex/core/block_allocator.h"
 
 #include <sys/mman.h>
 
@@ -43,8 +44,7 @@ Arena::Arena(Bytes budget) : budget_(budget) {
     if (p == MAP_FAILED)
       throw Error(fmt::format("cannot reserve a device region of {}", format_bytes(budget_)));
     base_ = static_cast<char*>(p);
-    blocks_[0] = {budget_, true};
-    free_.insert({budget_, 0});
+    region_ = std::make_unique<BlockAllocator>(budget_, kAlignment);
   }
 }
 
@@ -52,7 +52,7 @@ Arena::~Arena() {
   if (base_) munmap(base_, static_cast<std::size_t>(budget_));
 }
 
-void Arena::account(MemCategory c, Bytes delta) {
+void MemoryStats::account(MemCategory c, Bytes delta) {
   for (Stat* s : {&stats_[static_cast<int>(c)], &total_}) {
     s->current += delta;
     if (delta > 0) s->allocated += delta;
@@ -61,79 +61,46 @@ void Arena::account(MemCategory c, Bytes delta) {
   }
 }
 
-Bytes Arena::largest_free_block() const {
-  if (unlimited()) return -1;
-  return free_.empty() ? 0 : free_.rbegin()->first;
-}
-
-void Arena::reset_peaks() {
+void MemoryStats::reset_peaks() {
   for (auto& s : stats_) s.peak = s.current;
   total_.peak = total_.current;
 }
+
+Bytes Arena::largest_free_block() const { return region_ ? region_->largest_free_block() : -1; }
+
+Bytes Arena::fragmentation_peak() const { return region_ ? region_->fragmentation_peak() : 0; }
+
+void Arena::reset_peaks() { stats_.reset_peaks(); }
 
 void* Arena::allocate(Bytes bytes, MemCategory category, std::string_view op) {
   const Bytes size = round_up(bytes < 1 ? 1 : bytes);
   if (unlimited()) {
     void* p = std::aligned_alloc(kAlignment, static_cast<std::size_t>(size));
     if (!p) throw OutOfMemoryError(size, -1, -1, -1, category, std::string(op));
-    account(category, size);
-    return p;
-  }
-  auto it = free_.lower_bound({size, 0});
-  if (it == free_.end()) {
-    OutOfMemoryError oom(size, budget_ - (total_.current - overflow_current_), largest_free_block(), budget_,
-                         category, std::string(op));
-    if (!overflow_) throw oom;
-    // Overflow mode: record the event and serve the request from the heap.
-    void* p = std::aligned_alloc(kAlignment, static_cast<std::size_t>(size));
-    if (!p) throw Error(fmt::format("arena overflow: the host cannot provide {} for '{}'", format_bytes(size), op));
-    if (oom_events_++ == 0) first_oom_ = std::move(oom);
-    overflow_current_ += size;
-    account(category, size);
+    stats_.account(category, size);
     return p;
   }
   Bytes offset = 0;
-  if (category == MemCategory::workspace) {
-    // Short-lived workspace comes from the top of the region, carved from the top
-    // end of the highest free block that fits, so that it does not leave holes
-    // between the long-lived blocks (weights, saved activations) growing from below.
-    auto top = blocks_.rbegin();
-    while (top != blocks_.rend() && !(top->second.second && top->second.first >= size)) ++top;
-    const Bytes block_offset = top->first, block_size = top->second.first;  // exists: `it` fits somewhere
-    free_.erase({block_size, block_offset});
-    offset = block_offset + block_size - size;
-    blocks_[offset] = {size, false};
-    if (block_size > size) {
-      blocks_[block_offset] = {block_size - size, true};
-      free_.insert({block_size - size, block_offset});
-    } else {
-      blocks_[block_offset] = {size, false};
-    }
-  } else {
-    const auto [block_size, block_offset] = *it;
-    offset = block_offset;
-    free_.erase(it);
-    blocks_[offset] = {size, false};
-    if (block_size > size) {
-      blocks_[offset + size] = {block_size - size, true};
-      free_.insert({block_size - size, offset + size});
-    }
+  try {
+    offset = region_->allocate(size, category, op);
+  } catch (const OutOfMemoryError& oom) {
+    if (!overflow_) throw;
+    // Overflow mode: record the event and serve the request from the heap.
+    void* p = std::aligned_alloc(kAlignment, static_cast<std::size_t>(size));
+    if (!p) throw Error(fmt::format("arena overflow: the host cannot provide {} for '{}'", format_bytes(size), op));
+    if (oom_events_++ == 0) first_oom_ = oom;
+    overflow_current_ += size;
+    stats_.account(category, size);
+    return p;
   }
-  account(category, size);
-  // Fragmentation: bytes free below the highest used block's end.
-  auto last_used = blocks_.rbegin();
-  while (last_used != blocks_.rend() && last_used->second.second) ++last_used;
-  if (last_used != blocks_.rend()) {
-    const Bytes end = last_used->first + last_used->second.first;
-    frag_peak_ = std::max(frag_peak_, end - (total_.current - overflow_current_));
-  }
+  stats_.account(category, size);
   return base_ + offset;
 }
 
 void Arena::deallocate(void* ptr, Bytes bytes, MemCategory category) {
   if (!ptr) return;
   const Bytes size = round_up(bytes < 1 ? 1 : bytes);
-  account(category, -size);
+  stats_.account(category, -size);
   if (unlimited()) {
     std::free(ptr);
     return;
@@ -144,32 +111,7 @@ void Arena::deallocate(void* ptr, Bytes bytes, MemCategory category) {
     std::free(ptr);
     return;
   }
-  Bytes offset = static_cast<Bytes>(addr - lo);
-  auto it = blocks_.find(offset);
-  if (it == blocks_.end() || it->second.second || it->second.first != size)
-    throw Error(fmt::format("arena: invalid free of {} B at offset {}", size, offset));
-  it->second.second = true;
-  Bytes bsize = size;
-  // Coalesce with the next block.
-  auto next = std::next(it);
-  if (next != blocks_.end() && next->second.second) {
-    free_.erase({next->second.first, next->first});
-    bsize += next->second.first;
-    blocks_.erase(next);
-  }
-  // Coalesce with the previous block.
-  if (it != blocks_.begin()) {
-    auto prev = std::prev(it);
-    if (prev->second.second) {
-      free_.erase({prev->second.first, prev->first});
-      bsize += prev->second.first;
-      blocks_.erase(it);
-      it = prev;
-      offset = prev->first;
-    }
-  }
-  it->second = {bsize, true};
-  free_.insert({bsize, offset});
+  region_->deallocate(static_cast<Bytes>(addr - lo), size, category);
 }
 
 }  // namespace moeflex

@@ -24,6 +24,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <set>
 #include <string>
@@ -67,6 +68,23 @@ class OutOfMemoryError : public Error {
 
 /// One budgeted region of device memory with exact per-category accounting.
 /// Not thread-safe: one arena per device, used from the thread that runs the step.
+/// Per-category and total byte counters; `account` is the only place they change.
+class MemoryStats {
+ public:
+  /// Adds `delta` bytes (negative: a free) to category `c` and to the total.
+  void account(MemCategory c, Bytes delta);
+  const Stat& stat(MemCategory c) const { return stats_[static_cast<int>(c)]; }
+  const Stat& total() const { return total_; }
+  /// Resets every peak to the current value (call at step boundaries).
+  void reset_peaks();
+
+ private:
+  std::array<Stat, static_cast<int>(MemCategory::count)> stats_{};
+  Stat total_{};
+};
+
+class BlockAllocator;
+
 class Arena {
  public:
   static constexpr Bytes kAlignment = 64;  ///< bytes; one AVX-512 cache line
@@ -91,15 +109,15 @@ class Arena {
 
   Bytes budget() const { return budget_; }
   bool unlimited() const { return budget_ < 0; }
-  const Stat& stat(MemCategory c) const { return stats_[static_cast<int>(c)]; }
-  const Stat& total() const { return total_; }
-  Bytes in_use() const { return total_.current; }
-  Bytes peak() const { return total_.peak; }
+  const Stat& stat(MemCategory c) const { return stats_.stat(c); }
+  const Stat& total() const { return stats_.total(); }
+  Bytes in_use() const { return stats_.total().current; }
+  Bytes peak() const { return stats_.total().peak; }
   /// Largest contiguous free block (budget - in_use when unlimited is meaningless: returns -1).
   Bytes largest_free_block() const;
   /// High-water mark of (region end of highest used block - bytes in use): the bytes
   /// lost to fragmentation at the worst moment so far. Zero when unlimited.
-  Bytes fragmentation_peak() const { return frag_peak_; }
+  Bytes fragmentation_peak() const;
   /// Resets every peak to the current value (call at step boundaries).
   void reset_peaks();
 
@@ -120,15 +138,10 @@ class Arena {
   Bytes overflow_in_use() const { return overflow_current_; }
 
  private:
-  void account(MemCategory c, Bytes delta);
   Bytes budget_;
   char* base_ = nullptr;
-  std::array<Stat, static_cast<int>(MemCategory::count)> stats_{};
-  Stat total_{};
-  // Bounded mode: all blocks by offset (value: size, free?) and free blocks by (size, offset).
-  std::map<Bytes, std::pair<Bytes, bool>> blocks_;
-  std::set<std::pair<Bytes, Bytes>> free_;
-  Bytes frag_peak_ = 0;
+  MemoryStats stats_;                      // everything handed out, overflow included
+  std::unique_ptr<BlockAllocator> region_;  // bounded mode: the blocks of [base_, base_ + budget_)
   bool overflow_ = false;
   std::int64_t oom_events_ = 0;
   std::optional<OutOfMemoryError> first_oom_;

@@ -5,20 +5,6 @@
 
 namespace moeflex {
 
-void MemoryStats::account(MemCategory c, Bytes delta) {
-  for (Stat* s : {&stats_[static_cast<int>(c)], &total_}) {
-    s->current += delta;
-    if (delta > 0) s->allocated += delta;
-    else s->freed -= delta;
-    if (s->current > s->peak) s->peak = s->current;
-  }
-}
-
-void MemoryStats::reset_peaks() {
-  for (auto& s : stats_) s.peak = s.current;
-  total_.peak = total_.current;
-}
-
 BlockAllocator::BlockAllocator(Bytes capacity, Bytes alignment) : alignment_(alignment) {
   if (alignment <= 0 || (alignment & (alignment - 1)) != 0)
     throw ConfigError(fmt::format("allocator alignment must be a power of two (got {} B)", alignment));

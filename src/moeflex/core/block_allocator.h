@@ -1,6 +1,5 @@
-// The allocator behind the budgeted regions of the CUDA backend (DeviceArena, the
-// pinned host pool), with the CPU Arena's policy; the CPU Arena is to move onto it
-// too. It works on byte offsets inside [0, capacity) and never touches memory, so
+// The allocator behind every budgeted region: the CPU Arena's, and the CUDA
+// backend's (DeviceArena, the pinned host pool). It works on byte offsets inside [0, capacity) and never touches memory, so
 // one bookkeeping serves any base pointer (mmap, cudaMalloc, cudaHostAlloc) and is
 // tested without a GPU.
 //
@@ -27,26 +26,11 @@
 #include <string_view>
 #include <utility>
 
-#include "moeflex/core/arena.h"  // MemCategory, Stat, OutOfMemoryError
+#include "moeflex/core/arena.h"  // MemCategory, Stat, MemoryStats, OutOfMemoryError
 #include "moeflex/core/error.h"
 #include "moeflex/core/units.h"
 
 namespace moeflex {
-
-/// Per-category and total byte counters; `account` is the only place they change.
-class MemoryStats {
- public:
-  /// Adds `delta` bytes (negative: a free) to category `c` and to the total.
-  void account(MemCategory c, Bytes delta);
-  const Stat& stat(MemCategory c) const { return stats_[static_cast<int>(c)]; }
-  const Stat& total() const { return total_; }
-  /// Resets every peak to the current value (call at step boundaries).
-  void reset_peaks();
-
- private:
-  std::array<Stat, static_cast<int>(MemCategory::count)> stats_{};
-  Stat total_{};
-};
 
 /// Best-fit allocation of offsets in [0, capacity) with splitting, coalescing,
 /// fragmentation measurement and exact per-category accounting. Not thread-safe.

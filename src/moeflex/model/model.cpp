@@ -2,6 +2,7 @@
 // backward needs is saved by name into the ActivationStash; everything else is
 // workspace freed as soon as it is used, so the arena's peak is what the ledger says.
 #include "moeflex/model/model.h"
+#include "moeflex/model/layer_cost.h"
 #include "moeflex/model/memory_plan.h"
 
 #include <fmt/format.h>
@@ -224,13 +225,28 @@ void MoEModel::plan_saves(int mb, int l, SavePoint point, std::initializer_list<
   } else {
     ctx.ledger = stash_.ledger();
   }
+  // Exposed seconds of not keeping each candidate, from the calibrated cost model:
+  // its recompute time, or the part of its offload and prefetch copies that the
+  // rest of the forward and the backward of the layer above cannot hide.
+  LayerCost lc;
+  if (cost_model_) {
+    LayerWork work{ctx.B, ctx.S, point == SavePoint::moe ? rows : MoERows::balanced(cfg_, ctx.B * ctx.S), ctx.stage.ep_size};
+    lc = l == kHeadLayer ? head_cost(*cost_model_, cfg_, work) : layer_cost(*cost_model_, cfg_, l, work);
+  }
   std::vector<SaveCandidate> v;
   for (const Candidate& x : c)
     if (x.t && x.t->defined()) {
       const std::string name = x.name;
       // In an MoE block the router and FFN-norm entries are saved after the shared expert ran.
       const bool first = point != SavePoint::moe || name.starts_with("experts.") || name == "moe.combined";
-      v.push_back({name, x.op, x.t->nbytes(), x.recomputable, 0, rebuild_extra_bytes(cfg_, ctx.B, ctx.S, name), first});
+      Seconds drop = 0;
+      if (cost_model_) {
+        drop = x.recomputable ? lc.recompute_seconds(name)
+                              : overlapped(cost_model_->copy_d2h(x.t->nbytes()), lc.forward) +
+                                    overlapped(cost_model_->copy_h2d(x.t->nbytes()), lc.backward());
+        drop = std::max(drop, 1e-9);  // never free: an even trade goes to the bytes that cost nothing
+      }
+      v.push_back({name, x.op, x.t->nbytes(), x.recomputable, drop, rebuild_extra_bytes(cfg_, ctx.B, ctx.S, name), first});
       ctx.candidates.push_back(name);
     }
   planner_->plan_block(mb, l, v, [&](const BlockChoice* choice) { return project_block(cfg_, ctx, choice); },

@@ -12,6 +12,7 @@
 #include "moeflex/core/tensor.h"
 #include "moeflex/model/config.h"
 #include "moeflex/model/memory_plan.h"
+#include "moeflex/provision/cost_model.h"
 #include "moeflex/model/token_dispatcher.h"
 #include "moeflex/provision/planner.h"
 #include "moeflex/provision/stash.h"
@@ -130,6 +131,9 @@ class MoEModel {
   /// `ratio` in the forwards that follow; ratio <= 1 turns it off. For spike tests.
   void set_router_skew(double ratio) { router_skew_ = ratio; }
   /// The adaptive planner deciding this model's saves (null: the stash's policy alone).
+  /// Prices the planner's choices by exposed seconds (recompute time, unhidden copy
+  /// time) from this cost model (null: a ranking by op family).
+  void set_cost_model(const CostModel* cost) { cost_model_ = cost; }
   void set_planner(AdaptivePlanner* planner) {
     planner_ = planner;
     stash_.set_policy(planner ? planner->policy() : ProvisionPolicy{});
@@ -183,6 +187,7 @@ class MoEModel {
   bool defer_wgrad_ = false;
   double router_skew_ = 0;
   AdaptivePlanner* planner_ = nullptr;
+  const CostModel* cost_model_ = nullptr;
   const StepProgram* program_ = nullptr;
   std::int64_t batch_ = 1;  // B of the micro-batch under way (S is rope_seq_)
   struct Candidate {

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <csignal>
 #include <sstream>
@@ -24,6 +25,7 @@
 #include "moeflex/ops/imbalance.h"
 #include "moeflex/model/memory_plan.h"
 #include "moeflex/provision/planner.h"
+#include "moeflex/train/calibrate.h"
 #include "moeflex/provision/policies.h"
 #include "moeflex/train/optimizer.h"
 #include "moeflex/train/replica.h"
@@ -317,9 +319,30 @@ TrainResult run_training(const TrainOptions& opts) {
     // Provisioning: the adaptive planner (one per rank: it sees the rank's arena), or a static policy.
     std::unique_ptr<AdaptivePlanner> planner;
     if (t.policy == "adaptive") planner = std::make_unique<AdaptivePlanner>(arena);
+    // The planner prices its choices with the machine's calibrated cost model when
+    // `moeflex calibrate` has written one; otherwise it ranks them by op family.
+    std::optional<CostModel> cost_model;
+    if (planner) {
+      const fs::path profile = kDefaultHardwareProfilePath;
+      std::string note = fmt::format("no hardware profile at {} (run `moeflex calibrate`): the planner ranks "
+                                     "choices by op family", profile.string());
+      if (fs::exists(profile)) {
+        try {
+          cost_model.emplace(HardwareProfile::load(profile));
+          note = fmt::format("the planner prices choices with {}", profile.string());
+        } catch (const Error& e) {
+          note = fmt::format("{} (ignored: {})", note, e.what());
+        }
+      }
+      if (rank0) progress.note(note);
+    }
     for (MoEModel* c : replica.chunks()) {
-      if (planner) c->set_planner(planner.get());
-      else c->stash().set_policy(make_static_policy(t.policy));
+      if (planner) {
+        c->set_planner(planner.get());
+        if (cost_model) c->set_cost_model(&*cost_model);
+      } else {
+        c->stash().set_policy(make_static_policy(t.policy));
+      }
     }
     std::vector<double> all_decision_seconds;
     std::vector<std::unique_ptr<AdamW>> opts_;

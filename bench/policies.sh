@@ -145,6 +145,7 @@ def load_one(run):
         log = open(f"{tmp}/{run}.log").read()
         m = re.search(r"step (\d+) ran out of device memory", log)
         s["_gave_up"] = f"gave up @ step {m.group(1)}" if m else f"failed (exit {rc})"
+        s["_others"] = "-"  # ranks ended by MPI_Abort do not return their CPU time to this shell
     s["_dir"] = f"{tmp}/{run}"
     return s
 
@@ -181,7 +182,7 @@ if rounds > 1:
 print("tokens/s: kept tokens / (time of every step run, dropped and lost ones included, + restart time); "
       "checkpoint writes and evaluations are not counted for any policy.\nothers: cores' worth of CPU that other "
       "processes took during the run (the ranks share this machine's cores with them; rows with more are slower "
-      "for that reason alone)")
+      "for that reason alone; not measured for a run that gave up)")
 PY
 
 mkdir -p bench/results

@@ -333,13 +333,18 @@ TEST_F(TraceTest, MergeRejectsBadInputs) {
   EXPECT_FALSE(fs::exists(dir_ / "out.json"));
 }
 
-// A training step whose every activation is offloaded: the copy engine's copies
-// (offloads to host memory, prefetches back) appear on their own "copy" track with
-// positive durations and the ledger's exact byte counts.
+// Every activation offloaded: the copy engine's copies (offloads to host memory,
+// prefetches back) appear on their own "copy" track, with positive durations and
+// the ledger's exact byte counts. Phase 1 is a step through the pipeline executor
+// (as the trainer runs it): every offload is traced, inside the step's compute
+// span; an activation read back before its offload landed needs no prefetch, so
+// prefetches are at most one per offload. Phase 2 waits for the offloads to land
+// between forward and backward (stash().sync()), so every activation must come
+// back through exactly one prefetch.
 TEST_F(TraceTest, OffloadCopiesFormACopyTrackWithTheirBytes) {
   using namespace moeflex;
   const ModelConfig cfg = test::small_moe_config(2, 0, 4, false);
-  const std::int64_t M = 2, B = 2, S = 8;
+  const std::int64_t M = 2, B = 2, S = 8, n = B * S;
   auto world = comm::make_world_communicator();
   comm::LayoutSpec spec;
   spec.num_layers = int(cfg.num_hidden_layers);
@@ -349,63 +354,89 @@ TEST_F(TraceTest, OffloadCopiesFormACopyTrackWithTheirBytes) {
   Arena arena;
   Replica replica(cfg, "1f1b", layout, groups, arena, M, B, S);
   replica.init_weights(5);
+  ASSERT_EQ(replica.chunks().size(), 1u);
+  MoEModel& model = *replica.chunks().front();
   std::map<std::string, Bytes> ledger;  // "L<layer> <name> mb<mb>" -> bytes, as the policy saw them
-  for (MoEModel* c : replica.chunks())
-    c->stash().set_policy([&ledger](const LedgerEntry& e) {
-      ledger[fmt::format("L{} {} mb{}", e.layer, e.name, e.microbatch)] = e.bytes;
-      return Provision::offload;
-    });
+  model.stash().set_policy([&ledger](const LedgerEntry& e) {
+    ledger[fmt::format("L{} {} mb{}", e.layer, e.name, e.microbatch)] = e.bytes;
+    return Provision::offload;
+  });
+  const int kPhase2Microbatch = 7;
   const fs::path path = dir_ / "trace.json";
+  Bytes offloaded_step = 0, offloaded_synced = 0;
   {
     TraceWriter trace(path, 0, true);
     replica.set_trace(&trace);
     replica.zero_grads();
     replica.forward_backward([&](int mb, std::int32_t* ids, std::int32_t* tg) {
-      test::skewed_batch(mb, B * S, cfg.vocab_size, ids, tg);
+      test::skewed_batch(mb, n, cfg.vocab_size, ids, tg);
     });
+    offloaded_step = model.stash().counters().offloaded;
+    model.stash().reset_counters();
+    std::vector<std::int32_t> ids(static_cast<std::size_t>(n)), tg(static_cast<std::size_t>(n));
+    test::skewed_batch(kPhase2Microbatch, n, cfg.vocab_size, ids.data(), tg.data());
+    model.forward_train(ids.data(), tg.data(), B, S, kPhase2Microbatch);
+    model.stash().sync();  // every offload has landed: the device copies are gone
+    model.backward(ids.data(), tg.data(), B, S, kPhase2Microbatch, 1.0);
+    offloaded_synced = model.stash().counters().offloaded;
     replica.set_trace(nullptr);
     trace.close();
   }
-  Bytes offloaded = 0;
-  for (MoEModel* c : replica.chunks()) offloaded += c->stash().counters().offloaded;
-  ASSERT_GT(offloaded, 0);
-  ASSERT_FALSE(ledger.empty());
+  ASSERT_GT(offloaded_step, 0);
+  ASSERT_GT(offloaded_synced, 0);
 
   const json doc = read_json(path);
   const auto tids = track_tids(doc, 0);
   ASSERT_TRUE(tids.count("copy")) << "no copy track";
   ASSERT_TRUE(tids.count("compute"));
   EXPECT_NE(tids.at("copy"), tids.at("compute"));
-  Bytes d2h = 0, h2d = 0;
-  std::map<std::string, int> offloads, prefetches;
   double compute_start = 1e300, compute_end = 0;
-  for (const json& e : events_with(doc, "X")) {
+  for (const json& e : events_with(doc, "X"))
     if (e.at("tid") == tids.at("compute")) {
       compute_start = std::min(compute_start, e.at("ts").get<double>());
       compute_end = std::max(compute_end, e.at("ts").get<double>() + e.at("dur").get<double>());
     }
-  }
+  struct Totals {
+    Bytes d2h = 0, h2d = 0;
+    std::map<std::string, int> offloads, prefetches;
+  } step, synced;
+  const std::string phase2 = fmt::format(" mb{}", kPhase2Microbatch);
   for (const json& e : events_with(doc, "X")) {
     if (e.at("tid") != tids.at("copy")) continue;
     const std::string name = e.at("name");
     const Bytes bytes = e.at("args").at("bytes");
     EXPECT_GT(e.at("dur").get<double>(), 0.0) << name;
-    // Copies happen inside the step: after its first action starts, before its last ends.
-    EXPECT_GE(e.at("ts").get<double>(), compute_start) << name;
-    EXPECT_LE(e.at("ts").get<double>() + e.at("dur").get<double>(), compute_end) << name;
     const bool off = name.rfind("offload ", 0) == 0, pre = name.rfind("prefetch ", 0) == 0;
     ASSERT_TRUE(off || pre) << name;
     const std::string key = name.substr(off ? 8 : 9);
     ASSERT_TRUE(ledger.count(key)) << name;
     EXPECT_EQ(bytes, ledger.at(key)) << name;  // the ledger's exact bytes
-    (off ? d2h : h2d) += bytes;
-    ++(off ? offloads : prefetches)[key];
+    const bool in_phase2 = key.size() > phase2.size() && key.compare(key.size() - phase2.size(), phase2.size(), phase2) == 0;
+    Totals& t = in_phase2 ? synced : step;
+    (off ? t.d2h : t.h2d) += bytes;
+    ++(off ? t.offloads : t.prefetches)[key];
+    if (!in_phase2) {  // copies of the executor's step happen inside its compute span
+      EXPECT_GE(e.at("ts").get<double>(), compute_start) << name;
+      EXPECT_LE(e.at("ts").get<double>() + e.at("dur").get<double>(), compute_end) << name;
+    }
   }
-  EXPECT_EQ(d2h, offloaded);
-  EXPECT_EQ(h2d, offloaded);  // every offloaded activation came back for its backward
-  EXPECT_EQ(offloads.size(), ledger.size());
-  for (auto& [key, n] : offloads) {
-    EXPECT_EQ(n, 1) << key;
-    EXPECT_EQ(prefetches[key], 1) << key;
+  std::size_t phase2_entries = 0;
+  for (auto& [key, bytes] : ledger) phase2_entries += key.find(phase2) != std::string::npos;
+  // Phase 1: every offload traced once; prefetches only of offloaded keys, at most once.
+  EXPECT_EQ(step.d2h, offloaded_step);
+  EXPECT_EQ(step.offloads.size(), ledger.size() - phase2_entries);
+  EXPECT_LE(step.h2d, step.d2h);
+  for (auto& [key, k] : step.offloads) EXPECT_EQ(k, 1) << key;
+  for (auto& [key, k] : step.prefetches) {
+    EXPECT_EQ(k, 1) << key;
+    EXPECT_TRUE(step.offloads.count(key)) << key;
+  }
+  // Phase 2: every activation went out and came back, once each.
+  EXPECT_EQ(synced.d2h, offloaded_synced);
+  EXPECT_EQ(synced.h2d, offloaded_synced);
+  EXPECT_EQ(synced.offloads.size(), phase2_entries);
+  for (auto& [key, k] : synced.offloads) {
+    EXPECT_EQ(k, 1) << key;
+    EXPECT_EQ(synced.prefetches[key], 1) << key;
   }
 }

@@ -22,7 +22,7 @@ data: setup
 
 # The main job: the default model on the Brown corpus, on 2 ranks with expert
 # parallelism, under a 250 MiB device budget where the adaptive planner is active
-# (the summary and the progress bar show its decisions). Run dir under runs/.
+# (the progress bar shows the shares recomputed and offloaded; the summary its decisions). Run dir under runs/.
 MPIRUN ?= mpirun --allow-run-as-root --oversubscribe -np 2 -x OMP_NUM_THREADS=1
 train: build data
 	$(MPIRUN) $(BUILD)/moeflex train --ep 2 --policy adaptive --device-memory 250MiB $(ARGS)

@@ -133,7 +133,7 @@ TEST(MemoryPlan, PeakEqualsTheArenaForEveryStaticPolicy) {
 // The zero-bubble split: what the deferred weight gradients read stays until W.
 TEST(MemoryPlan, PeakEqualsTheArenaWithTheZeroBubbleSplit) {
   const ModelConfig cfg = config_with_dense_and_shared();
-  for (const std::string& name : {"none", "full", "moe-medium", "selective"}) {
+  for (const char* name : {"none", "full", "moe-medium", "selective"}) {
     const StepResult r = run_step(cfg, make_static_policy(name), 2, 2.5, 9, true);
     EXPECT_EQ(r.predicted, r.measured) << "policy " << name;
   }

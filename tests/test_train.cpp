@@ -109,13 +109,24 @@ TEST(Train, ResumeReproducesUninterruptedRun) {
 }
 
 TEST(Train, TinyBudgetFailsWithTypedOOMAndSummary) {
-  const fs::path out = fresh_dir("oom");
+  // A budget under the model state itself is a configuration error naming it.
   RunConfig cfg = small_run(3);
   cfg.device_memory = 8 * kMiB;  // weights + grads + moments alone need more
+  try {
+    run_training(options(cfg, fresh_dir("oom-state")));
+    FAIL();
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot hold this rank's model state"), std::string::npos) << e.what();
+  }
+  // A budget that holds the state but not a step of a static policy: a typed OOM
+  // in the step, counted in the summary.
+  const fs::path out = fresh_dir("oom");
+  cfg.train.policy = "none";
+  cfg.device_memory = Arena::round_up(16 * cfg.model.num_params()) + 512 * kKiB;
   EXPECT_THROW(run_training(options(cfg, out)), OutOfMemoryError);
   auto s = nlohmann::json::parse(std::ifstream(out / "summary.json"));
   EXPECT_EQ(s["oom_count"], 1);
-  EXPECT_EQ(s["device_budget_bytes"], 8 * kMiB);
+  EXPECT_EQ(s["device_budget_bytes"], cfg.device_memory);
   fs::remove_all(out);
 }
 

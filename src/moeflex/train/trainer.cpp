@@ -234,6 +234,7 @@ TrainResult run_training(const TrainOptions& opts) {
   const fs::path summary_path = run_dir / "summary.json";
   json history = json::array();
   json rank_peaks = json::array();
+  Bytes my_run_peak = 0;
   fs::path summary_path_override;
   auto write_summary = [&](double wall, bool any_rank = false) {
     if (!rank0 && !any_rank) return;
@@ -280,6 +281,7 @@ TrainResult run_training(const TrainOptions& opts) {
   const auto t_start = Clock::now();
   g_stop_requested = 0;
   bool setup_done = false;
+  bool state_placed = false;  // weights, gradients and optimizer state are in the arena
   auto old_int = std::signal(SIGINT, on_stop_signal);
   auto old_term = std::signal(SIGTERM, on_stop_signal);
   struct RestoreSignals {
@@ -348,6 +350,7 @@ TrainResult run_training(const TrainOptions& opts) {
     std::vector<std::unique_ptr<AdamW>> opts_;
     for (MoEModel* c : replica.chunks())
       opts_.push_back(std::make_unique<AdamW>(c->params(), arena, AdamWConfig{t.beta1, t.beta2, 1e-8, t.weight_decay}));
+    state_placed = true;
     // Feasibility up front (DESIGN.md, the planner's invariant): the smallest budget
     // under which every step fits with every activation at its most memory-saving
     // choice and every MoE layer at its worst-case routing. A smaller one is refused.
@@ -557,6 +560,7 @@ TrainResult run_training(const TrainOptions& opts) {
     };
     for (std::int64_t step = start_step; step < t.steps; ++step) {
       const auto t0 = Clock::now();
+      my_run_peak = std::max(my_run_peak, arena.peak());  // this rank's peak over the run so far
       arena.reset_peaks();
       replica.zero_grads();
       replica.clear_routing();
@@ -742,12 +746,13 @@ TrainResult run_training(const TrainOptions& opts) {
       }
     }
   } catch (const OutOfMemoryError& e) {
-    if (!setup_done && world_size == 1)
-      fmt::print(stderr,
-                 "moeflex: the budget {} does not hold the model state: weights, gradients and AdamW moments of "
-                 "{:.2f} M parameters need {} before any activation\n",
-                 format_bytes(arena.budget()), double(cfg.model.num_params()) / 1e6,
-                 format_bytes(16 * cfg.model.num_params()));
+    if (!state_placed)  // not a step that ran out: the budget cannot hold the model state at all
+      throw ConfigError(fmt::format(
+          "--device-memory {} cannot hold this rank's model state (weights, gradients and AdamW moments): it ran "
+          "out placing '{}' with {} already placed. The whole model's state is {} ({:.2f} M parameters); expert "
+          "and pipeline parallelism (--ep, --pp) shard it",
+          format_bytes(arena.budget()), e.op, format_bytes(e.budget - e.free), format_bytes(16 * cfg.model.num_params()),
+          double(cfg.model.num_params()) / 1e6));
     if (restart_limit_reached) throw;  // counted, summarised and agreed on by every rank already
     res.oom_count += 1;
     if (res.first_oom.empty()) res.first_oom = e.what();
@@ -765,11 +770,11 @@ TrainResult run_training(const TrainOptions& opts) {
   }
   if (world_size > 1) {
     std::vector<std::int64_t> peaks(static_cast<std::size_t>(world_size));
-    std::int64_t mine = arena.peak();
+    std::int64_t mine = std::max(my_run_peak, arena.peak());
     world->all_gather_bytes(&mine, peaks.data(), sizeof(mine));
     for (auto p : peaks) rank_peaks.push_back(p);
   } else {
-    rank_peaks.push_back(arena.peak());
+    rank_peaks.push_back(std::max(my_run_peak, arena.peak()));
   }
   write_summary(seconds_since(t_start));
   return res;

@@ -162,12 +162,14 @@ TEST(Planner, ProjectionEvaluatesChoicesInClosedForm) {
   const std::vector<SaveCandidate> c = {{"a", "swiglu", 4 * kMiB, true, 0, 1 * kMiB, true},
                                         {"b", "grouped_gemm", 8 * kMiB, true, 0, 0, false},
                                         {"c", "combine", 2 * kMiB, false, 0, 0, true}};
-  const BlockProjection p{100 * kMiB, 120 * kMiB, 110 * kMiB, 105 * kMiB, 100 * kMiB, 90 * kMiB};
+  // tail, landing (offloads still copying), held, prefetched, backward, backward_rest, after
+  const BlockProjection p{100 * kMiB, 104 * kMiB, 120 * kMiB, 110 * kMiB, 105 * kMiB, 100 * kMiB, 90 * kMiB};
   EXPECT_EQ(p.evaluate(c, {}), 120 * kMiB);
   EXPECT_EQ(p.evaluate(c, {{"b", Provision::recompute}}), 112 * kMiB);  // held 112, prefetched 102
-  // offloading c frees it until the prefetch only: prefetched 110 stays.
+  // offloading c frees it only from the next decision until the prefetch: prefetched 110 stays.
   EXPECT_EQ(p.evaluate(c, {{"b", Provision::recompute}, {"c", Provision::offload}}), 110 * kMiB);
-  // all three: tail 100-6, held 120-14, prefetched 110-12, backward 105+1, after 90.
+  // all three: tail 100-4 (a: saved first), landing 104-12, held 120-14, prefetched 110-12,
+  // backward 105+1, rest 100, after 90.
   EXPECT_EQ(p.evaluate(c, {{"a", Provision::recompute}, {"b", Provision::recompute}, {"c", Provision::offload}}),
             106 * kMiB);
 }
@@ -190,7 +192,7 @@ TEST(Planner, DecidesFromTheProjectionAndBudget) {
       Bytes p = peak;
       if (c)
         for (auto& [name, prov] : *c) p -= prov == Provision::save ? 0 : 4 * kMiB;
-      return BlockProjection{p, p, 0, 0, 0, 0};
+      return BlockProjection{p, p, p, 0, 0, 0, 0};
     };
   };
   int calls = 0;

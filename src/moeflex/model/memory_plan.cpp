@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <mutex>
+#include <unordered_map>
 
 #include "moeflex/core/arena.h"
 #include "moeflex/core/error.h"
@@ -16,7 +18,7 @@ namespace moeflex {
 namespace {
 
 constexpr Bytes kF32 = 4;  // f32 and i32 elements alike
-const std::vector<std::string> kAttentionSaves = {"attn_norm.in", "attn_norm.out", "attn_norm.rstd", "attn.q",
+const std::vector<std::string_view> kAttentionSaves = {"attn_norm.in", "attn_norm.out", "attn_norm.rstd", "attn.q",
                                                   "attn.k",       "attn.v",        "attn.probs",     "attn.out"};
 Bytes rounded(std::int64_t numel) { return Arena::round_up(std::max<Bytes>(1, numel * kF32)); }
 
@@ -45,7 +47,8 @@ std::vector<ActivationSpec> layer_activations(const ModelConfig& cfg, int layer,
   std::vector<ActivationSpec> v;
   auto add = [&](std::string name, std::string op, std::int64_t numel, bool rec, std::vector<std::string> in,
                  bool routed = false) {
-    v.push_back({std::move(name), std::move(op), numel * kF32, rec, std::move(in), routed});
+    const int id = activation_id(name);
+    v.push_back({std::move(name), std::move(op), numel * kF32, rec, std::move(in), routed, id});
   };
   add("attn_norm.in", "residual", n * d, false, {});
   add("attn_norm.out", "rmsnorm", n * d, true, {"attn_norm.in"});
@@ -86,10 +89,12 @@ std::vector<ActivationSpec> layer_activations(const ModelConfig& cfg, int layer,
 
 std::vector<ActivationSpec> head_activations(const ModelConfig& cfg, std::int64_t B, std::int64_t S) {
   const std::int64_t n = B * S, d = cfg.hidden_size, V = cfg.vocab_size;
-  return {{"final_norm.in", "residual", n * d * kF32, false, {}, false},
-          {"final_norm.out", "rmsnorm", n * d * kF32, true, {"final_norm.in"}, false},
-          {"final_norm.rstd", "rmsnorm", n * kF32, true, {"final_norm.in"}, false},
-          {"lm_head.probs", "cross_entropy", n * V * kF32, true, {"final_norm.out"}, false}};
+  std::vector<ActivationSpec> v = {{"final_norm.in", "residual", n * d * kF32, false, {}, false},
+                                   {"final_norm.out", "rmsnorm", n * d * kF32, true, {"final_norm.in"}, false},
+                                   {"final_norm.rstd", "rmsnorm", n * kF32, true, {"final_norm.in"}, false},
+                                   {"lm_head.probs", "cross_entropy", n * V * kF32, true, {"final_norm.out"}, false}};
+  for (auto& a : v) a.id = activation_id(a.name);
+  return v;
 }
 
 bool planner_decides(const ModelConfig& cfg, const LedgerEntry& e) {
@@ -125,6 +130,22 @@ Bytes rebuild_extra_bytes(const ModelConfig& cfg, std::int64_t B, std::int64_t S
   if (name == "router.topk_w") return rounded(n * cfg.num_experts) + rounded(n * cfg.num_experts_per_tok);
   if (name == "lm_head.probs") return rounded(n);
   return 0;
+}
+
+int activation_id(std::string_view name) {
+  // Names are few (a layer's activations); ids are dense and stable for the process.
+  struct Hash {
+    using is_transparent = void;
+    std::size_t operator()(std::string_view v) const { return std::hash<std::string_view>{}(v); }
+  };
+  static std::mutex mu;
+  static std::unordered_map<std::string, int, Hash, std::equal_to<>> ids;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = ids.find(name);
+  if (it != ids.end()) return it->second;
+  const int id = int(ids.size());
+  ids.emplace(std::string(name), id);
+  return id;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -185,33 +206,49 @@ Bytes MemoryWalk::held(int mb) const {
 }
 
 void MemoryWalk::save(int mb, int layer, const std::vector<ActivationSpec>& specs,
-                      const std::vector<std::string>& names, const ProvisionFn& provision) {
-  for (const std::string& name : names) {
-    auto it = std::find_if(specs.begin(), specs.end(), [&](const ActivationSpec& s) { return s.name == name; });
+                      const std::vector<std::string_view>& names, const ProvisionFn& provision) {
+  thread_local LedgerEntry le;  // reused: its strings keep their capacity
+  for (const std::string_view name : names) {
+    const int id = activation_id(name);
+    auto it = std::find_if(specs.begin(), specs.end(), [&](const ActivationSpec& s) { return s.id == id; });
     if (it == specs.end()) throw Error(fmt::format("memory plan: no activation '{}' in layer {}", name, layer));
-    LedgerEntry le{it->name, it->op, layer, mb, it->bytes, it->recomputable, Provision::save, 0, 0};
-    if (ctx_) {  // the routing context of an MoE block's saves
-      const auto& [r, ep_size] = *ctx_;
-      le.tokens_received = ep_size > 1 ? r.received : r.permuted;
-      le.tokens_balanced = B_ * S_ * cfg_.num_experts_per_tok / ep_size;
+    Provision p = Provision::save;
+    if (provision) {
+      le.name.assign(it->name);
+      le.op.assign(it->op);
+      le.layer = layer;
+      le.microbatch = mb;
+      le.bytes = it->bytes;
+      le.recomputable = it->recomputable;
+      le.provision = Provision::save;
+      le.tokens_received = le.tokens_balanced = 0;
+      if (ctx_) {  // the routing context of an MoE block's saves
+        const auto& [r, ep_size] = *ctx_;
+        le.tokens_received = ep_size > 1 ? r.received : r.permuted;
+        le.tokens_balanced = B_ * S_ * cfg_.num_experts_per_tok / ep_size;
+      }
+      p = provision(le);
     }
-    Entry e{&*it, it->bytes, provision ? provision(le) : Provision::save, true};
-    if (e.provision == Provision::recompute && !e.spec->recomputable) e.provision = Provision::save;
-    stash_[{mb, layer, name}] = e;
+    if (p == Provision::recompute && !it->recomputable) p = Provision::save;
+    Entry& e = stash_[{mb, layer, id}];
+    e = Entry{&*it, it->bytes, p, true};
   }
-  // Dropped entries are freed at their save; offloads once their copy lands, taken
-  // here as the end of the block's saves.
-  for (const std::string& name : names) {
-    Entry& e = stash_[{mb, layer, name}];
-    if (e.provision != Provision::save) {
+  // Recomputed entries are freed at their save. An offloaded one keeps its device
+  // block while the copy runs, at the latest until the next decision point, where
+  // the engine waits for copies in flight (MoEModel::plan_saves): see land().
+  for (const std::string_view name : names) {
+    Entry& e = stash_[{mb, layer, activation_id(name)}];
+    if (e.provision == Provision::recompute) {
       free(Arena::round_up(std::max<Bytes>(1, e.bytes)));
       e.on_device = false;
+    } else if (e.provision == Provision::offload) {
+      landing_.push_back({mb, layer, e.spec->id});
     }
   }
 }
 
 void MemoryWalk::get(int mb, int layer, const std::string& name) {
-  auto it = stash_.find({mb, layer, name});
+  auto it = stash_.find({mb, layer, activation_id(name)});
   if (it == stash_.end()) throw Error(fmt::format("memory plan: '{}' of layer {} micro-batch {} is not saved", name, layer, mb));
   if (it->second.on_device) return;
   const Bytes size = Arena::round_up(std::max<Bytes>(1, it->second.bytes));
@@ -243,21 +280,21 @@ void MemoryWalk::get(int mb, int layer, const std::string& name) {
     alloc(size);
     alloc(rounded(n));
     free(rounded(n));
-    it = stash_.find({mb, layer, name});
+    it = stash_.find({mb, layer, activation_id(name)});
     it->second.on_device = true;
     return;
   } else {  // a linear, rope, swiglu, permute or grouped GEMM output: just itself
     alloc(size);
-    it = stash_.find({mb, layer, name});
+    it = stash_.find({mb, layer, activation_id(name)});
     it->second.on_device = true;
     return;
   }
-  it = stash_.find({mb, layer, name});
+  it = stash_.find({mb, layer, activation_id(name)});
   it->second.on_device = true;
 }
 
 void MemoryWalk::prefetch(int mb, int layer) {
-  auto it = stash_.lower_bound(Key{mb, layer, std::string()});
+  auto it = stash_.lower_bound(Key{mb, layer, -1});
   for (; it != stash_.end() && std::get<0>(it->first) == mb && std::get<1>(it->first) == layer; ++it)
     if (!it->second.on_device && it->second.provision == Provision::offload) {
       alloc(Arena::round_up(std::max<Bytes>(1, it->second.bytes)));
@@ -266,7 +303,7 @@ void MemoryWalk::prefetch(int mb, int layer) {
 }
 
 void MemoryWalk::release_layer(int mb, int layer) {
-  auto it = stash_.lower_bound(Key{mb, layer, std::string()});
+  auto it = stash_.lower_bound(Key{mb, layer, -1});
   while (it != stash_.end() && std::get<0>(it->first) == mb && std::get<1>(it->first) == layer) {
     if (it->second.on_device) {
       const Bytes b = Arena::round_up(std::max<Bytes>(1, it->second.bytes));
@@ -302,6 +339,7 @@ void MemoryWalk::forward_layers(int mb, const StageSpec& st, int from, const std
   alloc(rounded(n * V));  // lm_head.logits
   alloc(rounded(n));      // cross_entropy.losses
   free(rounded(n));
+  land();  // a decision point
   save_head(mb, provision);
 }
 
@@ -312,10 +350,10 @@ void MemoryWalk::save_head(int mb, const ProvisionFn& provision) {
 
 void MemoryWalk::finish_forward(int mb, const StageSpec& st, int l, SavePoint point, const std::vector<MoERows>& rows,
                                 const ProvisionFn& provision) {
+  land();  // the decision point: copies in flight have landed (the engine waited)
   if (point == SavePoint::head) {
     save_head(mb, provision);
-    land();
-    enter(kHeld, mb, l);
+    enter(kLanding, mb, l);
     return;
   }
   const MoERows r = rows_at(st, l, rows);
@@ -330,8 +368,7 @@ void MemoryWalk::finish_forward(int mb, const StageSpec& st, int l, SavePoint po
     rows_[{mb, l}] = {r, st.ep_size};
     ffn_moe_tail(mb, l, specs, provision);
   }
-  land();
-  enter(kHeld, mb, l);
+  enter(kLanding, mb, l);
   forward_layers(mb, st, l + 1, rows, provision);
 }
 
@@ -342,8 +379,8 @@ void MemoryWalk::adopt(const LedgerEntry& e, bool on_device, int ep_size) {
   Entry entry{&*it, e.bytes, e.provision, on_device};
   // An offload whose copy is still in flight: its device block goes once the copy
   // lands, taken (as for the walk's own offloads) as the end of the block under way.
-  if (on_device && e.provision == Provision::offload) landing_.push_back({e.microbatch, e.layer, e.name});
-  stash_[{e.microbatch, e.layer, e.name}] = entry;
+  if (on_device && e.provision == Provision::offload) landing_.push_back({e.microbatch, e.layer, activation_id(e.name)});
+  stash_[{e.microbatch, e.layer, activation_id(e.name)}] = entry;
   // The backward needs the layer's rows: read them off the routed entries' sizes.
   auto& rr = rows_[{e.microbatch, e.layer}];
   rr.second = ep_size;
@@ -353,6 +390,7 @@ void MemoryWalk::adopt(const LedgerEntry& e, bool on_device, int ep_size) {
 }
 
 void MemoryWalk::land() {
+  if (phase_ == kLanding) enter(kHeld, watch_mb_, watch_layer_);  // the watched block's offloads go now
   for (const Key& k : landing_) {
     auto it = stash_.find(k);
     if (it != stash_.end() && it->second.on_device) {
@@ -391,6 +429,7 @@ void MemoryWalk::attention_forward(int mb, int l, const std::vector<ActivationSp
   alloc(rounded(n * d));  // o
   alloc(rounded(B_ * cfg_.num_attention_heads * S_ * S_));  // probs
   alloc(rounded(n * d));  // h, the next residual
+  land();  // a decision point
   save(mb, l, specs, kAttentionSaves, provision);
 }
 
@@ -398,6 +437,7 @@ void MemoryWalk::mlp_forward(int mb, int l, const std::vector<ActivationSpec>& s
                              std::int64_t w, const ProvisionFn& provision) {
   const std::int64_t n = B_ * S_;
   for (int i = 0; i < 3; ++i) alloc(rounded(n * w));  // h1, h3, a
+  if (prefix == "dense") land();                       // a decision point
   save(mb, l, specs, {prefix + ".gate_out", prefix + ".up_out", prefix + ".act"}, provision);
 }
 
@@ -436,6 +476,7 @@ void MemoryWalk::ffn_forward(int mb, int l, const std::vector<ActivationSpec>& s
       free(rounded(Rr * d));
       free(rounded(Rr * d));  // experts.out
     }
+    land();  // a decision point
     ffn_moe_tail(mb, l, specs, provision);
     return;
   }
@@ -457,7 +498,12 @@ void MemoryWalk::ffn_moe_tail(int mb, int l, const std::vector<ActivationSpec>& 
 void MemoryWalk::keep(int mb, Bytes bytes) { retained_[{mb, stage_id_}] += bytes; }
 
 void MemoryWalk::pin(int mb, int layer, const std::string& name) {
-  if (split_) pinned_.insert({mb, layer, name});
+  if (split_) pinned_.insert({mb, layer, activation_id(name)});
+}
+
+Bytes MemoryWalk::retained(int mb, const StageSpec& st) const {
+  auto it = retained_.find({mb, st.first_layer});
+  return it == retained_.end() ? 0 : it->second;
 }
 
 void MemoryWalk::weight(int mb, const StageSpec& st) {
@@ -471,6 +517,7 @@ void MemoryWalk::backward(int mb, const StageSpec& st, bool split) {
   const std::int64_t n = B_ * S_, d = cfg_.hidden_size;
   split_ = split;
   stage_id_ = st.first_layer;
+  land();  // the engine waits for copies in flight before a backward
   enter(kPrefetched, mb, kHeadLayer);
   prefetch(mb, kHeadLayer);
   if (st.last_layer > st.first_layer) {
@@ -670,6 +717,8 @@ BlockProjection project_block(const ModelConfig& cfg, const BlockContext& ctx, c
   const MoERows worst = MoERows::worst_case(cfg, ctx.B * ctx.S, stage.ep_size);
   MemoryWalk w(cfg, ctx.B, ctx.S, ctx.in_use);
   for (const auto& [e, on] : ctx.ledger) w.adopt(e, on, stage.ep_size);
+  if (ctx.program)
+    for (const auto& [key, bytes] : ctx.program->pending_weight_bytes) w.adopt_retained(key.first, key.second, bytes);
   std::vector<MoERows> own(std::size_t(std::max(0, stage.last_layer - stage.first_layer)), worst);
   if (ctx.point == SavePoint::moe) own.at(std::size_t(l - stage.first_layer)) = ctx.rows;
   const RowsFn future = [&](int, const StageSpec& st) {
@@ -702,6 +751,11 @@ std::vector<std::int64_t> block_cache_key(const BlockContext& ctx) {
     mix(std::hash<std::string>{}(e.name));
     mix(std::uint64_t(e.bytes) << 3 ^ std::uint64_t(e.provision) << 1 ^ std::uint64_t(on));
   }
+  if (ctx.program)
+    for (const auto& [key, bytes] : ctx.program->pending_weight_bytes) {
+      mix(std::uint64_t(key.first) << 32 ^ std::uint64_t(key.second));
+      mix(std::uint64_t(bytes));
+    }
   return {ctx.layer, int(ctx.point), ctx.program ? std::int64_t(ctx.program->current) : -1, ctx.rows.permuted,
           ctx.rows.received, std::int64_t(digest)};
 }

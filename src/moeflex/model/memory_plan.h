@@ -16,6 +16,7 @@
 #include <map>
 #include <set>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <vector>
 
@@ -51,6 +52,7 @@ struct ActivationSpec {
   bool recomputable = false;        ///< has a lineage (the stash can drop and rebuild it)
   std::vector<std::string> inputs;  ///< the same layer's entries its lineage reads
   bool routed = false;              ///< its size depends on the routing (MoERows)
+  int id = -1;                      ///< activation_id(name)
 };
 
 /// The activations layer `layer`'s forward keeps (attention block then FFN block),
@@ -61,6 +63,10 @@ std::vector<ActivationSpec> layer_activations(const ModelConfig& cfg, int layer,
                                               const MoERows& rows, bool ep);
 /// The activations of the final norm and LM head (stash layer kHeadLayer).
 std::vector<ActivationSpec> head_activations(const ModelConfig& cfg, std::int64_t B, std::int64_t S);
+
+/// A small dense integer for an activation name (interned once per process), for
+/// fast keys; thread-safe.
+int activation_id(std::string_view name);
 
 /// Bytes the recompute of activation `name` allocates beyond the activation itself
 /// for a moment (its lineage's other outputs, freed when it returns).
@@ -110,9 +116,14 @@ std::vector<WalkAction> walk_actions(const StepPlan& plan, int rank, std::vector
 /// in order, and the index of the action running now (kept by the executor).
 struct StepProgram {
   std::vector<StageSpec> stages;
-  std::vector<const ActivationStash*> stashes;  ///< every chunk's stash on the rank (what it holds now)
+  /// Every chunk's stash on the rank (what it holds now; polled before decisions so
+  /// that offloads whose copy landed are freed whichever chunk saved them).
+  std::vector<ActivationStash*> stashes;
   std::vector<WalkAction> actions;
   std::size_t current = 0;
+  /// Bytes each zero-bubble B left held for its W, by (micro-batch, stage's first
+  /// layer), until that W runs (written by the model chunks as they run).
+  mutable std::map<std::pair<int, int>, Bytes> pending_weight_bytes;
 };
 
 /// Whether the adaptive planner decides an activation (else it is saved): every
@@ -163,6 +174,11 @@ class MemoryWalk {
   void backward(int mb, const StageSpec& stage, bool split = false);
   /// The zero-bubble W of `mb` through `stage`: frees what its B kept.
   void weight(int mb, const StageSpec& stage);
+  /// Bytes the B of `mb` through `stage` keeps for its W (0 once W ran).
+  Bytes retained(int mb, const StageSpec& stage) const;
+  /// Takes over `bytes` a real zero-bubble B left held for the W of `mb` through the
+  /// stage starting at `first_layer` (already in the walk's starting use).
+  void adopt_retained(int mb, int first_layer, Bytes bytes) { retained_[{mb, first_layer}] += bytes; }
   /// Allocates (+1) or frees (-1) `count` pipeline buffers of [B*S, d] floats.
   void buffer(int count);
 
@@ -183,10 +199,11 @@ class MemoryWalk {
   /// Phases of the walk around one layer's activations of one micro-batch (see
   /// watch()): the block still finishing its forward, held until the backward,
   /// prefetched (offloads back one layer ahead), its backward, after its release.
-  enum Phase { kTail, kHeld, kPrefetched, kBackward, kBackwardRest, kAfter, kPhases };
+  enum Phase { kTail, kLanding, kHeld, kPrefetched, kBackward, kBackwardRest, kAfter, kPhases };
   /// From now on, also records the peak of each Phase for the block at `point` of
-  /// layer `layer` (or kHeadLayer) of micro-batch `mb`; the walk starts in kTail
-  /// and moves to kHeld when finish_forward() ends. kBackward is the block's own
+  /// layer `layer` (or kHeadLayer) of micro-batch `mb`; the walk starts in kTail,
+  /// moves to kLanding when the block's saves are done (its offloads still copying)
+  /// and to kHeld at the next decision point (where they have landed). kBackward is the block's own
   /// backward (an attention block's starts after its layer's FFN backward),
   /// kBackwardRest the rest of its layer's backward until the layer is released.
   void watch(int mb, int layer, SavePoint point);
@@ -206,13 +223,13 @@ class MemoryWalk {
     Provision provision = Provision::save;
     bool on_device = true;
   };
-  using Key = std::tuple<int, int, std::string>;
+  using Key = std::tuple<int, int, int>;  // micro-batch, layer, activation_id(name)
   void alloc(Bytes bytes);
   void free(Bytes bytes);
   /// Brings (mb, layer, name) onto the device as the stash's get() does.
   void get(int mb, int layer, const std::string& name);
   /// Saves the entries of `names` (in that order) from `specs` under the provision.
-  void save(int mb, int layer, const std::vector<ActivationSpec>& specs, const std::vector<std::string>& names,
+  void save(int mb, int layer, const std::vector<ActivationSpec>& specs, const std::vector<std::string_view>& names,
             const ProvisionFn& provision);
   void prefetch(int mb, int layer);
   void release_layer(int mb, int layer);

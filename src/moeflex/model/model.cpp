@@ -146,6 +146,7 @@ void MoEModel::weight_grad(int mb, std::function<void()> fn) {
 }
 
 void MoEModel::backward_weight(int mb) {
+  if (program_) program_->pending_weight_bytes.erase({mb, par_.first_layer});
   auto it = wgrad_queue_.find(mb);
   if (it == wgrad_queue_.end()) return;
   for (auto& fn : it->second) fn();
@@ -215,15 +216,15 @@ void MoEModel::plan_saves(int mb, int l, SavePoint point, std::initializer_list<
   ctx.rows = rows;
   ctx.stage = {par_.first_layer, par_.last_layer < 0 ? int(cfg_.num_hidden_layers) : par_.last_layer, par_.embedding,
                par_.head, ep_size()};
-  ctx.in_use = arena_.in_use();
   ctx.program = program_;
-  if (program_ && !program_->stashes.empty()) {  // what the rank holds now, from every chunk's stash
-    for (const ActivationStash* st : program_->stashes) {
-      auto part = st->ledger();
-      ctx.ledger.insert(ctx.ledger.end(), part.begin(), part.end());
-    }
-  } else {
-    ctx.ledger = stash_.ledger();
+  // Offloads still copying land here: the memory program frees them at decisions.
+  std::vector<ActivationStash*> stashes{&stash_};
+  if (program_ && !program_->stashes.empty()) stashes = program_->stashes;
+  for (ActivationStash* st : stashes) st->sync();
+  ctx.in_use = arena_.in_use();
+  for (ActivationStash* st : stashes) {  // what the rank holds now, from every chunk's stash
+    auto part = st->ledger();
+    ctx.ledger.insert(ctx.ledger.end(), part.begin(), part.end());
   }
   // Exposed seconds of not keeping each candidate, from the calibrated cost model:
   // its recompute time, or the part of its offload and prefetch copies that the
@@ -372,7 +373,25 @@ Tensor MoEModel::forward_impl(const std::int32_t* ids, const std::int32_t* targe
 void MoEModel::backward_stage(const std::int32_t* ids, const std::int32_t* targets, const float* dy, float* dx_in,
                               std::int64_t B, std::int64_t S, int mb, double grad_scale) {
   const std::int64_t n = B * S, d = cfg_.hidden_size, V = cfg_.vocab_size;
-  // Bring offloaded activations back one layer ahead of their backward.
+  if (defer_wgrad_ && program_) {
+    // What this B will leave held for its W, for the planner's projections until
+    // then: the memory program's own split backward over this micro-batch's ledger.
+    const int ep = ep_size();
+    const StageSpec st{par_.first_layer, par_.last_layer < 0 ? int(cfg_.num_hidden_layers) : par_.last_layer,
+                       par_.embedding, par_.head, ep};
+    MemoryWalk w(cfg_, B, S, 0);
+    for (const auto& [e, on] : stash_.ledger())
+      if (e.microbatch == mb) w.adopt(e, on, ep);
+    w.backward(mb, st, true);
+    program_->pending_weight_bytes[{mb, st.first_layer}] = w.retained(mb, st);
+  }
+  // Offloads still copying land first (the memory program assumes so), then the
+  // offloaded activations come back one layer ahead of their backward.
+  if (program_ && !program_->stashes.empty()) {
+    for (ActivationStash* st : program_->stashes) st->sync();
+  } else {
+    stash_.sync();
+  }
   stash_.prefetch_layer(mb, kHeadLayer);
   if (par_.last_layer > par_.first_layer) stash_.prefetch_layer(mb, par_.last_layer - 1);
   Tensor dx = work({n, d}, "grad.residual");

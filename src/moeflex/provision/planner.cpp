@@ -18,22 +18,25 @@ double recompute_cost_per_byte(const std::string& op) {
 }
 
 Bytes BlockProjection::evaluate(const std::vector<SaveCandidate>& candidates, const BlockChoice& choice) const {
-  Bytes dropped = 0, dropped_first = 0, recomputed = 0, extra = 0;
+  Bytes dropped = 0, recomputed_first = 0, recomputed = 0, extra = 0;
   for (const auto& c : candidates) {
     auto it = choice.find(c.name);
     if (it == choice.end() || it->second == Provision::save) continue;
     const Bytes b = Arena::round_up(std::max<Bytes>(1, c.bytes));
     dropped += b;
-    if (c.saved_first) dropped_first += b;
     if (it->second == Provision::recompute) {
       recomputed += b;
+      if (c.saved_first) recomputed_first += b;
       extra = std::max(extra, c.rebuild_extra);
     }
   }
-  return std::max({tail - dropped_first, held - dropped, prefetched - recomputed, backward + extra, backward_rest, after});
+  return std::max({tail - recomputed_first, landing - recomputed, held - dropped, prefetched - recomputed,
+                   backward + extra, backward_rest, after});
 }
 
-Bytes BlockProjection::peak() const { return std::max({tail, held, prefetched, backward, backward_rest, after}); }
+Bytes BlockProjection::peak() const {
+  return std::max({tail, landing, held, prefetched, backward, backward_rest, after});
+}
 
 Bytes AdaptivePlanner::margin() const {
   return arena_.unlimited() ? 0 : Bytes(double(arena_.budget()) * kPlannerMarginFraction);
@@ -124,8 +127,11 @@ void AdaptivePlanner::plan_block(int mb, int layer, const std::vector<SaveCandid
   predicted_step_peak_ = std::max(arena_.peak(), raw);
   if (std::getenv("MOEFLEX_PLANNER_DEBUG")) {
     std::size_t dropped = choice.size();
-    std::fprintf(stderr, "plan mb %d layer %d: in use %.1f MiB, %zu of %zu dropped, projected peak %.1f MiB\n", mb,
-                 layer, arena_.in_use() / 1048576.0, dropped, candidates.size(), peak / 1048576.0);
+    std::fprintf(stderr,
+                 "plan mb %d layer %d: in use %.1f MiB (step peak so far %.1f), %zu of %zu dropped, projected peak "
+                 "%.1f MiB\n",
+                 mb, layer, arena_.in_use() / 1048576.0, arena_.peak() / 1048576.0, dropped, candidates.size(),
+                 peak / 1048576.0);
   }
   for (const auto& c : candidates) {
     auto it = choice.find(c.name);

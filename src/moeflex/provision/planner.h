@@ -55,7 +55,8 @@ using BlockChoice = std::map<std::string, Provision>;
 /// ahead), and its recompute adds at most its lineage's extra outputs to the
 /// layer's backward, where every entry is back on the device anyway.
 struct BlockProjection {
-  Bytes tail = 0;        ///< the block finishing (only saved_first drops are freed yet)
+  Bytes tail = 0;        ///< the block finishing (only saved_first recomputes are freed yet)
+  Bytes landing = 0;     ///< until the next decision point (offloads still copying)
   Bytes held = 0;        ///< until the layer's offloads are prefetched back
   Bytes prefetched = 0;  ///< from then until the layer's backward starts
   Bytes backward = 0;    ///< during the block's own backward, everything kept

@@ -60,6 +60,7 @@ LossParts PipelineExecutor::run_step(const BatchFn& batch, double grad_scale) {
     const Action& a = plan_.actions[std::size_t(rank_)][ai];
     const int mb = a.microbatch, s = a.stage;
     program_.current = walk_at_[ai];
+    for (ActivationStash* st : program_.stashes) st->poll();  // offloads of any chunk that landed
     const auto t0 = Clock::now();
     struct ComputeTimer {  // adds the action's time when it is a compute action; traces it
       const Action& a;

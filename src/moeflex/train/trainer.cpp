@@ -589,15 +589,16 @@ TrainResult run_training(const TrainOptions& opts) {
         }
         // The step's peak as predicted at its last decision (max over ranks), and the
         // bound the decisions kept under (each projected later blocks at their floor).
-        double pred[2] = {double(planner->predicted_step_peak()), double(planner->last_projected_peak())};
-        if (world_size > 1) world->all_reduce_max(pred, 2);
+        double pred[3] = {double(planner->predicted_step_peak()), double(planner->last_projected_peak()),
+                          double(planner->infeasible())};
+        if (world_size > 1) world->all_reduce_max(pred, 3);
         const double predicted = pred[0];
         plan_line = {{"decisions", ds.size()},
                      {"decision_seconds_max", dmax},
                      {"decision_seconds_total", dsum},
                      {"predicted_peak_bytes", std::int64_t(pred[0])},
                      {"projected_bound_bytes", std::int64_t(pred[1])},
-                     {"infeasible_decisions", planner->infeasible()}};
+                     {"infeasible_decisions", std::int64_t(pred[2])}};  // the most on any rank
         res.predicted_peak_bytes = std::max(res.predicted_peak_bytes, std::int64_t(predicted));
         planner->end_step();
       }

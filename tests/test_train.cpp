@@ -156,4 +156,8 @@ TEST(Train, BadInputsGetClearErrors) {
   EXPECT_EQ(RunConfig::from_toml_text(odd.to_toml(), "resolved").data.path, odd.data.path);
   EXPECT_THROW(parse_size("12 parsecs"), ConfigError);
   EXPECT_EQ(parse_size("1.5GiB"), 1536 * kMiB);
+  EXPECT_THROW(parse_size("0x10MiB"), ConfigError);            // no hexadecimal
+  EXPECT_THROW(parse_size("1e3MiB"), ConfigError);             // no exponent
+  EXPECT_THROW(parse_size("99999999999999GiB"), ConfigError);  // overflow, not "must be positive"
+  EXPECT_THROW(parse_size("1.2.3MiB"), ConfigError);
 }

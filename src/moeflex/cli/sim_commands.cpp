@@ -47,15 +47,11 @@ ModelConfig model_of(const std::string& m, std::int64_t& B, std::int64_t& S, con
 }
 
 Bytes size_of(const std::string& s) {
-  std::size_t i = 0;
-  const double v = std::stod(s, &i);
-  const std::string unit = s.substr(i);
-  if (unit.empty() || unit == "B") return Bytes(v);
-  if (unit == "KiB") return Bytes(v * double(kKiB));
-  if (unit == "MiB") return Bytes(v * double(kMiB));
-  if (unit == "GiB") return Bytes(v * double(kGiB));
-  if (unit == "GB") return Bytes(v * 1e9);
-  throw ConfigError(fmt::format("--memory '{}': expected a number with B, KiB, MiB, GiB or GB", s));
+  try {
+    return parse_size(s);  // the same sizes --device-memory takes
+  } catch (const Error& e) {
+    throw ConfigError(fmt::format("--memory: {}", e.what()));
+  }
 }
 
 }  // namespace
@@ -68,11 +64,17 @@ void add_sim_commands(CLI::App& app) {
     c->add_option("--model", f.model, "preset name (configs/models), HF config.json, run config .toml, or 'default'")
         ->capture_default_str();
     c->add_option("--cluster", f.cluster, "preset name (configs/clusters) or cluster JSON")->capture_default_str();
-    c->add_option("--seq-len", f.seq_len, "tokens per sequence (default: 4096, or the run config's)");
-    c->add_option("--global-batch", f.global_batch, "sequences per iteration");
+    c->add_option("--seq-len", f.seq_len, "tokens per sequence (default: 4096, or the run config's)")
+        ->check(CLI::Range(std::int64_t(1), std::int64_t(1) << 24));
+    c->add_option("--global-batch", f.global_batch, "sequences per iteration")
+        ->check(CLI::Range(std::int64_t(1), std::int64_t(1) << 30));
     c->add_option("--imbalance", f.imbalance, "load distribution calm=1.2:spike=2.6:p=0.029[:seed=S]");
-    c->add_option("--restart-seconds", f.restart_seconds, "cold restart after an OOM")->capture_default_str();
-    c->add_option("--checkpoint-interval", f.checkpoint_interval, "iterations between checkpoints")->capture_default_str();
+    c->add_option("--restart-seconds", f.restart_seconds, "cold restart after an OOM")
+        ->capture_default_str()
+        ->check(CLI::NonNegativeNumber);
+    c->add_option("--checkpoint-interval", f.checkpoint_interval, "iterations between checkpoints")
+        ->capture_default_str()
+        ->check(CLI::PositiveNumber);
     c->add_option("--memory", f.memory, "per-device memory limit, e.g. 250MiB (default: the cluster's)");
   }
   auto* s = f.simulate;
@@ -80,15 +82,18 @@ void add_sim_commands(CLI::App& app) {
   s->add_option("--schedule", f.schedule, "gpipe, 1f1b, interleaved, zb-h1, dualpipev (default 1f1b)");
   s->add_option("--policy", f.policy, "none, full, selective, moe-light, moe-medium, moe-full, threshold[=R], adaptive")
       ->capture_default_str();
-  s->add_option("--micro-batch-size", f.micro_batch_size, "sequences per micro-batch (default 1, or the run config's)");
-  s->add_option("--iterations", f.iterations, "iterations to simulate")->capture_default_str();
+  s->add_option("--micro-batch-size", f.micro_batch_size, "sequences per micro-batch (default 1, or the run config's)")
+      ->check(CLI::Range(std::int64_t(1), std::int64_t(1) << 20));
+  s->add_option("--iterations", f.iterations, "iterations to simulate")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000000));
   s->add_option("--loads", f.loads, "replay expert loads from a `moeflex train` run's metrics.jsonl");
   s->add_option("--out", f.out, "write summary.json and trace.json here");
   s->add_option("--trace-ranks", f.trace_ranks, "pipeline ranks in trace.json, e.g. 0,3 (empty: none)")
       ->capture_default_str();
   auto* q = f.search;
-  q->add_option("--gpus", f.gpus, "devices")->required();
-  q->add_option("--top", f.top, "layouts to print")->capture_default_str();
+  q->add_option("--gpus", f.gpus, "devices")->required()->check(CLI::Range(1, int(sim::kMaxSimulatedDevices)));
+  q->add_option("--top", f.top, "layouts to print")->capture_default_str()->check(CLI::Range(1, 100000));
   q->add_option("--objective", f.objective, "tgs or memory")->capture_default_str();
   q->add_option("--out", f.out, "write the result as JSON");
 }
@@ -102,7 +107,13 @@ bool run_sim_commands() {
   if (S <= 0) S = 4096;
   if (B <= 0) B = 1;
   sim::ClusterSpec cluster = sim::load_cluster(f.cluster, root);
-  if (!f.memory.empty()) cluster.reserved_memory = cluster.device_memory - size_of(f.memory);
+  if (!f.memory.empty()) {
+    const Bytes limit = size_of(f.memory);
+    if (limit > cluster.device_memory)
+      throw ConfigError(fmt::format("--memory {} is more than the {} device's {}", format_bytes(limit), cluster.name,
+                                    format_bytes(cluster.device_memory)));
+    cluster.reserved_memory = cluster.device_memory - limit;
+  }
   sim::LoadModel loads = f.imbalance.empty() ? sim::LoadModel{} : sim::LoadModel::parse(f.imbalance);
   if (*f.simulate) {
     sim::SimOptions o;

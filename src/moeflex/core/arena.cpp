@@ -38,6 +38,8 @@ OutOfMemoryError::OutOfMemoryError(const OutOfMemoryError& cause, const std::str
 Arena::Arena(Bytes budget) : budget_(budget) {
   if (budget_ == 0) throw ConfigError("device memory budget must be positive (got 0 bytes)");
   if (budget_ > 0) {
+    if (budget_ < kAlignment)
+      throw ConfigError(fmt::format("device memory budget must be at least {} B (got {} B)", kAlignment, budget_));
     budget_ = budget_ / kAlignment * kAlignment;
     void* p = mmap(nullptr, static_cast<std::size_t>(budget_), PROT_READ | PROT_WRITE,
                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);

@@ -1,4 +1,5 @@
 #include "moeflex/core/error.h"
+#include <algorithm>
 
 #include <cctype>
 #include <cmath>
@@ -13,10 +14,14 @@ Bytes parse_size(const std::string& text) {
   std::string lower;
   for (char c : s) lower += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   if (lower == "unlimited" || lower == "none" || lower == "inf") return -1;
+  // A plain decimal number (no sign, exponent or hexadecimal), then the unit.
   std::size_t pos = 0;
+  while (pos < s.size() && (std::isdigit(static_cast<unsigned char>(s[pos])) || s[pos] == '.')) ++pos;
   double value = 0;
   try {
-    value = std::stod(s, &pos);
+    if (pos == 0 || std::count(s.begin(), s.begin() + std::ptrdiff_t(pos), '.') > 1)
+      throw std::invalid_argument("not a decimal number");
+    value = std::stod(s.substr(0, pos));
   } catch (...) {
     throw ConfigError(fmt::format("cannot parse size '{}': expected a number with an optional unit "
                                   "(B, KiB, MiB, GiB, TiB), e.g. '512MiB'", text));
@@ -33,6 +38,8 @@ Bytes parse_size(const std::string& text) {
                                   text, text.substr(pos)));
   if (!(value >= 0) || !std::isfinite(value))
     throw ConfigError(fmt::format("size '{}' must be a non-negative number of bytes", text));
+  if (value * mult >= 9.2e18)
+    throw ConfigError(fmt::format("size '{}' is too large (more than 8 EiB)", text));
   return static_cast<Bytes>(std::llround(value * mult));
 }
 

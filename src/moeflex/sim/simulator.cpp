@@ -9,6 +9,7 @@
 #include <fstream>
 #include <map>
 #include <numeric>
+#include <set>
 #include <sstream>
 
 #include "moeflex/comm/layout.h"
@@ -56,17 +57,22 @@ ParallelSpec ParallelSpec::parse(const std::string& s) {
   ParallelSpec p;
   std::stringstream ss(s);
   std::string part;
+  std::set<std::string> seen;
   while (std::getline(ss, part, ',')) {
     if (part.empty()) continue;
     const auto eq = part.find('=');
     int v = 0;
     try {
       if (eq == std::string::npos) throw std::invalid_argument("no =");
-      v = std::stoi(part.substr(eq + 1));
+      std::size_t used = 0;
+      const std::string num = part.substr(eq + 1);
+      v = std::stoi(num, &used);
+      if (used != num.size()) throw std::invalid_argument("trailing characters");
     } catch (const std::exception&) {
       throw ConfigError(fmt::format("--parallel '{}': expected key=integer in '{}'", s, part));
     }
     const std::string k = part.substr(0, eq);
+    if (!seen.insert(k).second) throw ConfigError(fmt::format("--parallel '{}': {} is given twice", s, k));
     if (v < 1) throw ConfigError(fmt::format("--parallel '{}': {} must be at least 1 (got {})", s, k, v));
     if (k == "tp") p.tp = v;
     else if (k == "pp") p.pp = v;
@@ -75,6 +81,11 @@ ParallelSpec ParallelSpec::parse(const std::string& s) {
     else if (k == "dp") p.dp = v;
     else throw ConfigError(fmt::format("--parallel '{}': unknown key '{}' (tp, pp, vpp, ep, dp)", s, k));
   }
+  // tp x pp x dp devices (ep divides the data-parallel ranks): refuse what overflows.
+  const double world = double(p.tp) * double(p.pp) * double(p.dp);
+  if (world > double(kMaxSimulatedDevices))
+    throw ConfigError(fmt::format("--parallel '{}': tp x pp x dp = {:.0f} devices, more than the {} this simulator takes",
+                                  s, world, kMaxSimulatedDevices));
   return p;
 }
 

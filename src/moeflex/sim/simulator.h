@@ -39,6 +39,10 @@
 namespace moeflex::sim {
 
 /// The parallel layout: world = tp x pp x dp, ep within dp, vpp chunks per rank.
+/// The most devices a simulated layout may have (well beyond any cluster; keeps
+/// every rank count and product of sizes inside 32-bit integers).
+inline constexpr std::int64_t kMaxSimulatedDevices = 1 << 24;
+
 struct ParallelSpec {
   int tp = 1, pp = 1, vpp = 1, ep = 1, dp = 1;
   int world() const { return tp * pp * dp; }

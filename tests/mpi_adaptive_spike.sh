@@ -32,3 +32,34 @@ assert [x["loss"] for x in ada] == [x["loss"] for x in free], "adaptive must not
 assert ada[3]["injected_imbalance"] == 2.0 and ada[3]["bytes_recomputed"] > 0
 print("adaptive: ok, peak", s["peak_device_bytes"] / 2**20, "MiB, recomputed", s["bytes_recomputed"] / 2**20, "MiB")
 PY
+
+# Pipelines: the planner's projection walks the rank's schedule (warm-up micro-
+# batches, pipeline buffers, the zero-bubble W queue, several chunks per rank with
+# offloads). Just above the minimum it refuses nothing, every decision keeps a
+# feasible completion, and each step's predicted peak is the measured one.
+cfg="$out/pp.toml"
+printf '[train]\ngrad_accum = 4\nmicro_batch_size = 2\neval_every = 0\neval_batches = 1\n' > "$cfg"
+for sched in "zb-h1" "dualpipev --vpp 2"; do
+  name=${sched%% *}
+  set +e
+  "${mpi[@]}" "$bin" train --config "$cfg" --pp 2 --schedule $sched --steps 1 --device-memory 120MiB \
+    --out "$out/min-$name" > "$out/min-$name.log" 2>&1
+  set -e
+  min=$(sed -n 's/.*smallest budget for which adaptive provisioning can guarantee no out-of-memory error: \([0-9.]*\) MiB.*/\1/p' \
+        "$out/min-$name.log" | head -1)
+  [[ -n "$min" ]] || { echo "no minimum named for $sched"; cat "$out/min-$name.log"; exit 1; }
+  budget=$(/usr/bin/python3 -c "print(f'{$min + 1:.2f}MiB')")
+  "${mpi[@]}" "$bin" train --config "$cfg" --pp 2 --schedule $sched --steps 3 --inject-imbalance every=2:ratio=2 \
+    --device-memory "$budget" --out "$out/pp-$name" --quiet > /dev/null
+  /usr/bin/python3 - "$out/pp-$name" "$budget" <<'PY'
+import json, sys
+run, budget = sys.argv[1], sys.argv[2]
+lines = [json.loads(l) for l in open(f"{run}/metrics.jsonl")]
+assert len(lines) == 3, lines
+for d in lines:
+    assert d["infeasible_decisions"] == 0, d
+    assert d["predicted_peak_bytes"] == d["peak_device_bytes"], (d["step"], d["predicted_peak_bytes"], d["peak_device_bytes"])
+    assert d["peak_device_bytes"] <= float(budget[:-3]) * 2**20, d
+print(run.split("/")[-1], budget, "ok: predicted = measured on every step, no infeasible decision")
+PY
+done

@@ -17,9 +17,22 @@ namespace moeflex {
 
 namespace {
 
+/// The activation id of a literal name, interned once per call site.
+#define ID(name) ([]() -> int { static const int id_ = activation_id(name); return id_; }())
+/// The ids of literal names, interned once per call site.
+#define IDS(...)                                                                    \
+  ([]() -> const std::vector<int>& {                                                \
+    static const std::vector<int> ids_ = [] {                                       \
+      std::vector<int> v;                                                           \
+      for (std::string_view n : std::initializer_list<std::string_view>{__VA_ARGS__}) \
+        v.push_back(activation_id(n));                                              \
+      return v;                                                                     \
+    }();                                                                            \
+    return ids_;                                                                    \
+  }())
+
 constexpr Bytes kF32 = 4;  // f32 and i32 elements alike
-const std::vector<std::string_view> kAttentionSaves = {"attn_norm.in", "attn_norm.out", "attn_norm.rstd", "attn.q",
-                                                  "attn.k",       "attn.v",        "attn.probs",     "attn.out"};
+
 Bytes rounded(std::int64_t numel) { return Arena::round_up(std::max<Bytes>(1, numel * kF32)); }
 
 }  // namespace
@@ -48,7 +61,9 @@ std::vector<ActivationSpec> layer_activations(const ModelConfig& cfg, int layer,
   auto add = [&](std::string name, std::string op, std::int64_t numel, bool rec, std::vector<std::string> in,
                  bool routed = false) {
     const int id = activation_id(name);
-    v.push_back({std::move(name), std::move(op), numel * kF32, rec, std::move(in), routed, id});
+    std::vector<int> in_ids;
+    for (const auto& x : in) in_ids.push_back(activation_id(x));
+    v.push_back({std::move(name), std::move(op), numel * kF32, rec, std::move(in), routed, id, std::move(in_ids)});
   };
   add("attn_norm.in", "residual", n * d, false, {});
   add("attn_norm.out", "rmsnorm", n * d, true, {"attn_norm.in"});
@@ -93,7 +108,10 @@ std::vector<ActivationSpec> head_activations(const ModelConfig& cfg, std::int64_
                                    {"final_norm.out", "rmsnorm", n * d * kF32, true, {"final_norm.in"}, false},
                                    {"final_norm.rstd", "rmsnorm", n * kF32, true, {"final_norm.in"}, false},
                                    {"lm_head.probs", "cross_entropy", n * V * kF32, true, {"final_norm.out"}, false}};
-  for (auto& a : v) a.id = activation_id(a.name);
+  for (auto& a : v) {
+    a.id = activation_id(a.name);
+    for (const auto& x : a.inputs) a.input_ids.push_back(activation_id(x));
+  }
   return v;
 }
 
@@ -207,11 +225,17 @@ Bytes MemoryWalk::held(int mb) const {
 
 void MemoryWalk::save(int mb, int layer, const std::vector<ActivationSpec>& specs,
                       const std::vector<std::string_view>& names, const ProvisionFn& provision) {
+  std::vector<int> ids;
+  for (const std::string_view name : names) ids.push_back(activation_id(name));
+  save(mb, layer, specs, ids, provision);
+}
+
+void MemoryWalk::save(int mb, int layer, const std::vector<ActivationSpec>& specs, const std::vector<int>& ids,
+                      const ProvisionFn& provision) {
   thread_local LedgerEntry le;  // reused: its strings keep their capacity
-  for (const std::string_view name : names) {
-    const int id = activation_id(name);
+  for (const int id : ids) {
     auto it = std::find_if(specs.begin(), specs.end(), [&](const ActivationSpec& s) { return s.id == id; });
-    if (it == specs.end()) throw Error(fmt::format("memory plan: no activation '{}' in layer {}", name, layer));
+    if (it == specs.end()) throw Error(fmt::format("memory plan: no activation #{} in layer {}", id, layer));
     Provision p = Provision::save;
     if (provision) {
       le.name.assign(it->name);
@@ -236,8 +260,8 @@ void MemoryWalk::save(int mb, int layer, const std::vector<ActivationSpec>& spec
   // Recomputed entries are freed at their save. An offloaded one keeps its device
   // block while the copy runs, at the latest until the next decision point, where
   // the engine waits for copies in flight (MoEModel::plan_saves): see land().
-  for (const std::string_view name : names) {
-    Entry& e = stash_[{mb, layer, activation_id(name)}];
+  for (const int id : ids) {
+    Entry& e = stash_[{mb, layer, id}];
     if (e.provision == Provision::recompute) {
       free(Arena::round_up(std::max<Bytes>(1, e.bytes)));
       e.on_device = false;
@@ -247,9 +271,12 @@ void MemoryWalk::save(int mb, int layer, const std::vector<ActivationSpec>& spec
   }
 }
 
-void MemoryWalk::get(int mb, int layer, const std::string& name) {
-  auto it = stash_.find({mb, layer, activation_id(name)});
-  if (it == stash_.end()) throw Error(fmt::format("memory plan: '{}' of layer {} micro-batch {} is not saved", name, layer, mb));
+void MemoryWalk::get(int mb, int layer, std::string_view name) { get(mb, layer, activation_id(name)); }
+
+void MemoryWalk::get(int mb, int layer, int id) {
+  auto it = stash_.find({mb, layer, id});
+  if (it == stash_.end())
+    throw Error(fmt::format("memory plan: activation #{} of layer {} micro-batch {} is not saved", id, layer, mb));
   if (it->second.on_device) return;
   const Bytes size = Arena::round_up(std::max<Bytes>(1, it->second.bytes));
   if (it->second.provision == Provision::offload) {  // prefetched back (prefetch_layer)
@@ -260,11 +287,11 @@ void MemoryWalk::get(int mb, int layer, const std::string& name) {
   // Recompute: the lineage fetches its inputs, then allocates as model.cpp's lineages do.
   const std::int64_t n = B_ * S_, d = cfg_.hidden_size;
   const ActivationSpec& spec = *it->second.spec;
-  for (const std::string& in : spec.inputs) get(mb, layer, in);
+  for (const int in : spec.input_ids) get(mb, layer, in);
   if (spec.op == "rmsnorm") {  // y [n, d] and rstd [n], one returned
     alloc(rounded(n * d));
     alloc(rounded(n));
-    free(name.ends_with(".rstd") ? rounded(n * d) : rounded(n));
+    free(spec.name.ends_with(".rstd") ? rounded(n * d) : rounded(n));
   } else if (spec.name == "attn.probs" || spec.name == "attn.out") {  // o and probs, one returned
     const Bytes o = rounded(n * d), p = rounded(B_ * cfg_.num_attention_heads * S_ * S_);
     alloc(o);
@@ -280,16 +307,16 @@ void MemoryWalk::get(int mb, int layer, const std::string& name) {
     alloc(size);
     alloc(rounded(n));
     free(rounded(n));
-    it = stash_.find({mb, layer, activation_id(name)});
+    it = stash_.find({mb, layer, id});
     it->second.on_device = true;
     return;
   } else {  // a linear, rope, swiglu, permute or grouped GEMM output: just itself
     alloc(size);
-    it = stash_.find({mb, layer, activation_id(name)});
+    it = stash_.find({mb, layer, id});
     it->second.on_device = true;
     return;
   }
-  it = stash_.find({mb, layer, activation_id(name)});
+  it = stash_.find({mb, layer, id});
   it->second.on_device = true;
 }
 
@@ -359,11 +386,11 @@ void MemoryWalk::finish_forward(int mb, const StageSpec& st, int l, SavePoint po
   const MoERows r = rows_at(st, l, rows);
   const auto& specs = specs_of(l, r, st.ep());
   if (point == SavePoint::attention) {
-    save(mb, l, specs, kAttentionSaves, provision);
+    save(mb, l, specs, IDS("attn_norm.in", "attn_norm.out", "attn_norm.rstd", "attn.q", "attn.k", "attn.v", "attn.probs", "attn.out"), provision);
     ffn_forward(mb, l, specs, r, st.ep_size, provision);
   } else if (point == SavePoint::dense_ffn) {
-    save(mb, l, specs, {"dense.gate_out", "dense.up_out", "dense.act"}, provision);
-    save(mb, l, specs, {"ffn_norm.in", "ffn_norm.out", "ffn_norm.rstd"}, provision);
+    save(mb, l, specs, IDS("dense.gate_out", "dense.up_out", "dense.act"), provision);
+    save(mb, l, specs, IDS("ffn_norm.in", "ffn_norm.out", "ffn_norm.rstd"), provision);
   } else {
     rows_[{mb, l}] = {r, st.ep_size};
     ffn_moe_tail(mb, l, specs, provision);
@@ -374,13 +401,14 @@ void MemoryWalk::finish_forward(int mb, const StageSpec& st, int l, SavePoint po
 
 void MemoryWalk::adopt(const LedgerEntry& e, bool on_device, int ep_size) {
   const auto& specs = specs_of(e.layer, MoERows::balanced(cfg_, B_ * S_), ep_size > 1);
-  auto it = std::find_if(specs.begin(), specs.end(), [&](const ActivationSpec& s) { return s.name == e.name; });
+  const int id = activation_id(e.name);
+  auto it = std::find_if(specs.begin(), specs.end(), [&](const ActivationSpec& s) { return s.id == id; });
   if (it == specs.end()) throw Error(fmt::format("memory plan: cannot adopt unknown activation '{}'", e.name));
   Entry entry{&*it, e.bytes, e.provision, on_device};
   // An offload whose copy is still in flight: its device block goes once the copy
   // lands, taken (as for the walk's own offloads) as the end of the block under way.
-  if (on_device && e.provision == Provision::offload) landing_.push_back({e.microbatch, e.layer, activation_id(e.name)});
-  stash_[{e.microbatch, e.layer, activation_id(e.name)}] = entry;
+  if (on_device && e.provision == Provision::offload) landing_.push_back({e.microbatch, e.layer, id});
+  stash_[{e.microbatch, e.layer, id}] = entry;
   // The backward needs the layer's rows: read them off the routed entries' sizes.
   auto& rr = rows_[{e.microbatch, e.layer}];
   rr.second = ep_size;
@@ -430,7 +458,7 @@ void MemoryWalk::attention_forward(int mb, int l, const std::vector<ActivationSp
   alloc(rounded(B_ * cfg_.num_attention_heads * S_ * S_));  // probs
   alloc(rounded(n * d));  // h, the next residual
   land();  // a decision point
-  save(mb, l, specs, kAttentionSaves, provision);
+  save(mb, l, specs, IDS("attn_norm.in", "attn_norm.out", "attn_norm.rstd", "attn.q", "attn.k", "attn.v", "attn.probs", "attn.out"), provision);
 }
 
 void MemoryWalk::mlp_forward(int mb, int l, const std::vector<ActivationSpec>& specs, const std::string& prefix,
@@ -480,25 +508,29 @@ void MemoryWalk::ffn_forward(int mb, int l, const std::vector<ActivationSpec>& s
     ffn_moe_tail(mb, l, specs, provision);
     return;
   }
-  save(mb, l, specs, {"ffn_norm.in", "ffn_norm.out", "ffn_norm.rstd"}, provision);
+  save(mb, l, specs, IDS("ffn_norm.in", "ffn_norm.out", "ffn_norm.rstd"), provision);
 }
 
 void MemoryWalk::ffn_moe_tail(int mb, int l, const std::vector<ActivationSpec>& specs, const ProvisionFn& provision) {
   ctx_ = &rows_.at({mb, l});
-  save(mb, l, specs, {"experts.in", "experts.gate_out", "experts.up_out", "experts.act", "moe.combined"}, provision);
+  save(mb, l, specs, IDS("experts.in", "experts.gate_out", "experts.up_out", "experts.act", "moe.combined"), provision);
   if (cfg_.n_shared_experts > 0 || cfg_.shared_expert_intermediate_size > 0)
     mlp_forward(mb, l, specs, "shared", cfg_.shared_width(), provision);
-  save(mb, l, specs, {"router.logits", "router.probs", "router.topk_idx", "router.topk_w", "moe.offsets", "moe.slot_of"},
+  save(mb, l, specs, IDS("router.logits", "router.probs", "router.topk_idx", "router.topk_w", "moe.offsets", "moe.slot_of"),
        provision);
   free(rounded(cfg_.num_experts));  // counts
-  save(mb, l, specs, {"ffn_norm.in", "ffn_norm.out", "ffn_norm.rstd"}, provision);
+  save(mb, l, specs, IDS("ffn_norm.in", "ffn_norm.out", "ffn_norm.rstd"), provision);
   ctx_ = nullptr;
 }
 
 void MemoryWalk::keep(int mb, Bytes bytes) { retained_[{mb, stage_id_}] += bytes; }
 
-void MemoryWalk::pin(int mb, int layer, const std::string& name) {
+void MemoryWalk::pin(int mb, int layer, std::string_view name) {
   if (split_) pinned_.insert({mb, layer, activation_id(name)});
+}
+
+void MemoryWalk::pin(int mb, int layer, int id) {
+  if (split_) pinned_.insert({mb, layer, id});
 }
 
 Bytes MemoryWalk::retained(int mb, const StageSpec& st) const {
@@ -527,13 +559,13 @@ void MemoryWalk::backward(int mb, const StageSpec& st, bool split) {
   alloc(rounded(n * d));  // grad.residual
   if (st.head) {
     enter(kBackward, mb, kHeadLayer);
-    get(mb, kHeadLayer, "lm_head.probs");
+    get(mb, kHeadLayer, ID("lm_head.probs"));
     alloc(rounded(n * d));  // lm_head.dx
-    get(mb, kHeadLayer, "final_norm.out");
-    pin(mb, kHeadLayer, "lm_head.probs");  // the LM head's dW reads both
-    pin(mb, kHeadLayer, "final_norm.out");
-    get(mb, kHeadLayer, "final_norm.in");
-    get(mb, kHeadLayer, "final_norm.rstd");
+    get(mb, kHeadLayer, ID("final_norm.out"));
+    pin(mb, kHeadLayer, ID("lm_head.probs"));  // the LM head's dW reads both
+    pin(mb, kHeadLayer, ID("final_norm.out"));
+    get(mb, kHeadLayer, ID("final_norm.in"));
+    get(mb, kHeadLayer, ID("final_norm.rstd"));
     free(rounded(n * d));  // lm_head.dx
   }
   release_layer(mb, kHeadLayer);
@@ -572,7 +604,7 @@ void MemoryWalk::mlp_backward(int mb, int l, const std::string& prefix, std::int
   free(rounded(n * w));   // da
   if (split_) {  // dh1 and dh3 wait for the W of the up and gate projections, with the norm's output
     keep(mb, 2 * rounded(n * w));
-    pin(mb, l, "ffn_norm.out");
+    pin(mb, l, ID("ffn_norm.out"));
   } else {
     free(2 * rounded(n * w));
   }
@@ -580,7 +612,7 @@ void MemoryWalk::mlp_backward(int mb, int l, const std::string& prefix, std::int
 
 void MemoryWalk::ffn_backward(int mb, int l) {
   const std::int64_t n = B_ * S_, d = cfg_.hidden_size;
-  get(mb, l, "ffn_norm.out");
+  get(mb, l, ID("ffn_norm.out"));
   alloc(rounded(n * d));  // dm
   const bool shared = cfg_.n_shared_experts > 0 || cfg_.shared_expert_intermediate_size > 0;
   const bool dy_read_by_w = !cfg_.is_moe_layer(l) || shared;  // the down projections' dW read dy
@@ -592,10 +624,10 @@ void MemoryWalk::ffn_backward(int mb, int l) {
     const auto [rows, ep_size] = rows_.at({mb, l});
     const bool ep = ep_size > 1;
     const std::int64_t R = rows.permuted, Rr = ep ? rows.received : rows.permuted;
-    for (const char* name : {"moe.offsets", "moe.slot_of", "router.topk_idx", "router.topk_w"}) get(mb, l, name);
+    for (const int id : IDS("moe.offsets", "moe.slot_of", "router.topk_idx", "router.topk_w")) get(mb, l, id);
     alloc(rounded(n * k));  // router.dtopk_w
     alloc(rounded(R * d));  // moe.dcombined
-    get(mb, l, "moe.combined");
+    get(mb, l, ID("moe.combined"));
     if (ep) {
       alloc(rounded(Rr * d));  // experts.dout
       alloc(rounded(Rr * d));  // all-to-all scratch
@@ -603,17 +635,17 @@ void MemoryWalk::ffn_backward(int mb, int l) {
       free(rounded(R * d));  // moe.dcombined
     }
     alloc(rounded(Rr * f));  // experts.dact
-    get(mb, l, "experts.act");
-    pin(mb, l, "experts.act");
+    get(mb, l, ID("experts.act"));
+    pin(mb, l, ID("experts.act"));
     if (split_) keep(mb, rounded(Rr * d));  // experts.dout waits for W2's dW
     else free(rounded(Rr * d));            // experts.dout (or moe.dcombined without EP)
     alloc(rounded(Rr * f));  // dh1
     alloc(rounded(Rr * f));  // dh3
-    get(mb, l, "experts.gate_out");
-    get(mb, l, "experts.up_out");
+    get(mb, l, ID("experts.gate_out"));
+    get(mb, l, ID("experts.up_out"));
     free(rounded(Rr * f));  // experts.dact
-    get(mb, l, "experts.in");
-    pin(mb, l, "experts.in");
+    get(mb, l, ID("experts.in"));
+    pin(mb, l, ID("experts.in"));
     alloc(rounded(Rr * d));  // experts.din
     if (split_) keep(mb, rounded(Rr * f));  // dh1 waits for W1's dW
     else free(rounded(Rr * f));
@@ -629,13 +661,13 @@ void MemoryWalk::ffn_backward(int mb, int l) {
     }
     free(rounded(Rr * d));  // experts.din
     if (shared) mlp_backward(mb, l, "shared", cfg_.shared_width());
-    get(mb, l, "router.probs");
-    get(mb, l, "router.logits");
+    get(mb, l, ID("router.probs"));
+    get(mb, l, ID("router.logits"));
     alloc(rounded(n * E));  // dprobs
     alloc(rounded(n * E));  // dlogits
     if (split_) {           // waits for the router GEMM's dW, with the norm's output
       keep(mb, rounded(n * E));
-      pin(mb, l, "ffn_norm.out");
+      pin(mb, l, ID("ffn_norm.out"));
     } else {
       free(rounded(n * E));  // dlogits, after the router GEMM's backward
     }
@@ -646,8 +678,8 @@ void MemoryWalk::ffn_backward(int mb, int l) {
     if (dy_read_by_w) keep(mb, rounded(n * d));
     else free(rounded(n * d));
   }
-  get(mb, l, "ffn_norm.in");
-  get(mb, l, "ffn_norm.rstd");
+  get(mb, l, ID("ffn_norm.in"));
+  get(mb, l, ID("ffn_norm.rstd"));
   alloc(rounded(n * d));  // dtmp
   free(2 * rounded(n * d));  // dtmp, dm
 }
@@ -661,22 +693,22 @@ void MemoryWalk::attention_backward(int mb, int l) {
     alloc(rounded(n * d));
     keep(mb, rounded(n * d));
   }
-  get(mb, l, "attn.out");
-  pin(mb, l, "attn.out");
-  for (const char* name : {"attn.q", "attn.k", "attn.v", "attn.probs"}) get(mb, l, name);
+  get(mb, l, ID("attn.out"));
+  pin(mb, l, ID("attn.out"));
+  for (const int id : IDS("attn.q", "attn.k", "attn.v", "attn.probs")) get(mb, l, id);
   alloc(probs);  // dprobs
   free(probs);
   free(rounded(n * d));  // dout
-  get(mb, l, "attn_norm.out");
+  get(mb, l, ID("attn_norm.out"));
   alloc(rounded(n * d));  // da
   if (split_) {  // dq, dk, dv wait for the W of q, k, v, with the norm's output
     keep(mb, 3 * rounded(n * d));
-    pin(mb, l, "attn_norm.out");
+    pin(mb, l, ID("attn_norm.out"));
   } else {
     free(3 * rounded(n * d));  // dq, dk, dv after their GEMMs
   }
-  get(mb, l, "attn_norm.in");
-  get(mb, l, "attn_norm.rstd");
+  get(mb, l, ID("attn_norm.in"));
+  get(mb, l, ID("attn_norm.rstd"));
   alloc(rounded(n * d));  // dtmp
   free(2 * rounded(n * d));  // dtmp, da
 }

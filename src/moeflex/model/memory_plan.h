@@ -53,6 +53,7 @@ struct ActivationSpec {
   std::vector<std::string> inputs;  ///< the same layer's entries its lineage reads
   bool routed = false;              ///< its size depends on the routing (MoERows)
   int id = -1;                      ///< activation_id(name)
+  std::vector<int> input_ids;       ///< activation_id of each input
 };
 
 /// The activations layer `layer`'s forward keeps (attention block then FFN block),
@@ -227,14 +228,18 @@ class MemoryWalk {
   void alloc(Bytes bytes);
   void free(Bytes bytes);
   /// Brings (mb, layer, name) onto the device as the stash's get() does.
-  void get(int mb, int layer, const std::string& name);
+  void get(int mb, int layer, std::string_view name);
+  void get(int mb, int layer, int id);
   /// Saves the entries of `names` (in that order) from `specs` under the provision.
   void save(int mb, int layer, const std::vector<ActivationSpec>& specs, const std::vector<std::string_view>& names,
+            const ProvisionFn& provision);
+  void save(int mb, int layer, const std::vector<ActivationSpec>& specs, const std::vector<int>& ids,
             const ProvisionFn& provision);
   void prefetch(int mb, int layer);
   void release_layer(int mb, int layer);
   void keep(int mb, Bytes bytes);                         // held until weight(mb) of the current stage
-  void pin(int mb, int layer, const std::string& name);   // read by a deferred weight gradient
+  void pin(int mb, int layer, std::string_view name);     // read by a deferred weight gradient
+  void pin(int mb, int layer, int id);
   bool split_ = false;
   int stage_id_ = 0;                                      // first layer of the stage under backward
   std::map<std::pair<int, int>, Bytes> retained_;         // (mb, stage) -> bytes held for W

@@ -176,8 +176,9 @@ TrainResult run_training(const TrainOptions& opts) {
   if (opts.resume) {
     ckpt = train::latest_checkpoint(ckpt_root);
     if (!ckpt)
-      throw DataError(fmt::format("--resume: '{}' holds no complete checkpoint to resume from:{}", ckpt_root.string(),
-                                  describe_checkpoints(ckpt_root)));
+      throw DataError(fmt::format("--resume: '{}' holds no complete checkpoint to resume from:{} (a run that ended "
+                                  "before its first checkpoint cannot be resumed: start it again with another --out, "
+                                  "or delete the folder)", ckpt_root.string(), describe_checkpoints(ckpt_root)));
     if (world_size > 1) {
       // Every rank must resume from the same step: the newest one all ranks completed
       // (a crash while checkpointing can leave some ranks one checkpoint ahead).
@@ -217,9 +218,14 @@ TrainResult run_training(const TrainOptions& opts) {
   world->barrier();  // the other ranks read what rank 0 prepared
   TokenDataset data = TokenDataset::open(data_dir);
 
-  if (!opts.resume && (fs::exists(run_dir / "summary.json") || train::latest_checkpoint(ckpt_root)))
+  if (!opts.resume && (fs::exists(run_dir / "summary.json") || train::latest_checkpoint(ckpt_root))) {
+    if (!train::latest_checkpoint(ckpt_root))  // it ended before its first checkpoint: nothing to resume
+      throw ConfigError(fmt::format("run directory '{}' holds a run that ended before its first checkpoint (see its "
+                                    "summary.json); it cannot be resumed: use another --out, or delete it to start "
+                                    "over there", run_dir.string()));
     throw ConfigError(fmt::format("run directory '{}' already holds a run; use --resume {} or another --out",
                                   run_dir.string(), run_dir.string()));
+  }
   world->barrier();
   if (rank0) {
     fs::create_directories(run_dir);
@@ -761,6 +767,10 @@ TrainResult run_training(const TrainOptions& opts) {
     if (world_size > 1) {  // the other ranks are in collectives: record, then end the job with the reason
       if (!rank0) summary_path_override = run_dir / fmt::format("summary.rank{:05d}.json", rank);
       write_summary(seconds_since(t_start), true);
+      if (!rank0 && !fs::exists(summary_path)) {  // rank 0 is stuck in a collective: the run's summary names this OOM
+        summary_path_override.clear();
+        write_summary(seconds_since(t_start), true);
+      }
       comm::abort_job(e.what(), 3);
     }
     write_summary(seconds_since(t_start));

@@ -157,7 +157,8 @@ int main(int argc, char** argv) {
     } else if (run_sim_commands()) {
       return 0;
     } else if (*cal) {
-      return run_calibrate_command(cal_out, cal_threads, cal_seconds);
+      return run_calibrate_command(cal_out, cal_threads, cal_seconds,
+                                   !comm::MpiSession::active() || mpi.world_rank() == 0);
     } else if (*gen) {
       gopts.seed = std::uint64_t(gseed);
       fmt::print("{}\n", generate_text(gopts));

@@ -831,9 +831,16 @@ CalibrationReport validate(const HardwareProfile& profile, int threads, Seconds 
   return report;
 }
 
-int run_calibrate_command(const std::string& out_path, int threads, double budget_seconds) {
+int run_calibrate_command(const std::string& out_path, int threads, double budget_seconds, bool report_and_write) {
   check_config(budget_seconds > 0, fmt::format("--seconds must be > 0 (got {})", budget_seconds));
   threads = resolve_threads(threads);
+  // A peer under mpirun measures alongside rank 0 (so that the profile sees the
+  // cores' shared memory bandwidth as training ranks do) and reports nothing.
+  if (!report_and_write) {
+    const HardwareProfile profile = calibrate(threads, kMeasureShare * budget_seconds);
+    (void)validate(profile, threads, (1.0 - kMeasureShare) * budget_seconds);
+    return 0;
+  }
   fmt::print("moeflex calibrate: {} threads, budget {:.0f} s ({} grid)\n", threads, budget_seconds,
              budget_seconds >= kFullGridMinBudget ? "full" : "coarse");
   // Other work on the cores makes every multi-threaded kernel wait for descheduled

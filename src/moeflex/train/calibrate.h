@@ -58,7 +58,9 @@ CalibrationReport validate(const HardwareProfile& profile, int threads, Seconds 
 /// `budget_seconds` (measurement and validation), prints the validation table (op,
 /// shape, measured, predicted, error) and the mean error, writes the profile to
 /// `out_path` and returns 0. Throws moeflex::Error on failure.
+/// With report_and_write false (a peer rank under mpirun) it only measures, so that
+/// rank 0's profile sees the cores shared as several training ranks share them.
 int run_calibrate_command(const std::string& out_path = kDefaultHardwareProfilePath, int threads = 0,
-                          double budget_seconds = kDefaultCalibrationBudget);
+                          double budget_seconds = kDefaultCalibrationBudget, bool report_and_write = true);
 
 }  // namespace moeflex

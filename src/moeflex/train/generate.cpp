@@ -123,7 +123,13 @@ std::string generate_text(const GenerateOptions& opts) {
     ids.push_back(next);
     generated.push_back(next);
   }
-  return opts.prompt + tok.decode(generated);
+  // Decode prompt and continuation together: a piece's word-boundary marker only
+  // becomes a space after what precedes it. The prompt is kept as typed.
+  const std::vector<std::int32_t> prompt_ids = tok.encode(opts.prompt);
+  std::vector<std::int32_t> all = prompt_ids;
+  all.insert(all.end(), generated.begin(), generated.end());
+  const std::string whole = tok.decode(all), head = tok.decode(prompt_ids);
+  return opts.prompt + (whole.rfind(head, 0) == 0 ? whole.substr(head.size()) : tok.decode(generated));
 }
 
 }  // namespace moeflex

@@ -214,12 +214,10 @@ void MoEModel::plan_saves(int mb, int l, SavePoint point, std::initializer_list<
   ctx.B = batch_;
   ctx.S = rope_seq_;
   ctx.rows = rows;
-  ctx.stage = {par_.first_layer, par_.last_layer < 0 ? int(cfg_.num_hidden_layers) : par_.last_layer, par_.embedding,
-               par_.head, ep_size()};
+  ctx.stage = stage_spec();
   ctx.program = program_;
   // Offloads still copying land here: the memory program frees them at decisions.
-  std::vector<ActivationStash*> stashes{&stash_};
-  if (program_ && !program_->stashes.empty()) stashes = program_->stashes;
+  const std::vector<ActivationStash*> stashes = rank_stashes();
   for (ActivationStash* st : stashes) st->sync();
   ctx.in_use = arena_.in_use();
   for (ActivationStash* st : stashes) {  // what the rank holds now, from every chunk's stash
@@ -376,22 +374,16 @@ void MoEModel::backward_stage(const std::int32_t* ids, const std::int32_t* targe
   if (defer_wgrad_ && program_) {
     // What this B will leave held for its W, for the planner's projections until
     // then: the memory program's own split backward over this micro-batch's ledger.
-    const int ep = ep_size();
-    const StageSpec st{par_.first_layer, par_.last_layer < 0 ? int(cfg_.num_hidden_layers) : par_.last_layer,
-                       par_.embedding, par_.head, ep};
+    const StageSpec st = stage_spec();
     MemoryWalk w(cfg_, B, S, 0);
     for (const auto& [e, on] : stash_.ledger())
-      if (e.microbatch == mb) w.adopt(e, on, ep);
+      if (e.microbatch == mb) w.adopt(e, on, st.ep_size);
     w.backward(mb, st, true);
     program_->pending_weight_bytes[{mb, st.first_layer}] = w.retained(mb, st);
   }
   // Offloads still copying land first (the memory program assumes so), then the
   // offloaded activations come back one layer ahead of their backward.
-  if (program_ && !program_->stashes.empty()) {
-    for (ActivationStash* st : program_->stashes) st->sync();
-  } else {
-    stash_.sync();
-  }
+  for (ActivationStash* st : rank_stashes()) st->sync();
   stash_.prefetch_layer(mb, kHeadLayer);
   if (par_.last_layer > par_.first_layer) stash_.prefetch_layer(mb, par_.last_layer - 1);
   Tensor dx = work({n, d}, "grad.residual");

@@ -100,6 +100,10 @@ class MoEModel {
   const ModelParallel& parallel() const { return par_; }
   /// Ranks of the expert-parallel group dispatching this chunk's tokens (1: none).
   int ep_size() const { return dispatcher_.active() ? dispatcher_.ep_size() : 1; }
+  /// This chunk as the memory program describes it.
+  StageSpec stage_spec() const {
+    return {par_.first_layer, par_.last_layer, par_.embedding, par_.head, ep_size()};
+  }
 
   /// Zero-bubble split (Qi et al. 2023): while set, backward_stage computes only
   /// input gradients (B) plus the cheap norm and embedding weight gradients, and
@@ -196,6 +200,11 @@ class MoEModel {
     const Tensor* t;
     bool recomputable;
   };
+  /// Every chunk's stash on this rank (the step program's), or this chunk's alone.
+  std::vector<ActivationStash*> rank_stashes() {
+    if (program_ && !program_->stashes.empty()) return program_->stashes;
+    return {&stash_};
+  }
   /// Asks the planner (if any) to decide a block's saves at `point` of layer l,
   /// projecting the rest of the step on the memory program; rows: the MoE layer's.
   void plan_saves(int mb, int l, SavePoint point, std::initializer_list<Candidate> c, const MoERows& rows = {});

@@ -15,9 +15,7 @@ PipelineExecutor::PipelineExecutor(const StepPlan& plan, int pp_rank, std::map<i
     if (!stages_.count(s)) throw Error(fmt::format("pipeline rank {} holds stage {} but has no model for it", rank_, s));
   for (int s : plan_.stages_of(rank_)) {
     MoEModel* m = stages_.at(s);
-    const ModelParallel& par = m->parallel();
-    program_.stages.push_back({par.first_layer, par.last_layer < 0 ? int(m->config().num_hidden_layers) : par.last_layer,
-                               par.embedding, par.head, m->ep_size()});
+    program_.stages.push_back(m->stage_spec());
     program_.stashes.push_back(&m->stash());
   }
   program_.actions = walk_actions(plan_, rank_, &walk_at_);

@@ -4,9 +4,13 @@
 # bytes over ranks, tokens/s per rank), then `moeflex simulate` predicts the same
 # run on the this-machine cluster preset (the calibrated profile in
 # data/hardware/this-machine.json; run `moeflex calibrate --threads 1` first),
-# replaying the run's own expert loads from its metrics.jsonl. Prints predicted vs
-# measured and the Spearman rank correlation of TGS. Targets (issue 5): step time
-# within 5%, peak within 1%, Spearman >= 0.8.
+# replaying the run's own expert loads, every rank's, from its loads.jsonl (older
+# runs: the summed ones of metrics.jsonl). Prints predicted vs measured and the
+# Spearman rank correlation of TGS. Targets (issue 5): step time within 5%, peak
+# within 1%, Spearman >= 0.8.
+# SIM_ONLY=1 OUT=DIR re-simulates the runs already in DIR (a model change, same runs).
+# The "cpu" column is the median over steps of the busiest rank's CPU seconds per
+# step (loads.jsonl): far below "step meas" means the machine was busy with others.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-build/moeflex}
@@ -29,12 +33,18 @@ CONFIGS=(
 )
 for c in "${CONFIGS[@]}"; do
   IFS='|' read -r name np flags par sched pol <<< "$c"
-  # shellcheck disable=SC2086
-  mpirun --allow-run-as-root --oversubscribe -np "$np" -x OMP_NUM_THREADS=1 "$BIN" train --config "$CFG" \
-    --steps "$STEPS" --threads 1 $flags --out "$OUT/$name" --quiet > "$OUT/$name.train.log" 2>&1
+  if [[ "${SIM_ONLY:-0}" != 1 ]]; then
+    rm -rf "${OUT:?}/$name"
+    # shellcheck disable=SC2086
+    mpirun --allow-run-as-root --oversubscribe -np "$np" -x OMP_NUM_THREADS=1 "$BIN" train --config "$CFG" \
+      --steps "$STEPS" --threads 1 $flags --out "$OUT/$name" --quiet > "$OUT/$name.train.log" 2>&1
+  fi
+  loads="$OUT/$name/loads.jsonl"
+  [[ -f "$loads" ]] || loads="$OUT/$name/metrics.jsonl"
+  iters=$(wc -l < "$OUT/$name/metrics.jsonl")
   dp=$(sed 's/.*dp=\([0-9]*\).*/\1/' <<< "$par")
   "$BIN" simulate --model "$CFG" --cluster this-machine --parallel "$par" --schedule "$sched" --policy "$pol" \
-    --global-batch $((4 * 4 * dp)) --loads "$OUT/$name/metrics.jsonl" --iterations "$STEPS" \
+    --global-batch $((4 * 4 * dp)) --loads "$loads" --iterations "$iters" \
     --out "$OUT/$name/sim" > "$OUT/$name.sim.log"
 done
 /usr/bin/python3 - "$OUT" "${CONFIGS[@]}" <<'PY'
@@ -49,7 +59,14 @@ for c in configs:
     peak_meas = max(x["peak_device_bytes"] for x in L)
     tgs_meas = statistics.median(x["tokens_per_second"] for x in steady) / np_
     s = json.load(open(f"{out}/{name}/sim/summary.json"))
-    rows.append((name, t_meas, s["step_time_s"], peak_meas, s["peak_bytes"], tgs_meas, s["tgs"]))
+    cpu = float("nan")
+    try:
+        C = [json.loads(l) for l in open(f"{out}/{name}/loads.jsonl")]
+        C = C[2:] if len(C) > 3 else C
+        cpu = statistics.median(max(x["step_cpu_seconds"]) for x in C)
+    except (OSError, KeyError, ValueError):
+        pass
+    rows.append((name, t_meas, s["step_time_s"], peak_meas, s["peak_bytes"], tgs_meas, s["tgs"], cpu))
 def ranks(v):
     order = sorted(range(len(v)), key=lambda i: v[i])
     r = [0.0] * len(v)
@@ -66,11 +83,11 @@ def spearman(a, b):
     num = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
     den = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
     return num / den if den else 0.0
-print(f"{'config':<20} {'step meas':>10} {'step pred':>10} {'err':>7} {'peak MiB meas':>14} {'pred':>9} {'err':>7} {'TGS meas':>9} {'pred':>9}")
+print(f"{'config':<20} {'step meas':>10} {'step pred':>10} {'err':>7} {'cpu':>7} {'peak MiB meas':>14} {'pred':>9} {'err':>7} {'TGS meas':>9} {'pred':>9}")
 te, pe = [], []
-for n, tm, tp, pm, pp, gm, gp in rows:
+for n, tm, tp, pm, pp, gm, gp, cpu in rows:
     te.append(abs(tp - tm) / tm); pe.append(abs(pp - pm) / pm)
-    print(f"{n:<20} {tm:>10.4f} {tp:>10.4f} {100*(tp-tm)/tm:>+6.1f}% {pm/2**20:>14.2f} {pp/2**20:>9.2f} {100*(pp-pm)/pm:>+6.2f}% {gm:>9.0f} {gp:>9.0f}")
+    print(f"{n:<20} {tm:>10.4f} {tp:>10.4f} {100*(tp-tm)/tm:>+6.1f}% {cpu:>7.3f} {pm/2**20:>14.2f} {pp/2**20:>9.2f} {100*(pp-pm)/pm:>+6.2f}% {gm:>9.0f} {gp:>9.0f}")
 rho = spearman([r[5] for r in rows], [r[6] for r in rows])
 print(f"\nmean |step error| {100*statistics.mean(te):.1f}% (max {100*max(te):.1f}%; target 5%), "
       f"within 5%: {sum(e <= 0.05 for e in te)}/{len(te)}")

@@ -162,7 +162,7 @@ class MoE(torch.nn.Module):
         if cfg.capacity_factor > 0:
             capacity = int(math.ceil(cfg.capacity_factor * n * k / E))
             starts = torch.cumsum(counts, 0) - counts
-            pos = torch.arange(order.numel()) - starts.repeat_interleave(counts)
+            pos = torch.arange(order.numel(), device=order.device) - starts.repeat_interleave(counts)
             kept = pos < capacity
             tokens, weights = tokens[kept], weights[kept]
             seg = torch.clamp(counts, max=capacity).tolist()
@@ -256,7 +256,9 @@ class MoEForCausalLM(torch.nn.Module):
             inv = self.cfg.rope_theta ** (-2.0 * torch.arange(hd // 2, dtype=torch.float64) / hd)
             ang = torch.arange(S, dtype=torch.float64)[:, None] * inv[None, :]
             mask = torch.full((S, S), float("-inf"), dtype=torch.float64).triu(1)
-            self._rope_cache[key] = (ang.cos().to(dtype), ang.sin().to(dtype), mask.to(dtype))
+            dev = self.model.embed_tokens.weight.device
+            self._rope_cache[key] = (ang.cos().to(dtype=dtype, device=dev), ang.sin().to(dtype=dtype, device=dev),
+                                     mask.to(dtype=dtype, device=dev))
         return self._rope_cache[key]
 
     def forward(self, ids, targets):
@@ -264,7 +266,7 @@ class MoEForCausalLM(torch.nn.Module):
         dtype = self.model.embed_tokens.weight.dtype
         cos, sin, mask = self.rope(S, dtype)
         x = self.model.embed_tokens(ids.reshape(-1))
-        router_loss = torch.zeros((), dtype=dtype)
+        router_loss = torch.zeros((), dtype=dtype, device=ids.device)
         for layer in self.model.layers:
             x, rl = layer(x, B, S, cos, sin, mask)
             if rl is not None:
@@ -366,6 +368,7 @@ def main() -> int:
     ap.add_argument("--data-dtype", default="uint16", choices=["uint16", "uint32", "int32"])
     ap.add_argument("--data-offset", type=int, default=0, help="header bytes to skip in --data")
     ap.add_argument("--check", action="store_true", help="compare with tests/reference in float64 and exit")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (float32 without TF32, as moeflex --device cuda)")
     args = ap.parse_args()
 
     if args.check:
@@ -381,6 +384,11 @@ def main() -> int:
     gen = torch.Generator().manual_seed(train["seed"])
     model = MoEForCausalLM(cfg)
     model.init_weights(gen)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 GEMMs, as moeflex's CUDA backend
+        torch.backends.cudnn.allow_tf32 = False
+    model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
 
     decay = [p for name, p in model.spec_params() if p.dim() >= 2]
@@ -410,7 +418,9 @@ def main() -> int:
 
     times, losses = [], []
     for step in range(args.warmup + args.steps):
-        micro = [batch() for _ in range(M)]  # data preparation outside the timed region
+        micro = [tuple(t.to(device) for t in batch()) for _ in range(M)]  # data outside the timed region
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         total = 0.0
@@ -421,6 +431,8 @@ def main() -> int:
         if train["grad_clip"] > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), train["grad_clip"])
         opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         if step >= args.warmup:
             times.append(dt)
@@ -434,6 +446,7 @@ def main() -> int:
         "tokens_per_second": tokens_per_step * len(times) / sum(times) if times else None,
         "step_seconds_median": statistics.median(times) if times else None,
         "threads": args.threads,
+        "device": str(device),
         "steps": len(times),
         "warmup_steps": args.warmup,
         "tokens_per_step": tokens_per_step,

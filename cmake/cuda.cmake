@@ -83,3 +83,8 @@ target_link_libraries(moeflex_nccl PUBLIC moeflex_cuda_core moeflex_comm ${MOEFL
 target_compile_options(moeflex_nccl PRIVATE ${moeflex_cuda_flags})
 
 list(APPEND MOEFLEX_BACKEND_TEST_LIBS moeflex_cuda_ops moeflex_nccl)
+
+# The training engine on the GPU (`moeflex train --device cuda`): the trainer creates
+# the CUDA backend (ops/cuda/backend.h); the model reaches it through ops::Backend.
+target_link_libraries(moeflex_train PUBLIC moeflex_cuda_ops)
+target_compile_definitions(moeflex_train PUBLIC MOEFLEX_HAVE_CUDA=1)

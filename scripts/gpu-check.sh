@@ -8,10 +8,16 @@
 #   2. runs the op harness (every CUDA op against the CPU reference, forward and
 #      backward, fp32 and bf16, timed; plus training-size timings) and the runtime
 #      tests (device arena, pinned pool, copy streams, NCCL on one rank);
-#   3./4. training the default model and a ~1B MoE on the GPU: not available yet
-#      (the training engine runs on the CPU only in this slice); the script says so;
+#   3./4. trains on the GPU (`moeflex train --device cuda`, fp32, one GPU): the default
+#      model for 300 steps and the ~1.2B MoE of configs/moe-1b.toml for 20 steps, and
+#      the same two configs in this machine's PyTorch when it has CUDA
+#      (bench/torch_bench.py --device cuda); the training test (test_cuda_train:
+#      CUDA against CPU from one seed, every policy, the planner's predicted peak)
+#      runs in step 2;
 #   5. prints the table of per-op error and time, the card's measured bf16 GEMM rate,
-#      and the same ops timed in this machine's PyTorch when it has CUDA.
+#      the same ops timed in this machine's PyTorch when it has CUDA, and the training
+#      table (tokens/s, MFU against the measured bf16 GEMM rate, PyTorch tokens/s and
+#      the ratio; bench/gpu_train_report.py).
 # The table and the details go to bench/results/gpu-<date>-<card>.txt (or $OUT_DIR).
 # Exit status: 0 only if everything built and every test passed; any failure is
 # printed as "gpu-check: FAILED: ..." and makes the exit status non-zero (the results
@@ -20,7 +26,8 @@
 # Environment: BUILD (build-gpu), BUNDLE (build-gpu-bundle), JOBS (nproc), OUT_DIR
 # (bench/results), PYTHON (a python3 whose torch has CUDA; searched otherwise),
 # PREBUILT=1 uses the bundle without trying to build (saves device time),
-# MOEFLEX_GPU_CHECK_QUICK=1 skips the training-size timings.
+# MOEFLEX_GPU_CHECK_QUICK=1 skips the training-size timings, MOEFLEX_GPU_CHECK_TRAIN=0
+# the training runs of steps 3-4.
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -59,6 +66,7 @@ elif [[ -n $NVCC ]] && command -v cmake >/dev/null; then
   if cmake -S . -B "$BUILD" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DMOEFLEX_CUDA=ON -DCMAKE_CUDA_COMPILER="$NVCC" \
       >"$WORK/configure.log" 2>&1; then
     if cmake --build "$BUILD" -j "$JOBS" --target test_cuda_ops test_cuda_bench test_cuda_runtime test_backend_host \
+        test_cuda_train moeflex \
         >"$WORK/build.log" 2>&1; then
       BIN=$BUILD
       BUILT_FROM="built here in $BUILD/ ($(($(date +%s) - START)) s)"
@@ -82,13 +90,17 @@ if [[ -z $BIN ]]; then
   BUILT_FROM="PREBUILT: $(tr '\n' ' ' <"$BUNDLE/BUILD_INFO" 2>/dev/null)"
   # The CUDA libraries come from this machine: the toolkit's, or the pip wheels'.
   libdirs=$BUNDLE/lib
+  if [[ -f $BUNDLE/lib.tgz ]]; then  # packed by gpu-bundle.sh
+    tar xzf "$BUNDLE/lib.tgz" -C "$WORK" || die "cannot unpack $BUNDLE/lib.tgz"
+    libdirs=$WORK/lib
+  fi
   for lib in libcudart.so.13 libcublas.so.13 libcublasLt.so.13 libnccl.so.2; do
     found=$(find /usr/local /usr/lib /opt -name "$lib" -print -quit 2>/dev/null || true)
     [[ -n $found ]] && libdirs=$libdirs:$(dirname "$found")
   done
   export LD_LIBRARY_PATH=$libdirs:${LD_LIBRARY_PATH:-}
 fi
-for t in test_cuda_ops test_cuda_bench test_cuda_runtime test_backend_host; do
+for t in test_cuda_ops test_cuda_bench test_cuda_runtime test_backend_host test_cuda_train moeflex; do
   missing=$(ldd "$BIN/$t" 2>&1 | grep "not found" || true)
   [[ -z $missing ]] || die "$BIN/$t cannot load: $missing"
 done
@@ -115,17 +127,12 @@ run_test test_backend_host
 run_test test_cuda_runtime
 run_test test_cuda_ops
 run_test test_cuda_bench
+run_test test_cuda_train
 grep -q . "$REPORT" || fail "the op harness wrote no rows to its report"
 
 # --------------------------------------------------------------------------------
 step "3./4. training on the GPU"
-TRAIN_NOTE="not available yet: the training engine (model, train) runs on the CPU only in this slice of the CUDA backend; training the default model and a ~1B MoE on the GPU come with the next slices of issue 6"
-echo "gpu-check: steps 3 and 4 (training the default model / a ~1B MoE on the GPU): $TRAIN_NOTE"
-
-# --------------------------------------------------------------------------------
-step "5. results"
 PY=""
-TORCH_NOTE=""
 for cand in ${PYTHON:-} python3 /usr/bin/python3 /opt/torch/.venv/bin/python3; do
   command -v "$cand" >/dev/null 2>&1 || continue
   if "$cand" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
@@ -133,6 +140,54 @@ for cand in ${PYTHON:-} python3 /usr/bin/python3 /opt/torch/.venv/bin/python3; d
     break
   fi
 done
+TRAIN_NOTE=""
+TRAIN_RUNS=()
+# The corpus: data/ here (make data), else the copy in the bundle (scripts/gpu-bundle.sh).
+DATA_ARGS=()
+if [[ ! -d data/brown ]]; then
+  if [[ -f $BUNDLE/data.tgz ]]; then
+    tar xzf "$BUNDLE/data.tgz" -C "$WORK" && DATA_ARGS=(--data "$WORK/data/brown" --data-cache "$WORK/data/tokenized")
+  else
+    TRAIN_NOTE="no corpus: neither data/brown (make data) nor $BUNDLE/data.tgz"
+  fi
+fi
+train_run() {  # name, steps, moeflex train flags...: one run into $WORK/run-name
+  local name=$1 steps=$2 rc=0
+  shift 2
+  echo "gpu-check: training $name ($steps steps): moeflex train --device cuda $*"
+  timeout 600 "$BIN/moeflex" train --device cuda --steps "$steps" --out "$WORK/run-$name" "${DATA_ARGS[@]}" "$@" \
+    >"$WORK/train-$name.log" 2>&1 || rc=$?
+  tail -n 3 "$WORK/train-$name.log" | sed "s/^/  $name: /"
+  if [[ $rc -ne 0 ]]; then
+    fail "training $name on the GPU exited with status $rc (log: $WORK/train-$name.log)"
+    return
+  fi
+  local torch_json=""
+  if [[ -n $PY ]]; then
+    torch_json=$WORK/torch-$name.json
+    local cfg=configs/default.toml prev="" a
+    for a in "$@"; do
+      [[ $prev == --config ]] && cfg=$a
+      prev=$a
+    done
+    timeout 600 "$PY" bench/torch_bench.py "$cfg" --device cuda --steps "$(( steps < 30 ? steps : 30 ))" --warmup 3 \
+      >"$torch_json" 2>"$WORK/torch-$name.err" || fail "bench/torch_bench.py on $name failed (log: $WORK/torch-$name.err)"
+    tail -n 1 "$torch_json" | sed "s/^/  $name (PyTorch): /"
+  fi
+  TRAIN_RUNS+=(--run "$name" "$WORK/run-$name" $torch_json)
+}
+if [[ ${MOEFLEX_GPU_CHECK_TRAIN:-1} == 0 ]]; then
+  TRAIN_NOTE="skipped (MOEFLEX_GPU_CHECK_TRAIN=0)"
+elif [[ -z $TRAIN_NOTE ]]; then
+  train_run default 300
+  train_run moe-1b 20 --config configs/moe-1b.toml
+  [[ -n $PY ]] || echo "gpu-check: no python3 with a CUDA-enabled torch: the PyTorch training comparison is skipped"
+fi
+[[ -z $TRAIN_NOTE ]] || echo "gpu-check: steps 3 and 4 (training on the GPU): $TRAIN_NOTE"
+
+# --------------------------------------------------------------------------------
+step "5. results"
+TORCH_NOTE=""  # PY: the python3 with a CUDA-enabled torch found in step 3
 TORCH_TSV=$WORK/torch.tsv
 if [[ -n $PY ]]; then
   if ! "$PY" bench/gpu_torch_ops.py --report "$REPORT" --out "$TORCH_TSV" 2>"$WORK/torch.err"; then
@@ -154,6 +209,12 @@ RESULT=$OUT_DIR/gpu-$(date +%Y-%m-%d)-$card.txt
 TABLE=$WORK/table.txt
 "$REPORT_PY" bench/gpu_report.py --report "$REPORT" --torch "$TORCH_TSV" --torch-note "$TORCH_NOTE" >"$TABLE" ||
   fail "rows above their tolerance in the table (see 'FAIL' in the check column)"
+TRAIN_TABLE=$WORK/train-table.txt
+: >"$TRAIN_TABLE"
+if [[ ${#TRAIN_RUNS[@]} -gt 0 ]]; then
+  "$REPORT_PY" bench/gpu_train_report.py --report "$REPORT" "${TRAIN_RUNS[@]}" >"$TRAIN_TABLE" ||
+    fail "the training table is incomplete (see $TRAIN_TABLE)"
+fi
 {
   echo "moeflex GPU check (scripts/gpu-check.sh), $(date -u +%Y-%m-%dT%H:%MZ)"
   echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git status --porcelain 2>/dev/null | grep -q . && echo ' (with uncommitted changes)')"
@@ -161,14 +222,18 @@ TABLE=$WORK/table.txt
   echo "nvcc: ${NVCC:-none}; driver: $(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n 1)"
   echo
   echo "steps 1-2 (build, op harness and runtime tests): $([[ ${#FAILURES[@]} -eq 0 ]] && echo 'all passed' || echo 'FAILURES (below)')"
-  echo "steps 3-4 (training on the GPU): $TRAIN_NOTE"
+  echo "steps 3-4 (training on the GPU): ${TRAIN_NOTE:-ran (table below)}"
   echo
   cat "$TABLE"
+  if [[ -s $TRAIN_TABLE ]]; then
+    echo
+    cat "$TRAIN_TABLE"
+  fi
   if [[ ${#FAILURES[@]} -gt 0 ]]; then
     echo
     echo "FAILURES:"
     printf '  %s\n' "${FAILURES[@]}"
-    for t in test_backend_host test_cuda_runtime test_cuda_ops test_cuda_bench; do
+    for t in test_backend_host test_cuda_runtime test_cuda_ops test_cuda_bench test_cuda_train; do
       [[ -f $WORK/$t.log ]] || continue
       if grep -q '^\[  FAILED  \]' "$WORK/$t.log"; then
         echo
@@ -187,6 +252,7 @@ TABLE=$WORK/table.txt
   fi
 } >"$RESULT"
 cat "$TABLE"
+[[ -s $TRAIN_TABLE ]] && { echo; cat "$TRAIN_TABLE"; }
 echo
 echo "gpu-check: results in $RESULT (logs in $WORK); $(($(date +%s) - START)) s in all"
 if [[ ${#FAILURES[@]} -gt 0 ]]; then

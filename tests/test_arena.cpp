@@ -3,8 +3,11 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <memory>
+#include <vector>
 
 #include "moeflex/core/arena.h"
+#include "moeflex/core/block_allocator.h"
 #include "moeflex/core/tensor.h"
 
 using namespace moeflex;
@@ -148,4 +151,115 @@ TEST(Arena, OverflowModeRecordsTheOOMAndServesFromTheHeap) {
   const OutOfMemoryError wrapped(OutOfMemoryError(128, 64, 64, 640, MemCategory::activations, "x"), "step 4");
   EXPECT_EQ(std::string(wrapped.what()).rfind("step 4: device out of memory: 'x' requested", 0), 0u) << wrapped.what();
   EXPECT_EQ(wrapped.requested, 128);
+}
+
+// Compaction slides the movable blocks down to the nearest pinned block below them;
+// the free bytes of each stretch gather in one block; accounting does not change.
+TEST(BlockAllocator, CompactSlidesMovableBlocksDownToThePinnedOnes) {
+  BlockAllocator b(1000 * 64, 64);
+  std::vector<Bytes> off;
+  for (int i = 0; i < 8; ++i) off.push_back(b.allocate(100 * 64, MemCategory::activations, "x"));
+  // Holes at blocks 1, 3 and 6; block 4 is pinned.
+  for (int i : {1, 3, 6}) b.deallocate(off[std::size_t(i)], 100 * 64, MemCategory::activations);
+  const Bytes in_use = b.in_use();
+  EXPECT_EQ(b.largest_free_block(), 200 * 64);  // the top, after block 7
+  const auto moves = b.compact([&](Bytes o) { return o != off[4]; });
+  // Block 2 moves into hole 1 (block 3's hole then lies under pinned block 4);
+  // block 5 sits right on block 4 and stays; block 7 slides down into hole 6.
+  ASSERT_EQ(moves.size(), 2u);
+  EXPECT_EQ(moves[0].from, off[2]);
+  EXPECT_EQ(moves[0].to, off[1]);
+  EXPECT_EQ(moves[1].from, off[7]);
+  EXPECT_EQ(moves[1].to, off[6]);
+  EXPECT_EQ(b.in_use(), in_use);
+  // Two free blocks: 200 lines under pinned block 4, and 100 + 200 on top.
+  EXPECT_EQ(b.free_block_count(), 2u);
+  EXPECT_EQ(b.largest_free_block(), 300 * 64);
+  EXPECT_EQ(b.layout()[2].offset, off[2]);  // [0, 100) [100, 200) then the free [200, 400)
+  EXPECT_TRUE(b.layout()[2].free);
+  EXPECT_EQ(b.layout()[2].size, 200 * 64);
+  // The layout is consistent: freeing every block coalesces the region into one.
+  for (const auto& blk : b.layout())
+    if (!blk.free) b.deallocate(blk.offset, blk.size, MemCategory::activations);
+  EXPECT_EQ(b.free_block_count(), 1u);
+  EXPECT_EQ(b.largest_free_block(), 1000 * 64);
+}
+
+namespace {
+// A compaction source owning tensors of one arena; eviction frees a tensor and
+// remembers its bytes.
+struct TestSource {
+  Arena& arena;
+  std::vector<std::unique_ptr<Tensor>> tensors;
+  std::vector<Bytes> evicted;
+  int id = -1;
+  explicit TestSource(Arena& a, bool can_evict) : arena(a) {
+    id = arena.add_relocatable(
+        [this](std::vector<Tensor*>& out) {
+          for (auto& t : tensors)
+            if (t->defined()) out.push_back(t.get());
+        },
+        can_evict ? Arena::EvictFn([this](Tensor* t) {
+          evicted.push_back(t->nbytes());
+          t->reset();
+          return true;
+        })
+                  : Arena::EvictFn());
+  }
+  ~TestSource() { arena.remove_relocatable(id); }
+  Tensor* add(std::int64_t floats, float value) {
+    tensors.push_back(std::make_unique<Tensor>(arena, std::vector<std::int64_t>{floats}, MemCategory::activations, "m"));
+    for (std::int64_t i = 0; i < floats; ++i) tensors.back()->f32()[i] = value + float(i);
+    return tensors.back().get();
+  }
+};
+}  // namespace
+
+// A request larger than any hole, with enough bytes free: the arena moves the
+// relocatable tensors (contents intact, pointers updated) and serves it.
+TEST(Arena, CompactsOnFragmentationAndMovesTheContents) {
+  Arena arena(64 * 1024);  // 16384 floats
+  TestSource src(arena, false);
+  std::vector<Tensor*> m;
+  for (int i = 0; i < 8; ++i) m.push_back(src.add(2048, float(i * 10000)));
+  for (int i : {0, 2, 4, 6}) m[std::size_t(i)]->reset();  // four holes of 8 KiB
+  EXPECT_EQ(arena.largest_free_block(), 8 * 1024);
+  Tensor big(arena, {4 * 2048}, MemCategory::activations, "big");  // 32 KiB: needs all four holes
+  EXPECT_EQ(arena.compactions(), 1);
+  EXPECT_EQ(arena.bytes_compacted(), 4 * 8 * 1024);  // every survivor moved down
+  for (int i : {1, 3, 5, 7})
+    for (std::int64_t j = 0; j < 2048; j += 511) EXPECT_EQ(m[std::size_t(i)]->f32()[j], float(i * 10000) + float(j));
+  EXPECT_EQ(arena.evictions(), 0);
+}
+
+// Pinned blocks split the free bytes so that compaction is not enough: the arena
+// evicts relocatable tensors of the stretch that can hold the request.
+TEST(Arena, EvictsRelocatableTensorsWhenPinnedBlocksSplitTheFreeBytes) {
+  Arena arena(64 * 1024);
+  TestSource src(arena, true);
+  // KiB: [m0 4][m1 4][p0 4][m2 4][p1 4][m3 16][m4 8][p2 4][p3 16]; p pinned (not the source's).
+  Tensor* m0 = src.add(1024, 0);
+  Tensor* m1 = src.add(1024, 1);
+  Tensor p0(arena, {1024}, MemCategory::activations, "pinned0");
+  Tensor* m2 = src.add(1024, 2);
+  Tensor p1(arena, {1024}, MemCategory::activations, "pinned1");
+  Tensor* m3 = src.add(4096, 3);
+  Tensor* m4 = src.add(2048, 4);
+  Tensor p2(arena, {1024}, MemCategory::activations, "pinned2");
+  Tensor p3(arena, {4096}, MemCategory::activations, "pinned3");
+  ASSERT_EQ(arena.in_use(), 64 * 1024);
+  m1->reset();
+  m2->reset();
+  m4->reset();  // 16 KiB free in holes of 4, 4 and 8 KiB
+  // 12 KiB: the stretch between p1 and p2 holds 8 KiB free plus m3's 16 KiB.
+  Tensor big(arena, {3 * 1024}, MemCategory::activations, "big");
+  EXPECT_EQ(arena.evictions(), 1);
+  ASSERT_EQ(src.evicted.size(), 1u);
+  EXPECT_EQ(src.evicted[0], 16 * 1024);  // m3, the only relocatable tensor of that stretch
+  EXPECT_TRUE(m0->defined());
+  EXPECT_EQ(m0->f32()[5], 5.0f);
+  EXPECT_FALSE(m3->defined());
+  // 20 KiB free now, but no stretch can hold 16 KiB (big is pinned): a typed OOM.
+  EXPECT_EQ(arena.budget() - arena.in_use(), 20 * 1024);
+  EXPECT_THROW(Tensor(arena, {4 * 1024}, MemCategory::activations, "huge"), OutOfMemoryError);
 }

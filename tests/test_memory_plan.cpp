@@ -2,7 +2,9 @@
 // lists are the ones the stash records, byte for byte, and its replayed peak equals
 // the arena's measured peak over whole steps (issue 4: within 0.1%; here exactly),
 // for every static policy, random save/recompute mixes, skewed routing, dense and
-// MoE layers with a shared expert, and several micro-batches in flight.
+// MoE layers with a shared expert, and several micro-batches in flight; and the
+// planner's projection (project_block) equals an exact walk, phase by phase.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <numeric>
@@ -14,6 +16,8 @@
 #include "moeflex/model/model.h"
 #include "moeflex/provision/planner.h"
 #include "moeflex/provision/policies.h"
+#include "moeflex/schedule/generators.h"
+#include "moeflex/schedule/plan.h"
 
 namespace moeflex {
 namespace {
@@ -237,5 +241,124 @@ TEST(MemoryPlan, WorstCaseRowsBoundTheReceivedRows) {
   EXPECT_EQ(MoERows::balanced(cfg, n).received, n * 2);
 }
 
+
+/// A planner context on rank 0 of a 2-stage pipeline (`schedule`, 4 micro-batches,
+/// EP `ep` as a stage property): the decision at `point` of `layer` during the
+/// forward of the last warm-up micro-batch, with the earlier micro-batches'
+/// activations held under random provisions (some offloads still copying).
+BlockContext pipeline_context(const ModelConfig& cfg, StepProgram& program, const std::string& schedule, int ep,
+                              int layer, SavePoint point, std::mt19937_64& rng) {
+  const StepPlan plan = make_schedule(schedule, 2, 4);
+  std::vector<std::size_t> walk_at;
+  program.actions = walk_actions(plan, 0, &walk_at);
+  const int L = int(cfg.num_hidden_layers);
+  const StageSpec stage{0, L / 2 + 1, true, false, ep};
+  program.stages = {stage};
+  int mb = 0;  // the last forward before the first backward
+  for (std::size_t i = 0; i < plan.actions[0].size(); ++i) {
+    const Action& a = plan.actions[0][i];
+    if (a.kind == ActionKind::Backward || a.kind == ActionKind::BackwardInput) break;
+    if (a.kind == ActionKind::Forward) {
+      mb = a.microbatch;
+      program.current = walk_at[i];
+    }
+  }
+  BlockContext ctx;
+  ctx.microbatch = mb;
+  ctx.layer = layer;
+  ctx.point = point;
+  ctx.B = kB;
+  ctx.S = kS;
+  ctx.stage = stage;
+  ctx.program = &program;
+  const MoERows worst = MoERows::worst_case(cfg, kB * kS, ep);
+  ctx.rows = {worst.permuted, ep > 1 ? 1 + std::int64_t(rng() % std::uint64_t(worst.received)) : worst.permuted};
+  ctx.in_use = 3 * kMiB;
+  auto hold = [&](int m, int l, bool attention_only) {
+    for (const ActivationSpec& a : layer_activations(cfg, l, kB, kS, MoERows::balanced(cfg, kB * kS), ep > 1)) {
+      if (attention_only && !a.name.starts_with("attn")) continue;
+      LedgerEntry e{a.name, a.op, l, m, a.bytes, a.recomputable};
+      const int r = int(rng() % 3);
+      e.provision = !planner_decides(cfg, e) || r == 0           ? Provision::save
+                    : r == 1 && a.recomputable                   ? Provision::recompute
+                                                                 : Provision::offload;
+      ctx.ledger.push_back({e, e.provision == Provision::save || (e.provision == Provision::offload && rng() % 2)});
+    }
+  };
+  for (int m = 0; m < mb; ++m)
+    for (int l = stage.first_layer; l < stage.last_layer; ++l) hold(m, l, false);
+  for (int l = stage.first_layer; l < layer; ++l) hold(mb, l, false);
+  if (point != SavePoint::attention) hold(mb, layer, true);
+  program.pending_weight_bytes.clear();
+  if (schedule == "zb-h1") program.pending_weight_bytes[{0, stage.first_layer}] = 5 * kMiB;  // a W still queued
+  for (const ActivationSpec& a : layer_activations(cfg, layer, kB, kS, ctx.rows, ep > 1)) {
+    const bool attn = a.name.starts_with("attn");
+    if (point == SavePoint::attention ? attn
+                                      : !attn && !a.name.starts_with("shared.") && !a.name.starts_with("ffn_norm."))
+      ctx.candidates.push_back(a.name);
+  }
+  return ctx;
+}
+
+// The planner's projection (project_block: later layers replayed from memoized
+// summaries, phases around the block) against a plain exact walk of the same rest
+// of the step: each phase's peak is the exact walk's, and together they are its
+// peak, for blocks kept whole and random choices, fused and zero-bubble backwards,
+// with and without EP.
+TEST(MemoryPlan, ProjectionEqualsAnExactWalkOfTheRestOfTheStep) {
+  const ModelConfig cfg = config_with_dense_and_shared();  // layer 0 dense, 1-2 MoE
+  std::mt19937_64 rng(5);
+  int cases = 0;
+  for (const std::string schedule : {"1f1b", "zb-h1"})
+    for (const int ep : {1, 2})
+      for (const auto& [layer, point] : {std::pair{0, SavePoint::attention}, {0, SavePoint::dense_ffn},
+                                         {1, SavePoint::attention}, {1, SavePoint::moe}})
+        for (int trial = 0; trial < 3; ++trial) {
+          StepProgram program;
+          const BlockContext ctx = pipeline_context(cfg, program, schedule, ep, layer, point, rng);
+          BlockChoice choice;
+          for (const ActivationSpec& a : layer_activations(cfg, layer, kB, kS, ctx.rows, ep > 1))
+            if (std::find(ctx.candidates.begin(), ctx.candidates.end(), a.name) != ctx.candidates.end())
+              if (const int r = int(rng() % 3); r > 0)
+                choice[a.name] = r == 1 && a.recomputable ? Provision::recompute : Provision::offload;
+          for (const BlockChoice* c : std::vector<const BlockChoice*>{nullptr, &choice}) {
+            const BlockProjection p = project_block(cfg, ctx, c);
+            // The same walk, exact, deciding through a ProvisionFn.
+            MemoryWalk w(cfg, kB, kS, ctx.in_use);
+            for (const auto& [e, on] : ctx.ledger) w.adopt(e, on, ep);
+            for (const auto& [key, bytes] : program.pending_weight_bytes) w.adopt_retained(key.first, key.second, bytes);
+            const ProvisionFn decide = [&](const LedgerEntry& e) {
+              if (e.microbatch == ctx.microbatch && e.layer == layer &&
+                  std::find(ctx.candidates.begin(), ctx.candidates.end(), e.name) != ctx.candidates.end()) {
+                if (!c) return Provision::save;
+                auto it = c->find(e.name);
+                return it != c->end() ? it->second : Provision::save;
+              }
+              return most_memory_saving(cfg, e);
+            };
+            const int L = int(cfg.num_hidden_layers) / 2 + 1;
+            const MoERows worst = MoERows::worst_case(cfg, kB * kS, ep);
+            std::vector<MoERows> own(std::size_t(L), worst);
+            if (point == SavePoint::moe) own[std::size_t(layer)] = ctx.rows;
+            w.watch(ctx.microbatch, layer, point);
+            w.finish_forward(ctx.microbatch, ctx.stage, layer, point, own, decide);
+            w.run(program.actions, program.current + 1, program.stages,
+                  [&](int, const StageSpec&) { return std::vector<MoERows>(std::size_t(L), worst); }, decide);
+            const std::string what = fmt::format("{} ep {} layer {} point {} trial {} choice {}", schedule, ep, layer,
+                                                 int(point), trial, c ? c->size() : 0);
+            using P = MemoryWalk;
+            EXPECT_EQ(p.tail, w.phase_peak(P::kTail)) << what;
+            EXPECT_EQ(p.landing, w.phase_peak(P::kLanding)) << what;
+            EXPECT_EQ(p.held, w.phase_peak(P::kHeld)) << what;
+            EXPECT_EQ(p.prefetched, w.phase_peak(P::kPrefetched)) << what;
+            EXPECT_EQ(p.backward, w.phase_peak(P::kBackward)) << what;
+            EXPECT_EQ(p.backward_rest, w.phase_peak(P::kBackwardRest)) << what;
+            EXPECT_EQ(p.after, w.phase_peak(P::kAfter)) << what;
+            EXPECT_EQ(p.peak(), w.peak()) << what;
+            ++cases;
+          }
+        }
+  EXPECT_EQ(cases, 2 * 2 * 4 * 3 * 2);
+}
 }  // namespace
 }  // namespace moeflex

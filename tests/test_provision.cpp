@@ -22,11 +22,16 @@ struct PolicyRun {
   Bytes activation_peak = 0;
   ActivationStash::Counters counters;
   double loss = 0;
+  std::int64_t compactions = 0, evictions = 0;
 };
 
 // Two micro-batches of skewed tokens (low ids dominate: uneven routing).
-PolicyRun run(const ModelConfig& cfg, const ProvisionPolicy& policy, bool split_backward = false) {
-  Arena arena;
+// With `stress`, a bounded arena compacts (or evicts every saved tensor and
+// compacts) before every allocation.
+PolicyRun run(const ModelConfig& cfg, const ProvisionPolicy& policy, bool split_backward = false,
+              Arena::Stress stress = Arena::Stress::off) {
+  Arena arena(stress == Arena::Stress::off ? Arena::kUnlimited : Bytes(64) << 20);
+  arena.set_stress(stress);
   MoEModel model(cfg, arena);
   model.init_weights(13);
   model.stash().set_policy(policy);
@@ -48,6 +53,8 @@ PolicyRun run(const ModelConfig& cfg, const ProvisionPolicy& policy, bool split_
     model.backward_weight(mb);
   }
   r.counters = model.stash().counters();
+  r.compactions = arena.compactions();
+  r.evictions = arena.evictions();
   for (auto& p : model.params()) r.grads.emplace_back(p.g.f32(), p.g.f32() + p.g.numel());
   EXPECT_EQ(arena.stat(MemCategory::activations).current, 0) << "activations leaked";
   return r;
@@ -95,6 +102,33 @@ TEST(Provision, RandomAssignmentsGiveBitIdenticalGradients) {
       return u < 0.33 ? Provision::recompute : u < 0.66 ? Provision::offload : Provision::save;
     };
     expect_same_grads(base, run(cfg, random, /*split_backward=*/seed % 2 == 1), "random assignment " + std::to_string(seed));
+  }
+}
+
+// The arena's defragmentation moves saved activations (compaction) and copies them
+// to the host and back (eviction) behind the model's back: with either done before
+// every allocation, every policy mix still gives bit-identical gradients, so no
+// operator holds a pointer into a relocatable tensor across an allocation.
+TEST(Provision, ArenaCompactionAndEvictionKeepGradientsBitIdentical) {
+  const ModelConfig cfg = test::small_moe_config(3, 1, 4, true);
+  const PolicyRun base = run(cfg, {});
+  for (Arena::Stress stress : {Arena::Stress::compact, Arena::Stress::evict}) {
+    const std::string what = stress == Arena::Stress::compact ? "compact" : "evict";
+    for (std::uint64_t seed = 0; seed < 4; ++seed) {
+      ProvisionPolicy random = [seed](const LedgerEntry& e) {
+        std::uint64_t h = seed * 7919u + std::uint64_t(e.layer) * 131u + std::uint64_t(e.microbatch) * 17u;
+        for (char c : e.name) h = h * 31u + std::uint64_t(c);
+        const double u = uniform01(h, 3, 4);
+        return u < 0.33 ? Provision::recompute : u < 0.5 ? Provision::offload : Provision::save;
+      };
+      const PolicyRun r = run(cfg, random, /*split_backward=*/seed % 2 == 1, stress);
+      expect_same_grads(base, r, what + " stress, random assignment " + std::to_string(seed));
+      if (stress == Arena::Stress::compact) EXPECT_GT(r.compactions, 0);
+      if (stress == Arena::Stress::evict) {
+        EXPECT_GT(r.evictions, 0);
+        EXPECT_GT(r.counters.evicted, 0);
+      }
+    }
   }
 }
 

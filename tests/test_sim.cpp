@@ -4,7 +4,12 @@
 // their restart cost exactly at the memory limit, and the presets' parameter counts.
 #include <gtest/gtest.h>
 
+#include <fmt/format.h>
+#include <unistd.h>
+
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 
 #include "model_fixtures.h"
 #include "moeflex/core/arena.h"
@@ -153,6 +158,39 @@ TEST(Sim, MessageLatencyAddsToTheGpipeBubble) {
   EXPECT_DOUBLE_EQ(tl.idle[0], 3 * (3 + 2 * c));  // docs/schedules.md: (p-1)(F+B+W+2c)
 }
 
+// Processes time-sharing cores (CoreSharing): enough cores change nothing; one
+// core shared by every rank is work-conserving (with instant messages some rank
+// can always run, so the makespan is the total work); and a group of processes
+// whose demand is below p x T (imbalanced replicas) takes max(T, D / its cores).
+TEST(Sim, CoreSharingStretchesByTheCoresEachProcessGets) {
+  auto unit = [](int, const Action& a) -> ActionCost { return {a.kind == ActionKind::Backward ? 2.0 : 1.0, 0}; };
+  auto instant = [](const Action&) { return 0.0; };
+  for (const std::string name : {"gpipe", "1f1b", "zb-h1", "interleaved"}) {
+    const StepPlan plan = make_schedule(name, 4, 8, name == "interleaved" ? 2 : 1);
+    const PlanTimeline own = run_plan(plan, unit, instant);
+    const PlanTimeline roomy = run_plan(plan, unit, instant, false, CoreSharing{8, 2});
+    EXPECT_DOUBLE_EQ(roomy.makespan, own.makespan) << name;
+    double work = 0;
+    for (int r = 0; r < 4; ++r) work += own.busy[std::size_t(r)];
+    const PlanTimeline one = run_plan(plan, unit, instant, false, CoreSharing{1, 1});
+    EXPECT_NEAR(one.makespan, work, 1e-9 * work) << name;
+    EXPECT_GT(one.makespan, own.makespan) << name;
+    for (int r = 0; r < 4; ++r) EXPECT_NEAR(one.busy[std::size_t(r)] + one.idle[std::size_t(r)], one.makespan, 1e-9);
+  }
+  // One pipeline rank of 2 processes on 1 core: each process gets half a core.
+  const StepPlan plan = make_schedule("1f1b", 1, 3, 1);
+  const double m = 3;
+  EXPECT_DOUBLE_EQ(run_plan(plan, unit, instant, false, CoreSharing{1, 2}).makespan, 2 * m * 3.0);
+  // Imbalanced replicas: the cold one needs half of the hot one's time (D = 1.5 T).
+  auto imbalanced = [](int, const Action& a) -> ActionCost {
+    const double T = a.kind == ActionKind::Backward ? 2.0 : 1.0;
+    return {T, 0, 1.5 * T};
+  };
+  EXPECT_NEAR(run_plan(plan, imbalanced, instant, false, CoreSharing{1, 2}).makespan, m * 1.5 * 3.0, 1e-9);
+  // With two cores each process has its own: the hot one decides (T).
+  EXPECT_DOUBLE_EQ(run_plan(plan, imbalanced, instant, false, CoreSharing{2, 2}).makespan, m * 3.0);
+}
+
 TEST(Cluster, CollectivesFollowTheirFormulas) {
   const ClusterSpec c = test_cluster();
   const Bytes b = 64 * kMiB;
@@ -244,6 +282,87 @@ TEST(Sim, SpikesRaiseTheHotRanksPeakAndStepTime) {
   EXPECT_GT(hot.step_time, calm.step_time);
   EXPECT_GT(hot.exposed_comm, calm.exposed_comm);
   EXPECT_EQ(hot.ranks[0].peak_balanced_bytes, calm.ranks[0].peak_balanced_bytes);
+}
+
+// A recorded loads.jsonl (moeflex train's format) in which the hottest EP rank
+// changes from layer to layer and micro-batch to micro-batch: replayed per rank, each data-parallel
+// rank's peak is exactly MemoryWalk's at that rank's own rows, and the reported
+// peak (their max) lies below the old bound that gives one rank every micro-batch's
+// hottest load.
+TEST(Sim, PerRankReplayPeakIsEachRanksOwnWalk) {
+  SimOptions o = small_options("1f1b", 1, 3);
+  o.model = test::small_moe_config(3, 1, 8, true);  // layer 0 dense, layers 1 and 2 MoE
+  o.parallel.dp = 2;
+  o.parallel.ep = 2;
+  o.global_batch = 2 * 2 * 3;
+  const std::int64_t n = o.micro_batch_size * o.seq_len, kept = n * o.model.num_experts_per_tok;  // 64
+  // received[MoE layer][mb][dp rank]; every (layer, mb) sums to the group's 2 x 64 kept rows
+  const std::vector<std::vector<std::vector<std::int64_t>>> received = {{{100, 28}, {30, 98}, {40, 88}},
+                                                                        {{38, 90}, {88, 40}, {120, 8}}};
+  nlohmann::json kept_j = nlohmann::json::array();
+  for (int k = 0; k < 2; ++k) kept_j.push_back(std::vector<std::vector<std::int64_t>>(3, {kept, kept}));
+  const nlohmann::json line = {{"step", 1}, {"dp", 2}, {"ep", 2}, {"microbatches", 3}, {"moe_layers", {1, 2}},
+                               {"received", received}, {"kept", kept_j}, {"step_cpu_seconds", {0.1, 0.1}}};
+  const auto dir = std::filesystem::temp_directory_path() / fmt::format("moeflex_test_loads_{}", ::getpid());
+  std::filesystem::create_directories(dir);
+  {
+    std::ofstream f(dir / "loads.jsonl");
+    f << line.dump() << "\n";
+  }
+  o.loads = LoadModel::from_file(dir);  // a run directory: its loads.jsonl
+  ASSERT_TRUE(o.loads.per_rank());
+  EXPECT_DOUBLE_EQ(o.loads.ratio(0, 0, 3, 0), 100.0 / 64.0);  // max / mean of the group
+  EXPECT_DOUBLE_EQ(o.loads.ratio(0, 2, 3, 1), 120.0 / 64.0);
+  const SimReport r = simulate(o);
+  ASSERT_EQ(r.ranks.size(), 1u);
+  ASSERT_EQ(r.ranks[0].dp_rank_peak_bytes.size(), 2u);
+
+  const StageSpec st{0, 3, true, true, 2};
+  auto walk_at = [&](auto rows_of) {
+    MemoryWalk w(o.model, o.micro_batch_size, o.seq_len, r.ranks[0].persistent_bytes);
+    for (int mb = 0; mb < 3; ++mb) {
+      std::vector<MoERows> rows = {MoERows::balanced(o.model, n)};
+      for (int k = 0; k < 2; ++k) rows.push_back(MoERows{kept, rows_of(k, mb)});
+      w.forward(mb, st, rows, {});
+      w.backward(mb, st);
+    }
+    return w.peak();
+  };
+  Bytes exact_max = 0;
+  for (int q = 0; q < 2; ++q) {
+    const Bytes own = walk_at([&](int k, int mb) { return received[std::size_t(k)][std::size_t(mb)][std::size_t(q)]; });
+    EXPECT_EQ(r.ranks[0].dp_rank_peak_bytes[std::size_t(q)], own) << "dp rank " << q;
+    exact_max = std::max(exact_max, own);
+  }
+  EXPECT_NE(r.ranks[0].dp_rank_peak_bytes[0], r.ranks[0].dp_rank_peak_bytes[1]);
+  EXPECT_EQ(r.peak_bytes, exact_max);
+  const Bytes bound = walk_at([&](int k, int mb) {
+    return std::max(received[std::size_t(k)][std::size_t(mb)][0], received[std::size_t(k)][std::size_t(mb)][1]);
+  });
+  EXPECT_LT(r.peak_bytes, bound);
+  // The sampled mode at the largest recorded ratio keeps the upper-bound walk.
+  SimOptions sampled = o;
+  sampled.loads = LoadModel{};
+  sampled.loads.constant = 120.0 / 64.0;
+  EXPECT_GE(simulate(sampled).peak_bytes, bound);
+  // A replay needs the run's own layout.
+  SimOptions other = o;
+  other.parallel.dp = 4;
+  other.global_batch = 2 * 4 * 3;
+  EXPECT_THROW(simulate(other), ConfigError);
+  // A table of the wrong shape is refused, naming the field.
+  {
+    nlohmann::json bad = line;
+    bad["received"][0].erase(0);  // layer 0 loses a micro-batch
+    std::ofstream(dir / "loads.jsonl") << bad.dump() << "\n";
+    try {
+      LoadModel::from_file(dir / "loads.jsonl");
+      ADD_FAILURE() << "a short 'received' table was accepted";
+    } catch (const DataError& e) {
+      EXPECT_NE(std::string(e.what()).find("'received'"), std::string::npos) << e.what();
+    }
+  }
+  std::filesystem::remove_all(dir);
 }
 
 TEST(Sim, InvalidLayoutsAreRefusedWithTheRule) {

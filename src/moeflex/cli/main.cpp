@@ -54,6 +54,8 @@ int main(int argc, char** argv) {
   train->add_option("--out", out_dir, "run directory (default: runs/<date-time>)");
   train->add_option("--seed", seed, "seed for init and data order (overrides train.seed)")->check(CLI::NonNegativeNumber);
   train->add_option("--device-memory", device_memory, "device-memory budget, e.g. 512MiB, 2GiB (default unlimited)");
+  std::string device;
+  train->add_option("--device", device, "where to compute: cpu (default) or cuda (one GPU; device.kind)");
   train->add_option("--data", data_path, "a UTF-8 text file or folder (default: the Brown corpus from `make data`)");
   train->add_option("--resume", resume_dir, "continue the run in this directory from its newest checkpoint");
   train->add_option("--data-cache", data_cache, "where tokenized corpora are cached")->capture_default_str();
@@ -105,7 +107,7 @@ int main(int argc, char** argv) {
   auto* cal = app.add_subcommand("calibrate", "measure this machine's kernels and write a hardware profile");
   std::string cal_out = "data/hardware/this-machine.json";
   int cal_threads = 0;
-  double cal_seconds = 20;
+  double cal_seconds = kDefaultCalibrationBudget;
   cal->add_option("--out", cal_out, "profile JSON to write")->capture_default_str();
   cal->add_option("--threads", cal_threads, "threads (default: all cores)");
   cal->add_option("--seconds", cal_seconds, "time budget")->capture_default_str();
@@ -121,6 +123,7 @@ int main(int argc, char** argv) {
       if (steps >= 0) o.config.train.steps = steps;
       if (seed >= 0) o.config.train.seed = std::uint64_t(seed);
       if (!device_memory.empty()) o.config.device_memory = parse_size(device_memory);
+      if (!device.empty()) o.config.device = device;
       if (!data_path.empty()) o.config.data.path = data_path;
       if (!policy.empty()) o.config.train.policy = policy;
       if (!inject.empty()) o.config.train.inject_imbalance = inject;

@@ -87,7 +87,8 @@ void add_sim_commands(CLI::App& app) {
   s->add_option("--iterations", f.iterations, "iterations to simulate")
       ->capture_default_str()
       ->check(CLI::Range(1, 1000000));
-  s->add_option("--loads", f.loads, "replay expert loads from a `moeflex train` run's metrics.jsonl");
+  s->add_option("--loads", f.loads, "replay expert loads of a `moeflex train` run: its loads.jsonl (every rank's rows: exact "
+                "per-rank memory), its directory, or an older run's metrics.jsonl");
   s->add_option("--out", f.out, "write summary.json and trace.json here");
   s->add_option("--trace-ranks", f.trace_ranks, "pipeline ranks in trace.json, e.g. 0,3 (empty: none)")
       ->capture_default_str();
@@ -127,7 +128,7 @@ bool run_sim_commands() {
     o.seq_len = S;
     o.global_batch = f.global_batch;
     o.iterations = f.iterations;
-    o.loads = f.loads.empty() ? loads : sim::LoadModel::from_metrics(f.loads);
+    o.loads = f.loads.empty() ? loads : sim::LoadModel::from_file(f.loads);
     o.restart_seconds = f.restart_seconds;
     o.checkpoint_interval = f.checkpoint_interval;
     o.overlap_pair_comm = cluster.element_bytes < 4;

@@ -1,10 +1,15 @@
 #include "moeflex/core/arena.h"
 #include "moeflex/core/block_allocator.h"
+#include "moeflex/core/device.h"
+#include "moeflex/core/tensor.h"
 
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
+#include <unordered_map>
 #include <fmt/format.h>
 
 namespace moeflex {
@@ -50,8 +55,17 @@ Arena::Arena(Bytes budget) : budget_(budget) {
   }
 }
 
+Arena::Arena(Bytes budget, void* region, Device* device) : budget_(budget), device_(device) {
+  if (budget_ < kAlignment || !region)
+    throw ConfigError(fmt::format("device arena: needs a region of at least {} B (got {} B at {})", kAlignment,
+                                  budget_, fmt::ptr(region)));
+  budget_ = budget_ / kAlignment * kAlignment;
+  base_ = static_cast<char*>(region);
+  region_ = std::make_unique<BlockAllocator>(budget_, kAlignment);
+}
+
 Arena::~Arena() {
-  if (base_) munmap(base_, static_cast<std::size_t>(budget_));
+  if (base_ && !device_) munmap(base_, static_cast<std::size_t>(budget_));
 }
 
 void MemoryStats::account(MemCategory c, Bytes delta) {
@@ -82,11 +96,43 @@ void* Arena::allocate(Bytes bytes, MemCategory category, std::string_view op) {
     stats_.account(category, size);
     return p;
   }
+  if (stress_ != Stress::off && !relocatable_.empty()) {
+    if (stress_ == Stress::evict) {
+      std::vector<std::pair<Tensor*, EvictFn*>> victims;
+      for (auto& [id, source] : relocatable_) {
+        if (!source.evict) continue;
+        std::vector<Tensor*> tensors;
+        source.list(tensors);
+        for (Tensor* t : tensors) victims.push_back({t, &source.evict});
+      }
+      for (auto& [t, evict] : victims) {
+        const Bytes bytes = round_up(t->nbytes());
+        if ((*evict)(t)) ++evictions_, bytes_evicted_ += bytes;
+      }
+    }
+    compact();
+  }
   Bytes offset = 0;
   try {
-    offset = region_->allocate(size, category, op);
+    try {
+      offset = region_->allocate(size, category, op);
+    } catch (const OutOfMemoryError&) {
+      // Let offloads in flight land (they pin their blocks); then, with enough bytes
+      // free but no block large enough, compact, and evict if that is not enough.
+      if (relocatable_.empty()) throw;
+      for (auto& [id, source] : relocatable_)
+        if (source.settle) source.settle();
+      const auto oom_now = [&] {
+        return OutOfMemoryError(size, budget_ - region_->in_use(), region_->largest_free_block(), budget_, category,
+                                std::string(op));
+      };
+      if (budget_ - region_->in_use() < size) throw oom_now();
+      if (region_->largest_free_block() < size) compact();
+      if (region_->largest_free_block() < size && !make_room(size)) throw oom_now();
+      offset = region_->allocate(size, category, op);
+    }
   } catch (const OutOfMemoryError& oom) {
-    if (!overflow_) throw;
+    if (!overflow_ || device_) throw;
     // Overflow mode: record the event and serve the request from the heap.
     void* p = std::aligned_alloc(kAlignment, static_cast<std::size_t>(size));
     if (!p) throw Error(fmt::format("arena overflow: the host cannot provide {} for '{}'", format_bytes(size), op));
@@ -114,6 +160,105 @@ void Arena::deallocate(void* ptr, Bytes bytes, MemCategory category) {
     return;
   }
   region_->deallocate(static_cast<Bytes>(addr - lo), size, category);
+}
+
+int Arena::add_relocatable(RelocatableSource source, EvictFn evict, SettleFn settle) {
+  const int id = next_source_id_++;
+  relocatable_[id] = {std::move(source), std::move(evict), std::move(settle)};
+  return id;
+}
+
+// Called after a compaction when the largest free block is still smaller than
+// `size`: free bytes now sit under pinned blocks, one hole per stretch between two
+// pinned blocks. Picks the stretch with the most free plus relocatable bytes and
+// evicts its relocatable tensors (lowest first) until the stretch's free bytes reach
+// `size`, then compacts again. True when a block of `size` is free afterwards.
+bool Arena::make_room(Bytes size) {
+  std::map<Bytes, std::pair<Tensor*, const EvictFn*>> movable;  // by offset
+  const auto lo = reinterpret_cast<std::uintptr_t>(base_);
+  for (auto& [id, source] : relocatable_) {
+    if (!source.evict) continue;
+    std::vector<Tensor*> tensors;
+    source.list(tensors);
+    for (Tensor* t : tensors)
+      if (t->arena_ == this) movable[static_cast<Bytes>(reinterpret_cast<std::uintptr_t>(t->raw()) - lo)] = {t, &source.evict};
+  }
+  struct Stretch {
+    Bytes free = 0, movable = 0;
+    std::vector<Bytes> tensors;  // offsets of its relocatable tensors
+  };
+  std::vector<Stretch> stretches(1);
+  for (const auto& b : region_->layout()) {
+    if (b.free) stretches.back().free += b.size;
+    else if (movable.count(b.offset)) {
+      stretches.back().movable += b.size;
+      stretches.back().tensors.push_back(b.offset);
+    } else {
+      stretches.emplace_back();  // a pinned block closes the stretch
+    }
+  }
+  const auto best = std::max_element(stretches.begin(), stretches.end(), [](const Stretch& a, const Stretch& b) {
+    return a.free + a.movable < b.free + b.movable;
+  });
+  if (best->free + best->movable < size) return false;
+  Bytes room = best->free;
+  for (Bytes offset : best->tensors) {
+    if (room >= size) break;
+    auto [t, evict] = movable.at(offset);
+    const Bytes bytes = region_->block_size(offset);
+    if (!(*evict)(t)) continue;
+    room += bytes;
+    ++evictions_;
+    bytes_evicted_ += bytes;
+  }
+  compact();
+  return region_->largest_free_block() >= size;
+}
+
+void Arena::remove_relocatable(int id) { relocatable_.erase(id); }
+
+// Moves `size` bytes from `src` down to `dst` (dst < src; the ranges may overlap).
+// Host memory: memmove. Device memory: stream-ordered copies that never overlap
+// (chunks no longer than the gap); when the gap is small, through a host buffer.
+void Arena::move_bytes(char* dst, const char* src, Bytes size) {
+  if (!device_) {
+    std::memmove(dst, src, static_cast<std::size_t>(size));
+    return;
+  }
+  const Bytes gap = src - dst;
+  constexpr Bytes kMinChunk = Bytes(1) << 20;
+  if (gap >= size || gap >= kMinChunk) {
+    for (Bytes done = 0; done < size; done += gap)
+      device_->copy(dst + done, src + done, std::min(gap, size - done));
+    return;
+  }
+  std::vector<char> staging(static_cast<std::size_t>(size));
+  device_->copy_to_host(staging.data(), src, size);
+  device_->copy_from_host(dst, staging.data(), size);
+}
+
+Bytes Arena::compact() {
+  if (unlimited()) return 0;
+  std::vector<Tensor*> tensors;
+  for (auto& [id, source] : relocatable_) source.list(tensors);
+  std::unordered_map<Bytes, Tensor*> by_offset;
+  const auto lo = reinterpret_cast<std::uintptr_t>(base_);
+  for (Tensor* t : tensors) {
+    const auto addr = reinterpret_cast<std::uintptr_t>(t->raw());
+    if (t->arena_ != this || addr < lo || addr >= lo + static_cast<std::uintptr_t>(budget_)) continue;
+    by_offset[static_cast<Bytes>(addr - lo)] = t;
+  }
+  if (by_offset.empty()) return 0;
+  const auto moves = region_->compact([&](Bytes offset) { return by_offset.count(offset) > 0; });
+  Bytes moved = 0;
+  for (const BlockMove& m : moves) {
+    move_bytes(base_ + m.to, base_ + m.from, m.size);
+    by_offset.at(m.from)->data_ = base_ + m.to;
+    moved += m.size;
+  }
+  ++compactions_;
+  bytes_compacted_ += moved;
+  return moved;
 }
 
 }  // namespace moeflex

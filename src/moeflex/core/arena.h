@@ -16,6 +16,21 @@
 //   one `Stat{current, peak, allocated, freed}`, changed in one place (`account`).
 // - A request that does not fit throws OutOfMemoryError naming the request, the
 //   free bytes, the largest free block, the budget and the operator.
+// - Compaction: a request that fails although enough bytes are free (fragmentation)
+//   makes the arena slide the relocatable tensors down (BlockAllocator::compact),
+//   re-point them and try once more. Relocatable tensors are those the registered
+//   sources (the activation stashes) own alone with no copy in flight; everything
+//   else is pinned. Bytes in use never change, so the planner's byte projection
+//   stays exact; the cost is a memmove, counted in compactions()/bytes_compacted().
+//   Before compacting, it lets the sources finish their offloads in flight, whose
+//   device blocks are pinned until the copy lands (the planner counts them as gone
+//   by the next decision point anyway).
+//   When compaction is not enough (blocks pinned by the running operator split the
+//   free bytes), the arena evicts relocatable tensors of the stretch between pinned
+//   blocks that can hold the request (their sources copy them to the host and bring
+//   them back when next needed), then compacts again: bytes in use only go down, so
+//   a plan that fits in bytes never fails on fragmentation while relocatable tensors
+//   can make room. Counted in evictions()/bytes_evicted().
 // - Overflow mode (set_overflow): a request that does not fit is recorded as an OOM
 //   event (counted, the first one kept) and served from the heap instead, so a run
 //   can go on and report its OOMs; heap blocks are told apart by address on free.
@@ -23,6 +38,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -30,6 +46,7 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include "moeflex/core/error.h"
 #include "moeflex/core/units.h"
@@ -84,6 +101,8 @@ class MemoryStats {
 };
 
 class BlockAllocator;
+class Tensor;
+class Device;
 
 class Arena {
  public:
@@ -92,6 +111,11 @@ class Arena {
 
   /// budget: capacity in bytes, or kUnlimited.
   explicit Arena(Bytes budget = kUnlimited);
+  /// An arena over `budget` bytes of device memory at `region` (owned by the caller,
+  /// e.g. one cudaMalloc), whose memory `device` touches for the engine. Same
+  /// allocator and accounting as the host arena; overflow mode is off (a device
+  /// cannot serve the excess from the heap), so requests that do not fit throw.
+  Arena(Bytes budget, void* region, Device* device);
   ~Arena();
   Arena(const Arena&) = delete;
   Arena& operator=(const Arena&) = delete;
@@ -109,6 +133,8 @@ class Arena {
 
   Bytes budget() const { return budget_; }
   bool unlimited() const { return budget_ < 0; }
+  /// The device whose memory this arena hands out; null for host memory.
+  Device* device() const { return device_; }
   const Stat& stat(MemCategory c) const { return stats_.stat(c); }
   const Stat& total() const { return stats_.total(); }
   Bytes in_use() const { return stats_.total().current; }
@@ -137,15 +163,62 @@ class Arena {
   /// Bytes served from the heap outside the budget and not yet freed.
   Bytes overflow_in_use() const { return overflow_current_; }
 
+  /// A source of relocatable tensors: appends the tensors of this arena that may be
+  /// moved right now (owned by the source alone, no copy in flight, no raw pointer
+  /// to them held anywhere).
+  using RelocatableSource = std::function<void(std::vector<Tensor*>&)>;
+  /// Moves one of the source's relocatable tensors out of device memory (e.g. to a
+  /// host copy it brings back when next needed) and frees its block; false when it
+  /// cannot.
+  using EvictFn = std::function<bool(Tensor*)>;
+  /// Waits for the source's copies in flight (offloads) and frees the device blocks
+  /// they release.
+  using SettleFn = std::function<void()>;
+  /// Registers a source for compaction (with `evict`, for eviction; with `settle`,
+  /// for waiting on its offloads); returns its id for remove_relocatable().
+  int add_relocatable(RelocatableSource source, EvictFn evict = {}, SettleFn settle = {});
+  /// Unregisters a source (unknown ids are ignored).
+  void remove_relocatable(int id);
+  /// Defragments the region now (see the file comment): moves every relocatable
+  /// tensor down and re-points it. Returns the bytes moved (0 when unlimited).
+  Bytes compact();
+  /// Compactions since construction, and the bytes they moved.
+  std::int64_t compactions() const { return compactions_; }
+  /// Tensors evicted to make room (see the file comment), and their bytes.
+  std::int64_t evictions() const { return evictions_; }
+  Bytes bytes_evicted() const { return bytes_evicted_; }
+  /// Testing: before every allocation, compact (compact) or evict every
+  /// relocatable tensor and compact (evict), so that a pointer into a relocatable
+  /// tensor held across an allocation, or a wrong bring-back, shows up as wrong
+  /// results.
+  enum class Stress { off, compact, evict };
+  void set_stress(Stress stress) { stress_ = stress; }
+  Bytes bytes_compacted() const { return bytes_compacted_; }
+
  private:
   Bytes budget_;
   char* base_ = nullptr;
+  Device* device_ = nullptr;  // null: host memory, mapped (and unmapped) here
   MemoryStats stats_;                      // everything handed out, overflow included
   std::unique_ptr<BlockAllocator> region_;  // bounded mode: the blocks of [base_, base_ + budget_)
   bool overflow_ = false;
   std::int64_t oom_events_ = 0;
   std::optional<OutOfMemoryError> first_oom_;
   Bytes overflow_current_ = 0;
+  void move_bytes(char* dst, const char* src, Bytes size);
+  bool make_room(Bytes size);
+  struct Source {
+    RelocatableSource list;
+    EvictFn evict;
+    SettleFn settle;
+  };
+  std::map<int, Source> relocatable_;
+  std::int64_t evictions_ = 0;
+  Bytes bytes_evicted_ = 0;
+  int next_source_id_ = 0;
+  Stress stress_ = Stress::off;
+  std::int64_t compactions_ = 0;
+  Bytes bytes_compacted_ = 0;
 };
 
 }  // namespace moeflex

@@ -92,4 +92,40 @@ void BlockAllocator::deallocate(Bytes offset, Bytes bytes, MemCategory category)
   free_.insert({bsize, offset});
 }
 
+std::vector<BlockMove> BlockAllocator::compact(const std::function<bool(Bytes offset)>& movable) {
+  std::vector<BlockMove> moves;
+  std::map<Bytes, std::pair<Bytes, bool>> blocks;
+  std::set<std::pair<Bytes, Bytes>> free_blocks;
+  auto add_free = [&](Bytes from, Bytes to) {
+    if (to <= from) return;
+    blocks[from] = {to - from, true};
+    free_blocks.insert({to - from, from});
+  };
+  Bytes cursor = 0;  // lowest free offset of the current stretch
+  for (const auto& [offset, block] : blocks_) {
+    const auto [size, is_free] = block;
+    if (is_free) continue;
+    if (movable(offset)) {
+      if (cursor < offset) moves.push_back({offset, cursor, size});
+      blocks[cursor] = {size, false};
+      cursor += size;
+    } else {
+      add_free(cursor, offset);
+      blocks[offset] = {size, false};
+      cursor = offset + size;
+    }
+  }
+  add_free(cursor, capacity_);
+  blocks_ = std::move(blocks);
+  free_ = std::move(free_blocks);
+  return moves;
+}
+
+std::vector<BlockAllocator::Block> BlockAllocator::layout() const {
+  std::vector<Block> out;
+  out.reserve(blocks_.size());
+  for (const auto& [offset, block] : blocks_) out.push_back({offset, block.first, block.second});
+  return out;
+}
+
 }  // namespace moeflex

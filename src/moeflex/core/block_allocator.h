@@ -20,17 +20,27 @@
 #pragma once
 #include <array>
 #include <cstddef>
+#include <functional>
 #include <map>
 #include <set>
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include "moeflex/core/arena.h"  // MemCategory, Stat, MemoryStats, OutOfMemoryError
 #include "moeflex/core/error.h"
 #include "moeflex/core/units.h"
 
 namespace moeflex {
+
+/// One block move of a compaction: `size` bytes from offset `from` down to offset
+/// `to` (to < from; the ranges may overlap).
+struct BlockMove {
+  Bytes from = 0;
+  Bytes to = 0;
+  Bytes size = 0;
+};
 
 /// Best-fit allocation of offsets in [0, capacity) with splitting, coalescing,
 /// fragmentation measurement and exact per-category accounting. Not thread-safe.
@@ -51,6 +61,11 @@ class BlockAllocator {
   void deallocate(Bytes offset, Bytes bytes, MemCategory category);
 
   Bytes capacity() const { return capacity_; }
+  /// Size of the live or free block at `offset`; -1 when no block starts there.
+  Bytes block_size(Bytes offset) const {
+    auto it = blocks_.find(offset);
+    return it == blocks_.end() ? -1 : it->second.first;
+  }
   Bytes alignment() const { return alignment_; }
   const MemoryStats& stats() const { return stats_; }
   MemoryStats& stats() { return stats_; }
@@ -62,6 +77,26 @@ class BlockAllocator {
   /// High-water mark of (end of the highest used block - bytes in use): the bytes
   /// lost to fragmentation at the worst moment so far.
   Bytes fragmentation_peak() const { return frag_peak_; }
+
+  /// Compaction (sliding, as in a mark-compact collector): every live block for
+  /// which `movable(offset)` is true slides down to the lowest free offset above
+  /// the nearest pinned (not movable) live block below it, so the free bytes of
+  /// each stretch between pinned blocks gather into one block under the next
+  /// pinned block (or at the top of the region). Accounting is unchanged.
+  /// Returns the moves in increasing source order: each destination lies below its
+  /// source and above every earlier move's destination end, so applying them in
+  /// order with an overlap-safe copy (memmove) never overwrites a block not yet
+  /// moved. The caller moves the bytes and re-points the owners.
+  std::vector<BlockMove> compact(const std::function<bool(Bytes offset)>& movable);
+
+  /// One block of the layout: [offset, offset + size), free or in use.
+  struct Block {
+    Bytes offset = 0;
+    Bytes size = 0;
+    bool free = false;
+  };
+  /// Every block in offset order (for compaction planning and diagnostics).
+  std::vector<Block> layout() const;
 
  private:
   Bytes capacity_;

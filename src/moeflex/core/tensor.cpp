@@ -2,6 +2,8 @@
 
 #include <cstring>
 
+#include "moeflex/core/device.h"
+
 namespace moeflex {
 
 std::int64_t shape_numel(const std::vector<std::int64_t>& shape) {
@@ -39,7 +41,9 @@ void Tensor::reset() {
 }
 
 void Tensor::zero() {
-  if (data_) std::memset(data_, 0, static_cast<std::size_t>(nbytes()));
+  if (!data_) return;
+  if (Device* dev = arena_ ? arena_->device() : nullptr) dev->zero(data_, nbytes());
+  else std::memset(data_, 0, static_cast<std::size_t>(nbytes()));
 }
 
 }  // namespace moeflex

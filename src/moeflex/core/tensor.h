@@ -45,10 +45,14 @@ class Tensor {
   const std::int32_t* i32() const { return static_cast<const std::int32_t*>(data_); }
   void* raw() { return data_; }
   const void* raw() const { return data_; }
-  /// Sets every byte to zero.
+  /// Sets every byte to zero (through the arena's device, in stream order, when it
+  /// has one).
   void zero();
+  /// The arena the block came from (null when empty).
+  Arena* arena() const { return arena_; }
 
  private:
+  friend class Arena;  // Arena::compact() re-points relocated tensors
   Arena* arena_ = nullptr;
   void* data_ = nullptr;
   std::vector<std::int64_t> shape_;

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <mutex>
 #include <unordered_map>
 
@@ -34,6 +35,38 @@ namespace {
 constexpr Bytes kF32 = 4;  // f32 and i32 elements alike
 
 Bytes rounded(std::int64_t numel) { return Arena::round_up(std::max<Bytes>(1, numel * kF32)); }
+
+/// activation_id without the registry's lock or a full hash, for names this thread
+/// has seen (a ledger's few names, over and over): an open-addressed table keyed by
+/// the name's length and its first and last 8 bytes, each hit checked in full.
+int cached_activation_id(const std::string& name) {
+  struct Seen {
+    std::string name;
+    int id = -1;
+  };
+  constexpr std::size_t kSize = 256, kMaxFill = 192;
+  thread_local std::array<Seen, kSize> table;
+  thread_local std::size_t fill = 0;
+  const std::size_t n = name.size();
+  std::uint64_t head = 0, tail = 0;
+  std::memcpy(&head, name.data(), std::min<std::size_t>(n, 8));
+  if (n > 8) std::memcpy(&tail, name.data() + n - 8, 8);
+  std::uint64_t h = (head * 0x9E3779B97F4A7C15ull) ^ (tail * 0xC2B2AE3D27D4EB4Full) ^ n;
+  h ^= h >> 29;
+  for (std::size_t i = (h * 0x9E3779B97F4A7C15ull) >> 56;; i = (i + 1) % kSize) {
+    Seen& s = table[i];
+    if (s.id < 0) {
+      const int id = activation_id(name);
+      if (fill < kMaxFill) {  // (beyond that, a name not seen yet takes the registry's path)
+        s.name = name;
+        s.id = id;
+        ++fill;
+      }
+      return id;
+    }
+    if (s.name == name) return s.id;
+  }
+}
 
 }  // namespace
 
@@ -173,21 +206,91 @@ int activation_id(std::string_view name) {
 MemoryWalk::MemoryWalk(const ModelConfig& cfg, std::int64_t B, std::int64_t S, Bytes persistent)
     : cfg_(cfg), B_(B), S_(S), in_use_(persistent), peak_(persistent) {}
 
-const std::vector<ActivationSpec>& MemoryWalk::specs_of(int layer, const MoERows& rows, bool ep) {
-  // Layers of one kind with the same rows list the same activations: build once.
+const MemoryWalk::LayerSpecs& MemoryWalk::specs_of(int layer, const MoERows& rows, bool ep) {
+  // Layers of one kind with the same rows list the same activations: build once
+  // per thread (a few kinds and rows in practice; beyond kMemo, once per walk).
   const int kind = layer == kHeadLayer ? 2 : cfg_.is_moe_layer(layer) ? 1 : 0;
   const SpecKey key{kind, kind == 1 ? rows.permuted : 0, kind == 1 ? rows.received : 0, ep};
-  auto it = specs_.find(key);
-  if (it == specs_.end())
-    it = specs_.emplace(key, kind == 2 ? head_activations(cfg_, B_, S_) : layer_activations(cfg_, layer, B_, S_, rows, ep))
-             .first;
-  return it->second;
+  for (const auto& [k, v] : specs_)
+    if (k == key) return *v;
+  const bool shared = cfg_.n_shared_experts > 0 || cfg_.shared_expert_intermediate_size > 0;
+  const std::array<std::int64_t, 14> full{cfg_.hidden_size, cfg_.num_attention_heads, cfg_.num_experts,
+                                          cfg_.num_experts_per_tok, cfg_.moe_intermediate_size, cfg_.intermediate_size,
+                                          shared ? cfg_.shared_width() : -1, cfg_.vocab_size, B_, S_, kind,
+                                          std::get<1>(key), std::get<2>(key), ep};
+  constexpr std::size_t kMemo = 256;
+  thread_local std::deque<std::pair<std::array<std::int64_t, 14>, std::unique_ptr<LayerSpecs>>> memo;
+  for (const auto& [k, v] : memo)
+    if (k == full) {
+      specs_.emplace_back(key, v.get());
+      return *v;
+    }
+  auto ls = std::make_unique<LayerSpecs>();
+  ls->specs = kind == 2 ? head_activations(cfg_, B_, S_) : layer_activations(cfg_, layer, B_, S_, rows, ep);
+  if (ls->specs.size() > std::size_t(kMaxLayerActivations))
+    throw Error(fmt::format("memory plan: layer {} keeps {} activations, more than {}", layer, ls->specs.size(),
+                            kMaxLayerActivations));
+  int ids = 0;
+  for (const ActivationSpec& a : ls->specs) ids = std::max(ids, a.id + 1);
+  ls->pos.assign(std::size_t(ids), -1);
+  for (std::size_t i = 0; i < ls->specs.size(); ++i) {
+    const ActivationSpec& a = ls->specs[i];
+    ls->pos[std::size_t(a.id)] = std::int8_t(i);
+    ls->floor.push_back(most_memory_saving(cfg_, LedgerEntry{a.name, a.op, layer, 0, a.bytes, a.recomputable}));
+    Rebuild r = Rebuild::plain;
+    if (a.op == "rmsnorm") r = a.name.ends_with(".rstd") ? Rebuild::norm_rstd : Rebuild::norm_out;
+    else if (a.name == "attn.probs") r = Rebuild::attn_probs;
+    else if (a.name == "attn.out") r = Rebuild::attn_out;
+    else if (a.name == "router.probs") r = Rebuild::router_probs;
+    else if (a.name == "router.topk_w") r = Rebuild::router_topk_w;
+    else if (a.name == "lm_head.probs") r = Rebuild::lm_head;
+    ls->rebuild.push_back(r);
+  }
+  const LayerSpecs* out = ls.get();
+  if (memo.size() < kMemo) memo.emplace_back(full, std::move(ls));
+  else own_specs_.push_back(std::move(ls));
+  specs_.emplace_back(key, out);
+  return *out;
+}
+
+MemoryWalk::Slot& MemoryWalk::slot(int mb, int layer) {
+  const std::size_t per = std::size_t(cfg_.num_hidden_layers) + 1;
+  const std::size_t i = std::size_t(mb) * per + (layer == kHeadLayer ? per - 1 : std::size_t(layer));
+  if (mb < 0 || layer < 0 || (layer != kHeadLayer && std::size_t(layer) >= per - 1))
+    throw Error(fmt::format("memory plan: no layer {} of micro-batch {}", layer, mb));
+  if (i >= slot_index_.size()) slot_index_.resize((std::size_t(mb) + 1) * per, -1);
+  if (slot_index_[i] < 0) {
+    slot_index_[i] = int(slots_.size());
+    Slot& s = slots_.emplace_back();
+    s.mb = mb;
+    s.layer = layer;
+  }
+  return slots_[std::size_t(slot_index_[i])];
+}
+
+MemoryWalk::Slot* MemoryWalk::find_slot(int mb, int layer) const {
+  if (last_slot_ && last_slot_->mb == mb && last_slot_->layer == layer) return last_slot_;  // a layer's run of lookups
+  const std::size_t per = std::size_t(cfg_.num_hidden_layers) + 1;
+  const std::size_t i = std::size_t(mb) * per + (layer == kHeadLayer ? per - 1 : std::size_t(layer));
+  if (mb < 0 || layer < 0 || i >= slot_index_.size() || slot_index_[i] < 0) return nullptr;
+  return last_slot_ = const_cast<Slot*>(&slots_[std::size_t(slot_index_[i])]);
+}
+
+MemoryWalk::Entry* MemoryWalk::find_entry(const Slot& s, int id) const {
+  if (!s.entries || std::size_t(id) >= s.specs->pos.size()) return nullptr;
+  const int pos = s.specs->pos[std::size_t(id)];
+  return pos >= 0 && s.entries[pos].present ? &s.entries[pos] : nullptr;
 }
 
 void MemoryWalk::alloc(Bytes bytes) {
   in_use_ += bytes;
   peak_ = std::max(peak_, in_use_);
   phase_peak_[phase_] = std::max(phase_peak_[phase_], in_use_);
+}
+
+void MemoryWalk::touch(Bytes bytes) {
+  peak_ = std::max(peak_, in_use_ + bytes);
+  phase_peak_[phase_] = std::max(phase_peak_[phase_], in_use_ + bytes);
 }
 
 void MemoryWalk::watch(int mb, int layer, SavePoint point) {
@@ -218,126 +321,144 @@ void MemoryWalk::buffer(int count) {
 
 Bytes MemoryWalk::held(int mb) const {
   Bytes h = 0;
-  for (const auto& [k, e] : stash_)
-    if (std::get<0>(k) == mb && e.on_device) h += Arena::round_up(std::max<Bytes>(1, e.bytes));
+  for (const Slot& s : slots_)
+    if (s.mb == mb && s.entries)
+      for (int i = 0; i < kMaxLayerActivations; ++i)
+        if (s.entries[i].present && s.entries[i].on_device) h += Arena::round_up(std::max<Bytes>(1, s.entries[i].bytes));
   return h;
 }
 
-void MemoryWalk::save(int mb, int layer, const std::vector<ActivationSpec>& specs,
-                      const std::vector<std::string_view>& names, const ProvisionFn& provision) {
-  std::vector<int> ids;
-  for (const std::string_view name : names) ids.push_back(activation_id(name));
-  save(mb, layer, specs, ids, provision);
-}
-
-void MemoryWalk::save(int mb, int layer, const std::vector<ActivationSpec>& specs, const std::vector<int>& ids,
+void MemoryWalk::save(int mb, int layer, const LayerSpecs& specs, const std::vector<int>& ids,
                       const ProvisionFn& provision) {
   thread_local LedgerEntry le;  // reused: its strings keep their capacity
+  Slot& s = slot(mb, layer);
+  if (!s.specs) s.specs = &specs;
+  if (!s.entries) s.entries = entry_blocks_.emplace_back().data();
+  const bool block = projection_ && mb == projection_->mb && layer == projection_->layer;
   for (const int id : ids) {
-    auto it = std::find_if(specs.begin(), specs.end(), [&](const ActivationSpec& s) { return s.id == id; });
-    if (it == specs.end()) throw Error(fmt::format("memory plan: no activation #{} in layer {}", id, layer));
+    const int pos = std::size_t(id) < specs.pos.size() ? specs.pos[std::size_t(id)] : -1;
+    if (pos < 0) throw Error(fmt::format("memory plan: no activation #{} in layer {}", id, layer));
+    const ActivationSpec& spec = specs.specs[std::size_t(pos)];
     Provision p = Provision::save;
-    if (provision) {
-      le.name.assign(it->name);
-      le.op.assign(it->op);
+    if (projection_) {
+      p = block && std::size_t(id) < projection_->candidate.size() && projection_->candidate[std::size_t(id)]
+              ? projection_->block[std::size_t(id)]
+              : specs.floor[std::size_t(pos)];
+    } else if (provision) {
+      le.name.assign(spec.name);
+      le.op.assign(spec.op);
       le.layer = layer;
       le.microbatch = mb;
-      le.bytes = it->bytes;
-      le.recomputable = it->recomputable;
+      le.bytes = spec.bytes;
+      le.recomputable = spec.recomputable;
       le.provision = Provision::save;
       le.tokens_received = le.tokens_balanced = 0;
-      if (ctx_) {  // the routing context of an MoE block's saves
-        const auto& [r, ep_size] = *ctx_;
-        le.tokens_received = ep_size > 1 ? r.received : r.permuted;
-        le.tokens_balanced = B_ * S_ * cfg_.num_experts_per_tok / ep_size;
+      if (has_ctx_) {  // the routing context of an MoE block's saves
+        le.tokens_received = ctx_ep_ > 1 ? ctx_rows_.received : ctx_rows_.permuted;
+        le.tokens_balanced = B_ * S_ * cfg_.num_experts_per_tok / ctx_ep_;
       }
       p = provision(le);
     }
-    if (p == Provision::recompute && !it->recomputable) p = Provision::save;
-    Entry& e = stash_[{mb, layer, id}];
-    e = Entry{&*it, it->bytes, p, true};
+    if (p == Provision::recompute && !spec.recomputable) p = Provision::save;
+    // (The slot's spec list may be another of the same kind, e.g. the adopted
+    // layer's: the same names at the same positions.)
+    s.entries[pos] = Entry{spec.bytes, p, true, true, false};
   }
   // Recomputed entries are freed at their save. An offloaded one keeps its device
   // block while the copy runs, at the latest until the next decision point, where
   // the engine waits for copies in flight (MoEModel::plan_saves): see land().
   for (const int id : ids) {
-    Entry& e = stash_[{mb, layer, id}];
+    Entry& e = s.entries[specs.pos[std::size_t(id)]];
     if (e.provision == Provision::recompute) {
       free(Arena::round_up(std::max<Bytes>(1, e.bytes)));
       e.on_device = false;
     } else if (e.provision == Provision::offload) {
-      landing_.push_back({mb, layer, e.spec->id});
+      landing_.push_back({mb, layer, id});
     }
   }
 }
 
-void MemoryWalk::get(int mb, int layer, std::string_view name) { get(mb, layer, activation_id(name)); }
-
 void MemoryWalk::get(int mb, int layer, int id) {
-  auto it = stash_.find({mb, layer, id});
-  if (it == stash_.end())
-    throw Error(fmt::format("memory plan: activation #{} of layer {} micro-batch {} is not saved", id, layer, mb));
-  if (it->second.on_device) return;
-  const Bytes size = Arena::round_up(std::max<Bytes>(1, it->second.bytes));
-  if (it->second.provision == Provision::offload) {  // prefetched back (prefetch_layer)
+  Slot* s = find_slot(mb, layer);
+  Entry* e = s ? find_entry(*s, id) : nullptr;
+  if (!e) throw Error(fmt::format("memory plan: activation #{} of layer {} micro-batch {} is not saved", id, layer, mb));
+  if (e->on_device) return;
+  const Bytes size = Arena::round_up(std::max<Bytes>(1, e->bytes));
+  if (e->provision == Provision::offload) {  // prefetched back (prefetch_layer)
     alloc(size);
-    it->second.on_device = true;
+    e->on_device = true;
     return;
   }
   // Recompute: the lineage fetches its inputs, then allocates as model.cpp's lineages do.
   const std::int64_t n = B_ * S_, d = cfg_.hidden_size;
-  const ActivationSpec& spec = *it->second.spec;
-  for (const int in : spec.input_ids) get(mb, layer, in);
-  if (spec.op == "rmsnorm") {  // y [n, d] and rstd [n], one returned
-    alloc(rounded(n * d));
-    alloc(rounded(n));
-    free(spec.name.ends_with(".rstd") ? rounded(n * d) : rounded(n));
-  } else if (spec.name == "attn.probs" || spec.name == "attn.out") {  // o and probs, one returned
-    const Bytes o = rounded(n * d), p = rounded(B_ * cfg_.num_attention_heads * S_ * S_);
-    alloc(o);
-    alloc(p);
-    free(spec.name == "attn.probs" ? o : p);
-  } else if (spec.name == "router.probs" || spec.name == "router.topk_w") {  // probs, topk_w, topk_idx
-    const Bytes pr = rounded(n * cfg_.num_experts), wt = rounded(n * cfg_.num_experts_per_tok);
-    alloc(pr);
-    alloc(wt);
-    alloc(wt);
-    free(wt + (spec.name == "router.probs" ? wt : pr));
-  } else if (spec.name == "lm_head.probs") {  // logits [n, V], then the losses [n] for a moment
-    alloc(size);
-    alloc(rounded(n));
-    free(rounded(n));
-    it = stash_.find({mb, layer, id});
-    it->second.on_device = true;
-    return;
-  } else {  // a linear, rope, swiglu, permute or grouped GEMM output: just itself
-    alloc(size);
-    it = stash_.find({mb, layer, id});
-    it->second.on_device = true;
-    return;
+  const std::size_t pos = std::size_t(s->specs->pos[std::size_t(id)]);
+  for (const int in : s->specs->specs[pos].input_ids) get(mb, layer, in);
+  switch (s->specs->rebuild[pos]) {
+    case Rebuild::norm_out:  // y [n, d] and rstd [n], one returned
+    case Rebuild::norm_rstd:
+      alloc(rounded(n * d));
+      alloc(rounded(n));
+      free(s->specs->rebuild[pos] == Rebuild::norm_rstd ? rounded(n * d) : rounded(n));
+      break;
+    case Rebuild::attn_probs:  // o and probs, one returned
+    case Rebuild::attn_out: {
+      const Bytes o = rounded(n * d), p = rounded(B_ * cfg_.num_attention_heads * S_ * S_);
+      alloc(o);
+      alloc(p);
+      free(s->specs->rebuild[pos] == Rebuild::attn_probs ? o : p);
+      break;
+    }
+    case Rebuild::router_probs:  // probs, topk_w, topk_idx
+    case Rebuild::router_topk_w: {
+      const Bytes pr = rounded(n * cfg_.num_experts), wt = rounded(n * cfg_.num_experts_per_tok);
+      alloc(pr);
+      alloc(wt);
+      alloc(wt);
+      free(wt + (s->specs->rebuild[pos] == Rebuild::router_probs ? wt : pr));
+      break;
+    }
+    case Rebuild::lm_head:  // logits [n, V], then the losses [n] for a moment
+      alloc(size);
+      alloc(rounded(n));
+      free(rounded(n));
+      break;
+    case Rebuild::plain:  // a linear, rope, swiglu, permute or grouped GEMM output: just itself
+      alloc(size);
+      break;
   }
-  it = stash_.find({mb, layer, id});
-  it->second.on_device = true;
+  e->on_device = true;
 }
 
 void MemoryWalk::prefetch(int mb, int layer) {
-  auto it = stash_.lower_bound(Key{mb, layer, -1});
-  for (; it != stash_.end() && std::get<0>(it->first) == mb && std::get<1>(it->first) == layer; ++it)
-    if (!it->second.on_device && it->second.provision == Provision::offload) {
-      alloc(Arena::round_up(std::max<Bytes>(1, it->second.bytes)));
-      it->second.on_device = true;
+  Slot* s = find_slot(mb, layer);
+  if (!s) return;
+  if (s->fresh) {  // a summarized layer: its offloads, once
+    if (!s->fresh_prefetched && s->fresh->prefetch > 0) alloc(s->fresh->prefetch);
+    s->fresh_prefetched = true;
+    return;
+  }
+  if (!s->entries) return;
+  for (int i = 0; i < kMaxLayerActivations; ++i) {
+    Entry& e = s->entries[i];
+    if (e.present && !e.on_device && e.provision == Provision::offload) {
+      alloc(Arena::round_up(std::max<Bytes>(1, e.bytes)));
+      e.on_device = true;
     }
+  }
 }
 
 void MemoryWalk::release_layer(int mb, int layer) {
-  auto it = stash_.lower_bound(Key{mb, layer, -1});
-  while (it != stash_.end() && std::get<0>(it->first) == mb && std::get<1>(it->first) == layer) {
-    if (it->second.on_device) {
-      const Bytes b = Arena::round_up(std::max<Bytes>(1, it->second.bytes));
-      if (pinned_.erase(it->first)) keep(mb, b);  // a deferred weight gradient still reads it
+  Slot* s = find_slot(mb, layer);
+  if (!s || !s->entries) return;
+  for (int i = 0; i < kMaxLayerActivations; ++i) {
+    Entry& e = s->entries[i];
+    if (!e.present) continue;
+    if (e.on_device) {
+      const Bytes b = Arena::round_up(std::max<Bytes>(1, e.bytes));
+      if (e.pinned) keep(mb, b);  // a deferred weight gradient still reads it
       else free(b);
     }
-    it = stash_.erase(it);
+    e = Entry{};
   }
 }
 
@@ -355,7 +476,11 @@ void MemoryWalk::forward_layers(int mb, const StageSpec& st, int from, const std
                                 const ProvisionFn& provision) {
   for (int l = from; l < st.last_layer; ++l) {
     const MoERows r = rows_at(st, l, rows);
-    const auto& specs = specs_of(l, r, st.ep());
+    if (projection_ && !(mb == projection_->mb && l == projection_->layer)) {
+      replay_forward(mb, l, r, st.ep_size);  // at the floor: from its summary
+      continue;
+    }
+    const LayerSpecs& specs = specs_of(l, r, st.ep());
     attention_forward(mb, l, specs, provision);
     ffn_forward(mb, l, specs, r, st.ep_size, provision);
   }
@@ -372,7 +497,7 @@ void MemoryWalk::forward_layers(int mb, const StageSpec& st, int from, const std
 
 void MemoryWalk::save_head(int mb, const ProvisionFn& provision) {
   save(mb, kHeadLayer, specs_of(kHeadLayer, {}, false),
-       {"final_norm.in", "final_norm.out", "final_norm.rstd", "lm_head.probs"}, provision);
+       IDS("final_norm.in", "final_norm.out", "final_norm.rstd", "lm_head.probs"), provision);
 }
 
 void MemoryWalk::finish_forward(int mb, const StageSpec& st, int l, SavePoint point, const std::vector<MoERows>& rows,
@@ -384,7 +509,7 @@ void MemoryWalk::finish_forward(int mb, const StageSpec& st, int l, SavePoint po
     return;
   }
   const MoERows r = rows_at(st, l, rows);
-  const auto& specs = specs_of(l, r, st.ep());
+  const LayerSpecs& specs = specs_of(l, r, st.ep());
   if (point == SavePoint::attention) {
     save(mb, l, specs, IDS("attn_norm.in", "attn_norm.out", "attn_norm.rstd", "attn.q", "attn.k", "attn.v", "attn.probs", "attn.out"), provision);
     ffn_forward(mb, l, specs, r, st.ep_size, provision);
@@ -392,7 +517,10 @@ void MemoryWalk::finish_forward(int mb, const StageSpec& st, int l, SavePoint po
     save(mb, l, specs, IDS("dense.gate_out", "dense.up_out", "dense.act"), provision);
     save(mb, l, specs, IDS("ffn_norm.in", "ffn_norm.out", "ffn_norm.rstd"), provision);
   } else {
-    rows_[{mb, l}] = {r, st.ep_size};
+    Slot& s = slot(mb, l);
+    s.has_rows = true;
+    s.rows = r;
+    s.ep_size = st.ep_size;
     ffn_moe_tail(mb, l, specs, provision);
   }
   enter(kLanding, mb, l);
@@ -400,33 +528,44 @@ void MemoryWalk::finish_forward(int mb, const StageSpec& st, int l, SavePoint po
 }
 
 void MemoryWalk::adopt(const LedgerEntry& e, bool on_device, int ep_size) {
-  const auto& specs = specs_of(e.layer, MoERows::balanced(cfg_, B_ * S_), ep_size > 1);
-  const int id = activation_id(e.name);
-  auto it = std::find_if(specs.begin(), specs.end(), [&](const ActivationSpec& s) { return s.id == id; });
-  if (it == specs.end()) throw Error(fmt::format("memory plan: cannot adopt unknown activation '{}'", e.name));
-  Entry entry{&*it, e.bytes, e.provision, on_device};
+  const LayerSpecs& specs = specs_of(e.layer, MoERows::balanced(cfg_, B_ * S_), ep_size > 1);
+  const int id = cached_activation_id(e.name);
+  if (std::size_t(id) >= specs.pos.size() || specs.pos[std::size_t(id)] < 0)
+    throw Error(fmt::format("memory plan: cannot adopt unknown activation '{}'", e.name));
+  Slot& s = slot(e.microbatch, e.layer);
+  if (!s.specs) s.specs = &specs;
+  if (!s.entries) s.entries = entry_blocks_.emplace_back().data();
+  s.entries[specs.pos[std::size_t(id)]] = Entry{e.bytes, e.provision, true, on_device, false};
   // An offload whose copy is still in flight: its device block goes once the copy
   // lands, taken (as for the walk's own offloads) as the end of the block under way.
   if (on_device && e.provision == Provision::offload) landing_.push_back({e.microbatch, e.layer, id});
-  stash_[{e.microbatch, e.layer, id}] = entry;
   // The backward needs the layer's rows: read them off the routed entries' sizes.
-  auto& rr = rows_[{e.microbatch, e.layer}];
-  rr.second = ep_size;
-  if (e.name == "experts.gate_out") rr.first.received = e.bytes / (kF32 * cfg_.moe_intermediate_size);
-  if (e.name == "moe.combined") rr.first.permuted = e.bytes / (kF32 * cfg_.hidden_size);
-  if (ep_size <= 1 && e.name == "experts.gate_out") rr.first.permuted = rr.first.received;
+  s.has_rows = true;
+  s.ep_size = ep_size;
+  if (id == ID("experts.gate_out")) s.rows.received = e.bytes / (kF32 * cfg_.moe_intermediate_size);
+  if (id == ID("moe.combined")) s.rows.permuted = e.bytes / (kF32 * cfg_.hidden_size);
+  if (ep_size <= 1 && id == ID("experts.gate_out")) s.rows.permuted = s.rows.received;
 }
 
 void MemoryWalk::land() {
   if (phase_ == kLanding) enter(kHeld, watch_mb_, watch_layer_);  // the watched block's offloads go now
+  if (probe_ && !probe_landed_) {  // summary_of: the highest use before the first decision point
+    probe_landed_ = true;
+    probe_pre_peak_ = peak_;
+    probe_pre_end_ = in_use_;
+    peak_ = in_use_;
+  }
   for (const Key& k : landing_) {
-    auto it = stash_.find(k);
-    if (it != stash_.end() && it->second.on_device) {
-      free(Arena::round_up(std::max<Bytes>(1, it->second.bytes)));
-      it->second.on_device = false;
+    Slot* s = find_slot(k.mb, k.layer);
+    Entry* e = s ? find_entry(*s, k.id) : nullptr;
+    if (e && e->on_device) {
+      free(Arena::round_up(std::max<Bytes>(1, e->bytes)));
+      e->on_device = false;
     }
   }
   landing_.clear();
+  free(landing_bytes_);
+  landing_bytes_ = 0;
 }
 
 void MemoryWalk::run(const std::vector<WalkAction>& actions, std::size_t from, const std::vector<StageSpec>& stages,
@@ -448,8 +587,7 @@ void MemoryWalk::run(const std::vector<WalkAction>& actions, std::size_t from, c
   }
 }
 
-void MemoryWalk::attention_forward(int mb, int l, const std::vector<ActivationSpec>& specs,
-                                   const ProvisionFn& provision) {
+void MemoryWalk::attention_forward(int mb, int l, const LayerSpecs& specs, const ProvisionFn& provision) {
   const std::int64_t n = B_ * S_, d = cfg_.hidden_size;
   alloc(rounded(n * d));  // a
   alloc(rounded(n));      // rstd
@@ -461,27 +599,32 @@ void MemoryWalk::attention_forward(int mb, int l, const std::vector<ActivationSp
   save(mb, l, specs, IDS("attn_norm.in", "attn_norm.out", "attn_norm.rstd", "attn.q", "attn.k", "attn.v", "attn.probs", "attn.out"), provision);
 }
 
-void MemoryWalk::mlp_forward(int mb, int l, const std::vector<ActivationSpec>& specs, const std::string& prefix,
-                             std::int64_t w, const ProvisionFn& provision) {
+void MemoryWalk::mlp_forward(int mb, int l, const LayerSpecs& specs, bool shared, std::int64_t w,
+                             const ProvisionFn& provision) {
   const std::int64_t n = B_ * S_;
   for (int i = 0; i < 3; ++i) alloc(rounded(n * w));  // h1, h3, a
-  if (prefix == "dense") land();                       // a decision point
-  save(mb, l, specs, {prefix + ".gate_out", prefix + ".up_out", prefix + ".act"}, provision);
+  if (!shared) land();                                 // a decision point
+  save(mb, l, specs,
+       shared ? IDS("shared.gate_out", "shared.up_out", "shared.act") : IDS("dense.gate_out", "dense.up_out", "dense.act"),
+       provision);
 }
 
-void MemoryWalk::ffn_forward(int mb, int l, const std::vector<ActivationSpec>& specs, const MoERows& rows,
-                             int ep_size, const ProvisionFn& provision) {
+void MemoryWalk::ffn_forward(int mb, int l, const LayerSpecs& specs, const MoERows& rows, int ep_size,
+                             const ProvisionFn& provision) {
   const bool ep = ep_size > 1;
   const std::int64_t n = B_ * S_, d = cfg_.hidden_size;
   alloc(rounded(n * d));  // m
   alloc(rounded(n));      // rstd
   alloc(rounded(n * d));  // out
   if (!cfg_.is_moe_layer(l)) {
-    mlp_forward(mb, l, specs, "dense", cfg_.intermediate_size, provision);
+    mlp_forward(mb, l, specs, false, cfg_.intermediate_size, provision);
   } else {
     const std::int64_t E = cfg_.num_experts, k = cfg_.num_experts_per_tok, f = cfg_.moe_intermediate_size;
     const std::int64_t R = rows.permuted, Rr = ep ? rows.received : rows.permuted;
-    rows_[{mb, l}] = {rows, ep_size};
+    Slot& s = slot(mb, l);
+    s.has_rows = true;
+    s.rows = rows;
+    s.ep_size = ep_size;
     alloc(rounded(n * E));  // logits
     alloc(rounded(n * E));  // probs
     alloc(rounded(n * k));  // topk_idx
@@ -511,26 +654,27 @@ void MemoryWalk::ffn_forward(int mb, int l, const std::vector<ActivationSpec>& s
   save(mb, l, specs, IDS("ffn_norm.in", "ffn_norm.out", "ffn_norm.rstd"), provision);
 }
 
-void MemoryWalk::ffn_moe_tail(int mb, int l, const std::vector<ActivationSpec>& specs, const ProvisionFn& provision) {
-  ctx_ = &rows_.at({mb, l});
+void MemoryWalk::ffn_moe_tail(int mb, int l, const LayerSpecs& specs, const ProvisionFn& provision) {
+  const Slot& s = slot(mb, l);
+  has_ctx_ = true;
+  ctx_rows_ = s.rows;
+  ctx_ep_ = s.ep_size;
   save(mb, l, specs, IDS("experts.in", "experts.gate_out", "experts.up_out", "experts.act", "moe.combined"), provision);
   if (cfg_.n_shared_experts > 0 || cfg_.shared_expert_intermediate_size > 0)
-    mlp_forward(mb, l, specs, "shared", cfg_.shared_width(), provision);
+    mlp_forward(mb, l, specs, true, cfg_.shared_width(), provision);
   save(mb, l, specs, IDS("router.logits", "router.probs", "router.topk_idx", "router.topk_w", "moe.offsets", "moe.slot_of"),
        provision);
   free(rounded(cfg_.num_experts));  // counts
   save(mb, l, specs, IDS("ffn_norm.in", "ffn_norm.out", "ffn_norm.rstd"), provision);
-  ctx_ = nullptr;
+  has_ctx_ = false;
 }
 
 void MemoryWalk::keep(int mb, Bytes bytes) { retained_[{mb, stage_id_}] += bytes; }
 
-void MemoryWalk::pin(int mb, int layer, std::string_view name) {
-  if (split_) pinned_.insert({mb, layer, activation_id(name)});
-}
-
 void MemoryWalk::pin(int mb, int layer, int id) {
-  if (split_) pinned_.insert({mb, layer, id});
+  if (!split_) return;
+  Slot* s = find_slot(mb, layer);
+  if (Entry* e = s ? find_entry(*s, id) : nullptr) e->pinned = true;
 }
 
 Bytes MemoryWalk::retained(int mb, const StageSpec& st) const {
@@ -543,6 +687,69 @@ void MemoryWalk::weight(int mb, const StageSpec& st) {
   if (it == retained_.end()) return;
   free(it->second);
   retained_.erase(it);
+}
+
+const MemoryWalk::LayerSummary& MemoryWalk::summary_of(int l, const MoERows& rows, int ep_size) {
+  // Everything a layer's replay depends on: the sizes, its kind and rows, whether
+  // an EP group dispatches (the floor follows from these).
+  const bool moe = cfg_.is_moe_layer(l), shared = cfg_.n_shared_experts > 0 || cfg_.shared_expert_intermediate_size > 0;
+  const SummaryKey key{cfg_.hidden_size, cfg_.num_attention_heads, cfg_.num_experts, cfg_.num_experts_per_tok,
+                       cfg_.moe_intermediate_size, cfg_.intermediate_size, shared ? cfg_.shared_width() : -1, B_, S_,
+                       moe, moe ? rows.permuted : 0, moe ? rows.received : 0, ep_size > 1};
+  // Per thread, kept for the process (a few kinds and worst-case rows in practice);
+  // beyond kMemo, further summaries live as long as this walk.
+  constexpr std::size_t kMemo = 256;
+  thread_local std::deque<std::pair<SummaryKey, LayerSummary>> memo;
+  for (const auto& [k, v] : memo)
+    if (k == key) return v;
+  for (const auto& [k, v] : local_summaries_)
+    if (k == key) return v;
+  LayerSummary sum;
+  const ProvisionFn floor = [this](const LedgerEntry& e) { return most_memory_saving(cfg_, e); };
+  for (const bool split : {false, true}) {
+    // One exact forward from nothing, its landing, prefetch and backward body.
+    MemoryWalk w(cfg_, B_, S_, 0);
+    const LayerSpecs& specs = w.specs_of(l, rows, ep_size > 1);
+    w.probe_ = true;
+    w.attention_forward(0, l, specs, floor);
+    if (!w.probe_landed_) throw Error("memory plan: a layer forward without a decision point");
+    w.ffn_forward(0, l, specs, rows, ep_size, floor);
+    sum.pre_peak = w.probe_pre_peak_;
+    sum.pre_end = w.probe_pre_end_;
+    sum.post_peak = w.peak_;
+    sum.delta = w.in_use_;
+    sum.landing = 0;
+    for (const Key& k : w.landing_)
+      if (const Entry* e = w.find_entry(*w.find_slot(k.mb, k.layer), k.id); e && e->on_device)
+        sum.landing += Arena::round_up(std::max<Bytes>(1, e->bytes));
+    w.land();
+    const Bytes landed = w.in_use_;
+    w.prefetch(0, l);
+    sum.prefetch = w.in_use_ - landed;
+    w.split_ = split;
+    w.stage_id_ = l;
+    const Bytes base = w.in_use_;
+    w.peak_ = base;
+    w.backward_body(0, l);
+    sum.body_peak[split] = w.peak_ - base;
+    sum.body_delta[split] = w.in_use_ - base;
+    sum.body_retained[split] = w.retained_.empty() ? 0 : w.retained_.begin()->second;
+  }
+  auto& store = memo.size() < kMemo ? memo : local_summaries_;
+  return store.emplace_back(key, sum).second;
+}
+
+void MemoryWalk::replay_forward(int mb, int l, const MoERows& rows, int ep_size) {
+  const LayerSummary& sum = summary_of(l, rows, ep_size);
+  touch(sum.pre_peak);
+  in_use_ += sum.pre_end;
+  land();  // its first decision point: what was copying lands
+  touch(sum.post_peak - sum.pre_end);
+  in_use_ += sum.delta - sum.pre_end;
+  landing_bytes_ += sum.landing;
+  Slot& s = slot(mb, l);
+  s.fresh = &sum;
+  s.fresh_prefetched = false;
 }
 
 void MemoryWalk::backward(int mb, const StageSpec& st, bool split) {
@@ -577,28 +784,41 @@ void MemoryWalk::backward(int mb, const StageSpec& st, bool split) {
     }
     enter(kPrefetched, mb, l);  // (no-op unless watched and not yet entered)
     if (!watch_attention_) enter(kBackward, mb, l);
-    ffn_backward(mb, l);
-    enter(watch_attention_ ? kBackward : kBackwardRest, mb, l);
-    attention_backward(mb, l);
-    release_layer(mb, l);
+    Slot* s = find_slot(mb, l);
+    if (s && s->fresh) {  // a summarized layer (never the watched one): its body at once
+      const LayerSummary& sum = *s->fresh;
+      touch(sum.body_peak[split]);
+      in_use_ += sum.body_delta[split];
+      if (sum.body_retained[split] > 0) keep(mb, sum.body_retained[split]);
+      s->fresh = nullptr;
+    } else {
+      backward_body(mb, l);
+    }
     enter(kAfter, mb, l);
   }
   if (split && st.embedding) keep(mb, rounded(n * d));  // the embedding's W scatters it
   else free(rounded(n * d));                            // grad.residual
   split_ = false;
-  for (auto it = rows_.begin(); it != rows_.end();)
-    it = it->first.first == mb && it->first.second >= st.first_layer && it->first.second < st.last_layer
-             ? rows_.erase(it)
-             : std::next(it);
+  for (int l = st.first_layer; l < st.last_layer; ++l)
+    if (Slot* s = find_slot(mb, l)) s->has_rows = false;
 }
 
-void MemoryWalk::mlp_backward(int mb, int l, const std::string& prefix, std::int64_t w) {
+void MemoryWalk::backward_body(int mb, int l) {
+  ffn_backward(mb, l);
+  enter(watch_attention_ ? kBackward : kBackwardRest, mb, l);
+  attention_backward(mb, l);
+  release_layer(mb, l);
+}
+
+void MemoryWalk::mlp_backward(int mb, int l, bool shared, std::int64_t w) {
   const std::int64_t n = B_ * S_;
+  const std::vector<int>& ids =
+      shared ? IDS("shared.act", "shared.gate_out", "shared.up_out") : IDS("dense.act", "dense.gate_out", "dense.up_out");
   alloc(rounded(n * w));  // da
-  get(mb, l, prefix + ".act");
-  pin(mb, l, prefix + ".act");  // W: down projection
-  get(mb, l, prefix + ".gate_out");
-  get(mb, l, prefix + ".up_out");
+  get(mb, l, ids[0]);
+  pin(mb, l, ids[0]);  // W: down projection
+  get(mb, l, ids[1]);
+  get(mb, l, ids[2]);
   alloc(rounded(n * w));  // dh1
   alloc(rounded(n * w));  // dh3
   free(rounded(n * w));   // da
@@ -618,10 +838,14 @@ void MemoryWalk::ffn_backward(int mb, int l) {
   const bool dy_read_by_w = !cfg_.is_moe_layer(l) || shared;  // the down projections' dW read dy
   if (split_) alloc(rounded(n * d));  // ffn.dy, a copy of the residual gradient
   if (!cfg_.is_moe_layer(l)) {
-    mlp_backward(mb, l, "dense", cfg_.intermediate_size);
+    mlp_backward(mb, l, false, cfg_.intermediate_size);
   } else {
     const std::int64_t E = cfg_.num_experts, k = cfg_.num_experts_per_tok, f = cfg_.moe_intermediate_size;
-    const auto [rows, ep_size] = rows_.at({mb, l});
+    const Slot* s = find_slot(mb, l);
+    if (!s || !s->has_rows)
+      throw Error(fmt::format("memory plan: no forward of MoE layer {} of micro-batch {} to go back through", l, mb));
+    const MoERows rows = s->rows;
+    const int ep_size = s->ep_size;
     const bool ep = ep_size > 1;
     const std::int64_t R = rows.permuted, Rr = ep ? rows.received : rows.permuted;
     for (const int id : IDS("moe.offsets", "moe.slot_of", "router.topk_idx", "router.topk_w")) get(mb, l, id);
@@ -660,7 +884,7 @@ void MemoryWalk::ffn_backward(int mb, int l) {
       free(rounded(R * d));
     }
     free(rounded(Rr * d));  // experts.din
-    if (shared) mlp_backward(mb, l, "shared", cfg_.shared_width());
+    if (shared) mlp_backward(mb, l, true, cfg_.shared_width());
     get(mb, l, ID("router.probs"));
     get(mb, l, ID("router.logits"));
     alloc(rounded(n * E));  // dprobs
@@ -757,22 +981,34 @@ BlockProjection project_block(const ModelConfig& cfg, const BlockContext& ctx, c
     return std::vector<MoERows>(std::size_t(std::max(0, st.last_layer - st.first_layer)),
                                 MoERows::worst_case(cfg, ctx.B * ctx.S, st.ep_size));
   };
-  const ProvisionFn provision = [&](const LedgerEntry& e) {
-    if (e.microbatch == mb && e.layer == l &&
-        std::find(ctx.candidates.begin(), ctx.candidates.end(), e.name) != ctx.candidates.end()) {
-      if (!choice) return Provision::save;  // kept whole: the planner's closed form drops from it
-      auto it = choice->find(e.name);
-      return it == choice->end() ? Provision::save : it->second;
+  // The block's candidates take `choice` (kept whole without one: the planner's
+  // closed form drops from that), everything else its most memory-saving choice.
+  MemoryWalk::Projection policy;
+  policy.mb = mb;
+  policy.layer = l;
+  for (const std::string& name : ctx.candidates) {
+    const std::size_t id = std::size_t(cached_activation_id(name));
+    if (id >= policy.candidate.size()) {
+      policy.candidate.resize(id + 1, 0);
+      policy.block.resize(id + 1, Provision::save);
     }
-    return most_memory_saving(cfg, e);
-  };
+    policy.candidate[id] = 1;
+    if (choice)
+      if (auto it = choice->find(name); it != choice->end()) policy.block[id] = it->second;
+  }
+  w.set_projection(&policy);
   w.watch(mb, l, ctx.point);
-  w.finish_forward(mb, stage, l, ctx.point, own, provision);
-  if (ctx.program) w.run(ctx.program->actions, ctx.program->current + 1, ctx.program->stages, future, provision);
+  w.finish_forward(mb, stage, l, ctx.point, own, nullptr);
+  if (ctx.program) w.run(ctx.program->actions, ctx.program->current + 1, ctx.program->stages, future, nullptr);
   else w.backward(mb, stage);
-  using P = MemoryWalk;
-  return {w.phase_peak(P::kTail),     w.phase_peak(P::kHeld),         w.phase_peak(P::kPrefetched),
-          w.phase_peak(P::kBackward), w.phase_peak(P::kBackwardRest), w.phase_peak(P::kAfter)};
+  using P = MemoryWalk;  // (by name: every phase, each into its own field)
+  return {.tail = w.phase_peak(P::kTail),
+          .landing = w.phase_peak(P::kLanding),
+          .held = w.phase_peak(P::kHeld),
+          .prefetched = w.phase_peak(P::kPrefetched),
+          .backward = w.phase_peak(P::kBackward),
+          .backward_rest = w.phase_peak(P::kBackwardRest),
+          .after = w.phase_peak(P::kAfter)};
 }
 
 std::vector<std::int64_t> block_cache_key(const BlockContext& ctx) {
@@ -780,7 +1016,7 @@ std::vector<std::int64_t> block_cache_key(const BlockContext& ctx) {
   auto mix = [&](std::uint64_t x) { digest = (digest ^ x) * 1099511628211ull; };
   for (const auto& [e, on] : ctx.ledger) {
     mix(std::uint64_t(e.microbatch) << 32 ^ std::uint64_t(e.layer));
-    mix(std::hash<std::string>{}(e.name));
+    mix(std::uint64_t(cached_activation_id(e.name)));  // (ids are stable within the process)
     mix(std::uint64_t(e.bytes) << 3 ^ std::uint64_t(e.provision) << 1 ^ std::uint64_t(on));
   }
   if (ctx.program)

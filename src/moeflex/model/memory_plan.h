@@ -11,10 +11,12 @@
 //
 // Every size is rounded as the arena rounds it (Arena::round_up).
 #pragma once
+#include <array>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
-#include <set>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -151,7 +153,11 @@ using RowsFn = std::function<std::vector<MoERows>(int microbatch, const StageSpe
 /// allocations for forwards and backwards of micro-batches on one rank.
 ///
 /// Covers the fused backward and the zero-bubble split (B, then W).
-/// Not copyable (its entries point into its own table of activation specs).
+///
+/// The stash is flat: one slot per (micro-batch, layer), found through an index
+/// vector, holding its entries by position in the layer kind's activation list
+/// (no ordered maps, no names in the hot path). Not copyable (slots point into
+/// its own blocks of entries).
 class MemoryWalk {
  public:
   MemoryWalk(const MemoryWalk&) = delete;
@@ -214,66 +220,149 @@ class MemoryWalk {
   Bytes in_use() const { return in_use_; }
   Bytes peak() const { return peak_; }
   void reset_peak() { peak_ = in_use_; }
-  /// Bytes of `mb`'s activations on the device now (all stages).
+  /// Bytes of `mb`'s activations on the device now (all stages; not for a
+  /// projection walk, whose later layers are summaries).
   Bytes held(int mb) const;
 
- private:
-  struct Entry {
-    const ActivationSpec* spec = nullptr;  // in specs_ (map nodes do not move)
-    Bytes bytes = 0;
-    Provision provision = Provision::save;
-    bool on_device = true;
+  /// The planner's projection policy (project_block), in the walk's own terms.
+  struct Projection {
+    int mb = -1, layer = -1;  ///< the block under decision (layer or kHeadLayer)
+    /// By activation id: whether the block decides it, and its provision then.
+    std::vector<char> candidate;
+    std::vector<Provision> block;
   };
-  using Key = std::tuple<int, int, int>;  // micro-batch, layer, activation_id(name)
+  /// From now on, decides every save by `projection` instead of the ProvisionFn
+  /// arguments (which are then ignored): the block's candidates take its
+  /// provisions, every other activation its most memory-saving choice
+  /// (most_memory_saving). Every later layer forward other than the block's own
+  /// (and its backward) is then replayed from a summary of one exact replay of
+  /// such a layer (the same kind and rows), memoized per thread: the same bytes and
+  /// peaks as the exact walk, in O(1) per layer. `projection` must outlive the walk.
+  void set_projection(const Projection* projection) { projection_ = projection; }
+
+ private:
+  /// How a recompute rebuilds an activation (get()): its lineage's allocations.
+  enum class Rebuild : std::uint8_t { plain, norm_out, norm_rstd, attn_probs, attn_out, router_probs, router_topk_w, lm_head };
+  /// A layer kind's activations (layer_activations or head_activations) with
+  /// lookups: the position of each activation id, the planner's floor and the
+  /// rebuild by position. Memoized per thread (specs_of).
+  struct LayerSpecs {
+    std::vector<ActivationSpec> specs;
+    std::vector<std::int8_t> pos;  ///< by activation id: index into specs, -1 if absent
+    std::vector<Provision> floor;  ///< by position: most_memory_saving
+    std::vector<Rebuild> rebuild;  ///< by position
+  };
+  /// Most activations one layer keeps (an MoE layer with a shared expert keeps 25).
+  static constexpr int kMaxLayerActivations = 32;
+  /// One saved activation of the symbolic stash.
+  struct Entry {
+    Bytes bytes = 0;  ///< LedgerEntry::bytes (not rounded)
+    Provision provision = Provision::save;
+    bool present = false;
+    bool on_device = false;
+    bool pinned = false;  ///< read by a deferred weight gradient (zero-bubble B)
+  };
+  /// What a layer forward at the floor with given rows does to the walk (a
+  /// projection walk's later layers, see set_projection), from one exact replay
+  /// that starts with nothing allocated and nothing copying. Bytes relative to the
+  /// layer's start (forward) or the start of its backward body (after its prefetch).
+  struct LayerSummary {
+    Bytes pre_peak = 0;   ///< forward: highest use before its first decision point (land())
+    Bytes pre_end = 0;    ///< forward: use added at that point
+    Bytes post_peak = 0;  ///< forward: highest use after it, less what landed there
+    Bytes delta = 0;      ///< forward: use added by its end, less what landed
+    Bytes landing = 0;    ///< forward: its offloads still copying at its end (freed at the next land())
+    Bytes prefetch = 0;   ///< bytes prefetch() brings back for its backward
+    /// Backward body (ffn_backward to release_layer), [fused, zero-bubble B]:
+    /// highest use, use added (<= 0), and bytes left held for the W.
+    Bytes body_peak[2] = {}, body_delta[2] = {}, body_retained[2] = {};
+  };
+  /// The activations micro-batch `mb` holds for one layer: exact entries (by
+  /// position in specs), or a fresh summary (a projection walk's later layers).
+  struct Slot {
+    int mb = 0, layer = 0;
+    const LayerSpecs* specs = nullptr;
+    Entry* entries = nullptr;  ///< kMaxLayerActivations of them, or null (none saved)
+    const LayerSummary* fresh = nullptr;
+    bool fresh_prefetched = false;
+    bool has_rows = false;  ///< an MoE layer's forward ran: rows and EP size for its backward
+    int ep_size = 1;
+    MoERows rows;
+  };
+  /// An activation: micro-batch, layer, activation id.
+  struct Key {
+    int mb, layer, id;
+  };
   void alloc(Bytes bytes);
   void free(Bytes bytes);
-  /// Brings (mb, layer, name) onto the device as the stash's get() does.
-  void get(int mb, int layer, std::string_view name);
+  /// Records `bytes` in use for a moment (the peaks), as alloc then free would.
+  void touch(Bytes bytes);
+  /// The slot of (mb, layer) (kHeadLayer for the head), created empty if absent.
+  Slot& slot(int mb, int layer);
+  /// The slot of (mb, layer), or null.
+  Slot* find_slot(int mb, int layer) const;
+  /// The entry of activation `id` in slot `s`, or null if not saved.
+  Entry* find_entry(const Slot& s, int id) const;
+  /// Brings (mb, layer, id) onto the device as the stash's get() does.
   void get(int mb, int layer, int id);
-  /// Saves the entries of `names` (in that order) from `specs` under the provision.
-  void save(int mb, int layer, const std::vector<ActivationSpec>& specs, const std::vector<std::string_view>& names,
-            const ProvisionFn& provision);
-  void save(int mb, int layer, const std::vector<ActivationSpec>& specs, const std::vector<int>& ids,
-            const ProvisionFn& provision);
+  /// Saves the entries `ids` (in that order) from `specs` under the provision.
+  void save(int mb, int layer, const LayerSpecs& specs, const std::vector<int>& ids, const ProvisionFn& provision);
   void prefetch(int mb, int layer);
   void release_layer(int mb, int layer);
-  void keep(int mb, Bytes bytes);                         // held until weight(mb) of the current stage
-  void pin(int mb, int layer, std::string_view name);     // read by a deferred weight gradient
-  void pin(int mb, int layer, int id);
+  void keep(int mb, Bytes bytes);  // held until weight(mb) of the current stage
+  void pin(int mb, int layer, int id);  // read by a deferred weight gradient
   bool split_ = false;
   int stage_id_ = 0;                                      // first layer of the stage under backward
   std::map<std::pair<int, int>, Bytes> retained_;         // (mb, stage) -> bytes held for W
-  std::set<Key> pinned_;
   MoERows rows_at(const StageSpec& st, int l, const std::vector<MoERows>& rows) const;
   /// layer_activations (or head_activations for kHeadLayer), memoized by layer kind and rows.
-  const std::vector<ActivationSpec>& specs_of(int layer, const MoERows& rows, bool ep);
+  const LayerSpecs& specs_of(int layer, const MoERows& rows, bool ep);
   using SpecKey = std::tuple<int, std::int64_t, std::int64_t, bool>;
-  std::map<SpecKey, std::vector<ActivationSpec>> specs_;
+  std::vector<std::pair<SpecKey, const LayerSpecs*>> specs_;  // this walk's, from the per-thread memo
+  std::vector<std::unique_ptr<LayerSpecs>> own_specs_;         // beyond the memo
   void forward_layers(int mb, const StageSpec& st, int from, const std::vector<MoERows>& rows,
                       const ProvisionFn& provision);
   void save_head(int mb, const ProvisionFn& provision);
-  void ffn_moe_tail(int mb, int l, const std::vector<ActivationSpec>& specs, const ProvisionFn& provision);
-  void attention_forward(int mb, int l, const std::vector<ActivationSpec>& specs, const ProvisionFn& provision);
-  void ffn_forward(int mb, int l, const std::vector<ActivationSpec>& specs, const MoERows& rows, int ep_size,
+  void ffn_moe_tail(int mb, int l, const LayerSpecs& specs, const ProvisionFn& provision);
+  void attention_forward(int mb, int l, const LayerSpecs& specs, const ProvisionFn& provision);
+  void ffn_forward(int mb, int l, const LayerSpecs& specs, const MoERows& rows, int ep_size,
                    const ProvisionFn& provision);
-  void mlp_forward(int mb, int l, const std::vector<ActivationSpec>& specs, const std::string& prefix,
-                   std::int64_t width, const ProvisionFn& provision);
+  void mlp_forward(int mb, int l, const LayerSpecs& specs, bool shared, std::int64_t width,
+                   const ProvisionFn& provision);
+  /// The part of a layer's backward after its prefetch: FFN, attention, release.
+  void backward_body(int mb, int l);
   void attention_backward(int mb, int l);
   void ffn_backward(int mb, int l);
-  void mlp_backward(int mb, int l, const std::string& prefix, std::int64_t width);
+  void mlp_backward(int mb, int l, bool shared, std::int64_t width);
+  /// The summary of layer `l`'s forward at the floor with `rows` (memoized per thread).
+  const LayerSummary& summary_of(int l, const MoERows& rows, int ep_size);
+  /// A projection walk's forward of layer `l` of `mb`, from its summary.
+  void replay_forward(int mb, int l, const MoERows& rows, int ep_size);
 
   ModelConfig cfg_;
   std::int64_t B_, S_;
   Bytes in_use_ = 0, peak_ = 0;
-  std::map<Key, Entry> stash_;
-  std::map<std::pair<int, int>, std::pair<MoERows, int>> rows_;  // (mb, layer) -> rows, EP size; for backward
-  const std::pair<MoERows, int>* ctx_ = nullptr;  // routing context of the saves under way
+  std::vector<int> slot_index_;  // by mb * (layers + 1) + layer (the head last): index into slots_, -1
+  std::deque<Slot> slots_;       // never erased (a slot's address is stable)
+  mutable Slot* last_slot_ = nullptr;  // find_slot's last answer
+  std::deque<std::array<Entry, kMaxLayerActivations>> entry_blocks_;
+  bool has_ctx_ = false;  // the routing context of the saves under way (an MoE block's)
+  MoERows ctx_rows_;
+  int ctx_ep_ = 1;
+  const Projection* projection_ = nullptr;
   int watch_mb_ = -1, watch_layer_ = -1;
   bool watch_attention_ = false;
   Phase phase_ = kTail;
   Bytes phase_peak_[kPhases] = {};
   void enter(Phase phase, int mb, int layer);
-  std::vector<Key> landing_;  // adopted offloads whose copy is in flight
+  std::vector<Key> landing_;  // offloads whose copy is in flight
+  Bytes landing_bytes_ = 0;   // the same for summarized layers
+  // A summary replay (summary_of): notes the highest use before the first land().
+  bool probe_ = false, probe_landed_ = false;
+  Bytes probe_pre_peak_ = 0, probe_pre_end_ = 0;
+  /// What a LayerSummary depends on (see summary_of).
+  using SummaryKey = std::array<std::int64_t, 13>;
+  std::deque<std::pair<SummaryKey, LayerSummary>> local_summaries_;  // beyond the per-thread memo
   void land();
 };
 

@@ -11,28 +11,12 @@
 #include <cstring>
 
 #include "moeflex/core/rng.h"
-#include "moeflex/ops/attention.h"
-#include "moeflex/ops/blas.h"
-#include "moeflex/ops/cross_entropy.h"
-#include "moeflex/ops/embedding.h"
 #include "moeflex/ops/grouped_linear.h"
-#include "moeflex/ops/imbalance.h"
-#include "moeflex/ops/linear.h"
 #include "moeflex/ops/moe_dispatch.h"
-#include "moeflex/ops/rmsnorm.h"
-#include "moeflex/ops/rope.h"
-#include "moeflex/ops/router.h"
-#include "moeflex/ops/swiglu.h"
 
 namespace moeflex {
 
 namespace {
-
-
-void add_inplace(float* y, const float* x, std::int64_t n) {
-#pragma omp parallel for schedule(static)
-  for (std::int64_t i = 0; i < n; ++i) y[i] += x[i];
-}
 
 std::uint64_t name_stream(const std::string& s) {
   std::uint64_t h = 1469598103934665603ull;  // FNV-1a
@@ -43,8 +27,15 @@ std::uint64_t name_stream(const std::string& s) {
 }  // namespace
 
 MoEModel::MoEModel(const ModelConfig& cfg, Arena& arena, const ModelParallel& par)
-    : cfg_(cfg), arena_(arena), par_(par), dispatcher_(par.ep_group, cfg.num_experts) {
+    : cfg_(cfg), arena_(arena), be_(ops::backend_of(arena)), par_(par), dispatcher_(par.ep_group, cfg.num_experts) {
   cfg_.validate();
+  if (!be_.host_memory()) {
+    if (dispatcher_.active())
+      throw ConfigError(fmt::format("expert parallelism (ep {}) on the {} backend needs the NCCL token dispatcher, "
+                                    "which is not implemented yet: use --ep 1 on a GPU, or --device cpu",
+                                    dispatcher_.ep_size(), to_string(be_.kind())));
+    copy_engine_.set_device(&be_);  // offloads and prefetches on the device's copy streams
+  }
   stash_.set_device(&arena_, &copy_engine_);
   if (par_.last_layer < 0) par_.last_layer = int(cfg.num_hidden_layers);
   if (par_.first_layer < 0 || par_.first_layer > par_.last_layer || par_.last_layer > cfg.num_hidden_layers)
@@ -119,11 +110,20 @@ Param& MoEModel::param(const std::string& name) {
 
 void MoEModel::init_weights(std::uint64_t seed) {
   const double out_scale = 1.0 / std::sqrt(2.0 * double(cfg_.num_hidden_layers));
+  std::vector<float> staging;  // device weights are written on the host, then copied
   for (auto& p : params_) {
-    float* w = p.w.f32();
     const std::int64_t n = p.w.numel();
+    float* w = p.w.f32();
+    if (!be_.host_memory()) {
+      staging.resize(std::size_t(n));
+      w = staging.data();
+    }
+    auto upload = [&] {
+      if (!be_.host_memory()) be_.copy_from_host(p.w.f32(), w, p.w.nbytes());
+    };
     if (p.no_decay) {
       for (std::int64_t i = 0; i < n; ++i) w[i] = 1.0f;
+      upload();
       continue;
     }
     double std = cfg_.initializer_range;
@@ -133,6 +133,7 @@ void MoEModel::init_weights(std::uint64_t seed) {
     const std::uint64_t off = std::uint64_t(p.init_offset);
 #pragma omp parallel for schedule(static)
     for (std::int64_t i = 0; i < n; ++i) w[i] = static_cast<float>(std * normal01(seed, stream, off + std::uint64_t(i)));
+    upload();
   }
 }
 
@@ -160,15 +161,15 @@ std::size_t MoEModel::pending_weight_grads(int mb) const {
 
 void MoEModel::linear_bw(int mb, const Shared& dy, const Shared& x, Param* w, float* dx, std::int64_t n,
                          std::int64_t in, std::int64_t out, bool accumulate_dx) {
-  if (dx) ops::linear_backward(dy->f32(), x->f32(), w->w.f32(), dx, static_cast<float*>(nullptr), n, in, out, accumulate_dx);
-  weight_grad(mb, [dy, x, w, n, in, out] {
-    ops::linear_backward(dy->f32(), x->f32(), w->w.f32(), static_cast<float*>(nullptr), w->g.f32(), n, in, out);
+  if (dx) be_.linear_backward(dy->f32(), x->f32(), w->w.f32(), dx, nullptr, n, in, out, accumulate_dx);
+  weight_grad(mb, [this, dy, x, w, n, in, out] {
+    be_.linear_backward(dy->f32(), x->f32(), w->w.f32(), nullptr, w->g.f32(), n, in, out, false);
   });
 }
 
 MoEModel::Shared MoEModel::copy_of(const Tensor& t, const char* name) {
   Tensor c(arena_, t.shape(), MemCategory::workspace, name, t.dtype());
-  std::memcpy(c.raw(), t.raw(), std::size_t(t.nbytes()));
+  be_.copy(c.raw(), t.raw(), t.nbytes());
   return share(std::move(c));
 }
 
@@ -179,7 +180,7 @@ RecomputeFn MoEModel::rmsnorm_lineage(int mb, int l, const char* input, const Pa
   return [this, mb, l, input, w, want_rstd, n, d, eps] {
     auto x = stash_.get(mb, l, input);
     Tensor y = act({n, d}, "rmsnorm.out"), r = act({n}, "rmsnorm.rstd");
-    ops::rmsnorm_forward(x->f32(), w->w.f32(), y.f32(), r.f32(), n, d, eps);
+    be_.rmsnorm_forward(x->f32(), w->w.f32(), y.f32(), r.f32(), n, d, eps);
     return want_rstd ? std::move(r) : std::move(y);
   };
 }
@@ -189,9 +190,9 @@ RecomputeFn MoEModel::linear_lineage(int mb, int l, std::string input, const Par
   return [this, mb, l, input = std::move(input), w, n, in, out, rope] {
     auto x = stash_.get(mb, l, input);
     Tensor y = act({n, out}, "linear.out");
-    ops::linear_forward(x->f32(), w->w.f32(), y.f32(), n, in, out);
-    if (rope) ops::rope_forward(y.f32(), n / rope_seq_, rope_seq_, cfg_.num_attention_heads, cfg_.head_dim(),
-                                cfg_.rope_theta);
+    be_.linear_forward(x->f32(), w->w.f32(), y.f32(), n, in, out);
+    if (rope) be_.rope_forward(y.f32(), n / rope_seq_, rope_seq_, cfg_.num_attention_heads, cfg_.head_dim(),
+                               cfg_.rope_theta);
     return y;
   };
 }
@@ -200,7 +201,7 @@ RecomputeFn MoEModel::swiglu_lineage(int mb, int l, std::string gate, std::strin
   return [this, mb, l, gate = std::move(gate), up = std::move(up)] {
     auto g = stash_.get(mb, l, gate), u = stash_.get(mb, l, up);
     Tensor a(arena_, g->shape(), MemCategory::activations, "swiglu.out");
-    ops::swiglu_forward(g->f32(), u->f32(), a.f32(), a.numel());
+    be_.swiglu_forward(g->f32(), u->f32(), a.f32(), a.numel());
     return a;
   };
 }
@@ -316,9 +317,9 @@ Tensor MoEModel::forward_impl(const std::int32_t* ids, const std::int32_t* targe
   if (par_.embedding) {
     for (std::int64_t i = 0; i < n; ++i)
       if (ids[i] < 0 || ids[i] >= V) throw DataError(fmt::format("token id {} out of range [0, {}) at position {}", ids[i], V, i));
-    ops::embedding_forward(ids, embed_->w.f32(), x.f32(), n, d);
+    be_.embedding_forward(ids, embed_->w.f32(), x.f32(), n, d);
   } else {
-    std::memcpy(x.f32(), x_in, sizeof(float) * std::size_t(n * d));
+    be_.copy(x.f32(), x_in, Bytes(sizeof(float)) * n * d);
   }
   for (int l = par_.first_layer; l < par_.last_layer; ++l) {
     attention_forward(l, x, B, S, mb, train);
@@ -330,12 +331,12 @@ Tensor MoEModel::forward_impl(const std::int32_t* ids, const std::int32_t* targe
   }
   Tensor hn = act({n, d}, "final_norm.out");
   Tensor rstd = act({n}, "final_norm.rstd");
-  ops::rmsnorm_forward(x.f32(), final_norm_->w.f32(), hn.f32(), rstd.f32(), n, d, float(cfg_.rms_norm_eps));
+  be_.rmsnorm_forward(x.f32(), final_norm_->w.f32(), hn.f32(), rstd.f32(), n, d, float(cfg_.rms_norm_eps));
   Tensor logits = act({n, V}, "lm_head.logits");
-  ops::linear_forward(hn.f32(), lm_head_->w.f32(), logits.f32(), n, d, V);
+  be_.linear_forward(hn.f32(), lm_head_->w.f32(), logits.f32(), n, d, V);
   if (last_logits)
     for (std::int64_t b = 0; b < B; ++b)
-      std::memcpy(last_logits + b * V, logits.f32() + ((b + 1) * S - 1) * V, sizeof(float) * std::size_t(V));
+      be_.copy_to_host(last_logits + b * V, logits.f32() + ((b + 1) * S - 1) * V, Bytes(sizeof(float)) * V);
   if (!targets) {
     if (train) throw Error("training needs targets");
     return Tensor();
@@ -344,7 +345,7 @@ Tensor MoEModel::forward_impl(const std::int32_t* ids, const std::int32_t* targe
     if (targets[i] < 0 || targets[i] >= V) throw DataError(fmt::format("target id {} out of range [0, {}) at position {}", targets[i], V, i));
   {
     Tensor losses = work({n}, "cross_entropy.losses");
-    loss.ce = ops::cross_entropy_forward(logits.f32(), targets, logits.f32(), losses.f32(), n, V);
+    loss.ce = be_.cross_entropy_forward(logits.f32(), targets, logits.f32(), losses.f32(), n, V);
   }
   loss.total = loss.ce + loss.aux + loss.z;
   if (train) {
@@ -359,9 +360,9 @@ Tensor MoEModel::forward_impl(const std::int32_t* ids, const std::int32_t* targe
     stash_.save(mb, kHeadLayer, "lm_head.probs", "cross_entropy", std::move(logits), [this, mb, targets, n, d, V] {
       auto hn = stash_.get(mb, kHeadLayer, "final_norm.out");
       Tensor probs = act({n, V}, "lm_head.logits");
-      ops::linear_forward(hn->f32(), lm_head_->w.f32(), probs.f32(), n, d, V);
+      be_.linear_forward(hn->f32(), lm_head_->w.f32(), probs.f32(), n, d, V);
       Tensor losses = work({n}, "cross_entropy.losses");
-      ops::cross_entropy_forward(probs.f32(), targets, probs.f32(), losses.f32(), n, V);
+      be_.cross_entropy_forward(probs.f32(), targets, probs.f32(), losses.f32(), n, V);
       return probs;
     });
   }
@@ -389,15 +390,15 @@ void MoEModel::backward_stage(const std::int32_t* ids, const std::int32_t* targe
   Tensor dx = work({n, d}, "grad.residual");
   if (par_.head) {
     Shared probs = stash_.get(mb, kHeadLayer, "lm_head.probs");
-    ops::cross_entropy_backward(probs->f32(), targets, probs->f32(), n, V, float(grad_scale / double(n)));
+    be_.cross_entropy_backward(probs->f32(), targets, probs->f32(), n, V, float(grad_scale / double(n)));
     Tensor dhn = work({n, d}, "lm_head.dx");
     linear_bw(mb, probs, stash_.get(mb, kHeadLayer, "final_norm.out"), lm_head_, dhn.f32(),
               n, d, V, false);
     Shared x = stash_.get(mb, kHeadLayer, "final_norm.in"), rstd = stash_.get(mb, kHeadLayer, "final_norm.rstd");
-    ops::rmsnorm_backward(dhn.f32(), x->f32(), final_norm_->w.f32(), rstd->f32(), dx.f32(), final_norm_->g.f32(), n,
-                          d);
+    be_.rmsnorm_backward(dhn.f32(), x->f32(), final_norm_->w.f32(), rstd->f32(), dx.f32(), final_norm_->g.f32(), n,
+                         d);
   } else {
-    std::memcpy(dx.f32(), dy, sizeof(float) * std::size_t(n * d));
+    be_.copy(dx.f32(), dy, Bytes(sizeof(float)) * n * d);
   }
   stash_.release_layer(mb, kHeadLayer);
   for (int l = par_.last_layer - 1; l >= par_.first_layer; --l) {
@@ -410,9 +411,9 @@ void MoEModel::backward_stage(const std::int32_t* ids, const std::int32_t* targe
     // Part of W when the backward is split: with tied embeddings, the LM head's dW
     // (queued first) and this scatter then add up in the same order either way.
     Shared g = share(std::move(dx));
-    weight_grad(mb, [g, ids, n, d, this] { ops::embedding_backward(ids, g->f32(), embed_->g.f32(), n, d); });
+    weight_grad(mb, [g, ids, n, d, this] { be_.embedding_backward(ids, g->f32(), embed_->g.f32(), n, d); });
   } else {
-    std::memcpy(dx_in, dx.f32(), sizeof(float) * std::size_t(n * d));
+    be_.copy(dx_in, dx.f32(), Bytes(sizeof(float)) * n * d);
   }
   stash_.release_microbatch(mb);
 }
@@ -424,18 +425,18 @@ void MoEModel::attention_forward(int l, Tensor& x, std::int64_t B, std::int64_t 
   const LayerParams& P = layer(l);
   const std::int64_t n = B * S, d = cfg_.hidden_size, H = cfg_.num_attention_heads, hd = cfg_.head_dim();
   Tensor a = act({n, d}, "attn_norm.out"), rstd = act({n}, "attn_norm.rstd");
-  ops::rmsnorm_forward(x.f32(), P.in_norm->w.f32(), a.f32(), rstd.f32(), n, d, float(cfg_.rms_norm_eps));
+  be_.rmsnorm_forward(x.f32(), P.in_norm->w.f32(), a.f32(), rstd.f32(), n, d, float(cfg_.rms_norm_eps));
   Tensor q = act({n, d}, "attn.q"), k = act({n, d}, "attn.k"), v = act({n, d}, "attn.v");
-  ops::linear_forward(a.f32(), P.q->w.f32(), q.f32(), n, d, d);
-  ops::linear_forward(a.f32(), P.k->w.f32(), k.f32(), n, d, d);
-  ops::linear_forward(a.f32(), P.v->w.f32(), v.f32(), n, d, d);
-  ops::rope_forward(q.f32(), B, S, H, hd, cfg_.rope_theta);
-  ops::rope_forward(k.f32(), B, S, H, hd, cfg_.rope_theta);
+  be_.linear_forward(a.f32(), P.q->w.f32(), q.f32(), n, d, d);
+  be_.linear_forward(a.f32(), P.k->w.f32(), k.f32(), n, d, d);
+  be_.linear_forward(a.f32(), P.v->w.f32(), v.f32(), n, d, d);
+  be_.rope_forward(q.f32(), B, S, H, hd, cfg_.rope_theta);
+  be_.rope_forward(k.f32(), B, S, H, hd, cfg_.rope_theta);
   Tensor o = act({n, d}, "attn.out"), probs = act({B, H, S, S}, "attn.probs");
-  ops::attention_forward(q.f32(), k.f32(), v.f32(), o.f32(), probs.f32(), B, S, H, hd);
+  be_.attention_forward(q.f32(), k.f32(), v.f32(), o.f32(), probs.f32(), B, S, H, hd);
   Tensor h = act({n, d}, "attn.residual");
-  ops::linear_forward(o.f32(), P.o->w.f32(), h.f32(), n, d, d);
-  add_inplace(h.f32(), x.f32(), n * d);
+  be_.linear_forward(o.f32(), P.o->w.f32(), h.f32(), n, d, d);
+  be_.add_inplace(h.f32(), x.f32(), n * d);
   if (train) {
     rope_seq_ = S;
     batch_ = B;
@@ -454,7 +455,7 @@ void MoEModel::attention_forward(int l, Tensor& x, std::int64_t B, std::int64_t 
       return [this, mb, l, B, S, H, hd, n, d, want_probs] {
         auto q = stash_.get(mb, l, "attn.q"), k = stash_.get(mb, l, "attn.k"), v = stash_.get(mb, l, "attn.v");
         Tensor o = act({n, d}, "attn.out"), probs = act({B, H, S, S}, "attn.probs");
-        ops::attention_forward(q->f32(), k->f32(), v->f32(), o.f32(), probs.f32(), B, S, H, hd);
+        be_.attention_forward(q->f32(), k->f32(), v->f32(), o.f32(), probs.f32(), B, S, H, hd);
         return want_probs ? std::move(probs) : std::move(o);
       };
     };
@@ -471,16 +472,16 @@ void MoEModel::attention_backward(int l, Tensor& dx, std::int64_t B, std::int64_
   {
     // dx keeps changing (the residual stream), so a deferred o_proj dW gets a copy.
     Tensor dout = work({n, d}, "attn.dout");
-    linear_bw(mb, defer_wgrad_ ? copy_of(dx, "attn.o_proj.dy") : borrow(dx), stash_.get(mb, l, "attn.out"),
-              P.o, dout.f32(), n, d, d, false);
+    Shared o = stash_.get(mb, l, "attn.out");  // o_proj's input; the flash backward reads it too
+    linear_bw(mb, defer_wgrad_ ? copy_of(dx, "attn.o_proj.dy") : borrow(dx), o, P.o, dout.f32(), n, d, d, false);
     Shared q = stash_.get(mb, l, "attn.q"), k = stash_.get(mb, l, "attn.k"), v = stash_.get(mb, l, "attn.v");
     Shared probs = stash_.get(mb, l, "attn.probs");
     Tensor dprobs = work({B, H, S, S}, "attn.dprobs");
-    ops::attention_backward(dout.f32(), q->f32(), k->f32(), v->f32(), probs->f32(), dq.f32(), dk.f32(), dv.f32(),
-                            dprobs.f32(), B, S, H, hd);
+    be_.attention_backward(dout.f32(), q->f32(), k->f32(), v->f32(), o->f32(), probs->f32(), dq.f32(), dk.f32(),
+                           dv.f32(), dprobs.f32(), B, S, H, hd);
   }
-  ops::rope_backward(dq.f32(), B, S, H, hd, cfg_.rope_theta);
-  ops::rope_backward(dk.f32(), B, S, H, hd, cfg_.rope_theta);
+  be_.rope_backward(dq.f32(), B, S, H, hd, cfg_.rope_theta);
+  be_.rope_backward(dk.f32(), B, S, H, hd, cfg_.rope_theta);
   Shared a = stash_.get(mb, l, "attn_norm.out");
   Tensor da = work({n, d}, "attn_norm.dout");
   linear_bw(mb, share(std::move(dq)), a, P.q, da.f32(), n, d, d, false);
@@ -489,8 +490,8 @@ void MoEModel::attention_backward(int l, Tensor& dx, std::int64_t B, std::int64_
   a.reset();
   Shared x = stash_.get(mb, l, "attn_norm.in"), rstd = stash_.get(mb, l, "attn_norm.rstd");
   Tensor dtmp = work({n, d}, "attn_norm.dx");
-  ops::rmsnorm_backward(da.f32(), x->f32(), P.in_norm->w.f32(), rstd->f32(), dtmp.f32(), P.in_norm->g.f32(), n, d);
-  add_inplace(dx.f32(), dtmp.f32(), n * d);
+  be_.rmsnorm_backward(da.f32(), x->f32(), P.in_norm->w.f32(), rstd->f32(), dtmp.f32(), P.in_norm->g.f32(), n, d);
+  be_.add_inplace(dx.f32(), dtmp.f32(), n * d);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -500,10 +501,10 @@ void MoEModel::swiglu_mlp_forward(const float* m, Param* w1, Param* w3, Param* w
                                   int mb, bool train, const char* prefix, bool accumulate) {
   const std::int64_t d = cfg_.hidden_size, w = w1->w.dim(0);
   Tensor h1 = act({n, w}, "mlp.gate_out"), h3 = act({n, w}, "mlp.up_out"), a = act({n, w}, "mlp.act");
-  ops::linear_forward(m, w1->w.f32(), h1.f32(), n, d, w);
-  ops::linear_forward(m, w3->w.f32(), h3.f32(), n, d, w);
-  ops::swiglu_forward(h1.f32(), h3.f32(), a.f32(), n * w);
-  ops::gemm<float>(false, true, n, d, w, 1.0f, a.f32(), w, w2->w.f32(), w, accumulate ? 1.0f : 0.0f, y, d);
+  be_.linear_forward(m, w1->w.f32(), h1.f32(), n, d, w);
+  be_.linear_forward(m, w3->w.f32(), h3.f32(), n, d, w);
+  be_.swiglu_forward(h1.f32(), h3.f32(), a.f32(), n * w);
+  be_.gemm(false, true, n, d, w, 1.0f, a.f32(), w, w2->w.f32(), w, accumulate ? 1.0f : 0.0f, y, d);
   if (train && std::string_view(prefix) == "dense")
     plan_saves(mb, l, SavePoint::dense_ffn,
                {{"dense.gate_out", "linear", &h1, true}, {"dense.up_out", "linear", &h3, true},
@@ -524,7 +525,7 @@ void MoEModel::swiglu_mlp_backward(const Shared& dy, const Shared& m, Param* w1,
   Shared h1 = stash_.get(mb, l, fmt::format("{}.gate_out", prefix));
   Shared h3 = stash_.get(mb, l, fmt::format("{}.up_out", prefix));
   Tensor dh1 = work({n, w}, "mlp.dgate"), dh3 = work({n, w}, "mlp.dup");
-  ops::swiglu_backward(da.f32(), h1->f32(), h3->f32(), dh1.f32(), dh3.f32(), n * w);
+  be_.swiglu_backward(da.f32(), h1->f32(), h3->f32(), dh1.f32(), dh3.f32(), n * w);
   h1.reset();
   h3.reset();
   da.reset();
@@ -536,7 +537,7 @@ void MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train,
   const LayerParams& P = layer(l);
   const std::int64_t d = cfg_.hidden_size;
   Tensor m = act({n, d}, "ffn_norm.out"), rstd = act({n}, "ffn_norm.rstd");
-  ops::rmsnorm_forward(x.f32(), P.post_norm->w.f32(), m.f32(), rstd.f32(), n, d, float(cfg_.rms_norm_eps));
+  be_.rmsnorm_forward(x.f32(), P.post_norm->w.f32(), m.f32(), rstd.f32(), n, d, float(cfg_.rms_norm_eps));
   Tensor out = act({n, d}, "ffn.residual");
   if (!cfg_.is_moe_layer(l)) {
     swiglu_mlp_forward(m.f32(), P.s1, P.s3, P.s2, out.f32(), n, l, mb, train, "dense", false);
@@ -544,43 +545,51 @@ void MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train,
     const std::int64_t E = cfg_.num_experts, k = cfg_.num_experts_per_tok, f = cfg_.moe_intermediate_size;
     Tensor logits = act({n, E}, "router.logits"), probs = act({n, E}, "router.probs");
     Tensor idx = act({n, k}, "router.topk_idx", DType::i32), w = act({n, k}, "router.topk_w");
-    ops::linear_forward(m.f32(), P.gate->w.f32(), logits.f32(), n, d, E);
+    be_.linear_forward(m.f32(), P.gate->w.f32(), logits.f32(), n, d, E);
     const double skew = router_skew_;
     const int skew_groups = dispatcher_.active() ? dispatcher_.ep_size() : int(E);
-    if (skew > 1) ops::skew_router_logits(logits.f32(), n, E, k, skew_groups, skew);
-    ops::router_forward(logits.f32(), probs.f32(), idx.i32(), w.f32(), n, E, k, cfg_.norm_topk_prob);
-    loss.aux += ops::aux_loss_forward(probs.f32(), idx.i32(), n, E, k, cfg_.router_aux_loss_coef);
-    if (cfg_.router_z_loss_coef > 0) loss.z += ops::z_loss_forward(logits.f32(), n, E, cfg_.router_z_loss_coef);
+    if (skew > 1) be_.skew_router_logits(logits.f32(), n, E, k, skew_groups, skew);
+    be_.router_forward(logits.f32(), probs.f32(), idx.i32(), w.f32(), n, E, k, cfg_.norm_topk_prob);
+    loss.aux += be_.aux_loss_forward(probs.f32(), idx.i32(), n, E, k, cfg_.router_aux_loss_coef);
+    if (cfg_.router_z_loss_coef > 0) loss.z += be_.z_loss_forward(logits.f32(), n, E, cfg_.router_z_loss_coef);
 
     Tensor counts = act({E}, "moe.counts", DType::i32), offsets = act({E + 1}, "moe.offsets", DType::i32);
     Tensor slot_of = act({n * k}, "moe.slot_of", DType::i32);
     const std::int64_t cap = ops::expert_capacity(cfg_.capacity_factor, n, E, k);
     RoutingStats rs;
     rs.layer = l;
-    rs.dropped = ops::moe_plan_dispatch(idx.i32(), n, E, k, cap, counts.i32(), offsets.i32(), slot_of.i32());
-    rs.tokens_per_expert.assign(counts.i32(), counts.i32() + E);
+    // The host needs the per-expert counts (grouped GEMM sizes, dispatch) and the
+    // assignments (imbalance statistics): both come back from the device here.
+    std::vector<std::int32_t> host_offsets(static_cast<std::size_t>(E + 1)), host_counts(static_cast<std::size_t>(E));
+    rs.dropped = be_.moe_plan_dispatch(idx.i32(), n, E, k, cap, counts.i32(), offsets.i32(), slot_of.i32(),
+                                       host_offsets.data());
+    for (std::int64_t e = 0; e < E; ++e) host_counts[std::size_t(e)] = host_offsets[std::size_t(e + 1)] - host_offsets[std::size_t(e)];
+    rs.tokens_per_expert = host_counts;
     {
+      std::vector<std::int32_t> host_idx(std::size_t(n * k));
+      be_.copy_to_host(host_idx.data(), idx.i32(), idx.nbytes());
       std::vector<std::int64_t> assigned(std::size_t(E), 0);
-      for (std::int64_t i = 0; i < n * k; ++i) ++assigned[std::size_t(idx.i32()[i])];
+      for (std::int64_t i = 0; i < n * k; ++i) ++assigned[std::size_t(host_idx[std::size_t(i)])];
       std::int64_t mx = 0;
       for (auto a : assigned) mx = std::max(mx, a);
       rs.imbalance = double(mx) / (double(n * k) / double(E));
     }
     routing_.push_back(std::move(rs));
-    const std::int64_t R = offsets.i32()[E];
+    const std::int64_t R = host_offsets[std::size_t(E)];
 
     if (expert_impl_ == ExpertImpl::sequential_reference) {
       if (dispatcher_.active()) throw Error("the sequential-experts reference path needs all experts on one rank");
+      if (!be_.host_memory()) throw Error("the sequential-experts reference path runs on the CPU only");
       ops::moe_experts_reference(m.f32(), idx.i32(), w.f32(), slot_of.i32(), P.w1->w.f32(), P.w3->w.f32(),
                                  P.w2->w.f32(), out.f32(), n, d, f, k);
     } else {
       // route -> permute -> dispatch -> grouped-GEMM experts -> combine -> unpermute
       Tensor xp = act({R, d}, "moe.permuted");
-      ops::permute_forward(m.f32(), slot_of.i32(), xp.f32(), n, k, d);
-      DispatchLayout L = dispatcher_.plan(counts.i32());
+      be_.permute_forward(m.f32(), slot_of.i32(), xp.f32(), n, k, d);
+      DispatchLayout L = dispatcher_.plan(host_counts.data());
       routing_.back().received_rows = L.rows_received;
       const std::int64_t El = dispatcher_.local_experts(), Rr = L.rows_received;
-      const std::int32_t* eoff = dispatcher_.active() ? L.local_offsets.data() : offsets.i32();
+      const std::int32_t* eoff = dispatcher_.active() ? L.local_offsets.data() : host_offsets.data();
       Tensor xe;
       if (dispatcher_.active()) {
         xe = act({Rr, d}, "moe.dispatched");
@@ -591,12 +600,12 @@ void MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train,
         xe = std::move(xp);
       }
       Tensor h1 = act({Rr, f}, "experts.gate_out"), h3 = act({Rr, f}, "experts.up_out");
-      ops::grouped_linear_forward(xe.f32(), P.w1->w.f32(), h1.f32(), eoff, El, d, f);
-      ops::grouped_linear_forward(xe.f32(), P.w3->w.f32(), h3.f32(), eoff, El, d, f);
+      be_.grouped_linear_forward(xe.f32(), P.w1->w.f32(), h1.f32(), eoff, El, d, f);
+      be_.grouped_linear_forward(xe.f32(), P.w3->w.f32(), h3.f32(), eoff, El, d, f);
       Tensor a = act({Rr, f}, "experts.act");
-      ops::swiglu_forward(h1.f32(), h3.f32(), a.f32(), Rr * f);
+      be_.swiglu_forward(h1.f32(), h3.f32(), a.f32(), Rr * f);
       Tensor ye = act({Rr, d}, "experts.out");
-      ops::grouped_linear_forward(a.f32(), P.w2->w.f32(), ye.f32(), eoff, El, f, d);
+      be_.grouped_linear_forward(a.f32(), P.w2->w.f32(), ye.f32(), eoff, El, f, d);
       Tensor yp;
       if (dispatcher_.active()) {
         yp = act({R, d}, "moe.combined");
@@ -606,7 +615,7 @@ void MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train,
       } else {
         yp = std::move(ye);
       }
-      ops::unpermute_forward(yp.f32(), slot_of.i32(), w.f32(), out.f32(), n, k, d);
+      be_.unpermute_forward(yp.f32(), slot_of.i32(), w.f32(), out.f32(), n, k, d);
       if (train) {
         // Lineage: the permutation is local without EP; with EP, dispatch and combine
         // are all-to-alls, which a backward cannot replay alone, so they have none.
@@ -617,13 +626,13 @@ void MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train,
           xe_fn = [this, mb, l, n, k, d, R] {
             auto m = stash_.get(mb, l, "ffn_norm.out"), slot = stash_.get(mb, l, "moe.slot_of");
             Tensor t = act({R, d}, "moe.permuted");
-            ops::permute_forward(m->f32(), slot->i32(), t.f32(), n, k, d);
+            be_.permute_forward(m->f32(), slot->i32(), t.f32(), n, k, d);
             return t;
           };
           yp_fn = [this, mb, l, offs, El, Rr, f, d, W2 = P.w2] {
             auto a = stash_.get(mb, l, "experts.act");
             Tensor t = act({Rr, d}, "experts.out");
-            ops::grouped_linear_forward(a->f32(), W2->w.f32(), t.f32(), offs->data(), El, f, d);
+            be_.grouped_linear_forward(a->f32(), W2->w.f32(), t.f32(), offs->data(), El, f, d);
             return t;
           };
         }
@@ -631,7 +640,7 @@ void MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train,
           return [this, mb, l, offs, El, Rr, d, f, W] {
             auto x = stash_.get(mb, l, "experts.in");
             Tensor t = act({Rr, f}, "experts.fc1");
-            ops::grouped_linear_forward(x->f32(), W->w.f32(), t.f32(), offs->data(), El, d, f);
+            be_.grouped_linear_forward(x->f32(), W->w.f32(), t.f32(), offs->data(), El, d, f);
             return t;
           };
         };
@@ -660,15 +669,15 @@ void MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train,
           auto lg = stash_.get(mb, l, "router.logits");
           Tensor pr = act({n, E}, "router.probs"), wt = act({n, k}, "router.topk_w");
           Tensor ix = work({n, k}, "router.topk_idx", DType::i32);
-          ops::router_forward(lg->f32(), pr.f32(), ix.i32(), wt.f32(), n, E, k, cfg_.norm_topk_prob);
+          be_.router_forward(lg->f32(), pr.f32(), ix.i32(), wt.f32(), n, E, k, cfg_.norm_topk_prob);
           return want_probs ? std::move(pr) : std::move(wt);
         };
       };
       RecomputeFn logits_fn = linear_lineage(mb, l, "ffn_norm.out", P.gate, n, d, E, false);
       if (skew > 1)  // the injected skew is a pure function of the logits: replay it
-        logits_fn = [inner = std::move(logits_fn), n, E, k, skew_groups, skew] {
+        logits_fn = [this, inner = std::move(logits_fn), n, E, k, skew_groups, skew] {
           Tensor t = inner();
-          ops::skew_router_logits(t.f32(), n, E, k, skew_groups, skew);
+          be_.skew_router_logits(t.f32(), n, E, k, skew_groups, skew);
           return t;
         };
       stash_.save(mb, l, "router.logits", "router", std::move(logits), std::move(logits_fn));
@@ -679,7 +688,7 @@ void MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train,
       stash_.save(mb, l, "moe.slot_of", "dispatch", std::move(slot_of));
     }
   }
-  add_inplace(out.f32(), x.f32(), n * d);
+  be_.add_inplace(out.f32(), x.f32(), n * d);
   if (train) {
     if (!cfg_.is_moe_layer(l)) stash_.set_routing_context(0, 0);
     stash_.save(mb, l, "ffn_norm.in", "residual", std::move(x));
@@ -705,13 +714,15 @@ void MoEModel::ffn_backward(int l, Tensor& dx, std::int64_t n, int mb, double gr
     const std::int64_t E = cfg_.num_experts, k = cfg_.num_experts_per_tok, f = cfg_.moe_intermediate_size;
     Shared offsets = stash_.get(mb, l, "moe.offsets"), slot_of = stash_.get(mb, l, "moe.slot_of");
     Shared idx = stash_.get(mb, l, "router.topk_idx"), w = stash_.get(mb, l, "router.topk_w");
-    const std::int64_t R = offsets->i32()[E];
+    (void)offsets;  // kept in the stash for the memory program; its values are the layout's (host) offsets
     auto lit = dispatch_layouts_.find({mb, l});
     if (lit == dispatch_layouts_.end()) throw Error(fmt::format("no dispatch layout for layer {} micro-batch {}", l, mb));
     const DispatchLayout L = std::move(lit->second);
     dispatch_layouts_.erase(lit);
     const std::int64_t El = dispatcher_.local_experts(), Rr = L.rows_received;
-    const std::int32_t* eoff = dispatcher_.active() ? L.local_offsets.data() : offsets->i32();
+    // Without EP the layout's offsets are the dispatch offsets (plan() sums the same counts).
+    const std::int64_t R = L.rows_sent;
+    const std::int32_t* eoff = L.local_offsets.data();
     Tensor dw = work({n, k}, "router.dtopk_w");
     {
       // The backward of combine is dispatch, and the backward of dispatch is combine.
@@ -719,7 +730,7 @@ void MoEModel::ffn_backward(int l, Tensor& dx, std::int64_t n, int mb, double gr
       {
         Tensor dyp = work({R, d}, "moe.dcombined");
         Shared yp = stash_.get(mb, l, "moe.combined");
-        ops::unpermute_backward(dx.f32(), yp->f32(), slot_of->i32(), w->f32(), dyp.f32(), dw.f32(), n, k, d);
+        be_.unpermute_backward(dx.f32(), yp->f32(), slot_of->i32(), w->f32(), dyp.f32(), dw.f32(), n, k, d);
         yp.reset();
         if (dispatcher_.active()) {
           dye = work({Rr, d}, "experts.dout");
@@ -732,68 +743,68 @@ void MoEModel::ffn_backward(int l, Tensor& dx, std::int64_t n, int mb, double gr
       // Grouped dW GEMMs may be deferred (zero-bubble W); they keep their offsets.
       auto offs = std::make_shared<std::vector<std::int32_t>>(eoff, eoff + El + 1);
       auto grouped_dw = [&](Shared dyy, Shared xx, Param* W, std::int64_t in, std::int64_t out) {
-        weight_grad(mb, [dyy, xx, W, offs, El, in, out] {
-          ops::grouped_linear_backward(dyy->f32(), xx->f32(), W->w.f32(), static_cast<float*>(nullptr), W->g.f32(),
-                                       offs->data(), El, in, out);
+        weight_grad(mb, [this, dyy, xx, W, offs, El, in, out] {
+          be_.grouped_linear_backward(dyy->f32(), xx->f32(), W->w.f32(), nullptr, W->g.f32(),
+                                      offs->data(), El, in, out);
         });
       };
       Tensor da = work({Rr, f}, "experts.dact");
       {
         Shared a = stash_.get(mb, l, "experts.act"), dyes = share(std::move(dye));
-        ops::grouped_linear_backward(dyes->f32(), a->f32(), P.w2->w.f32(), da.f32(), static_cast<float*>(nullptr),
-                                     eoff, El, f, d);
+        be_.grouped_linear_backward(dyes->f32(), a->f32(), P.w2->w.f32(), da.f32(), nullptr,
+                                    eoff, El, f, d);
         grouped_dw(dyes, a, P.w2, f, d);
       }
       Tensor dh1 = work({Rr, f}, "experts.dgate"), dh3 = work({Rr, f}, "experts.dup");
       {
         Shared h1 = stash_.get(mb, l, "experts.gate_out"), h3 = stash_.get(mb, l, "experts.up_out");
-        ops::swiglu_backward(da.f32(), h1->f32(), h3->f32(), dh1.f32(), dh3.f32(), Rr * f);
+        be_.swiglu_backward(da.f32(), h1->f32(), h3->f32(), dh1.f32(), dh3.f32(), Rr * f);
       }
       da.reset();
       Shared xe = stash_.get(mb, l, "experts.in");
       Tensor dxe = work({Rr, d}, "experts.din");
       {
         Shared dh1s = share(std::move(dh1));
-        ops::grouped_linear_backward(dh1s->f32(), xe->f32(), P.w1->w.f32(), dxe.f32(), static_cast<float*>(nullptr),
-                                     eoff, El, d, f);
+        be_.grouped_linear_backward(dh1s->f32(), xe->f32(), P.w1->w.f32(), dxe.f32(), nullptr,
+                                    eoff, El, d, f);
         grouped_dw(dh1s, xe, P.w1, d, f);
       }
       {
         Shared dh3s = share(std::move(dh3));
         Tensor dxe3 = work({Rr, d}, "experts.din_up");
-        ops::grouped_linear_backward(dh3s->f32(), xe->f32(), P.w3->w.f32(), dxe3.f32(), static_cast<float*>(nullptr),
-                                     eoff, El, d, f);
+        be_.grouped_linear_backward(dh3s->f32(), xe->f32(), P.w3->w.f32(), dxe3.f32(), nullptr,
+                                    eoff, El, d, f);
         grouped_dw(dh3s, xe, P.w3, d, f);
-        add_inplace(dxe.f32(), dxe3.f32(), Rr * d);
+        be_.add_inplace(dxe.f32(), dxe3.f32(), Rr * d);
       }
       xe.reset();
       if (dispatcher_.active()) {
         Tensor dxp = work({R, d}, "moe.dpermuted");
         Tensor scratch = work({Rr, d}, "moe.a2a_scratch");
         dispatcher_.combine(L, dxe.f32(), dxp.f32(), d, scratch.f32());
-        ops::permute_backward(dxp.f32(), slot_of->i32(), dm.f32(), n, k, d);
+        be_.permute_backward(dxp.f32(), slot_of->i32(), dm.f32(), n, k, d);
       } else {
-        ops::permute_backward(dxe.f32(), slot_of->i32(), dm.f32(), n, k, d);
+        be_.permute_backward(dxe.f32(), slot_of->i32(), dm.f32(), n, k, d);
       }
     }
     if (P.s1) swiglu_mlp_backward(dy, m, P.s1, P.s3, P.s2, dm.f32(), n, l, mb, "shared");
     Shared probs = stash_.get(mb, l, "router.probs"), logits = stash_.get(mb, l, "router.logits");
     Tensor dprobs = work({n, E}, "router.dprobs");
     dprobs.zero();
-    ops::aux_loss_backward(idx->i32(), dprobs.f32(), n, E, k, cfg_.router_aux_loss_coef * grad_scale);
+    be_.aux_loss_backward(idx->i32(), dprobs.f32(), n, E, k, cfg_.router_aux_loss_coef * grad_scale);
     Tensor dlogits = work({n, E}, "router.dlogits");
-    ops::router_backward(dw.f32(), dprobs.f32(), probs->f32(), idx->i32(), dlogits.f32(), n, E, k,
-                         cfg_.norm_topk_prob);
+    be_.router_backward(dw.f32(), dprobs.f32(), probs->f32(), idx->i32(), dlogits.f32(), n, E, k,
+                        cfg_.norm_topk_prob);
     if (cfg_.router_z_loss_coef > 0)
-      ops::z_loss_backward(logits->f32(), dlogits.f32(), n, E, cfg_.router_z_loss_coef * grad_scale);
+      be_.z_loss_backward(logits->f32(), dlogits.f32(), n, E, cfg_.router_z_loss_coef * grad_scale);
     linear_bw(mb, share(std::move(dlogits)), m, P.gate, dm.f32(), n, d, E, true);
   }
   m.reset();
   dy.reset();
   Shared h = stash_.get(mb, l, "ffn_norm.in"), rstd = stash_.get(mb, l, "ffn_norm.rstd");
   Tensor dtmp = work({n, d}, "ffn_norm.dx");
-  ops::rmsnorm_backward(dm.f32(), h->f32(), P.post_norm->w.f32(), rstd->f32(), dtmp.f32(), P.post_norm->g.f32(), n, d);
-  add_inplace(dx.f32(), dtmp.f32(), n * d);
+  be_.rmsnorm_backward(dm.f32(), h->f32(), P.post_norm->w.f32(), rstd->f32(), dtmp.f32(), P.post_norm->g.f32(), n, d);
+  be_.add_inplace(dx.f32(), dtmp.f32(), n * d);
 }
 
 }  // namespace moeflex

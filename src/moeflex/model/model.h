@@ -14,6 +14,7 @@
 #include "moeflex/model/memory_plan.h"
 #include "moeflex/provision/cost_model.h"
 #include "moeflex/model/token_dispatcher.h"
+#include "moeflex/ops/backend.h"
 #include "moeflex/provision/planner.h"
 #include "moeflex/provision/stash.h"
 
@@ -64,7 +65,9 @@ enum class ExpertImpl { grouped_gemm, sequential_reference };
 
 class MoEModel {
  public:
-  /// Allocates parameters and gradients from `arena`. Throws OutOfMemoryError.
+  /// Allocates parameters and gradients from `arena`, and runs on its backend
+  /// (ops::backend_of: the CPU, or the device the arena's memory belongs to). Throws
+  /// OutOfMemoryError; ConfigError for expert parallelism on a device backend.
   MoEModel(const ModelConfig& cfg, Arena& arena, const ModelParallel& par = {});
 
   /// Deterministic init from `seed` (docs/model.md, "Initialisation").
@@ -187,6 +190,7 @@ class MoEModel {
 
   ModelConfig cfg_;
   Arena& arena_;
+  ops::Backend& be_;  // runs every op and every touch of tensor data (CPU or device)
   ModelParallel par_;
   bool defer_wgrad_ = false;
   double router_skew_ = 0;

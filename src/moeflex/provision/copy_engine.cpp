@@ -1,17 +1,25 @@
 #include "moeflex/provision/copy_engine.h"
 
+#include <fmt/format.h>
+
+#include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
+
+#include "moeflex/core/error.h"
 
 namespace moeflex {
 
 bool CopyEngine::Ticket::done() const {
+  if (event_) return event_->query();
   if (!state_) return true;
   std::lock_guard<std::mutex> lock(state_->mu);
   return state_->done;
 }
 
 void CopyEngine::Ticket::wait() const {
+  if (event_) return event_->synchronize();
   if (!state_) return;
   std::unique_lock<std::mutex> lock(state_->mu);
   state_->cv.wait(lock, [&] { return state_->done; });
@@ -28,8 +36,14 @@ CopyEngine::~CopyEngine() {
   worker_.join();
 }
 
-CopyEngine::Ticket CopyEngine::copy(void* dst, const void* src, Bytes bytes, std::string label) {
+CopyEngine::Ticket CopyEngine::copy(void* dst, const void* src, Bytes bytes, std::string label, bool to_host) {
   Ticket t;
+  if (device_) {
+    t.event_ = device_->copy_async(dst, src, bytes, to_host);
+    std::lock_guard<std::mutex> lock(mu_);
+    copied_ += bytes;
+    return t;
+  }
   t.state_ = std::make_shared<Ticket::State>();
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -37,6 +51,19 @@ CopyEngine::Ticket CopyEngine::copy(void* dst, const void* src, Bytes bytes, std
   }
   cv_.notify_one();
   return t;
+}
+
+void* CopyEngine::host_alloc(Bytes bytes) {
+  if (device_) return device_->host_alloc(bytes);
+  void* p = std::aligned_alloc(64, std::size_t((std::max<Bytes>(bytes, 1) + 63) / 64 * 64));
+  if (!p) throw Error(fmt::format("host pool: cannot allocate {} for an offload", format_bytes(bytes)));
+  return p;
+}
+
+void CopyEngine::host_free(void* p, Bytes bytes) {
+  if (!p) return;
+  if (device_) device_->host_free(p, bytes);
+  else std::free(p);
 }
 
 void CopyEngine::set_observer(Observer observer) {

@@ -7,6 +7,12 @@
 // Timing hook: an observer, if set, is told of every finished copy (start and end
 // on the steady clock, bytes, the caller's label) on the worker thread, e.g. to
 // draw the copies as a "copy" track of trace.json.
+//
+// Device mode (set_device): on a GPU the copies are the device's copy streams
+// instead (Device::copy_async: after the compute work queued so far, so an offload
+// reads a finished tensor and a prefetch overwrites a block nobody still reads);
+// tickets then wait on the copy's event, and host buffers come from the device's
+// pinned pool (host_alloc). Device copies are not reported to the observer.
 #pragma once
 #include <chrono>
 #include <condition_variable>
@@ -18,6 +24,7 @@
 #include <string>
 #include <thread>
 
+#include "moeflex/core/device.h"
 #include "moeflex/core/units.h"
 
 namespace moeflex {
@@ -38,6 +45,7 @@ class CopyEngine {
       bool done = false;
     };
     std::shared_ptr<State> state_;
+    std::shared_ptr<DeviceEvent> event_;  // device mode: the copy stream's event
   };
 
   /// One finished copy as the worker ran it.
@@ -56,7 +64,14 @@ class CopyEngine {
 
   /// Queues memcpy(dst, src, bytes); both buffers must stay valid until done.
   /// `label` names the copy for the observer (e.g. "offload L2 attn.q mb0").
-  Ticket copy(void* dst, const void* src, Bytes bytes, std::string label = {});
+  /// to_host: an offload (device -> host; only device mode needs to know).
+  Ticket copy(void* dst, const void* src, Bytes bytes, std::string label = {}, bool to_host = false);
+  /// Device mode (see the file comment); null returns to the worker thread's memcpy.
+  void set_device(Device* device) { device_ = device; }
+  /// Host memory for an offload of `bytes` (pinned in device mode); throws Error.
+  void* host_alloc(Bytes bytes);
+  /// Returns a block of host_alloc(bytes) once no copy uses it.
+  void host_free(void* p, Bytes bytes);
   /// Sets (or, with an empty function, removes) the observer. Returns only once no
   /// call of the previous observer is running, so what it captured may then go.
   void set_observer(Observer observer);
@@ -81,6 +96,7 @@ class CopyEngine {
   Seconds busy_ = 0;
   std::mutex observer_mu_;  // held while the observer runs and while it is replaced
   Observer observer_;
+  Device* device_ = nullptr;
   std::thread worker_;
 };
 

@@ -1,11 +1,13 @@
 // The time cost model and its hardware profile (see cost_model.h for how a time is
 // formed). The profile's JSON:
-//   {"format": "moeflex-hardware-profile", "version": 1, "name": "...", "threads": 2,
+//   {"format": "moeflex-hardware-profile", "version": 2, "name": "...", "threads": 2,
 //    "launch_overhead_s": ..., "memory_bandwidth_Bps": ...,
 //    "h2d_bandwidth_Bps": ..., "d2h_bandwidth_Bps": ..., "copy_latency_s": ...,
 //    "all_to_all_bandwidth_Bps": 0, "all_to_all_latency_s": 0,
-//    "gemm": [{"M": .., "N": .., "K": .., "flops_per_s": ..}, ...],
+//    "gemm": [{"M": .., "N": .., "K": .., "flops_per_s": .., "layout": "nt"}, ...],
 //    "op_tables": {"rmsnorm_forward": [{"bytes": .., "seconds": ..}, ...], ...}}
+// A sample's "layout" is "nt", "nn" or "tn", or absent (GemmLayout::any); version 1
+// files never have one and are read as such.
 #include "moeflex/provision/cost_model.h"
 
 #include <fmt/format.h>
@@ -23,6 +25,7 @@ namespace moeflex {
 
 namespace op_bytes {
 
+Bytes add_inplace(std::int64_t n) { return 3 * n * kActivationBytes; }
 Bytes rmsnorm_forward(std::int64_t n, std::int64_t d) { return (2 * n * d + d + n) * kActivationBytes; }
 Bytes rmsnorm_backward(std::int64_t n, std::int64_t d) { return (3 * n * d + 2 * d + n) * kActivationBytes; }
 Bytes rope(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd) {
@@ -47,6 +50,15 @@ Bytes attention_softmax_backward(std::int64_t B, std::int64_t S, std::int64_t H)
 }
 
 }  // namespace op_bytes
+
+const char* to_string(GemmLayout layout) {
+  switch (layout) {
+    case GemmLayout::nt: return "nt";
+    case GemmLayout::nn: return "nn";
+    case GemmLayout::tn: return "tn";
+    default: return "any";
+  }
+}
 
 // ---- JSON -----------------------------------------------------------------------
 
@@ -109,7 +121,11 @@ nlohmann::json HardwareProfile::to_json() const {
   j["all_to_all_bandwidth_Bps"] = all_to_all_bandwidth;
   j["all_to_all_latency_s"] = all_to_all_latency;
   json g = json::array();
-  for (const GemmSample& s : gemm) g.push_back({{"M", s.M}, {"N", s.N}, {"K", s.K}, {"flops_per_s", s.rate}});
+  for (const GemmSample& s : gemm) {
+    json e = {{"M", s.M}, {"N", s.N}, {"K", s.K}, {"flops_per_s", s.rate}};
+    if (s.layout != GemmLayout::any) e["layout"] = to_string(s.layout);
+    g.push_back(std::move(e));
+  }
   j["gemm"] = std::move(g);
   json ops = json::object();
   for (const auto& [op, points] : op_tables) {
@@ -127,8 +143,14 @@ HardwareProfile HardwareProfile::from_json(const nlohmann::json& j, const std::s
   if (!format.is_string() || format.get<std::string>() != kHardwareProfileFormat)
     bad_field(source, "format", fmt::format("must be \"{}\"", kHardwareProfileFormat));
   const json& version = member(j, "version", source, "version");
-  if (!version.is_number_integer() || version.get<int>() != kHardwareProfileVersion)
-    bad_field(source, "version", fmt::format("must be {} (got {})", kHardwareProfileVersion, version.dump()));
+  if (!version.is_number_integer())
+    bad_field(source, "version", fmt::format("must be an integer (got {})", version.dump()));
+  if (const auto v = version.get<std::int64_t>(); v < kHardwareProfileOldestVersion || v > kHardwareProfileVersion)
+    bad_field(source, "version",
+              fmt::format("is {}, but this moeflex reads versions {} to {}{}", v, kHardwareProfileOldestVersion,
+                          kHardwareProfileVersion,
+                          v > kHardwareProfileVersion ? " (written by a newer moeflex?)"
+                                                      : " (run `moeflex calibrate` again)"));
 
   HardwareProfile p;
   const json& name = member(j, "name", source, "name");
@@ -153,6 +175,13 @@ HardwareProfile HardwareProfile::from_json(const nlohmann::json& j, const std::s
     s.N = positive_int(g[i], "N", source, f + ".N");
     s.K = positive_int(g[i], "K", source, f + ".K");
     s.rate = positive(g[i], "flops_per_s", source, f + ".flops_per_s");
+    if (auto l = g[i].find("layout"); l != g[i].end()) {
+      const std::string name = l->is_string() ? l->get<std::string>() : std::string();
+      if (name == "nt") s.layout = GemmLayout::nt;
+      else if (name == "nn") s.layout = GemmLayout::nn;
+      else if (name == "tn") s.layout = GemmLayout::tn;
+      else bad_field(source, f + ".layout", fmt::format("must be \"nt\", \"nn\" or \"tn\" (got {})", l->dump()));
+    }
     p.gemm.push_back(s);
   }
 
@@ -212,6 +241,29 @@ double flops(std::int64_t M, std::int64_t N, std::int64_t K) { return 2.0 * doub
 
 }  // namespace
 
+void make_nondecreasing(std::vector<Seconds>& t) {
+  // Pool adjacent violators: blocks of (mean, count), merged while a block's mean
+  // falls below its predecessor's.
+  std::vector<std::pair<double, std::size_t>> blocks;
+  for (Seconds x : t) {
+    blocks.emplace_back(x, 1);
+    while (blocks.size() > 1 && blocks[blocks.size() - 2].first > blocks.back().first) {
+      const auto [m2, n2] = blocks.back();
+      blocks.pop_back();
+      auto& [m1, n1] = blocks.back();
+      m1 = (m1 * double(n1) + m2 * double(n2)) / double(n1 + n2);
+      n1 += n2;
+    }
+  }
+  std::size_t i = 0;
+  for (const auto& [mean, count] : blocks)
+    for (std::size_t k = 0; k < count; ++k) t[i++] = mean;
+}
+
+namespace {
+
+}  // namespace
+
 CostModel::CostModel(HardwareProfile profile) : profile_(std::move(profile)) {
   // A profile that did not come through from_json (one built in code) is checked here.
   if (profile_.gemm.empty()) bad_field("profile", "gemm", "must hold at least one sample");
@@ -223,65 +275,48 @@ CostModel::CostModel(HardwareProfile profile) : profile_(std::move(profile)) {
     if (s.M <= 0 || s.N <= 0 || s.K <= 0 || !(s.rate > 0) || !std::isfinite(s.rate))
       bad_field("profile", fmt::format("gemm[{}]", i), "must have positive extents and a positive finite rate");
     const Seconds t = flops(s.M, s.N, s.K) / s.rate;
-    lines_[0][{s.N, s.K}].emplace_back(s.M, t);
-    lines_[1][{s.M, s.K}].emplace_back(s.N, t);
-    lines_[2][{s.M, s.N}].emplace_back(s.K, t);
-  }
-  for (auto& axis : lines_) {
-    for (auto& [key, line] : axis) {
-      std::sort(line.begin(), line.end());
-      // A shape measured twice keeps the mean of its times.
-      Line merged;
-      for (std::size_t i = 0; i < line.size();) {
-        std::size_t j = i;
-        Seconds sum = 0;
-        while (j < line.size() && line[j].first == line[i].first) sum += line[j++].second;
-        merged.emplace_back(line[i].first, sum / double(j - i));
-        i = j;
-      }
-      line = std::move(merged);
+    for (const GemmLayout pool : {GemmLayout::any, s.layout}) {
+      Lines& lines = lines_[int(pool)];
+      lines[0][{s.N, s.K}].emplace_back(s.M, t);
+      lines[1][{s.M, s.K}].emplace_back(s.N, t);
+      lines[2][{s.M, s.N}].emplace_back(s.K, t);
+      if (pool == s.layout) break;  // a sample without a layout goes to the `any` pool once
     }
   }
-  for (auto& [op, points] : profile_.op_tables) std::sort(points.begin(), points.end(),
-                                                          [](const OpSample& a, const OpSample& b) { return a.bytes < b.bytes; });
+  for (Lines& pool : lines_) {
+    for (auto& axis : pool) {
+      for (auto& [key, line] : axis) {
+        std::sort(line.begin(), line.end());
+        // A shape measured twice keeps the mean of its times.
+        Line merged;
+        for (std::size_t i = 0; i < line.size();) {
+          std::size_t j = i;
+          Seconds sum = 0;
+          while (j < line.size() && line[j].first == line[i].first) sum += line[j++].second;
+          merged.emplace_back(line[i].first, sum / double(j - i));
+          i = j;
+        }
+        std::vector<Seconds> times;
+        for (const auto& pt : merged) times.push_back(pt.second);
+        make_nondecreasing(times);
+        for (std::size_t i = 0; i < merged.size(); ++i) merged[i].second = times[i];
+        line = std::move(merged);
+      }
+    }
+  }
+  for (auto& [op, points] : profile_.op_tables) {
+    std::sort(points.begin(), points.end(), [](const OpSample& a, const OpSample& b) { return a.bytes < b.bytes; });
+    std::vector<Seconds> times;
+    for (const OpSample& pt : points) times.push_back(pt.seconds);
+    make_nondecreasing(times);
+    for (std::size_t i = 0; i < points.size(); ++i) points[i].seconds = times[i];
+  }
 }
 
-FlopsPerSecond CostModel::gemm_rate(std::int64_t M, std::int64_t N, std::int64_t K) const {
-  const std::int64_t ext[3] = {M, N, K};
-  const double f = flops(M, N, K);
-  // 2. Lines through the query (an exact sample is a line point at distance 0).
-  double best_span = std::numeric_limits<double>::infinity();
-  Seconds best_time = 0;
-  double nearest_end = std::numeric_limits<double>::infinity();
-  FlopsPerSecond nearest_end_rate = 0;
-  for (int a = 0; a < 3; ++a) {
-    const LineKey key = a == 0 ? LineKey{N, K} : a == 1 ? LineKey{M, K} : LineKey{M, N};
-    auto it = lines_[a].find(key);
-    if (it == lines_[a].end()) continue;
-    const Line& line = it->second;
-    const std::int64_t x = ext[a];
-    auto hi = std::lower_bound(line.begin(), line.end(), std::pair<std::int64_t, Seconds>{x, -1.0});
-    if (hi != line.end() && hi->first == x) return f / hi->second;  // 1. exact
-    if (hi != line.begin() && hi != line.end()) {
-      const auto lo = hi - 1;
-      const double span = std::log(double(hi->first) / double(lo->first));
-      if (span < best_span) {
-        best_span = span;
-        const double w = double(x - lo->first) / double(hi->first - lo->first);
-        best_time = lo->second + w * (hi->second - lo->second);
-      }
-      continue;
-    }
-    const auto& end = hi == line.end() ? line.back() : line.front();
-    const double dist = std::abs(std::log(double(x) / double(end.first)));
-    if (dist < nearest_end) {
-      nearest_end = dist;
-      const std::int64_t e[3] = {a == 0 ? end.first : M, a == 1 ? end.first : N, a == 2 ? end.first : K};
-      nearest_end_rate = flops(e[0], e[1], e[2]) / end.second;
-    }
-  }
-  if (std::isfinite(best_span)) return f / best_time;
-  if (std::isfinite(nearest_end)) return nearest_end_rate;
+FlopsPerSecond CostModel::gemm_rate(std::int64_t M, std::int64_t N, std::int64_t K, GemmLayout layout) const {
+  FlopsPerSecond rate = 0;
+  if (layout != GemmLayout::any && line_rate(lines_[int(layout)], M, N, K, &rate)) return rate;
+  if (line_rate(lines_[int(GemmLayout::any)], M, N, K, &rate)) return rate;
 
   // 3. Nearest samples in log-extent space.
   std::vector<std::pair<double, double>> dist_lograte;  // (squared distance, log rate)
@@ -302,22 +337,73 @@ FlopsPerSecond CostModel::gemm_rate(std::int64_t M, std::int64_t N, std::int64_t
   return std::exp(acc / wsum);
 }
 
-Seconds CostModel::gemm(std::int64_t M, std::int64_t N, std::int64_t K) const {
-  if (M <= 0 || N <= 0) return 0;
-  if (K <= 0) return elementwise(M * N * kActivationBytes);
-  return flops(M, N, K) / gemm_rate(M, N, K);
+bool CostModel::line_rate(const Lines& lines, std::int64_t M, std::int64_t N, std::int64_t K, FlopsPerSecond* rate) {
+  const std::int64_t ext[3] = {M, N, K};
+  const double f = flops(M, N, K);
+  // 2. Lines through the query (an exact sample is a line point at distance 0).
+  double best_span = std::numeric_limits<double>::infinity();
+  Seconds best_time = 0;
+  double nearest_end = std::numeric_limits<double>::infinity();
+  FlopsPerSecond nearest_end_rate = 0;
+  for (int a = 0; a < 3; ++a) {
+    const LineKey key = a == 0 ? LineKey{N, K} : a == 1 ? LineKey{M, K} : LineKey{M, N};
+    auto it = lines[a].find(key);
+    if (it == lines[a].end()) continue;
+    const Line& line = it->second;
+    const std::int64_t x = ext[a];
+    auto hi = std::lower_bound(line.begin(), line.end(), std::pair<std::int64_t, Seconds>{x, -1.0});
+    if (hi != line.end() && hi->first == x) {  // 1. exact
+      *rate = f / hi->second;
+      return true;
+    }
+    if (hi != line.begin() && hi != line.end()) {
+      const auto lo = hi - 1;
+      const double span = std::log(double(hi->first) / double(lo->first));
+      if (span < best_span) {
+        best_span = span;
+        const double w = double(x - lo->first) / double(hi->first - lo->first);
+        best_time = lo->second + w * (hi->second - lo->second);
+      }
+      continue;
+    }
+    const auto& end = hi == line.end() ? line.back() : line.front();
+    const double dist = std::abs(std::log(double(x) / double(end.first)));
+    if (dist < nearest_end) {
+      nearest_end = dist;
+      const std::int64_t e[3] = {a == 0 ? end.first : M, a == 1 ? end.first : N, a == 2 ? end.first : K};
+      nearest_end_rate = flops(e[0], e[1], e[2]) / end.second;
+    }
+  }
+  if (std::isfinite(best_span)) {
+    *rate = f / best_time;
+    return true;
+  }
+  if (std::isfinite(nearest_end)) {
+    *rate = nearest_end_rate;
+    return true;
+  }
+  return false;
 }
 
-Seconds CostModel::grouped_gemm(const std::vector<std::int64_t>& rows_per_group, std::int64_t N,
-                                std::int64_t K) const {
+Seconds CostModel::gemm(std::int64_t M, std::int64_t N, std::int64_t K, GemmLayout layout) const {
+  if (M <= 0 || N <= 0) return 0;
+  if (K <= 0) return elementwise(M * N * kActivationBytes);
+  return flops(M, N, K) / gemm_rate(M, N, K, layout);
+}
+
+Seconds CostModel::grouped_gemm(const std::vector<std::int64_t>& rows_per_group, std::int64_t N, std::int64_t K,
+                                GemmLayout layout) const {
   Seconds t = 0;
   for (std::int64_t rows : rows_per_group)
-    if (rows > 0) t += gemm(rows, N, K);
+    if (rows > 0) t += gemm(rows, N, K, layout);
   return t;
 }
 
 Seconds CostModel::elementwise(Bytes bytes_moved) const {
   if (bytes_moved <= 0) return 0;
+  auto it = profile_.op_tables.find(op_names::kElementwise);
+  if (it != profile_.op_tables.end() && !it->second.empty())
+    return table_time(it->second, bytes_moved, profile_.launch_overhead);
   return profile_.launch_overhead + double(bytes_moved) / profile_.memory_bandwidth;
 }
 
@@ -372,15 +458,20 @@ Seconds CostModel::rope(std::int64_t B, std::int64_t S, std::int64_t H, std::int
 
 Seconds CostModel::attention_forward(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd) const {
   if (B <= 0 || S <= 0 || H <= 0 || hd <= 0) return 0;
-  const Seconds per_head = gemm(S, S, hd) + gemm(S, hd, S);
+  if (profile_.op_tables.count(op_names::kAttentionForward))
+    return double(B * H) * op(op_names::kAttentionForward, op_bytes::attention_softmax_forward(1, S, 1));
+  const Seconds per_head = gemm(S, S, hd, GemmLayout::nt) + gemm(S, hd, S, GemmLayout::nn);
   return double(B * H) * per_head +
          op(op_names::kAttentionSoftmaxForward, op_bytes::attention_softmax_forward(B, S, H));
 }
 
 Seconds CostModel::attention_backward(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd) const {
   if (B <= 0 || S <= 0 || H <= 0 || hd <= 0) return 0;
+  if (profile_.op_tables.count(op_names::kAttentionBackward))
+    return double(B * H) * op(op_names::kAttentionBackward, op_bytes::attention_softmax_forward(1, S, 1));
   // dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q.
-  const Seconds per_head = 3 * gemm(S, hd, S) + gemm(S, S, hd);
+  const Seconds per_head = 2 * gemm(S, hd, S, GemmLayout::tn) + gemm(S, hd, S, GemmLayout::nn) +
+                           gemm(S, S, hd, GemmLayout::nt);
   return double(B * H) * per_head +
          op(op_names::kAttentionSoftmaxBackward, op_bytes::attention_softmax_backward(B, S, H));
 }
@@ -426,18 +517,18 @@ Seconds CostModel::cross_entropy_backward(std::int64_t n, std::int64_t V) const 
 }
 
 Seconds CostModel::linear_forward(std::int64_t n, std::int64_t in, std::int64_t out) const {
-  return gemm(n, out, in);
+  return gemm(n, out, in, GemmLayout::nt);
 }
 
 Seconds CostModel::linear_backward(std::int64_t n, std::int64_t in, std::int64_t out, bool want_dx,
                                    bool want_dw) const {
   if (n <= 0) return 0;  // the kernel's dw GEMM has K = 0 and changes nothing
-  return (want_dx ? gemm(n, in, out) : 0) + (want_dw ? gemm(out, in, n) : 0);
+  return (want_dx ? gemm(n, in, out, GemmLayout::nn) : 0) + (want_dw ? gemm(out, in, n, GemmLayout::tn) : 0);
 }
 
 Seconds CostModel::grouped_linear_forward(const std::vector<std::int64_t>& rows_per_group, std::int64_t in,
                                           std::int64_t out) const {
-  return grouped_gemm(rows_per_group, out, in);
+  return grouped_gemm(rows_per_group, out, in, GemmLayout::nt);
 }
 
 Seconds CostModel::grouped_linear_backward(const std::vector<std::int64_t>& rows_per_group, std::int64_t in,
@@ -445,8 +536,8 @@ Seconds CostModel::grouped_linear_backward(const std::vector<std::int64_t>& rows
   Seconds t = 0;
   for (std::int64_t rows : rows_per_group) {
     if (rows <= 0) continue;  // skipped by the kernel, like the forward
-    if (want_dx) t += gemm(rows, in, out);
-    if (want_dw) t += gemm(out, in, rows);
+    if (want_dx) t += gemm(rows, in, out, GemmLayout::nn);
+    if (want_dw) t += gemm(out, in, rows, GemmLayout::tn);
   }
   return t;
 }

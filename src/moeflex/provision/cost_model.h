@@ -6,15 +6,18 @@
 // it. So this file knows shapes and bytes, never tensors: it includes only core/.
 //
 // How a time is formed:
-// - GEMM: 2*M*N*K / rate(M, N, K), the rate looked up in the profile's GEMM table
-//   (see CostModel::gemm_rate). The table's rates were measured on whole calls, with
-//   the weight operand cold in the caches as in a real step, so they already include
-//   the call overhead; nothing is added.
+// - GEMM: 2*M*N*K / rate(M, N, K, layout), the rate looked up in the profile's GEMM
+//   table (see CostModel::gemm_rate), among the samples of the call's layout (which
+//   operand is transposed) when the profile has them. The table's rates were measured
+//   on whole calls, with the weight operand cold in the caches as in a real step, so
+//   they already include the call overhead; nothing is added.
 // - An op family with a measured table (rmsnorm, swiglu, router, permute, cross
 //   entropy, the parts of rope and attention that are not GEMMs): piecewise-linear
 //   interpolation in the bytes the op moves (op_bytes:: below), between (0 bytes,
 //   launch_overhead) and the measured points, and at the last point's rate beyond.
-// - Any other elementwise work: launch_overhead + bytes / memory_bandwidth.
+// - Any other elementwise work: the op_names::kElementwise table (a streaming y += x,
+//   whose speed steps down as its operands outgrow each cache level) when the profile
+//   has one, else launch_overhead + bytes / memory_bandwidth.
 // - Copies host <-> device: their table when measured (from (0 bytes, copy_latency)),
 //   else copy_latency + bytes / bandwidth of that direction.
 // Bytes are fp32 activations (kActivationBytes); a zero-sized op costs 0 (the
@@ -36,9 +39,23 @@ namespace moeflex {
 /// Bytes per activation element: fp32 on every backend for now.
 inline constexpr Bytes kActivationBytes = 4;
 
-/// The profile file's format tag and version.
+/// The profile file's format tag and version. Version 2 added the GEMM samples'
+/// "layout"; version 1 files (no layouts) are still read, their samples as
+/// GemmLayout::any.
 inline constexpr const char* kHardwareProfileFormat = "moeflex-hardware-profile";
-inline constexpr int kHardwareProfileVersion = 1;
+inline constexpr int kHardwareProfileVersion = 2;
+inline constexpr int kHardwareProfileOldestVersion = 1;
+
+/// Which operand of a row-major GEMM C = op(A) @ op(B) is transposed, as the kernels
+/// call ops::gemm: nt = A @ B^T (linear forward, attention scores), nn = A @ B (input
+/// gradients, attention's weighted sum), tn = A^T @ B (weight gradients). BLAS packs
+/// the operands differently for each, so a profile may measure them apart. `any`:
+/// a sample measured without a layout (version 1 files, derived profiles), or a
+/// query that takes whatever sample fits best.
+enum class GemmLayout { any, nt, nn, tn };
+
+/// "any", "nt", "nn", "tn".
+const char* to_string(GemmLayout layout);
 
 /// The op families that may carry a measured table in HardwareProfile::op_tables.
 namespace op_names {
@@ -56,9 +73,19 @@ inline constexpr const char* kUnpermuteForward = "unpermute_forward";
 inline constexpr const char* kUnpermuteBackward = "unpermute_backward";
 inline constexpr const char* kCrossEntropyForward = "cross_entropy_forward";
 inline constexpr const char* kCrossEntropyBackward = "cross_entropy_backward";
-/// Attention beyond its per-head GEMMs (the causal softmax and its backward).
+/// Attention beyond its per-head GEMMs (the causal softmax and its backward); used
+/// only without the whole-op tables below (profiles of version 1).
 inline constexpr const char* kAttentionSoftmaxForward = "attention_softmax_forward";
 inline constexpr const char* kAttentionSoftmaxBackward = "attention_softmax_backward";
+/// Attention whole, per head (measured on a few sequences of the calibrated model's
+/// heads and head_dim, divided by sequences x heads), x =
+/// op_bytes::attention_softmax_forward(1, S, 1): the kernel runs B x H independent
+/// heads, so a call costs B x H times the table's time.
+inline constexpr const char* kAttentionForward = "attention_forward";
+inline constexpr const char* kAttentionBackward = "attention_backward";
+/// Generic streaming work (residual adds, copies within the device, zero fills):
+/// y += x measured over sizes, x = bytes read plus written.
+inline constexpr const char* kElementwise = "elementwise";
 /// Copies: memcpy speed depends on whether the block fits the caches, so a measured
 /// table refines the scalar bandwidths when present.
 inline constexpr const char* kCopyH2D = "copy_h2d";
@@ -68,6 +95,8 @@ inline constexpr const char* kCopyD2H = "copy_d2h";
 /// Bytes each op family reads plus writes: the x axis of its op table. Calibration
 /// and the cost model both use these, so a table means the same thing to both.
 namespace op_bytes {
+/// y += x over n elements: y read and written, x read.
+Bytes add_inplace(std::int64_t n);
 /// x, y: [n, d]; w: [d]; rstd: [n].
 Bytes rmsnorm_forward(std::int64_t n, std::int64_t d);
 /// dy, x, dx: [n, d]; w, dw: [d]; rstd: [n].
@@ -94,12 +123,14 @@ Bytes attention_softmax_forward(std::int64_t B, std::int64_t S, std::int64_t H);
 Bytes attention_softmax_backward(std::int64_t B, std::int64_t S, std::int64_t H);
 }  // namespace op_bytes
 
-/// One measured GEMM: C[M,N] = A[M,K] @ B[K,N] at `rate` FLOP/s (2*M*N*K FLOPs).
+/// One measured GEMM: C[M,N] = op(A)[M,K] @ op(B)[K,N] at `rate` FLOP/s (2*M*N*K
+/// FLOPs), called with `layout`.
 struct GemmSample {
   std::int64_t M = 0;
   std::int64_t N = 0;
   std::int64_t K = 0;
   FlopsPerSecond rate = 0;
+  GemmLayout layout = GemmLayout::any;
 };
 
 /// One measured op invocation: it moved `bytes` (op_bytes::) in `seconds`.
@@ -149,26 +180,30 @@ class CostModel {
 
   // ---- primitives ------------------------------------------------------------
 
-  /// FLOP/s of a GEMM of this shape. Lookup, in order:
-  /// 1. a sample of exactly this shape: its rate;
+  /// FLOP/s of a GEMM of this shape. Steps 1 and 2 look first among the samples of
+  /// `layout` (unless it is `any`), then among all samples:
+  /// 1. a sample of exactly this shape: its rate (samples of one shape: mean time;
+  ///    a line's times made nondecreasing first, see make_nondecreasing);
   /// 2. samples that share two of the three extents with the query (a "line" along
   ///    the third): time is interpolated linearly in the free extent between the two
   ///    samples around it (GEMM time is close to affine between tile steps); outside
   ///    the line's range, the nearest end's rate is kept;
   /// 3. otherwise the four samples nearest in log2(M), log2(N), log2(K): an average
   ///    of log(rate) weighted by 1 / distance^2.
-  FlopsPerSecond gemm_rate(std::int64_t M, std::int64_t N, std::int64_t K) const;
+  FlopsPerSecond gemm_rate(std::int64_t M, std::int64_t N, std::int64_t K, GemmLayout layout = GemmLayout::any) const;
 
-  /// One GEMM C[M,N] = A[M,K] @ B[K,N] (any transposes): 2*M*N*K / gemm_rate.
-  /// 0 when M or N is 0; an elementwise pass over C when K is 0.
-  Seconds gemm(std::int64_t M, std::int64_t N, std::int64_t K) const;
+  /// One GEMM C[M,N] = op(A)[M,K] @ op(B)[K,N]: 2*M*N*K / gemm_rate. 0 when M or N
+  /// is 0; an elementwise pass over C when K is 0.
+  Seconds gemm(std::int64_t M, std::int64_t N, std::int64_t K, GemmLayout layout = GemmLayout::any) const;
 
   /// One GEMM per group of rows_per_group[g] rows against an [N, K] weight, as the
   /// grouped linear kernel runs them. Empty groups cost 0: the kernel skips them
   /// without calling BLAS, so no overhead is paid for an expert that got no token.
-  Seconds grouped_gemm(const std::vector<std::int64_t>& rows_per_group, std::int64_t N, std::int64_t K) const;
+  Seconds grouped_gemm(const std::vector<std::int64_t>& rows_per_group, std::int64_t N, std::int64_t K,
+                       GemmLayout layout = GemmLayout::any) const;
 
-  /// Generic elementwise work: launch_overhead + bytes / memory_bandwidth (0 for 0 bytes).
+  /// Generic elementwise work: the op_names::kElementwise table when the profile has
+  /// one, else launch_overhead + bytes / memory_bandwidth (0 for 0 bytes).
   Seconds elementwise(Bytes bytes_moved) const;
 
   /// Copy of `bytes` host -> device (prefetch) and device -> host (offload): the
@@ -187,9 +222,12 @@ class CostModel {
   Seconds rmsnorm_backward(std::int64_t n, std::int64_t d) const;
   /// x: [B, S, H, hd] rotated in place; forward and backward cost the same.
   Seconds rope(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd) const;
-  /// Per head (b, h): S x S x hd scores GEMM, softmax, S x hd x S output GEMM.
+  /// B x H times the op_names::kAttentionForward table (per head) when the profile
+  /// has it; else per head (b, h): S x S x hd scores GEMM (nt), softmax, S x hd x S
+  /// output GEMM (nn).
   Seconds attention_forward(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd) const;
-  /// Per head: four GEMMs (dV, dP, dQ, dK) and the softmax backward.
+  /// Likewise from op_names::kAttentionBackward; else per head: four GEMMs (dV tn,
+  /// dP nt, dQ nn, dK tn) and the softmax backward.
   Seconds attention_backward(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd) const;
   /// n elements of gate, up and out.
   Seconds swiglu_forward(std::int64_t n) const;
@@ -204,9 +242,9 @@ class CostModel {
   Seconds unpermute_backward(std::int64_t n, std::int64_t k, std::int64_t d) const;
   Seconds cross_entropy_forward(std::int64_t n, std::int64_t V) const;
   Seconds cross_entropy_backward(std::int64_t n, std::int64_t V) const;
-  /// y[n, out] = x[n, in] @ w[out, in]^T.
+  /// y[n, out] = x[n, in] @ w[out, in]^T (nt).
   Seconds linear_forward(std::int64_t n, std::int64_t in, std::int64_t out) const;
-  /// dx = dy @ w (when want_dx) and dw += dy^T @ x (when want_dw).
+  /// dx = dy @ w (nn, when want_dx) and dw += dy^T @ x (tn, when want_dw).
   Seconds linear_backward(std::int64_t n, std::int64_t in, std::int64_t out, bool want_dx = true,
                           bool want_dw = true) const;
   /// Grouped linear over experts: group g has rows_per_group[g] rows.
@@ -220,13 +258,26 @@ class CostModel {
   using LineKey = std::pair<std::int64_t, std::int64_t>;
   /// Points (free extent, seconds) of one line, sorted by the extent.
   using Line = std::vector<std::pair<std::int64_t, Seconds>>;
+  /// The lines of one pool of samples: along M (key N,K), along N (key M,K), along K (key M,N).
+  using Lines = std::map<LineKey, Line>[3];
+
+  /// Steps 1 and 2 of gemm_rate on one pool; false when no line of it passes
+  /// through the query.
+  static bool line_rate(const Lines& lines, std::int64_t M, std::int64_t N, std::int64_t K, FlopsPerSecond* rate);
 
   /// Piecewise-linear time of `bytes` on a table, starting from (0 bytes, zero_time).
   static Seconds table_time(const std::vector<OpSample>& points, Bytes bytes, Seconds zero_time);
 
   HardwareProfile profile_;
-  std::map<LineKey, Line> lines_[3];  ///< lines along M (key N,K), along N (key M,K), along K (key M,N)
+  Lines lines_[4];  ///< indexed by GemmLayout: [any] holds every sample, the others their layout's
 };
+
+/// Replaces `t` by the nondecreasing sequence closest to it in least squares (the
+/// pool-adjacent-violators algorithm): runs that fall are replaced by their mean.
+/// The cost model applies it to every GEMM line and op table, whose times cannot
+/// fall as the work grows (a measured fall is noise), so interpolation never
+/// predicts less time for more work.
+void make_nondecreasing(std::vector<Seconds>& t);
 
 /// The exposed part of `extra` work (an offload or a prefetch) that runs beside
 /// `available` seconds of compute it can hide under: max(0, extra - available).

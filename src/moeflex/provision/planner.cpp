@@ -7,6 +7,16 @@
 
 namespace moeflex {
 
+namespace {
+
+/// MOEFLEX_PLANNER_DEBUG set: every decision is printed to stderr (read once).
+bool planner_debug() {
+  static const bool on = std::getenv("MOEFLEX_PLANNER_DEBUG") != nullptr;
+  return on;
+}
+
+}  // namespace
+
 double recompute_cost_per_byte(const std::string& op) {
   // Arithmetic intensity of rebuilding one output byte (FLOP per byte, rough): a GEMM
   // output of [n, out] from [n, in] costs 2*in FLOP per element; elementwise ops ~1.
@@ -94,7 +104,7 @@ void AdaptivePlanner::plan_block(int mb, int layer, const std::vector<SaveCandid
           cacheable = false;
           if (peak > limit) {
             ++infeasible_;
-            if (std::getenv("MOEFLEX_PLANNER_DEBUG"))
+            if (planner_debug())
               std::fprintf(stderr, "infeasible mb %d layer %d: floor %.2f MiB > limit %.2f MiB (margin %.2f MiB)\n", mb,
                            layer, peak / 1048576.0, limit / 1048576.0, margin() / 1048576.0);
           }
@@ -107,13 +117,10 @@ void AdaptivePlanner::plan_block(int mb, int layer, const std::vector<SaveCandid
             peak = projected(choice);
           }
           for (std::size_t j = i; j-- > 0;) {
-            BlockChoice trial = choice;
-            trial.erase(order[j]->name);
-            const Bytes p = projected(trial);
-            if (p <= limit) {
-              choice = std::move(trial);
-              peak = p;
-            }
+            auto node = choice.extract(order[j]->name);  // try keeping it (no copy of the choice)
+            const Bytes p = projected(choice);
+            if (p <= limit) peak = p;
+            else choice.insert(std::move(node));
           }
         }
       }
@@ -125,7 +132,7 @@ void AdaptivePlanner::plan_block(int mb, int layer, const std::vector<SaveCandid
   }
   projected_peak_ = std::max(projected_peak_, peak);
   predicted_step_peak_ = std::max(arena_.peak(), raw);
-  if (std::getenv("MOEFLEX_PLANNER_DEBUG")) {
+  if (planner_debug()) {
     std::size_t dropped = choice.size();
     std::fprintf(stderr,
                  "plan mb %d layer %d: in use %.1f MiB (step peak so far %.1f), %zu of %zu dropped, projected peak "

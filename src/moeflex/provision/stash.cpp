@@ -23,6 +23,52 @@ void ActivationStash::account(const TensorPtr& t, int sign) {
 
 ActivationStash::~ActivationStash() {
   for (auto& [k, item] : items_) settle(item);
+  if (arena_) arena_->remove_relocatable(relocatable_id_);
+}
+
+void ActivationStash::set_device(Arena* arena, CopyEngine* engine) {
+  if (arena_) arena_->remove_relocatable(relocatable_id_);
+  arena_ = arena;
+  engine_ = engine;
+  if (!arena_) return;
+  // Movable: device copies only the stash references (nobody holds a pointer into
+  // them) with no offload or prefetch copy reading or writing them.
+  relocatable_id_ = arena_->add_relocatable(
+      [this](std::vector<Tensor*>& out) {
+        for (auto& [k, item] : items_)
+          if (item.tensor && item.tensor.use_count() == 1 && !item.offloading && !item.prefetching &&
+              item.tensor->arena() == arena_)
+            out.push_back(item.tensor.get());
+      },
+      [this](Tensor* t) { return evict(t); }, [this] { sync(); });
+}
+
+bool ActivationStash::evict(Tensor* t) {
+  if (!engine_) return false;
+  for (auto& [key, item] : items_) {
+    if (item.tensor.get() != t) continue;
+    if (item.tensor.use_count() != 1 || item.offloading || item.prefetching) return false;
+    if (!item.host) {  // (an offloaded entry brought back still has its host copy)
+      item.shape = t->shape();
+      item.dtype = t->dtype();
+      item.host = std::unique_ptr<char, HostFree>(static_cast<char*>(engine_->host_alloc(item.entry.bytes)),
+                                                  HostFree{engine_, item.entry.bytes});
+      host_bytes_ += item.entry.bytes;
+      host_peak_ = std::max(host_peak_, host_bytes_);
+      engine_->copy(item.host.get(), t->raw(), item.entry.bytes,
+                    fmt::format("evict L{} {} mb{}", item.entry.layer, item.entry.name, item.entry.microbatch),
+                    /*to_host=*/true)
+          .wait();
+    }
+    account(item.tensor, -1);
+    item.tensor.reset();
+    // From now on it is an offloaded entry that has landed: prefetch_layer() and
+    // get() bring it back, and the ledger says so (the planner's walk adopts it so).
+    item.entry.provision = Provision::offload;
+    counters_.evicted += item.entry.bytes;
+    return true;
+  }
+  return false;
 }
 
 void ActivationStash::settle(Item& item) {
@@ -87,12 +133,12 @@ void ActivationStash::save(int microbatch, int layer, std::string_view name, std
     item.shape = t.shape();
     item.dtype = t.dtype();
     item.tensor = std::make_shared<Tensor>(std::move(t));
-    item.host.reset(static_cast<char*>(std::aligned_alloc(64, std::size_t(Arena::round_up(item.entry.bytes)))));
-    if (!item.host) throw Error(fmt::format("host pool: cannot allocate {} for offloading '{}'", format_bytes(item.entry.bytes), name));
+    item.host = std::unique_ptr<char, HostFree>(static_cast<char*>(engine_->host_alloc(item.entry.bytes)),
+                                                HostFree{engine_, item.entry.bytes});
     host_bytes_ += item.entry.bytes;
     host_peak_ = std::max(host_peak_, host_bytes_);
     item.d2h = engine_->copy(item.host.get(), item.tensor->raw(), item.entry.bytes,
-                             fmt::format("offload L{} {} mb{}", layer, name, microbatch));
+                             fmt::format("offload L{} {} mb{}", layer, name, microbatch), /*to_host=*/true);
     item.offloading = true;
     item.lineage = std::move(lineage);
     counters_.offloaded += item.entry.bytes;

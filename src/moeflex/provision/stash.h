@@ -59,12 +59,13 @@ class ActivationStash {
 
   ActivationStash() = default;
   ~ActivationStash();
+  ActivationStash(const ActivationStash&) = delete;  // the arena holds `this` (compaction source)
+  ActivationStash& operator=(const ActivationStash&) = delete;
   /// Where prefetched tensors are allocated and which engine copies; without them
-  /// an offload decision falls back to save.
-  void set_device(Arena* arena, CopyEngine* engine) {
-    arena_ = arena;
-    engine_ = engine;
-  }
+  /// an offload decision falls back to save. Registers the stash with `arena` as a
+  /// compaction source (Arena::compact): the arena may move the device copies the
+  /// stash alone holds with no copy in flight.
+  void set_device(Arena* arena, CopyEngine* engine);
 
   /// Takes ownership of `t` as the activation (mb, layer, name), then applies the
   /// policy: recompute drops the tensor now (only when `lineage` is given). Throws
@@ -114,14 +115,20 @@ class ActivationStash {
     Bytes saved = 0;
     Bytes recomputed = 0;
     Bytes offloaded = 0;
+    /// Evicted to the host by the arena to make room on fragmentation (Arena::make_room).
+    Bytes evicted = 0;
   };
   const Counters& counters() const { return counters_; }
   void reset_counters() { counters_ = {}; }
 
  private:
   using Key = std::tuple<int, int, std::string>;
-  struct HostFree {
-    void operator()(char* p) const { std::free(p); }
+  struct HostFree {  // returns an offload's host buffer to the engine that gave it
+    HostFree() noexcept : engine(nullptr), bytes(0) {}
+    HostFree(CopyEngine* e, Bytes b) noexcept : engine(e), bytes(b) {}
+    CopyEngine* engine;
+    Bytes bytes;
+    void operator()(char* p) const { engine->host_free(p, bytes); }
   };
   struct Item {
     LedgerEntry entry;
@@ -137,8 +144,10 @@ class ActivationStash {
   };
   void account(const TensorPtr& t, int sign);
   void settle(Item& item);   // waits for in-flight copies of an item
+  bool evict(Tensor* t);     // Arena::EvictFn: copies `t` to the host and frees it
   void erase_item(std::map<std::tuple<int, int, std::string>, Item, std::less<>>::iterator it);
   Arena* arena_ = nullptr;
+  int relocatable_id_ = -1;  // our compaction source in arena_
   CopyEngine* engine_ = nullptr;
   std::int64_t ctx_received_ = 0, ctx_balanced_ = 0;
   Bytes host_bytes_ = 0, host_peak_ = 0;

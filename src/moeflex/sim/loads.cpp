@@ -7,6 +7,7 @@
 #include <fstream>
 #include <sstream>
 
+#include <functional>
 #include <nlohmann/json.hpp>
 
 #include "moeflex/core/error.h"
@@ -14,21 +15,33 @@
 
 namespace moeflex::sim {
 
-LoadModel LoadModel::from_metrics(const std::filesystem::path& path) {
+namespace {
+// Calls fn(record, "file:line") for every non-empty line of a JSON-lines file;
+// throws DataError naming the file (and line) when it cannot be read or parsed.
+void for_each_json_line(const std::filesystem::path& path,
+                        const std::function<void(const nlohmann::json&, const std::string&)>& fn) {
   std::ifstream in(path);
   if (!in) throw DataError(fmt::format("{}: cannot read", path.string()));
-  LoadModel m;
   std::string line;
   int no = 0;
   while (std::getline(in, line)) {
     ++no;
     if (line.empty()) continue;
+    const std::string where = fmt::format("{}:{}", path.string(), no);
     nlohmann::json j;
     try {
       j = nlohmann::json::parse(line);
     } catch (const nlohmann::json::exception& e) {
-      throw DataError(fmt::format("{}:{}: not valid JSON ({})", path.string(), no, e.what()));
+      throw DataError(fmt::format("{}: not valid JSON ({})", where, e.what()));
     }
+    fn(j, where);
+  }
+}
+}  // namespace
+
+LoadModel LoadModel::from_metrics(const std::filesystem::path& path) {
+  LoadModel m;
+  for_each_json_line(path, [&](const nlohmann::json& j, const std::string&) {
     std::vector<double> ratios;
     if (j.contains("ep_received_tokens") && j["ep_received_tokens"].is_array()) {
       for (const auto& row : j["ep_received_tokens"]) {
@@ -42,9 +55,93 @@ LoadModel LoadModel::from_metrics(const std::filesystem::path& path) {
     }
     if (ratios.empty()) ratios.push_back(1.0);
     m.trace_.push_back(std::move(ratios));
-  }
+  });
   if (m.trace_.empty()) throw DataError(fmt::format("{}: no steps", path.string()));
   return m;
+}
+
+LoadModel LoadModel::from_loads(const std::filesystem::path& path) {
+  LoadModel m;
+  for_each_json_line(path, [&](const nlohmann::json& j, const std::string& where) {
+    int dp = 0, ep = 0, M = 0, L = 0;
+    try {
+      dp = j.at("dp").get<int>();
+      ep = j.at("ep").get<int>();
+      M = j.at("microbatches").get<int>();
+      L = int(j.at("moe_layers").size());
+    } catch (const nlohmann::json::exception& e) {
+      throw DataError(fmt::format("{}: needs dp, ep, microbatches and moe_layers ({})", where, e.what()));
+    }
+    if (dp < 1 || ep < 1 || dp % ep != 0 || M < 1 || L < 1)
+      throw DataError(fmt::format("{}: dp {}, ep {}, microbatches {}, {} MoE layers: need ep dividing dp and "
+                                  "at least one of each", where, dp, ep, M, L));
+    if (!m.rows_.empty() && (dp != m.rec_dp_ || ep != m.rec_ep_ || M != m.rec_m_ || L != m.rec_layers_))
+      throw DataError(fmt::format("{}: layout dp {} ep {} microbatches {} layers {} differs from the first line's "
+                                  "(dp {} ep {} microbatches {} layers {})", where, dp, ep, M, L, m.rec_dp_,
+                                  m.rec_ep_, m.rec_m_, m.rec_layers_));
+    m.rec_dp_ = dp;
+    m.rec_ep_ = ep;
+    m.rec_m_ = M;
+    m.rec_layers_ = L;
+    std::vector<RecordedRows> rows(std::size_t(L) * std::size_t(M) * std::size_t(dp));
+    for (const char* field : {"received", "kept"}) {
+      const auto& t = j.contains(field) ? j[field] : nlohmann::json();
+      bool ok = t.is_array() && int(t.size()) == L;
+      for (int k = 0; ok && k < L; ++k) {
+        ok = t[std::size_t(k)].is_array() && int(t[std::size_t(k)].size()) == M;
+        for (int mb = 0; ok && mb < M; ++mb) {
+          const auto& v = t[std::size_t(k)][std::size_t(mb)];
+          ok = v.is_array() && int(v.size()) == dp;
+          for (int q = 0; ok && q < dp; ++q) {
+            ok = v[std::size_t(q)].is_number_integer() && v[std::size_t(q)].get<std::int64_t>() >= 0;
+            if (!ok) break;
+            auto& r = rows[(std::size_t(k) * std::size_t(M) + std::size_t(mb)) * std::size_t(dp) + std::size_t(q)];
+            (std::string(field) == "received" ? r.received : r.kept) = v[std::size_t(q)].get<std::int64_t>();
+          }
+        }
+      }
+      if (!ok)
+        throw DataError(fmt::format("{}: '{}' must be {} layers x {} micro-batches x {} ranks of row counts >= 0",
+                                    where, field, L, M, dp));
+    }
+    // Per micro-batch and layer: the hottest EP group's max / mean of received rows.
+    std::vector<double> ratios(std::size_t(L) * std::size_t(M), 1.0);
+    for (std::size_t i = 0; i < ratios.size(); ++i)
+      for (int g = 0; g < dp / ep; ++g) {
+        double mx = 0, sum = 0;
+        for (int q = g * ep; q < (g + 1) * ep; ++q) {
+          const double v = double(rows[i * std::size_t(dp) + std::size_t(q)].received);
+          mx = std::max(mx, v);
+          sum += v;
+        }
+        if (sum > 0) ratios[i] = std::max(ratios[i], mx * double(ep) / sum);
+      }
+    m.rows_.push_back(std::move(rows));
+    m.mb_ratio_.push_back(std::move(ratios));
+  });
+  if (m.rows_.empty()) throw DataError(fmt::format("{}: no steps", path.string()));
+  return m;
+}
+
+LoadModel LoadModel::from_file(const std::filesystem::path& path) {
+  if (std::filesystem::is_directory(path)) {
+    if (std::filesystem::exists(path / "loads.jsonl")) return from_loads(path / "loads.jsonl");
+    return from_metrics(path / "metrics.jsonl");
+  }
+  if (path.filename() == "loads.jsonl") return from_loads(path);
+  return from_metrics(path);
+}
+
+RecordedRows LoadModel::rows(int iteration, int microbatch, int moe_layer, int dp_rank) const {
+  if (rows_.empty()) throw ConfigError("per-rank loads asked of a load model without a loads.jsonl replay");
+  if (microbatch < 0 || microbatch >= rec_m_ || moe_layer < 0 || moe_layer >= rec_layers_ || dp_rank < 0 ||
+      dp_rank >= rec_dp_)
+    throw ConfigError(fmt::format("replayed loads: micro-batch {}, MoE layer {}, dp rank {} outside the recording's "
+                                  "{} micro-batches, {} layers, dp {}", microbatch, moe_layer, dp_rank, rec_m_,
+                                  rec_layers_, rec_dp_));
+  const auto& step = rows_[std::size_t(std::max(iteration, 0)) % rows_.size()];
+  return step[(std::size_t(moe_layer) * std::size_t(rec_m_) + std::size_t(microbatch)) * std::size_t(rec_dp_) +
+              std::size_t(dp_rank)];
 }
 
 LoadModel LoadModel::parse(const std::string& spec) {
@@ -73,6 +170,11 @@ LoadModel LoadModel::parse(const std::string& spec) {
 }
 
 double LoadModel::ratio(int iteration, int microbatch, int m, int moe_layer) const {
+  if (!mb_ratio_.empty()) {
+    const auto& step = mb_ratio_[std::size_t(std::max(iteration, 0)) % mb_ratio_.size()];
+    const std::size_t M = std::size_t(rec_m_);
+    return step[(std::size_t(moe_layer) % std::size_t(rec_layers_)) * M + std::size_t(microbatch) % M];
+  }
   if (!trace_.empty()) {
     const auto& step = trace_[std::size_t(iteration) % trace_.size()];
     return step[std::size_t(moe_layer) % step.size()];
@@ -87,14 +189,22 @@ double LoadModel::ratio(int iteration, int microbatch, int m, int moe_layer) con
 
 double LoadModel::max_ratio() const {
   if (constant > 0) return constant;
-  if (trace_.empty()) return spike_probability > 0 ? spike_max : calm_max;
+  if (trace_.empty() && mb_ratio_.empty()) return spike_probability > 0 ? spike_max : calm_max;
   double mx = 1;
+  for (const auto& s : mb_ratio_)
+    for (double r : s) mx = std::max(mx, r);
   for (const auto& s : trace_)
     for (double r : s) mx = std::max(mx, r);
   return mx;
 }
 
 double LoadModel::probability_above(double r) const {
+  if (!mb_ratio_.empty()) {
+    int above = 0;
+    for (const auto& s : mb_ratio_)
+      if (*std::max_element(s.begin(), s.end()) > r) ++above;
+    return double(above) / double(mb_ratio_.size());
+  }
   if (!trace_.empty()) {
     int above = 0;
     for (const auto& s : trace_)
@@ -109,6 +219,9 @@ double LoadModel::probability_above(double r) const {
 
 std::string LoadModel::describe() const {
   if (constant > 0) return fmt::format("constant ratio {:.2f}", constant);
+  if (!rows_.empty())
+    return fmt::format("replayed per rank from loads.jsonl ({} steps, dp {}, ep {}, max ratio {:.2f})", rows_.size(),
+                       rec_dp_, rec_ep_, max_ratio());
   if (!trace_.empty()) return fmt::format("replayed from metrics.jsonl ({} steps, max ratio {:.2f})", trace_.size(), max_ratio());
   return fmt::format("sampled: {:.1f}% of iterations in (1, {:.2f}], {:.1f}% spike in ({:.2f}, {:.2f}] (seed {})",
                      100 * (1 - spike_probability), calm_max, 100 * spike_probability, calm_max, spike_max, seed);

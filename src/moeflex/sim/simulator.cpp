@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <numeric>
 #include <set>
@@ -108,16 +109,179 @@ int SimOptions::num_microbatches() const {
 // ---------------------------------------------------------------------------------------------
 // Plan executor
 
-PlanTimeline run_plan(const StepPlan& plan, const std::function<ActionCost(int, const Action&)>& cost,
-                      const std::function<Seconds(const Action&)>& message_time, bool overlap_pair_comm) {
-  const int P = plan.num_ranks;
+namespace {
+
+// A timeline of zeros sized for every rank and action of `plan`.
+PlanTimeline empty_timeline(const StepPlan& plan) {
+  const std::size_t P = std::size_t(plan.num_ranks);
   PlanTimeline tl;
-  tl.busy.assign(std::size_t(P), 0);
-  tl.comm.assign(std::size_t(P), 0);
-  tl.idle.assign(std::size_t(P), 0);
-  tl.finish.assign(std::size_t(P), 0);
-  tl.times.resize(std::size_t(P));
-  for (int r = 0; r < P; ++r) tl.times[std::size_t(r)].resize(plan.actions[std::size_t(r)].size());
+  tl.busy.assign(P, 0);
+  tl.comm.assign(P, 0);
+  tl.idle.assign(P, 0);
+  tl.finish.assign(P, 0);
+  tl.times.resize(P);
+  for (std::size_t r = 0; r < P; ++r) tl.times[r].resize(plan.actions[r].size());
+  return tl;
+}
+
+/// run_plan under core sharing (see CoreSharing): a global event loop in virtual
+/// time. Between two events (an action ends, a message arrives) the set of
+/// computing ranks is fixed, so each progresses at a constant rate.
+PlanTimeline run_plan_shared(const StepPlan& plan, const std::function<ActionCost(int, const Action&)>& cost,
+                             const std::function<Seconds(const Action&)>& message_time, bool overlap_pair_comm,
+                             const CoreSharing& sh) {
+  const int P = plan.num_ranks;
+  const double p = std::max(sh.processes_per_rank, 1);
+  PlanTimeline tl = empty_timeline(plan);
+  std::vector<Seconds> arrival(std::size_t(2 * plan.num_microbatches * plan.num_stages), -1.0);
+  auto key = [&](const Action& a) { return std::size_t(message_tag(plan, a)); };
+  struct Running {
+    bool on = false;
+    bool pair = false;       // an overlapped F&B pair: two actions end together
+    std::vector<ActionCost::Segment> parts;
+    std::size_t part = 0;    // the segment running
+    double left = 0;         // fraction of that segment still to run
+    Seconds T = 0, comm = 0, start = 0;
+    Seconds waiting_since = 0;  // when not running: when its wait (polling, then sleep) began
+  };
+  auto segments_of = [&](const ActionCost& c) {
+    if (!c.segments.empty()) return c.segments;
+    return std::vector<ActionCost::Segment>{{c.compute + c.comm, c.demand > 0 ? c.demand : (c.compute + c.comm) * p}};
+  };
+  std::vector<Running> run(static_cast<std::size_t>(P));
+  std::vector<std::size_t> pc(std::size_t(P), 0);
+  Seconds t = 0;
+  auto all_done = [&] {
+    for (int r = 0; r < P; ++r)
+      if (pc[std::size_t(r)] < plan.actions[std::size_t(r)].size()) return false;
+    return true;
+  };
+  while (true) {
+    // Every rank not computing goes through its sends, arrived receives, and starts
+    // its next compute action (again while a send unblocks a rank before it).
+    for (bool moved = true; moved;) {
+      moved = false;
+      for (int r = 0; r < P; ++r) {
+        auto& R = run[std::size_t(r)];
+        const auto& acts = plan.actions[std::size_t(r)];
+        std::size_t& i = pc[std::size_t(r)];
+        while (!R.on && i < acts.size()) {
+          const Action& a = acts[i];
+          if (is_recv(a.kind)) {
+            const Seconds at = arrival[key(a)];
+            if (at < 0 || at > t) break;
+            tl.times[std::size_t(r)][i++] = {t, t};  // its wait counts as idle (makespan - busy)
+          } else if (is_send(a.kind)) {
+            arrival[key(a)] = t + message_time(a);
+            tl.times[std::size_t(r)][i++] = {t, t};
+          } else {
+            ActionCost c = cost(r, a);
+            R.pair = a.overlapped_with_next && i + 1 < acts.size();
+            R.parts = segments_of(c);
+            if (R.pair) {  // both halves' compute, their comm added or hidden as run_plan does
+              const ActionCost b = cost(r, acts[i + 1]);
+              const Seconds both = c.compute + c.comm + b.compute + b.comm;
+              const Seconds compute = c.compute + b.compute;
+              const Seconds comm =
+                  overlap_pair_comm ? std::max<Seconds>(0, c.comm + b.comm - compute) : c.comm + b.comm;
+              for (const auto& g : segments_of(b)) R.parts.push_back(g);
+              const double scale = both > 0 ? (compute + comm) / both : 0;  // hidden comm shortens every segment
+              for (auto& g : R.parts) g = {g.T * scale, g.D * scale};
+              c.compute = compute;
+              c.comm = comm;
+            }
+            std::erase_if(R.parts, [](const ActionCost::Segment& g) { return g.T <= 0; });
+            R.T = c.compute + c.comm;
+            R.comm = c.comm;
+            R.start = t;
+            R.part = 0;
+            R.left = 1;
+            R.on = !R.parts.empty();
+            if (!R.on) {  // nothing to run
+              tl.times[std::size_t(r)][i] = {t, t};
+              if (R.pair) tl.times[std::size_t(r)][++i] = {t, t};
+              ++i;
+            }
+          }
+          moved = true;
+        }
+      }
+    }
+    if (all_done()) break;
+    // Computing ranks, and waiting ones still polling (the first poll_seconds of a wait).
+    int active = 0;
+    for (const auto& R : run) active += R.on || t < R.waiting_since + sh.poll_seconds ? 1 : 0;
+    const double share = std::min(1.0, double(sh.cores) / (double(active) * p));
+    // The next event: an action ending or a message arriving for a waiting rank.
+    Seconds next = std::numeric_limits<Seconds>::infinity();
+    std::vector<double> rate(std::size_t(P), 0);
+    for (int r = 0; r < P; ++r) {
+      const auto& R = run[std::size_t(r)];
+      if (R.on) {
+        const auto& g = R.parts[R.part];
+        rate[std::size_t(r)] = 1.0 / std::max(g.T, g.D / (p * share));
+        next = std::min(next, t + R.left / rate[std::size_t(r)]);
+      } else {
+        if (t < R.waiting_since + sh.poll_seconds) next = std::min(next, R.waiting_since + sh.poll_seconds);
+        if (pc[std::size_t(r)] < plan.actions[std::size_t(r)].size()) {
+          const Action& a = plan.actions[std::size_t(r)][pc[std::size_t(r)]];
+          if (is_recv(a.kind) && arrival[key(a)] > t) next = std::min(next, arrival[key(a)]);
+        }
+      }
+    }
+    if (!std::isfinite(next)) {
+      std::string blocked;
+      for (int r = 0; r < P; ++r)
+        if (pc[std::size_t(r)] < plan.actions[std::size_t(r)].size())
+          blocked += fmt::format(" rank {} at {};", r, to_string(plan.actions[std::size_t(r)][pc[std::size_t(r)]]));
+      throw ScheduleError("deadlock in the simulated plan:" + blocked);
+    }
+    const Seconds dt = next - t;
+    t = next;
+    for (int r = 0; r < P; ++r) {
+      auto& R = run[std::size_t(r)];
+      if (!R.on) continue;
+      const Seconds ends = t - dt + R.left / rate[std::size_t(r)];
+      if (ends > t + 1e-12 * std::max<Seconds>(t, 1e-9)) {  // still in this segment
+        R.left -= rate[std::size_t(r)] * dt;
+        continue;
+      }
+      if (++R.part < R.parts.size()) {  // the next segment, at its own rate from the next event on
+        R.left = 1;
+        continue;
+      }
+      std::size_t& i = pc[std::size_t(r)];
+      const Seconds dur = t - R.start;
+      tl.times[std::size_t(r)][i] = {R.start, t};
+      if (R.pair) tl.times[std::size_t(r)][++i] = {R.start, t};
+      ++i;
+      tl.busy[std::size_t(r)] += dur;
+      tl.comm[std::size_t(r)] += R.T > 0 ? dur * R.comm / R.T : 0;
+      R.on = false;
+      R.waiting_since = t;  // polls if its next step cannot start now
+    }
+  }
+  for (int r = 0; r < P; ++r) {
+    const auto& acts = plan.actions[std::size_t(r)];
+    Seconds end = 0;
+    for (std::size_t i = 0; i < acts.size(); ++i) end = std::max(end, tl.times[std::size_t(r)][i].end);
+    tl.finish[std::size_t(r)] = end;
+    tl.makespan = std::max(tl.makespan, end);
+  }
+  for (int r = 0; r < P; ++r) tl.idle[std::size_t(r)] = tl.makespan - tl.busy[std::size_t(r)];
+  return tl;
+}
+
+}  // namespace
+
+PlanTimeline run_plan(const StepPlan& plan, const std::function<ActionCost(int, const Action&)>& cost,
+                      const std::function<Seconds(const Action&)>& message_time, bool overlap_pair_comm,
+                      const CoreSharing& sharing) {
+  if (sharing.cores > 0 &&
+      double(plan.num_ranks) * double(std::max(sharing.processes_per_rank, 1)) > double(sharing.cores))
+    return run_plan_shared(plan, cost, message_time, overlap_pair_comm, sharing);
+  const int P = plan.num_ranks;
+  PlanTimeline tl = empty_timeline(plan);
   std::vector<Seconds> arrival(std::size_t(2 * plan.num_microbatches * plan.num_stages), -1.0);
   auto key = [&](const Action& a) { return std::size_t(message_tag(plan, a)); };
   std::vector<std::size_t> pc(std::size_t(P), 0);
@@ -183,14 +347,13 @@ PlanTimeline run_plan(const StepPlan& plan, const std::function<ActionCost(int, 
 // ---------------------------------------------------------------------------------------------
 // Memory
 
-Bytes persistent_bytes(const ModelConfig& cfg, const ClusterSpec& cl, const ParallelSpec& par,
-                       const std::vector<std::pair<int, int>>& ranges, bool embedding, bool head) {
-  const double pb = cl.param_bytes / 2, ob = cl.optimizer_bytes / 2;  // two tensors each (w+g, m+v)
-  const double dense_shard = cl.optimizer_sharded ? par.dp : 1, expert_shard = cl.optimizer_sharded ? par.dp / par.ep : 1;
-  Bytes total = 0;
-  auto add = [&](double numel, bool expert) {
-    total += 2 * tensor_bytes(numel, pb) + 2 * tensor_bytes(numel / (expert ? expert_shard : dense_shard), ob);
-  };
+namespace {
+
+/// Calls add(numel, expert) for every parameter tensor one rank holds of layers
+/// `ranges` and the ends, in model.cpp's order (one all-reduce each in the engine's
+/// reduce_gradients; expert: routed-expert weights, reduced over dp / ep).
+void for_each_param_tensor(const ModelConfig& cfg, const ParallelSpec& par, const std::vector<std::pair<int, int>>& ranges,
+                           bool embedding, bool head, const std::function<void(double, bool)>& add) {
   const double d = double(cfg.hidden_size), tp = par.tp;
   const double El = double(cfg.num_experts) / par.ep, f = double(cfg.moe_intermediate_size);
   const double fs = double(cfg.shared_width()), I = double(cfg.intermediate_size), V = double(cfg.vocab_size);
@@ -215,7 +378,25 @@ Bytes persistent_bytes(const ModelConfig& cfg, const ClusterSpec& cl, const Para
     add(d, false);
     if (!cfg.tie_word_embeddings || !embedding) add(V * d / tp, false);
   }
+}
+
+}  // namespace
+
+Bytes persistent_bytes(const ModelConfig& cfg, const ClusterSpec& cl, const ParallelSpec& par,
+                       const std::vector<std::pair<int, int>>& ranges, bool embedding, bool head) {
+  const double pb = cl.param_bytes / 2, ob = cl.optimizer_bytes / 2;  // two tensors each (w+g, m+v)
+  const double dense_shard = cl.optimizer_sharded ? par.dp : 1, expert_shard = cl.optimizer_sharded ? par.dp / par.ep : 1;
+  Bytes total = 0;
+  for_each_param_tensor(cfg, par, ranges, embedding, head, [&](double numel, bool expert) {
+    total += 2 * tensor_bytes(numel, pb) + 2 * tensor_bytes(numel / (expert ? expert_shard : dense_shard), ob);
+  });
   return total;
+}
+
+Seconds optimizer_step_time(const CostModel& cost, double params, double sharded_params) {
+  const auto& tables = cost.profile().op_tables;
+  if (tables.count(kOptimizerStepOp)) return cost.op(kOptimizerStepOp, Bytes(std::llround(4 * params)));
+  return cost.elementwise(Bytes(std::llround(16 * params))) + cost.elementwise(Bytes(std::llround(28 * sharded_params)));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -312,6 +493,20 @@ struct Simulation {
       mw = std::min(m, 2 * p.pp * v + 2);
       if (o.schedule == "interleaved") mw = std::min(m, (mw + p.pp - 1) / p.pp * p.pp);
     }
+    if (o.loads.per_rank()) {
+      // A per-rank replay walks every recorded micro-batch in its own place.
+      int moe_layers = 0;
+      for (int l = 0; l < cfg.num_hidden_layers; ++l) moe_layers += cfg.is_moe_layer(l) ? 1 : 0;
+      const LoadModel& L = o.loads;
+      if (L.recorded_dp() != p.dp || L.recorded_ep() != p.ep || L.recorded_microbatches() != m ||
+          L.recorded_moe_layers() != moe_layers)
+        throw ConfigError(fmt::format(
+            "--loads: the recorded run has dp {}, ep {}, {} micro-batches and {} MoE layers; this simulation has dp "
+            "{}, ep {}, {} micro-batches and {} MoE layers (per-rank replay needs the run's own layout)",
+            L.recorded_dp(), L.recorded_ep(), L.recorded_microbatches(), L.recorded_moe_layers(), p.dp, p.ep, m,
+            moe_layers));
+      mw = m;
+    }
     memory_plan = mw == m ? plan : make_schedule(o.schedule, p.pp, mw, dualv ? 1 : p.vpp);
     split = o.schedule == "zb-h1";
     n_rank = o.micro_batch_size * o.seq_len / p.tp;
@@ -392,6 +587,80 @@ struct Simulation {
     return w.peak();
   }
 
+  /// Peak bytes of data-parallel rank q of pipeline rank r (as walk()), at the rows
+  /// that rank recorded (SimOptions::loads per_rank()): exact for that rank.
+  Bytes walk_rank(int r, int it, int q, const std::vector<std::string>& mb_policy) {
+    std::vector<StageSpec> specs;
+    for (int s : plan.stages_of(r)) {
+      const StageInfo& si = stages[std::size_t(s)];
+      specs.push_back({si.first_layer, si.last_layer, si.embedding, si.head, o.parallel.ep});
+    }
+    std::map<std::string, ProvisionFn> fns;
+    for (const auto& p : mb_policy)
+      if (!fns.count(p)) fns.emplace(p, p == "none" ? ProvisionFn{} : make_static_policy(p));
+    MemoryWalk w(cfg, o.micro_batch_size, o.seq_len / o.parallel.tp, 0);
+    w.run(walk_actions(plan, r), 0, specs,
+          [&](int mb, const StageSpec& st) {
+            std::vector<MoERows> rows;
+            for (int l = st.first_layer; l < st.last_layer; ++l) {
+              const int k = moe_index[std::size_t(l)];
+              if (k < 0) {
+                rows.push_back(rows_at(1.0));  // dense: unused by the walk
+                continue;
+              }
+              const RecordedRows rec = o.loads.rows(it, mb, k, q);
+              rows.push_back(MoERows{rec.kept, rec.received});
+            }
+            return rows;
+          },
+          [&](const LedgerEntry& e) {
+            if (o.cluster.flash_attention && e.name == "attn.probs") return Provision::recompute;
+            const ProvisionFn& f = fns.at(mb_policy[std::size_t(e.microbatch)]);
+            return f ? f(e) : Provision::save;
+          });
+    return w.peak();
+  }
+
+  /// Peak activation bytes of pipeline rank r in iteration `it`: the largest of its
+  /// data-parallel ranks' exact walks when the loads give every rank's rows, else the
+  /// upper bound of walk() at the hottest EP rank's loads of every micro-batch.
+  /// `per_rank` (when not null) receives each data-parallel rank's walk (per-rank replays only).
+  Bytes walk_peak(int r, int it, const std::vector<double>& mb_ratio, const std::vector<std::string>& mb_policy,
+                  std::vector<Bytes>* per_rank = nullptr) {
+    if (!o.loads.per_rank() || it < 0) return walk(r, it, mb_ratio, mb_policy);
+    Bytes mx = 0;
+    if (per_rank) per_rank->assign(std::size_t(o.parallel.dp), 0);
+    for (int q = 0; q < o.parallel.dp; ++q) {
+      const Bytes b = walk_rank(r, it, q, mb_policy);
+      if (per_rank) (*per_rank)[std::size_t(q)] = b;
+      mx = std::max(mx, b);
+    }
+    return mx;
+  }
+
+  /// The layer costs of the dp processes of one pipeline rank for (iteration,
+  /// micro-batch, MoE layer l) whose hottest EP rank is at ratio `hot`: each rank's
+  /// own recorded rows in a per-rank replay; else, in each EP group, one rank at
+  /// `hot` and the other ep - 1 sharing the rest of the group's rows evenly, at
+  /// (ep - hot) / (ep - 1) each (the group's total is conserved).
+  std::vector<const LayerCost*> group_layers(int it, int mb, int l, double hot) {
+    const ParallelSpec& p = o.parallel;
+    std::vector<const LayerCost*> out;
+    const int k = moe_index[std::size_t(l)];
+    if (o.loads.per_rank() && k >= 0) {
+      const double balanced = double(MoERows::balanced(cfg, n_rank).received);
+      for (int q = 0; q < p.dp; ++q)
+        out.push_back(&layer_at(l, double(o.loads.rows(it, mb, k, q).received) / balanced));
+      return out;
+    }
+    const double cold = p.ep > 1 ? std::max(0.0, (double(p.ep) - hot) / double(p.ep - 1)) : 1.0;
+    for (int g = 0; g < p.dp / p.ep; ++g) {
+      out.push_back(&layer_at(l, p.ep > 1 ? hot : 1.0));
+      for (int q = 1; q < p.ep; ++q) out.push_back(&layer_at(l, cold));
+    }
+    return out;
+  }
+
   Bytes scaled(Bytes persistent_b, Bytes act) const { return persistent_b + Bytes(std::llround(double(act) * act_scale)); }
 };
 
@@ -418,31 +687,28 @@ SimReport simulate(const SimOptions& o) {
   // Data-parallel gradient reduction and optimizer, after the last backward.
   {
     Seconds dp_t = 0, opt_t = 0;
+    const GroupPlacement dense_g = place_group(par.dp, par.tp, o.cluster.gpus_per_node);
+    const GroupPlacement expert_g = place_group(par.dp / par.ep, par.tp * par.ep, o.cluster.gpus_per_node);
+    const Bytes grad_bytes = 4;  // fp32 gradients (the engine; Megatron's main_grad)
     for (int r = 0; r < P; ++r) {
-      Bytes dense = 0, expert = 0;
+      double dense = 0, expert = 0;
       for (int s : sim.plan.stages_of(r)) {
         const StageInfo& si = sim.stages[std::size_t(s)];
-        ClusterSpec unit = o.cluster;
-        unit.param_bytes = 2;  // one "tensor" of 1 byte per parameter: counts parameters
-        unit.optimizer_bytes = 0;
-        unit.optimizer_sharded = false;
-        ModelConfig no_experts = sim.cfg;
-        const Bytes all = persistent_bytes(sim.cfg, unit, par, {{si.first_layer, si.last_layer}}, si.embedding, si.head) / 2;
-        no_experts.moe_intermediate_size = 0;
-        const Bytes d = persistent_bytes(no_experts, unit, par, {{si.first_layer, si.last_layer}}, si.embedding, si.head) / 2;
-        dense += d;
-        expert += all - d;
+        for_each_param_tensor(sim.cfg, par, {{si.first_layer, si.last_layer}}, si.embedding, si.head,
+                              [&](double numel, bool is_expert) { (is_expert ? expert : dense) += numel; });
       }
-      const Bytes grad_bytes = 4;  // fp32 gradients (the engine; Megatron's main_grad)
-      const Seconds t = all_reduce_time(o.cluster, place_group(par.dp, par.tp, o.cluster.gpus_per_node), dense * grad_bytes) +
-                        all_reduce_time(o.cluster, place_group(par.dp / par.ep, par.tp * par.ep, o.cluster.gpus_per_node),
-                                        expert * grad_bytes);
+      // One ring all-reduce of all dense and one of all expert gradients (bucketed, as
+      // frameworks do; the CPU engine's reduce_gradients issues one per tensor, whose
+      // extra 2(n-1) alpha each are not counted).
+      const Seconds t =
+          all_reduce_time(o.cluster, dense_g, Bytes(std::llround(dense)) * grad_bytes) +
+          all_reduce_time(o.cluster, expert_g, Bytes(std::llround(expert)) * grad_bytes);
       dp_t = std::max(dp_t, t);
-      // AdamW reads w, g, m, v and writes w, m, v: 7 fp32 passes over the (sharded) parameters.
       const double shard_d = o.cluster.optimizer_sharded ? par.dp : 1, shard_e = o.cluster.optimizer_sharded ? par.dp / par.ep : 1;
-      opt_t = std::max(opt_t, sim.cost.elementwise(Bytes(7 * 4 * (double(dense) / shard_d + double(expert) / shard_e))));
+      opt_t = std::max(opt_t, optimizer_step_time(sim.cost, dense + expert, dense / shard_d + expert / shard_e));
     }
     rep.dp_reduce_time = dp_t;
+    // Every process runs its optimizer at once: with more than the host's cores they share them.
     rep.optimizer_time = opt_t * (o.cluster.host_cores > 0 ? std::max(1.0, double(par.world()) / o.cluster.host_cores) : 1.0);
   }
 
@@ -458,6 +724,8 @@ SimReport simulate(const SimOptions& o) {
   const Bytes msg_bytes = sim.n_rank * sim.cfg.hidden_size * o.cluster.element_bytes;
   const Seconds msg_time = sim.plan.num_ranks > 1 ? p2p_time(o.cluster, same_node_pp, msg_bytes) : 0;
 
+  // Processes (ranks) time-sharing fewer host cores: run_plan's CoreSharing.
+  const bool shared = o.cluster.host_cores > 0 && par.world() > o.cluster.host_cores;
   double step_sum = 0, bubble_sum = 0, comm_sum = 0, recompute_sum = 0;
   const int iters = std::max(o.iterations, 1);
   PlanTimeline last;
@@ -479,6 +747,7 @@ SimReport simulate(const SimOptions& o) {
       RankReport& rr = rep.ranks[std::size_t(r)];
       auto& pol = policy[std::size_t(r)];
       Bytes hot = 0;
+      std::vector<Bytes> dp_walks;  // per data-parallel rank (per-rank replays)
       if (adaptive) {
         // The cheapest (calm level u, spike level s >= u) whose walk fits.
         const auto& L = adaptive_levels();
@@ -487,7 +756,7 @@ SimReport simulate(const SimOptions& o) {
           for (std::size_t s = u; s < L.size() && !fit; ++s) {
             for (int mb = 0; mb < m; ++mb)
               pol[std::size_t(mb)] = L[mb_ratio[std::size_t(mb)] > o.loads.calm_max ? s : u];
-            hot = sim.scaled(persist[std::size_t(r)], sim.walk(r, it, mb_ratio, pol));
+            hot = sim.scaled(persist[std::size_t(r)], sim.walk_peak(r, it, mb_ratio, pol, &dp_walks));
             fit = hot <= sim.limit;
             if (!fit && s + 1 < L.size()) {
               bool any_spike = false;
@@ -499,7 +768,13 @@ SimReport simulate(const SimOptions& o) {
           ++rep.adaptive_level_histogram[std::size_t(
               std::find(L.begin(), L.end(), pol[std::size_t(mb)]) - L.begin())];
       } else {
-        hot = sim.scaled(persist[std::size_t(r)], sim.walk(r, it, mb_ratio, pol));
+        hot = sim.scaled(persist[std::size_t(r)], sim.walk_peak(r, it, mb_ratio, pol, &dp_walks));
+      }
+      if (!dp_walks.empty()) {
+        rr.dp_rank_peak_bytes.resize(dp_walks.size(), 0);
+        for (std::size_t q = 0; q < dp_walks.size(); ++q)
+          rr.dp_rank_peak_bytes[q] =
+              std::max(rr.dp_rank_peak_bytes[q], sim.scaled(persist[std::size_t(r)], dp_walks[q]));
       }
       rr.peak_bytes = std::max(rr.peak_bytes, hot);
       if (it == 0) {
@@ -523,7 +798,8 @@ SimReport simulate(const SimOptions& o) {
       for (auto& pol : policy)
         for (auto& x : pol)
           if (x == "adaptive") x = "none";
-    // Times of every (stage, micro-batch) at the hottest rank's loads.
+    // Times of every (stage, micro-batch) at the hottest rank's loads; with more
+    // processes than host cores, also their core-seconds over the dp processes.
     const int S_ = sim.plan.num_stages;
     std::vector<ActionCost> F(std::size_t(S_ * m)), Bi(std::size_t(S_ * m)), W(std::size_t(S_ * m));
     std::vector<Seconds> recompute_rank(std::size_t(P), 0);
@@ -533,6 +809,13 @@ SimReport simulate(const SimOptions& o) {
       for (int mb = 0; mb < m; ++mb) {
         ActionCost f, b, w;
         const std::string& pol = policy[std::size_t(r)][std::size_t(mb)];
+        // Under core sharing: segments between the processes' synchronisations (the
+        // expert all-to-alls); the weight gradients have none (one segment).
+        const double dp = par.dp * par.tp;
+        auto same = [&](ActionCost& a, Seconds t) {  // work every process does alike
+          if (shared && t > 0) a.segments.push_back({t, t * dp});
+        };
+        ActionCost::Segment w_all;
         for (int l = si.first_layer; l < si.last_layer; ++l) {
           const double rt = sim.ratio(it, mb, l);
           const LayerCost& lc = sim.layer_at(l, rt);
@@ -542,38 +825,73 @@ SimReport simulate(const SimOptions& o) {
           b.compute += lc.backward_input;
           b.comm += comm;
           w.compute += lc.backward_weight;
+          Seconds rc = 0;
           if (pol != "none" || o.cluster.flash_attention) {
             const auto specs = layer_activations(sim.cfg, l, o.micro_batch_size, o.seq_len / par.tp,
                                                  sim.rows_at(rt), par.ep > 1);
-            Seconds rc = 0;
             for (const auto& sp : specs)
               if (recomputes(pol, sp, rt) || (o.cluster.flash_attention && sp.name == "attn.probs"))
                 rc += lc.recompute_seconds(sp.name);
             b.compute += rc;
             recompute_rank[std::size_t(r)] += rc;
           }
+          if (!shared) continue;
+          if (sim.moe_index[std::size_t(l)] >= 0 && par.ep > 1) {
+            // The layer without expert rows is the same on every rank; the expert
+            // rows (grouped GEMMs, SwiGLU) differ, between dispatch and combine.
+            // A process done with its rows polls until the group's combine, for at most
+            // kCommPollSeconds (CoreSharing::poll_seconds): x + min(T - x, poll) each.
+            const LayerCost& e = sim.layer_at(l, 0.0);
+            const auto group = sim.group_layers(it, mb, l, rt);
+            ActionCost::Segment xf, xb;
+            for (const LayerCost* q : group) {
+              xf.T = std::max(xf.T, q->forward - e.forward);
+              xb.T = std::max(xb.T, q->backward_input - e.backward_input);
+              w_all.D += q->backward_weight;
+            }
+            for (const LayerCost* q : group) {
+              const Seconds x = q->forward - e.forward, y = q->backward_input - e.backward_input;
+              xf.D += x + std::min(xf.T - x, kCommPollSeconds);
+              xb.D += y + std::min(xb.T - y, kCommPollSeconds);
+            }
+            same(f, e.forward + comm);
+            f.segments.push_back(xf);
+            same(b, e.backward_input + comm + rc);
+            b.segments.push_back(xb);
+          } else {
+            same(f, lc.forward + comm);
+            same(b, lc.backward_input + comm + rc);
+            w_all.D += lc.backward_weight * dp;
+          }
+          w_all.T += lc.backward_weight;
         }
         if (si.embedding) {
           f.compute += sim.embed.forward;
           w.compute += sim.embed.backward_weight;
+          same(f, sim.embed.forward);
+          w_all.T += sim.embed.backward_weight;
+          w_all.D += sim.embed.backward_weight * dp;
         }
         if (si.head) {
+          const Seconds head_rc = pol == "full" ? sim.head.recompute_seconds("final_norm.out") +
+                                                      sim.head.recompute_seconds("final_norm.rstd") +
+                                                      sim.head.recompute_seconds("lm_head.probs")
+                                                : 0;
           f.compute += sim.head.forward;
-          b.compute += sim.head.backward_input;
+          b.compute += sim.head.backward_input + head_rc;
           w.compute += sim.head.backward_weight;
-          if (pol == "full") b.compute += sim.head.recompute_seconds("final_norm.out") +
-                                          sim.head.recompute_seconds("final_norm.rstd") +
-                                          sim.head.recompute_seconds("lm_head.probs");
+          same(f, sim.head.forward);
+          // the head's backward runs first in B
+          if (shared) b.segments.insert(b.segments.begin(), {sim.head.backward_input + head_rc,
+                                                             (sim.head.backward_input + head_rc) * dp});
+          w_all.T += sim.head.backward_weight;
+          w_all.D += sim.head.backward_weight * dp;
         }
+        if (shared && w_all.T > 0) w.segments.push_back(w_all);
         F[std::size_t(s * m + mb)] = f;
         Bi[std::size_t(s * m + mb)] = b;
         W[std::size_t(s * m + mb)] = w;
       }
-    }
-    if (o.cluster.host_cores > 0 && par.world() > o.cluster.host_cores) {
-      const double stretch = double(par.world()) / double(o.cluster.host_cores);
-      for (auto* v : {&F, &Bi, &W})
-        for (auto& c : *v) c.compute *= stretch;
     }
     PlanTimeline tl = run_plan(
         sim.plan,
@@ -583,10 +901,15 @@ SimReport simulate(const SimOptions& o) {
             case ActionKind::Forward: return F[i];
             case ActionKind::BackwardInput: return Bi[i];
             case ActionKind::BackwardWeight: return W[i];
-            default: return {Bi[i].compute + W[i].compute, Bi[i].comm};
+            default: {  // a whole backward: B's segments, then W's
+              ActionCost c{Bi[i].compute + W[i].compute, Bi[i].comm, 0, Bi[i].segments};
+              c.segments.insert(c.segments.end(), W[i].segments.begin(), W[i].segments.end());
+              return c;
+            }
           }
         },
-        [&](const Action&) { return msg_time; }, o.overlap_pair_comm);
+        [&](const Action&) { return msg_time; }, o.overlap_pair_comm,
+        shared ? CoreSharing{o.cluster.host_cores, par.dp * par.tp, kCommPollSeconds} : CoreSharing{});
     const Seconds step = tl.makespan + rep.dp_reduce_time + rep.optimizer_time;
     step_sum += step;
     rep.step_time_max = std::max(rep.step_time_max, step);
@@ -665,8 +988,8 @@ json SimReport::to_json() const {
   json ranks_j = json::array();
   for (const auto& r : ranks)
     ranks_j.push_back({{"pp_rank", r.pp_rank}, {"persistent_bytes", r.persistent_bytes}, {"peak_bytes", r.peak_bytes},
-                       {"peak_balanced_bytes", r.peak_balanced_bytes}, {"busy_s", r.busy}, {"comm_s", r.comm},
-                       {"idle_s", r.idle}});
+                       {"peak_balanced_bytes", r.peak_balanced_bytes}, {"dp_rank_peak_bytes", r.dp_rank_peak_bytes},
+                       {"busy_s", r.busy}, {"comm_s", r.comm}, {"idle_s", r.idle}});
   json j = {{"model_params", options.model.num_params()},
             {"model_active_params", options.model.num_active_params()},
             {"cluster", options.cluster.name},

@@ -16,7 +16,11 @@
 // representative per pipeline rank carries the time, at the hottest rank's load.
 // Memory differs by load, so each pipeline rank is walked twice: at the hottest
 // EP rank's loads (the same rank taking every micro-batch's maximum: an upper
-// bound) and at balanced loads. One iteration of any cluster is pp ranks' work.
+// bound) and at balanced loads. A replay of a run's loads.jsonl instead walks
+// every data-parallel rank at its own recorded rows (each rank's peak exact, as
+// the run's arena saw it); time still follows the hottest rank, since the
+// all-to-alls make the EP group wait for it. One iteration of any cluster is pp
+// ranks' work (times dp walks in a per-rank replay).
 #pragma once
 #include <cstdint>
 #include <filesystem>
@@ -98,7 +102,11 @@ struct SimOptions {
 struct RankReport {
   int pp_rank = 0;
   Bytes persistent_bytes = 0;  ///< weights, gradients, optimizer state
-  Bytes peak_bytes = 0;        ///< at the hottest EP rank's loads, max over iterations
+  /// At the hottest EP rank's loads of every micro-batch (an upper bound), max over
+  /// iterations; with a per-rank replay (loads.jsonl), the max of dp_rank_peak_bytes (exact).
+  Bytes peak_bytes = 0;
+  /// Per-rank replays only: each data-parallel rank's peak at its own recorded loads.
+  std::vector<Bytes> dp_rank_peak_bytes;
   Bytes peak_balanced_bytes = 0;  ///< at balanced loads
   Seconds busy = 0;            ///< compute (incl. blocking collectives) in the last iteration
   Seconds comm = 0;            ///< of which blocking collectives
@@ -155,7 +163,47 @@ void write_outputs(const SimReport& r, const std::filesystem::path& dir);
 struct ActionCost {
   Seconds compute = 0;
   Seconds comm = 0;
+  /// Core-seconds the action takes summed over the processes that run it at once
+  /// (the data-parallel replicas of a pipeline rank, each at its own expert load);
+  /// only read under CoreSharing. 0: (compute + comm) x CoreSharing::processes_per_rank.
+  Seconds demand = 0;
+  /// One stretch between two synchronisations of the processes (an expert all-to-all
+  /// makes every rank of the group wait for the slowest): its critical time and demand.
+  struct Segment {
+    Seconds T = 0, D = 0;
+  };
+  /// Under CoreSharing, the action as segments run one after the other, each at
+  /// 1 / max(T, D / cores of the group) (sum of T: compute + comm; of D: demand).
+  /// Empty: one segment {compute + comm, demand}.
+  std::vector<Segment> segments;
 };
+
+/// Ranks that are processes time-sharing fewer host cores (this-machine under
+/// `mpirun --oversubscribe`). Each pipeline rank of the plan stands for
+/// processes_per_rank processes (its data-parallel replicas, in lock step through
+/// their collectives). Generalized processor sharing (Kleinrock 1967; Linux CFS
+/// approximates it): while N processes compute, each gets min(1, cores / N) of a
+/// core; a process waiting for a message yields its core (Open MPI's
+/// yield-when-idle under oversubscription) and does not count in N. An action of
+/// critical time T = compute + comm (its slowest process with a core of its own)
+/// and demand D (ActionCost::demand) then progresses at the rate
+/// 1 / max(T, D / (p x min(1, cores / N))) of itself per second, p = processes_per_rank:
+/// the group's share of the cores bounds it, and so does its slowest process. An
+/// action given as segments (one per synchronisation, ActionCost::segments) runs
+/// them in turn, each at its own rate. Waiting processes count in N during their
+/// first poll_seconds of polling.
+struct CoreSharing {
+  int cores = 0;               ///< host cores; <= 0: no sharing (every process has a core)
+  int processes_per_rank = 1;  ///< processes behind each pipeline rank
+  /// A process that starts waiting (for a message, or at the end of its plan for the
+  /// step's collectives) polls this long before it sleeps, competing for the cores
+  /// meanwhile (counted in N): moeflex's communicator spins, then yields for 2 ms
+  /// (comm/mpi_communicator.cpp, kYieldPhase), then naps.
+  Seconds poll_seconds = 0;
+};
+
+/// The communicator's polling phase (CoreSharing::poll_seconds).
+inline constexpr Seconds kCommPollSeconds = 2e-3;
 
 /// One action's interval on its rank.
 struct Interval {
@@ -173,8 +221,26 @@ struct PlanTimeline {
 /// their blocking comm either added (overlap_pair_comm false) or hidden under the
 /// pair's compute up to its length; a Send never blocks and its message arrives
 /// message_time(send) later; a Recv waits for it. Throws ScheduleError on deadlock.
+/// With `sharing` (cores < the plan's ranks x processes_per_rank), compute actions
+/// stretch as CoreSharing describes, in a global event loop; otherwise (and then
+/// with identical results) each rank runs at full speed.
 PlanTimeline run_plan(const StepPlan& plan, const std::function<ActionCost(int, const Action&)>& cost,
-                      const std::function<Seconds(const Action&)>& message_time, bool overlap_pair_comm = false);
+                      const std::function<Seconds(const Action&)>& message_time, bool overlap_pair_comm = false,
+                      const CoreSharing& sharing = {});
+
+/// The name of the optional op table (HardwareProfile::op_tables) of one rank's
+/// per-step parameter work in the trainer, against the fp32 bytes of its
+/// parameters (4 x numel): zero_grads, the global-norm square sum, the clip's
+/// scaling, and AdamW::step.
+inline constexpr const char* kOptimizerStepOp = "optimizer_step";
+
+/// Seconds of one rank's per-step parameter work for `params` parameters of which
+/// it updates `sharded_params` (fewer under a sharded optimizer): the
+/// kOptimizerStepOp table when the profile has one, else streaming passes at the
+/// elementwise rate: zero_grads writes g (4 B/param), the norm reads it (4), the
+/// clip reads and writes it (8), AdamW reads w, g, m, v and writes w, m, v
+/// (28 B per updated parameter): elementwise(16 params) + elementwise(28 sharded).
+Seconds optimizer_step_time(const CostModel& cost, double params, double sharded_params);
 
 /// Persistent bytes of one pipeline rank holding `stages` (layers [first, last) and
 /// the ends), for a cluster's per-parameter byte counts and the layout.

@@ -1,26 +1,33 @@
 // `moeflex calibrate`: measuring the HardwareProfile and validating the cost model.
 //
-// Phases and their shares of the measurement budget:
-//   GEMMs       kGemmShare    lines along M (y = x w^T, NT as linear_forward) and along K
-//                             (dw += dy^T x, TN as linear_backward) through every weight
-//                             shape of the default model and a few larger ones, plus the
-//                             per-head GEMMs of attention with their real strides
+// Phases and their shares of the budget:
+//   memory      the rest      y += x over sizes from L1-resident to past the last-level
+//                             cache (the elementwise table; launch overhead, bandwidth)
+//                             and memcpy between an arena block and a host buffer
+//                             (copy tables), both with sqrt(2)..2x steps
+//   GEMMs       kGemmShare    every linear layer's three GEMMs (y = x w^T nt, dx = dy w
+//                             nn, dw += dy^T x tn) along the token count, for every
+//                             weight shape of the default model and two larger ones,
+//                             plus the per-head GEMMs of attention with their strides
 //   op tables   kOpShare      rmsnorm, swiglu, router, (un)permute, cross entropy over
-//                             token counts; rope's tables and rotation; attention's
-//                             softmax as what the whole op takes beyond its GEMMs
-//   memory      the rest      an OpenMP triad (bandwidth, launch overhead) and memcpy
-//                             between an arena block and a host buffer (copy tables
-//                             from cache-resident sizes to past the last-level cache)
+//                             token counts; rope's tables and rotation; attention,
+//                             forward and backward, on one sequence over lengths
 // Within a phase every measurement runs once (warm-up, and an estimate of its time),
 // then the remaining share is split equally between the measurements, each repeated
-// [1, kMaxRepeats] times in interleaved rounds (see run_jobs); its time is the
-// median of those repeats. Isolated dips in a GEMM line or an op table are measured
-// once more (run_series).
+// [kMinRepeats, kMaxRepeats] times in interleaved rounds, each timed run from evicted
+// caches (see run_jobs); its time is the median of those repeats. Isolated dips in a
+// GEMM line or an op table are measured once more (run_series).
+//
+// The held-out invocations (kHeldLinears and the rest) are timed in the rounds of the
+// phase that prices them (calibrate_and_validate), so that a burst of load from
+// elsewhere touches both alike; the grids leave out every shape and size they use.
 #include "moeflex/train/calibrate.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <omp.h>
+#include <sys/resource.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -31,6 +38,9 @@
 #include <functional>
 #include <limits>
 #include <map>
+#include <numeric>
+#include <random>
+#include <set>
 #include <memory>
 #include <tuple>
 
@@ -64,13 +74,52 @@ constexpr std::int64_t kHeads = 4;           // num_attention_heads
 constexpr std::int64_t kHeadDim = kHidden / kHeads;
 constexpr double kRopeTheta = 10000.0;
 constexpr float kRmsEps = 1e-5f;
+constexpr std::int64_t kMicroBatch = 8;      // micro_batch_size
+constexpr std::int64_t kAttentionTableBatch = 4;  // sequences per call of the attention tables
+
+// ---- the held-out set (validate) ---------------------------------------------------
+// The shapes a training step of the default model runs (a micro-batch of 1024 tokens,
+// 256 rows per expert under uniform routing, 2048 expert rows in all), and shapes
+// beside them (5 and 10 sequences, attention at 80 and 160 positions, skewed expert
+// rows with an idle expert). The calibration never runs any of them: its grids drop
+// every GEMM shape (held_out_gemms) and op-table size (held_out_op_bytes) that a
+// held-out invocation looks up.
+constexpr std::int64_t kTrainTokens = kMicroBatch * kSeq;
+const std::vector<std::int64_t> kHeldTokens = {kTrainTokens, 5 * kSeq};
+constexpr std::int64_t kHeldRmsnormLarge = 30 * kSeq;
+/// (n, in, out, note, with backward) of the held-out linear layers.
+struct HeldLinear {
+  std::int64_t n, in, out;
+  const char* note;
+};
+const std::vector<HeldLinear> kHeldLinears = {
+    {kTrainTokens, kHidden, kHidden, " (q/k/v/o)"}, {kTrainTokens, kHidden, kExperts, " (router)"},
+    {kTrainTokens, kHidden, kVocab, " (head)"},     {5 * kSeq, kHidden, kHidden, ""},
+    {10 * kSeq, kHidden, kDenseFfn, ""},             {5 * kSeq, kHidden, kVocab, " (head)"}};
+/// Expert rows: uniform routing of a training micro-batch, and a skewed one of 640 tokens.
+const std::vector<std::vector<std::int64_t>> kHeldExpertRows = {
+    std::vector<std::int64_t>(std::size_t(kExperts), kTrainTokens * kTopK / kExperts),
+    {412, 97, 0, 233, 61, 301, 152, 24}};
+const std::vector<std::pair<std::int64_t, std::int64_t>> kHeldAttention = {{kMicroBatch, kSeq}, {4, 80}, {2, 160}};
+const std::vector<std::int64_t> kHeldSwigluRows = {kTrainTokens * kTopK, 700};
+/// Elementwise passes y += x (the residual adds) over [n, d].
+const std::vector<std::int64_t> kHeldElementwiseRows = {kTrainTokens, kTrainTokens * kTopK};
+const std::vector<Bytes> kHeldCopyBytes = {1 * kMiB, 3 * kMiB, 24 * kMiB};
 
 // ---- budget ------------------------------------------------------------------------
-constexpr double kMeasureShare = 0.8;   ///< of run_calibrate_command's budget; validation gets the rest
 constexpr double kGemmShare = 0.55;     ///< of the measurement budget
 constexpr double kOpShare = 0.35;       ///< of the measurement budget
 constexpr int kMaxRepeats = 101;        ///< repeats of one measurement, at most
-constexpr Seconds kRewarmBelow = 2e-3;  ///< jobs shorter than this run untimed before each timed run
+constexpr int kPreemptedRetries = 3;    ///< attempts at a visit the scheduler interrupts (the last one counts)
+constexpr double kWallBudgetFactor = 3;  ///< wall time a phase may take, in budgets (see run_jobs)
+constexpr int kMinRepeats = 5;          ///< repeats of one measurement, at least (while the budget lasts)
+/// A measurement's time is this quantile of its repeats (the median; a lower
+/// quartile, which shrugs off more of the load from elsewhere, was no steadier on a
+/// busy 2-core machine).
+constexpr double kTimeQuantile = 0.5;
+/// Jobs at least this long are not run untimed before each timed run: their own
+/// first touches of the activations cost under 1% of their time.
+constexpr Seconds kRewarmBelow = 5e-3;
 constexpr double kBusyLoadPerCore = 0.5;  ///< load average per core above which calibrate warns
 constexpr double kRecheckShare = 0.1;   ///< of a phase's budget, for measuring dips again
 constexpr double kDipRatio = 0.8;       ///< a rate below this times both neighbours' is a dip
@@ -80,60 +129,200 @@ using Clock = std::chrono::steady_clock;
 
 Seconds since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
-/// One measurement: a kernel call, and after run_jobs its median time.
+/// The q-quantile of `t` (0 <= q <= 1), interpolated between order statistics.
+Seconds quantile(std::vector<Seconds> t, double q) {
+  std::sort(t.begin(), t.end());
+  const double pos = q * double(t.size() - 1);
+  const std::size_t lo = std::size_t(pos);
+  const std::size_t hi = std::min(lo + 1, t.size() - 1);
+  return t[lo] + (pos - double(lo)) * (t[hi] - t[lo]);
+}
+
+/// One measurement: a kernel call, and after run_jobs its time (the kTimeQuantile
+/// of its repeats).
 struct Job {
   std::function<void()> run;
-  Seconds median = 0;
+  Seconds time = 0;
+  /// The operands' state in the caches at the timed call (see run_jobs): true, as
+  /// after the op that produced them (a kernel); false, cold (a copy of data that
+  /// was produced long before, as the offload engine's).
+  bool warm = true;
+  /// After run_jobs: |time of the even repeats - time of the odd ones| / time, an
+  /// estimate of the measurement's own noise.
+  double spread = 0;
 };
 
+/// Which clock times a job. With one thread every kernel runs on the calling thread,
+/// and that thread's CPU time (CLOCK_THREAD_CPUTIME_ID) is what the kernel took
+/// without the slices the scheduler gave other processes meanwhile: on a shared
+/// machine a call of a few ms is descheduled at least once in most repeats, which
+/// doubles its wall time but not its CPU time. On an idle machine the two agree.
+/// With several threads a kernel's time is that of its slowest thread, which only
+/// the wall clock sees.
+bool g_thread_cpu_clock = false;
+
+Seconds thread_cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
+}
+
 Seconds time_once(const std::function<void()>& fn) {
+  if (g_thread_cpu_clock) {
+    const Seconds c0 = thread_cpu_seconds();
+    fn();
+    return thread_cpu_seconds() - c0;
+  }
   const auto t0 = Clock::now();
   fn();
   return since(t0);
 }
 
+/// Evicts the caches: reads a buffer of kEvictL3Multiple times the last-level cache
+/// (every core's share when there are several threads, so that each private cache
+/// is swept too). A read walk leaves no dirty lines behind to be written back
+/// during the next timed call.
+class CacheEvictor {
+ public:
+  CacheEvictor() {
+    long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
+    if (l3 <= 0) l3 = long(kDefaultL3Bytes);
+    const Bytes bytes = std::clamp<Bytes>(Bytes(kEvictL3Multiple * double(l3)), 16 * kMiB, 512 * kMiB);
+    lines_.resize(std::size_t(bytes / kCacheLine));
+  }
+  void evict() {
+    // One byte per 64-byte line would leave 63 of them to the prefetcher; a whole
+    // line per element makes every element a distinct line.
+    std::int64_t sum = 0;
+    const std::int64_t n = std::int64_t(lines_.size());
+#pragma omp parallel for schedule(static) reduction(+ : sum)
+    for (std::int64_t i = 0; i < n; ++i) sum += lines_[std::size_t(i)].v[0];
+    sink_ = sum;
+  }
+  /// The time of one evict(), measured on first use.
+  Seconds cost() {
+    if (cost_ < 0) {
+      evict();
+      cost_ = time_once([this] { evict(); });
+    }
+    return cost_;
+  }
+
+ private:
+  static constexpr Bytes kCacheLine = 64;
+  static constexpr Bytes kDefaultL3Bytes = 32 * kMiB;
+  static constexpr double kEvictL3Multiple = 1.5;
+  struct alignas(64) Line {
+    std::int64_t v[8] = {1, 0, 0, 0, 0, 0, 0, 0};
+  };
+  std::vector<Line> lines_;
+  volatile std::int64_t sink_ = 0;
+  Seconds cost_ = -1;
+};
+
+/// Involuntary context switches of this process so far (all its threads).
+long involuntary_switches() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return u.ru_nivcsw;
+}
+
+CacheEvictor& evictor() {
+  static CacheEvictor e;
+  return e;
+}
+
 /// Warm-up pass over all jobs, then equal shares of what is left of `budget`. The
 /// repeats are interleaved in rounds, each job's spread evenly over them, so that a
 /// burst of load from elsewhere on the machine touches many jobs a little rather
-/// than all repeats of one. A short job runs once untimed right before each timed
-/// run, so its operands are as warm in the caches as in consecutive repeats (and as
-/// after the op that produced them in a real step).
+/// than all repeats of one. Every timed call starts from the same cache state
+/// whatever ran before it (another job, another phase, validation's other ops):
+/// the caches are evicted, then a warm job runs once untimed, so that its
+/// activations are in the caches as after the op that produced them in a real step
+/// (weights, taken from a ColdRing, stay cold), while a cold job, and any job of at
+/// least kRewarmBelow (whose warm-up pass says so), is timed right after the
+/// eviction.
 void run_jobs(std::vector<Job>& jobs, Seconds budget) {
   if (jobs.empty()) return;
   const auto t0 = Clock::now();
+  // The budget is spent in the clock the jobs are timed by: with one thread its CPU
+  // time, so that a busy machine stretches the calibration instead of thinning its
+  // repeats, up to kWallBudgetFactor times the budget in wall time.
+  const Seconds c0 = g_thread_cpu_clock ? thread_cpu_seconds() : 0;
+  const auto spent = [&] { return g_thread_cpu_clock ? thread_cpu_seconds() - c0 : since(t0); };
   const std::size_t n = jobs.size();
+  CacheEvictor& ev = evictor();
+  const Seconds evict_cost = ev.cost();
   std::vector<Seconds> warm(n);
   for (std::size_t i = 0; i < n; ++i) warm[i] = time_once(jobs[i].run);
-  const Seconds share = std::max<Seconds>(0, budget - since(t0)) / double(n);
+  const Seconds share = std::max<Seconds>(0, budget - spent()) / double(n);
   std::vector<int> reps(n);
-  std::vector<bool> rewarm(n);
   int rounds = 1;
   for (std::size_t i = 0; i < n; ++i) {
-    rewarm[i] = warm[i] < kRewarmBelow;
-    const Seconds visit = std::max(warm[i], 1e-7) * (rewarm[i] ? 2 : 1);
-    reps[i] = std::clamp(int(share / visit), 1, kMaxRepeats);
+    if (warm[i] >= kRewarmBelow) jobs[i].warm = false;
+    const Seconds visit = evict_cost + std::max(warm[i], 1e-7) * (jobs[i].warm ? 2 : 1);
+    reps[i] = std::clamp(int(share / visit), kMinRepeats, kMaxRepeats);
     rounds = std::max(rounds, reps[i]);
   }
   // Rounds stop at the budget's end (a machine slower than its warm-up pass said);
   // a job that got no timed run keeps its warm-up time.
+  // Each round visits the jobs in a fresh order (a fixed seed): what runs before a
+  // job leaves traces that eviction does not undo (on a shared 2-core machine, jobs
+  // visited right after the heaviest GEMM lines came out ~15% slow), and a fixed
+  // order would turn them into a bias of the jobs at one place in the list.
+  std::vector<std::size_t> order(n);
+  std::iota(order.begin(), order.end(), std::size_t(0));
+  std::mt19937 shuffle_rng(20261129u);
   std::vector<std::vector<Seconds>> times(n);
   bool over = false;
   for (int r = 0; r < rounds && !over; ++r) {
-    for (std::size_t i = 0; i < n && !over; ++i) {
+    std::shuffle(order.begin(), order.end(), shuffle_rng);
+    for (std::size_t i : order) {
+      if (over) break;
       // Job i takes part in reps[i] of the rounds, evenly spaced.
       if (std::int64_t(r) * reps[i] / rounds == std::int64_t(r + 1) * reps[i] / rounds) continue;
-      if ((over = since(t0) >= budget)) break;
-      if (rewarm[i]) jobs[i].run();
-      times[i].push_back(time_once(jobs[i].run));
+      if ((over = spent() >= budget || since(t0) >= kWallBudgetFactor * budget)) break;
+      // A visit of a short job during which the scheduler ran another process on
+      // this core is measured again: that process may have evicted what the
+      // untimed run warmed (on a busy machine this is what makes short memory-bound
+      // ops bimodal). A long job is interrupted in most visits anyway, and the
+      // caches it loses are a small part of its time.
+      Seconds t = 0;
+      const int attempts = warm[i] < kRewarmBelow ? kPreemptedRetries : 1;
+      for (int attempt = 0; attempt < attempts; ++attempt) {
+        ev.evict();
+        const long switches = involuntary_switches();
+        if (jobs[i].warm) jobs[i].run();
+        t = time_once(jobs[i].run);
+        if (involuntary_switches() == switches) break;
+      }
+      times[i].push_back(t);
     }
   }
   for (std::size_t i = 0; i < n; ++i) {
     std::vector<Seconds>& t = times[i];
     if (t.empty()) t.push_back(warm[i]);
-    std::sort(t.begin(), t.end());
-    const std::size_t m = t.size();
-    jobs[i].median = m % 2 ? t[m / 2] : 0.5 * (t[m / 2 - 1] + t[m / 2]);
+    std::vector<Seconds> halves[2];
+    for (std::size_t k = 0; k < t.size(); ++k) halves[k % 2].push_back(t[k]);
+    jobs[i].time = quantile(t, kTimeQuantile);
+    jobs[i].spread = halves[1].empty() ? 0.0
+                                       : std::abs(quantile(halves[0], kTimeQuantile) - quantile(halves[1], kTimeQuantile)) /
+                                             jobs[i].time;
   }
+}
+
+/// Appends `extra` (may be null) to `jobs`, to be timed in the same rounds; returns
+/// where they start, for take_extra.
+std::size_t add_extra(std::vector<Job>& jobs, const std::vector<Job>* extra) {
+  const std::size_t at = jobs.size();
+  if (extra) jobs.insert(jobs.end(), extra->begin(), extra->end());
+  return at;
+}
+
+/// Copies the times (and spreads) of the jobs add_extra appended at `at` back into `extra`.
+void take_extra(const std::vector<Job>& jobs, std::size_t at, std::vector<Job>* extra) {
+  if (!extra) return;
+  for (std::size_t i = 0; i < extra->size(); ++i) (*extra)[i].time = jobs[at + i].time, (*extra)[i].spread = jobs[at + i].spread;
 }
 
 /// One series of measurements whose rate (work / time) should change smoothly with
@@ -150,15 +339,15 @@ void run_series(std::vector<Job>& jobs, const std::vector<Series>& series, Secon
   for (Series s : series) {
     std::sort(s.begin(), s.end());
     for (std::size_t i = 1; i + 1 < s.size(); ++i) {
-      const auto rate = [&](std::size_t j) { return s[j].first / jobs[s[j].second].median; };
+      const auto rate = [&](std::size_t j) { return s[j].first / jobs[s[j].second].time; };
       if (rate(i) < kDipRatio * std::min(rate(i - 1), rate(i + 1))) dips.push_back(s[i].second);
     }
   }
   if (dips.empty()) return;
   std::vector<Job> again;
-  for (std::size_t i : dips) again.push_back({jobs[i].run});
+  for (std::size_t i : dips) again.push_back({jobs[i].run, 0, jobs[i].warm});
   run_jobs(again, kRecheckShare * budget);
-  for (std::size_t k = 0; k < dips.size(); ++k) jobs[dips[k]].median = std::min(jobs[dips[k]].median, again[k].median);
+  for (std::size_t k = 0; k < dips.size(); ++k) jobs[dips[k]].time = std::min(jobs[dips[k]].time, again[k].time);
 }
 
 /// Deterministic values in [-0.5, 0.5) (no denormals, no NaN) for kernel inputs.
@@ -241,6 +430,7 @@ int resolve_threads(int threads) { return threads > 0 ? threads : omp_get_num_pr
 void set_threads(int threads) {
   omp_set_num_threads(threads);
   openblas_set_num_threads(threads);
+  g_thread_cpu_clock = threads == 1;
 }
 
 // ---- GEMM grid ------------------------------------------------------------------------
@@ -250,46 +440,118 @@ struct GemmShape {
   bool ta, tb;       // transposes as the real caller passes them
   std::int64_t lda, ldb, ldc;
   float beta;
+  char weight;       // the operand that is a weight, cold from the ring: 'b', 'c' or 0 (none)
+
+  GemmLayout layout() const { return ta ? GemmLayout::tn : tb ? GemmLayout::nt : GemmLayout::nn; }
 };
+
+/// The GEMMs of the linear layers, as ops::linear_* and ops::grouped_linear_* call
+/// them for a weight [out, in] and n rows: y = x w^T (nt), dx = dy w (nn),
+/// dw += dy^T x (tn).
+GemmShape linear_forward_gemm(std::int64_t n, std::int64_t in, std::int64_t out) {
+  return {n, out, in, false, true, in, in, out, 0.0f, 'b'};
+}
+GemmShape linear_dx_gemm(std::int64_t n, std::int64_t in, std::int64_t out) {
+  return {n, in, out, false, false, out, in, in, 0.0f, 'b'};
+}
+GemmShape linear_dw_gemm(std::int64_t n, std::int64_t in, std::int64_t out) {
+  return {out, in, n, true, false, out, in, in, 1.0f, 'c'};
+}
+
+/// (layout, M, N, K) of a GEMM: the calibration never measures a held-out one.
+using GemmKey = std::tuple<GemmLayout, std::int64_t, std::int64_t, std::int64_t>;
+GemmKey key_of(const GemmShape& g) { return {g.layout(), g.M, g.N, g.K}; }
+
+/// Every GEMM the held-out linear and grouped linear invocations run.
+std::set<GemmKey> held_out_gemms() {
+  std::set<GemmKey> keys;
+  const auto add_linear = [&](std::int64_t n, std::int64_t in, std::int64_t out) {
+    for (const GemmShape& g : {linear_forward_gemm(n, in, out), linear_dx_gemm(n, in, out), linear_dw_gemm(n, in, out)})
+      keys.insert(key_of(g));
+  };
+  for (const HeldLinear& l : kHeldLinears) add_linear(l.n, l.in, l.out);
+  for (const auto& rows : kHeldExpertRows)
+    for (std::int64_t r : rows)
+      if (r > 0) add_linear(r, kHidden, kExpertFfn), add_linear(r, kExpertFfn, kHidden);
+  return keys;
+}
+
+/// Every (op table, bytes) point the held-out invocations of the other ops look up.
+std::map<std::string, std::set<Bytes>> held_out_op_bytes() {
+  std::map<std::string, std::set<Bytes>> b;
+  const std::int64_t d = kHidden, H = kHeads, hd = kHeadDim;
+  for (std::int64_t n : {kHeldTokens[0], kHeldTokens[1], kHeldRmsnormLarge}) {
+    b[op_names::kRmsnormForward].insert(op_bytes::rmsnorm_forward(n, d));
+    b[op_names::kRmsnormBackward].insert(op_bytes::rmsnorm_backward(n, d));
+  }
+  for (auto [B, S] : kHeldAttention) {
+    b[op_names::kRope].insert(op_bytes::rope(B, S, H, hd));
+    b[op_names::kRopeTables].insert(op_bytes::rope_tables(S, hd));
+    b[op_names::kAttentionForward].insert(op_bytes::attention_softmax_forward(1, S, 1));
+    b[op_names::kAttentionBackward].insert(op_bytes::attention_softmax_forward(1, S, 1));
+  }
+  for (std::int64_t rows : kHeldSwigluRows) {
+    b[op_names::kSwigluForward].insert(op_bytes::swiglu_forward(rows * kExpertFfn));
+    b[op_names::kSwigluBackward].insert(op_bytes::swiglu_backward(rows * kExpertFfn));
+  }
+  for (std::int64_t n : kHeldTokens) {
+    b[op_names::kRouterForward].insert(op_bytes::router_forward(n, kExperts, kTopK));
+    b[op_names::kRouterBackward].insert(op_bytes::router_backward(n, kExperts, kTopK));
+    for (const char* op : {op_names::kPermuteForward, op_names::kPermuteBackward, op_names::kUnpermuteForward,
+                           op_names::kUnpermuteBackward})
+      b[op].insert(op_bytes::permute(n, kTopK, d));
+    b[op_names::kCrossEntropyForward].insert(op_bytes::cross_entropy(n, kVocab));
+    b[op_names::kCrossEntropyBackward].insert(op_bytes::cross_entropy(n, kVocab));
+  }
+  for (std::int64_t n : kHeldElementwiseRows) b[op_names::kElementwise].insert(op_bytes::add_inplace(n * d));
+  for (Bytes s : kHeldCopyBytes) b[op_names::kCopyH2D].insert(s), b[op_names::kCopyD2H].insert(s);
+  return b;
+}
 
 std::vector<GemmShape> gemm_grid(bool full) {
   const std::vector<std::int64_t> xs =
       full ? std::vector<std::int64_t>{8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096}
            : std::vector<std::int64_t>{16, 64, 256, 512, 1024, 2048};
-  // Weight shapes [out, in] of the default model; y = x w^T has (N, K) = (out, in),
-  // dx = dy w has (N, K) = (in, out), dw += dy^T x has (M, N) = (out, in).
+  // Weight shapes [out, in] of the default model: every linear layer's three GEMMs
+  // along the token count (M of y and dx, K of dw), the other two extents fixed.
   std::vector<std::pair<std::int64_t, std::int64_t>> weights = {
       {kHidden, kHidden}, {kExpertFfn, kHidden}, {kHidden, kExpertFfn}, {kDenseFfn, kHidden},
       {kHidden, kDenseFfn}, {kVocab, kHidden}, {kExperts, kHidden}};
-  std::vector<std::pair<std::int64_t, std::int64_t>> nk = weights;
-  nk.push_back({kHidden, kVocab});    // dx of the LM head
-  nk.push_back({kHidden, kExperts});  // dx of the router
   if (full) {  // larger models
-    for (auto w : {std::pair<std::int64_t, std::int64_t>{512, 512}, {1024, 1024}}) {
-      weights.push_back(w);
-      nk.push_back(w);
+    weights.push_back({512, 512});
+    weights.push_back({1024, 1024});
+  }
+  const std::set<GemmKey> held = held_out_gemms();
+  std::vector<GemmShape> grid;
+  const auto add = [&](const GemmShape& g) {
+    if (!held.count(key_of(g))) grid.push_back(g);
+  };
+  for (auto [out, in] : weights) {
+    for (std::int64_t n : xs) {
+      add(linear_forward_gemm(n, in, out));
+      add(linear_dx_gemm(n, in, out));
+      add(linear_dw_gemm(n, in, out));
     }
   }
-  std::vector<GemmShape> grid;
-  for (auto [n, k] : nk)
-    for (std::int64_t m : xs) grid.push_back({m, n, k, false, true, k, k, n, 0.0f});
-  for (auto [m, n] : weights)
-    for (std::int64_t k : xs) grid.push_back({m, n, k, true, false, m, n, n, 1.0f});
-  // Attention, per head, with the strides of [B, S, H, hd] activations.
-  const std::vector<std::int64_t> seqs = full ? std::vector<std::int64_t>{32, 64, 128, 256, 512}
+  // Attention, per head, with the strides of [B, S, H, hd] activations: scores =
+  // q k^T (nt), out = P v (nn), dV = P^T dO (tn).
+  // (Per-head shapes vary in two extents at once, so they have no lines: sqrt(2)
+  // steps in S keep the nearest-sample lookup close.)
+  const std::vector<std::int64_t> seqs = full ? std::vector<std::int64_t>{32, 48, 64, 96, 128, 192, 256, 384, 512}
                                               : std::vector<std::int64_t>{64, 128, 256};
   const std::vector<std::int64_t> hds = full ? std::vector<std::int64_t>{32, 64, 128} : std::vector<std::int64_t>{64};
   for (std::int64_t S : seqs) {
     for (std::int64_t hd : hds) {
       const std::int64_t ld = kHeads * hd;
-      grid.push_back({S, S, hd, false, true, ld, ld, S, 0.0f});    // scores = q k^T
-      grid.push_back({S, hd, S, false, false, S, ld, ld, 0.0f});   // out = P v
+      add({S, S, hd, false, true, ld, ld, S, 0.0f, 0});
+      add({S, hd, S, false, false, S, ld, ld, 0.0f, 0});
+      add({S, hd, S, true, false, S, ld, ld, 0.0f, 0});
     }
   }
   return grid;
 }
 
-void measure_gemms(HardwareProfile& p, bool full, Seconds budget) {
+void measure_gemms(HardwareProfile& p, bool full, Seconds budget, std::vector<Job>* extra) {
   const std::vector<GemmShape> grid = gemm_grid(full);
   std::int64_t a_len = 0, b_len = 0, c_len = 0;
   for (const GemmShape& g : grid) {
@@ -298,31 +560,34 @@ void measure_gemms(HardwareProfile& p, bool full, Seconds budget) {
     c_len = std::max(c_len, g.M * g.ldc);
   }
   std::vector<float> A = buffer(a_len, 1), B = buffer(b_len, 2), C = buffer(c_len, 3);
-  // The weight of y = x w^T (B) and the weight gradient of dw += dy^T x (C) come
-  // cold from the ring; attention's operands are all activations.
+  // Weights (B of y and dx) and weight gradients (C of dw) come cold from the ring;
+  // attention's operands are all activations.
   ColdRing ring;
   std::vector<Job> jobs;
   for (const GemmShape& g : grid) {
-    const bool weight_b = !g.ta && g.tb && g.lda == g.K, weight_c = g.ta;
-    jobs.push_back({[&A, &B, &C, &ring, g, weight_b, weight_c] {
-      const float* b = weight_b ? ring.next(g.N * g.ldb) : B.data();
-      float* c = weight_c ? ring.next(g.M * g.ldc) : C.data();
+    jobs.push_back({[&A, &B, &C, &ring, g] {
+      const float* b = g.weight == 'b' ? ring.next((g.tb ? g.N : g.K) * g.ldb) : B.data();
+      float* c = g.weight == 'c' ? ring.next(g.M * g.ldc) : C.data();
       ops::gemm<float>(g.ta, g.tb, g.M, g.N, g.K, 1.0f, A.data(), g.lda, b, g.ldb, g.beta, c, g.ldc);
     }});
   }
-  // Series: the lines along M (NT) and along K (TN); attention's shapes stand alone.
-  std::map<std::tuple<bool, std::int64_t, std::int64_t>, Series> lines;
+  // Series: each linear layer's lines along its token count; attention's shapes stand alone.
+  std::map<std::tuple<GemmLayout, std::int64_t, std::int64_t>, Series> lines;
   for (std::size_t i = 0; i < grid.size(); ++i) {
     const GemmShape& g = grid[i];
+    if (!g.weight) continue;
     const double f = 2.0 * double(g.M * g.N * g.K);
-    if (!g.ta && g.tb && g.lda == g.K) lines[{false, g.N, g.K}].emplace_back(f, i);
-    if (g.ta) lines[{true, g.M, g.N}].emplace_back(f, i);
+    if (g.layout() == GemmLayout::tn) lines[{g.layout(), g.M, g.N}].emplace_back(f, i);
+    else lines[{g.layout(), g.N, g.K}].emplace_back(f, i);
   }
   std::vector<Series> series;
   for (auto& [key, line] : lines) series.push_back(std::move(line));
+  const std::size_t at = add_extra(jobs, extra);
   run_series(jobs, series, budget);
+  take_extra(jobs, at, extra);
   for (std::size_t i = 0; i < grid.size(); ++i)
-    p.gemm.push_back({grid[i].M, grid[i].N, grid[i].K, 2.0 * double(grid[i].M * grid[i].N * grid[i].K) / jobs[i].median});
+    p.gemm.push_back({grid[i].M, grid[i].N, grid[i].K, 2.0 * double(grid[i].M * grid[i].N * grid[i].K) / jobs[i].time,
+                      grid[i].layout()});
 }
 
 // ---- op tables ---------------------------------------------------------------------------
@@ -336,11 +601,25 @@ struct TableSpec {
   std::vector<std::function<Seconds(const CostModel&)>> known;  // empty or one per job
 };
 
+/// Removes the points of `t` whose size a held-out invocation of its op looks up.
+void drop_held_out(TableSpec& t, const std::map<std::string, std::set<Bytes>>& held) {
+  auto it = held.find(t.name);
+  if (it == held.end()) return;
+  TableSpec kept{t.name, {}, {}, {}};
+  for (std::size_t i = 0; i < t.bytes.size(); ++i) {
+    if (it->second.count(t.bytes[i])) continue;
+    kept.bytes.push_back(t.bytes[i]);
+    kept.jobs.push_back(std::move(t.jobs[i]));
+    if (!t.known.empty()) kept.known.push_back(std::move(t.known[i]));
+  }
+  t = std::move(kept);
+}
+
 /// Stores the medians (minus the known parts, at least 0) as the op's table.
 void store_table(HardwareProfile& p, const TableSpec& t, const CostModel* model) {
   std::vector<OpSample> pts;
   for (std::size_t i = 0; i < t.jobs.size(); ++i) {
-    Seconds s = t.jobs[i].median;
+    Seconds s = t.jobs[i].time;
     if (!t.known.empty()) s = std::max<Seconds>(0, s - t.known[i](*model));
     pts.push_back({t.bytes[i], s});
   }
@@ -543,7 +822,7 @@ std::vector<TableSpec> plain_op_tables(OpBench& b, const std::vector<std::int64_
   return specs;
 }
 
-void measure_ops(HardwareProfile& p, bool full, Seconds budget) {
+void measure_ops(HardwareProfile& p, bool full, Seconds budget, std::vector<Job>* extra) {
   const std::vector<std::int64_t> tokens = full ? std::vector<std::int64_t>{64, 128, 256, 512, 1024, 2048, 4096, 8192}
                                                 : std::vector<std::int64_t>{128, 512, 1024, 2048, 4096};
   const std::vector<std::int64_t> ce_tokens = full ? std::vector<std::int64_t>{64, 128, 256, 512, 1024, 2048}
@@ -552,10 +831,12 @@ void measure_ops(HardwareProfile& p, bool full, Seconds budget) {
                                                  : std::vector<std::int64_t>{1, 4, 8, 16};
   const std::vector<std::int64_t> table_seqs = full ? std::vector<std::int64_t>{32, 64, 128, 256, 512}
                                                     : std::vector<std::int64_t>{64, 128, 256};
+  const std::vector<std::int64_t> att_seqs = full ? std::vector<std::int64_t>{32, 48, 64, 96, 128, 192, 256, 384, 512}
+                                                  : std::vector<std::int64_t>{64, 96, 128, 192, 256};
   const std::int64_t max_n = tokens.back(), max_b = batches.back();
   OpBench b(max_n, std::max(max_n * kTopK * kHidden, max_n * kTopK / 2 * kExpertFfn), ce_tokens.back() * kVocab);
   const std::int64_t S = kSeq, H = kHeads, hd = kHeadDim;
-  AttentionBench att(std::max(max_b * S * H * hd, table_seqs.back() * hd));
+  AttentionBench att(std::max({max_b * S * H * hd, table_seqs.back() * hd, kAttentionTableBatch * att_seqs.back() * H * hd}));
 
   // Stage 1: tables that depend on nothing else, and rope's cos/sin tables (one head
   // of one sequence: the rotation itself is a small part, subtracted at bandwidth).
@@ -567,76 +848,99 @@ void measure_ops(HardwareProfile& p, bool full, Seconds budget) {
     rope_tables.known.push_back(
         [s, hd](const CostModel& m) { return double(op_bytes::rope(1, s, 1, hd)) / m.profile().memory_bandwidth; });
   }
-  // Stage 2: what rope and attention take beyond the parts stage 1 and the GEMMs price.
+  // Stage 2: what rope takes beyond its tables.
   TableSpec rope{op_names::kRope, {}, {}, {}};
-  TableSpec att_f{op_names::kAttentionSoftmaxForward, {}, {}, {}};
-  TableSpec att_b{op_names::kAttentionSoftmaxBackward, {}, {}, {}};
   for (std::int64_t B : batches) {
     rope.bytes.push_back(op_bytes::rope(B, S, H, hd));
     rope.jobs.push_back({att.rope(B, S, H, hd)});
     rope.known.push_back([S, hd](const CostModel& m) { return m.op(op_names::kRopeTables, op_bytes::rope_tables(S, hd)); });
-    att_f.bytes.push_back(op_bytes::attention_softmax_forward(B, S, H));
-    att_f.jobs.push_back({att.forward(B, S, H, hd)});
-    att_f.known.push_back([B, S, H, hd](const CostModel& m) { return double(B * H) * (m.gemm(S, S, hd) + m.gemm(S, hd, S)); });
-    att_b.bytes.push_back(op_bytes::attention_softmax_backward(B, S, H));
-    att_b.jobs.push_back({att.backward(B, S, H, hd)});
-    att_b.known.push_back(
-        [B, S, H, hd](const CostModel& m) { return double(B * H) * (3 * m.gemm(S, hd, S) + m.gemm(S, S, hd)); });
   }
+  // Attention, whole, on kAttentionTableBatch sequences of the model's heads over
+  // sequence lengths, stored per head: the kernel runs B x H independent heads (a
+  // batch of one sequence would keep q, k and v in L2, which a micro-batch does not).
+  TableSpec att_f{op_names::kAttentionForward, {}, {}, {}};
+  TableSpec att_b{op_names::kAttentionBackward, {}, {}, {}};
+  for (std::int64_t s : att_seqs) {
+    att_f.bytes.push_back(op_bytes::attention_softmax_forward(1, s, 1));
+    att_f.jobs.push_back({att.forward(kAttentionTableBatch, s, H, hd)});
+    att_b.bytes.push_back(op_bytes::attention_softmax_forward(1, s, 1));
+    att_b.jobs.push_back({att.backward(kAttentionTableBatch, s, H, hd)});
+  }
+  // The held-out sizes stay held out.
+  const std::map<std::string, std::set<Bytes>> held = held_out_op_bytes();
+  for (TableSpec* t : {&rope_tables, &rope, &att_f, &att_b}) drop_held_out(*t, held);
+  for (TableSpec& t : specs) drop_held_out(t, held);
 
-  std::size_t n_jobs = rope_tables.jobs.size() + rope.jobs.size() + att_f.jobs.size() + att_b.jobs.size();
-  for (const TableSpec& s : specs) n_jobs += s.jobs.size();
-  const Seconds per_job = budget / double(n_jobs);
-
-  const auto measure = [per_job](TableSpec& t) {
+  // All tables' jobs are timed together, in one set of interleaved rounds.
+  std::vector<TableSpec*> all;
+  for (TableSpec& s : specs) all.push_back(&s);
+  for (TableSpec* s : {&rope_tables, &rope, &att_f, &att_b}) all.push_back(s);
+  std::vector<Job> jobs;
+  std::vector<Series> series;
+  for (TableSpec* t : all) {
     Series one;
-    for (std::size_t i = 0; i < t.jobs.size(); ++i) one.emplace_back(double(t.bytes[i]), i);
-    run_series(t.jobs, {one}, per_job * double(t.jobs.size()));
-  };
-  for (TableSpec& s : specs) measure(s);
-  measure(rope_tables);
+    for (std::size_t i = 0; i < t->jobs.size(); ++i) {
+      one.emplace_back(double(t->bytes[i]), jobs.size());
+      jobs.push_back(t->jobs[i]);
+    }
+    series.push_back(std::move(one));
+  }
+  const std::size_t at = add_extra(jobs, extra);
+  run_series(jobs, series, budget);
+  take_extra(jobs, at, extra);
+  std::size_t next = 0;
+  for (TableSpec* t : all)
+    for (Job& j : t->jobs) j.time = jobs[next++].time;
+
   for (const TableSpec& s : specs) store_table(p, s, nullptr);
+  for (const TableSpec* t : {&att_f, &att_b}) {
+    store_table(p, *t, nullptr);
+    for (OpSample& pt : p.op_tables[t->name]) pt.seconds /= double(kAttentionTableBatch * H);
+  }
   {
     const CostModel stage1(p);
     store_table(p, rope_tables, &stage1);
   }
-  for (TableSpec* s : {&rope, &att_f, &att_b}) measure(*s);
   const CostModel stage2(p);
-  for (TableSpec* s : {&rope, &att_f, &att_b}) store_table(p, *s, &stage2);
+  store_table(p, rope, &stage2);
 }
 
 // ---- memory and copies ---------------------------------------------------------------------
 
-void measure_memory(HardwareProfile& p, bool full, Seconds budget) {
-  // Streaming triad a = b + s*c, in an OpenMP loop like the elementwise kernels: the
-  // smallest size gives the launch overhead, the slope over the large ones (well past
-  // the caches) the bandwidth.
-  const std::vector<std::int64_t> sizes_f = full ? std::vector<std::int64_t>{64, 1 << 20, 4 << 20, 8 << 20}
-                                                 : std::vector<std::int64_t>{64, 1 << 20, 4 << 20};
-  const std::int64_t big = sizes_f.back();
-  std::vector<float> a = buffer(big, 31), bb = buffer(big, 32), c = buffer(big, 33);
-  auto triad = [&](std::int64_t n) {
-    float* pa = a.data();
-    const float* pb = bb.data();
-    const float* pc = c.data();
-#pragma omp parallel for schedule(static)
-    for (std::int64_t i = 0; i < n; ++i) pa[i] = pb[i] + 0.5f * pc[i];
-  };
+void measure_memory(HardwareProfile& p, bool full, Seconds budget, std::vector<Job>* extra) {
+  const std::map<std::string, std::set<Bytes>> held = held_out_op_bytes();
+  const std::set<Bytes>& held_elementwise = held.at(op_names::kElementwise);
+  // Streaming y += x in an OpenMP loop like the model's residual adds, over sizes
+  // from L1-resident to well past the last-level cache: the elementwise table, its
+  // smallest point the launch overhead, the slope over the largest the bandwidth.
+  // Steps of sqrt(2) (full grid) resolve the bends where the operands outgrow L1,
+  // L2 and the last-level cache.
+  std::vector<std::int64_t> elems;
+  for (double n = 256; n <= (full ? (16 << 20) : (4 << 20)); n *= full ? std::sqrt(2.0) : 4.0) {
+    const std::int64_t e = std::llround(n / 16) * 16;
+    if (!held_elementwise.count(op_bytes::add_inplace(e))) elems.push_back(e);
+  }
+  const std::int64_t big = elems.back();
+  std::vector<float> y = buffer(big, 31), x = buffer(big, 32);
   std::vector<Job> mem_jobs;
-  for (std::int64_t n : sizes_f) mem_jobs.push_back({[&triad, n] { triad(n); }});
-  run_jobs(mem_jobs, 0.4 * budget);
-  p.launch_overhead = mem_jobs[0].median;
-  std::vector<std::pair<double, Seconds>> triad_pts;
-  for (std::size_t i = 1; i < sizes_f.size(); ++i)
-    triad_pts.emplace_back(double(3 * sizes_f[i] * kActivationBytes), mem_jobs[i].median);
-  p.memory_bandwidth = 1.0 / fit_affine(triad_pts).second;
+  for (std::int64_t n : elems) {
+    mem_jobs.push_back({[&y, &x, n] {
+      float* py = y.data();
+      const float* px = x.data();
+#pragma omp parallel for schedule(static)
+      for (std::int64_t i = 0; i < n; ++i) py[i] += px[i];
+    }});
+  }
 
   // Copies between an arena block (the device) and a separate host buffer, one
-  // thread, as the offload engine's copy worker does them: a table over sizes from
-  // cache-resident to well past the last-level cache, and an affine fit over it.
-  const std::vector<Bytes> sizes =
-      full ? std::vector<Bytes>{256 * kKiB, 1 * kMiB, 2 * kMiB, 4 * kMiB, 8 * kMiB, 16 * kMiB, 32 * kMiB, 64 * kMiB}
-           : std::vector<Bytes>{1 * kMiB, 4 * kMiB, 16 * kMiB, 32 * kMiB};
+  // thread, as the offload engine's copy worker does them, from cold caches: a
+  // table over sizes from cache-resident to well past the last-level cache, and an
+  // affine fit over it.
+  std::vector<Bytes> sizes;
+  for (Bytes s : full ? std::vector<Bytes>{256 * kKiB, 512 * kKiB, 1 * kMiB, 2 * kMiB, 4 * kMiB, 8 * kMiB, 16 * kMiB,
+                                           32 * kMiB, 64 * kMiB}
+                      : std::vector<Bytes>{512 * kKiB, 2 * kMiB, 8 * kMiB, 32 * kMiB})
+    if (!held.at(op_names::kCopyH2D).count(s)) sizes.push_back(s);
   const Bytes max_bytes = sizes.back();
   Arena arena;
   void* dev = arena.allocate(max_bytes, MemCategory::workspace, "calibrate");
@@ -645,18 +949,34 @@ void measure_memory(HardwareProfile& p, bool full, Seconds budget) {
   std::memset(host.data(), 2, host.size());
   std::vector<Job> copy_jobs;
   for (Bytes s : sizes) {
-    copy_jobs.push_back({[&, s] { std::memcpy(dev, host.data(), static_cast<std::size_t>(s)); }});  // h2d
-    copy_jobs.push_back({[&, s] { std::memcpy(host.data(), dev, static_cast<std::size_t>(s)); }});  // d2h
+    copy_jobs.push_back({[&, s] { std::memcpy(dev, host.data(), static_cast<std::size_t>(s)); }, 0, false});  // h2d
+    copy_jobs.push_back({[&, s] { std::memcpy(host.data(), dev, static_cast<std::size_t>(s)); }, 0, false});  // d2h
   }
-  run_jobs(copy_jobs, 0.6 * budget);
+  std::vector<Job> jobs = mem_jobs;
+  jobs.insert(jobs.end(), copy_jobs.begin(), copy_jobs.end());
+  const std::size_t at = add_extra(jobs, extra);
+  run_jobs(jobs, budget);
+  take_extra(jobs, at, extra);
   arena.deallocate(dev, max_bytes, MemCategory::workspace);
+  for (std::size_t i = 0; i < mem_jobs.size(); ++i) mem_jobs[i].time = jobs[i].time;
+  for (std::size_t i = 0; i < copy_jobs.size(); ++i) copy_jobs[i].time = jobs[mem_jobs.size() + i].time;
+
+  std::vector<OpSample> table;
+  for (std::size_t i = 0; i < elems.size(); ++i) table.push_back({op_bytes::add_inplace(elems[i]), mem_jobs[i].time});
+  p.launch_overhead = mem_jobs[0].time;
+  std::vector<std::pair<double, Seconds>> tail;
+  for (std::size_t i = elems.size() - std::min<std::size_t>(3, elems.size()); i < elems.size(); ++i)
+    tail.emplace_back(double(table[i].bytes), table[i].seconds);
+  p.memory_bandwidth = 1.0 / fit_affine(tail).second;
+  p.op_tables[op_names::kElementwise] = std::move(table);
+
   std::vector<std::pair<double, Seconds>> h2d, d2h;
   std::vector<OpSample> h2d_table, d2h_table;
   for (std::size_t i = 0; i < sizes.size(); ++i) {
-    h2d.emplace_back(double(sizes[i]), copy_jobs[2 * i].median);
-    d2h.emplace_back(double(sizes[i]), copy_jobs[2 * i + 1].median);
-    h2d_table.push_back({sizes[i], copy_jobs[2 * i].median});
-    d2h_table.push_back({sizes[i], copy_jobs[2 * i + 1].median});
+    h2d.emplace_back(double(sizes[i]), copy_jobs[2 * i].time);
+    d2h.emplace_back(double(sizes[i]), copy_jobs[2 * i + 1].time);
+    h2d_table.push_back({sizes[i], copy_jobs[2 * i].time});
+    d2h_table.push_back({sizes[i], copy_jobs[2 * i + 1].time});
   }
   const auto [lat_h2d, per_byte_h2d] = fit_affine(h2d);
   const auto [lat_d2h, per_byte_d2h] = fit_affine(d2h);
@@ -691,144 +1011,252 @@ std::string format_seconds(Seconds s) {
 
 }  // namespace
 
-HardwareProfile calibrate(int threads, Seconds budget) {
-  threads = resolve_threads(threads);
-  set_threads(threads);
-  const bool full = budget >= kFullGridMinBudget;
-  HardwareProfile p;
-  p.name = fmt::format("{} cpu ({} threads)", host_name(), threads);
-  p.threads = threads;
-  // Memory first: the op tables' stage 1 reads the bandwidth.
-  measure_memory(p, full, (1.0 - kGemmShare - kOpShare) * budget);
-  measure_gemms(p, full, kGemmShare * budget);
-  measure_ops(p, full, kOpShare * budget);
-  return p;
-}
-
 void write_profile(const HardwareProfile& profile, const std::filesystem::path& path) { profile.save(path); }
 
 double CalibrationRow::relative_error() const {
   return measured > 0 ? std::abs(predicted - measured) / measured : 0.0;
 }
 
-CalibrationReport validate(const HardwareProfile& profile, int threads, Seconds budget) {
-  set_threads(resolve_threads(threads));
-  const CostModel model(profile);
-  const std::int64_t d = kHidden, H = kHeads, hd = kHeadDim;
-  // Held out: 5 and 10 sequences per micro-batch (640 and 1280 tokens), attention at
-  // 96 and 160 positions, skewed expert counts with an idle expert, copies of 3 and
-  // 24 MiB: no GEMM shape or op size here is a point of the calibration grid.
-  const std::int64_t n1 = 5 * kSeq, n2 = 10 * kSeq;
-  const std::vector<std::int64_t> skew = {412, 97, 0, 233, 61, 301, 152, 24};  // sum = n1 * k
-  std::vector<std::int32_t> offsets = {0};
-  for (std::int64_t c : skew) offsets.push_back(offsets.back() + std::int32_t(c));
-  const std::int64_t rows = offsets.back();
-  const std::string skew_text = fmt::format("rows=[{}]", fmt::join(skew, ","));
+namespace {
 
+/// The held-out invocations (see kHeldLinears and the rest) and the buffers they run
+/// on. Each is a Job that a calibration phase times among its own jobs, so that both
+/// see the same load from elsewhere on the machine, and a prediction made once the
+/// profile is complete. Not movable: the jobs point into the buffers.
+class HeldOut {
+ public:
   struct Case {
     std::string op, shape;
     std::function<void()> run;
-    Seconds predicted;
+    std::function<Seconds(const CostModel&)> predict;
+    bool warm = true;
   };
-  std::vector<Case> cases;
+  /// The cases by calibration phase: GEMM-based ops, other kernels, memory and copies.
+  std::vector<Case> gemm_cases, op_cases, memory_cases;
+
+  HeldOut();
+  HeldOut(const HeldOut&) = delete;
+  HeldOut& operator=(const HeldOut&) = delete;
+  ~HeldOut() { arena_.deallocate(dev_, copy_max_, MemCategory::workspace); }
+
+  static std::vector<Job> jobs_of(const std::vector<Case>& cases) {
+    std::vector<Job> jobs;
+    for (const Case& c : cases) jobs.push_back({c.run, 0, c.warm});
+    return jobs;
+  }
+
+ private:
+  std::vector<float> x_, dy_, y_, dx_, add_y_, add_x_;
+  std::vector<std::vector<std::int32_t>> offsets_;
+  ColdRing ring_;
+  std::unique_ptr<OpBench> bench_;
+  std::unique_ptr<AttentionBench> att_;
+  Arena arena_;
+  Bytes copy_max_ = 0;
+  void* dev_ = nullptr;
+  std::vector<char> host_;
+};
+
+HeldOut::HeldOut() {
+  const std::int64_t d = kHidden, H = kHeads, hd = kHeadDim;
+  std::vector<Case>& cases = gemm_cases;
 
   // GEMM-based ops: read-only inputs, outputs to scratch, weights and weight
   // gradients cold from a ring (as in the calibration, and in a real step).
-  const std::int64_t act = std::max({n2 * kDenseFfn, n1 * kVocab, rows * kExpertFfn});
-  std::vector<float> x = buffer(act, 41), dy = buffer(act, 42), y = buffer(act, 43), dx = buffer(act, 44);
-  ColdRing ring;
-  auto linear_cases = [&](std::int64_t n, std::int64_t in, std::int64_t out, const char* note, bool backward) {
-    const std::string shape = fmt::format("n={} in={} out={}{}", n, in, out, note);
+  std::int64_t act = 0;
+  for (const HeldLinear& l : kHeldLinears) act = std::max(act, l.n * std::max(l.in, l.out));
+  for (const auto& rows : kHeldExpertRows)
+    act = std::max(act, std::accumulate(rows.begin(), rows.end(), std::int64_t(0)) * kExpertFfn);
+  x_ = buffer(act, 41), dy_ = buffer(act, 42), y_ = buffer(act, 43), dx_ = buffer(act, 44);
+  float *x = x_.data(), *dy = dy_.data(), *y = y_.data(), *dx = dx_.data();
+  ColdRing& ring = ring_;
+  for (const HeldLinear& l : kHeldLinears) {
+    const std::int64_t n = l.n, in = l.in, out = l.out;
+    const std::string shape = fmt::format("n={} in={} out={}{}", n, in, out, l.note);
     cases.push_back({"linear_forward", shape,
-                     [&, n, in, out] { ops::linear_forward(x.data(), ring.next(out * in), y.data(), n, in, out); },
-                     model.linear_forward(n, in, out)});
-    if (backward)
-      cases.push_back({"linear_backward", shape,
-                       [&, n, in, out] {
-                         ops::linear_backward(dy.data(), x.data(), ring.next(out * in), dx.data(), ring.next(out * in), n,
-                                              in, out);
+                     [=, &ring] { ops::linear_forward(x, ring.next(out * in), y, n, in, out); },
+                     [=](const CostModel& m) { return m.linear_forward(n, in, out); }});
+    cases.push_back({"linear_backward", shape,
+                     [=, &ring] {
+                       ops::linear_backward(dy, x, ring.next(out * in), dx, ring.next(out * in), n,
+                                            in, out);
+                     },
+                     [=](const CostModel& m) { return m.linear_backward(n, in, out); }});
+  }
+  std::vector<std::vector<std::int32_t>>& offsets = offsets_;
+  for (const auto& rows : kHeldExpertRows) {
+    std::vector<std::int32_t> o = {0};
+    for (std::int64_t c : rows) o.push_back(o.back() + std::int32_t(c));
+    offsets.push_back(std::move(o));
+  }
+  for (std::size_t r = 0; r < kHeldExpertRows.size(); ++r) {
+    const std::vector<std::int64_t>& rows = kHeldExpertRows[r];
+    const std::int32_t* off = offsets[r].data();
+    for (auto [in, out] : {std::pair<std::int64_t, std::int64_t>{d, kExpertFfn}, {kExpertFfn, d}}) {
+      const std::string shape = fmt::format("rows=[{}] in={} out={}", fmt::join(rows, ","), in, out);
+      cases.push_back({"grouped_linear_forward", shape,
+                       [=, &ring] {
+                         ops::grouped_linear_forward(x, ring.next(kExperts * out * in), y, off, kExperts,
+                                                     in, out);
                        },
-                       model.linear_backward(n, in, out)});
-  };
-  linear_cases(n1, d, d, "", true);
-  linear_cases(n2, d, d, "", true);
-  linear_cases(n2, d, kDenseFfn, "", true);
-  linear_cases(n1, d, kVocab, " (head)", true);
-  linear_cases(n2, d, kExperts, " (router)", false);
-  for (auto [in, out] : {std::pair<std::int64_t, std::int64_t>{d, kExpertFfn}, {kExpertFfn, d}}) {
-    const std::string shape = fmt::format("{} in={} out={}", skew_text, in, out);
-    cases.push_back({"grouped_linear_forward", shape,
-                     [&, in, out] {
-                       ops::grouped_linear_forward(x.data(), ring.next(kExperts * out * in), y.data(), offsets.data(),
-                                                   kExperts, in, out);
-                     },
-                     model.grouped_linear_forward(skew, in, out)});
-    cases.push_back({"grouped_linear_backward", shape,
-                     [&, in, out] {
-                       ops::grouped_linear_backward(dy.data(), x.data(), ring.next(kExperts * out * in), dx.data(),
-                                                    ring.next(kExperts * out * in), offsets.data(), kExperts, in, out);
-                     },
-                     model.grouped_linear_backward(skew, in, out)});
+                       [rows, in, out](const CostModel& m) { return m.grouped_linear_forward(rows, in, out); }});
+      cases.push_back({"grouped_linear_backward", shape,
+                       [=, &ring] {
+                         ops::grouped_linear_backward(dy, x, ring.next(kExperts * out * in), dx,
+                                                      ring.next(kExperts * out * in), off, kExperts, in, out);
+                       },
+                       [rows, in, out](const CostModel& m) { return m.grouped_linear_backward(rows, in, out); }});
+    }
   }
 
   // The other kernels, on the same benches as the calibration.
-  const std::int64_t n3 = 3 * n2;
-  OpBench b(n3, std::max({n3 * d, n1 * kTopK * d, 700 * kExpertFfn}), n1 * kVocab);
-  for (std::int64_t n : {n1, n3}) {
+  std::vector<Case>& ops = op_cases;
+  const std::int64_t max_tokens = std::max(kHeldRmsnormLarge, *std::max_element(kHeldTokens.begin(), kHeldTokens.end()));
+  const std::int64_t max_swiglu = *std::max_element(kHeldSwigluRows.begin(), kHeldSwigluRows.end()) * kExpertFfn;
+  bench_ = std::make_unique<OpBench>(max_tokens, std::max({max_tokens * d, max_tokens * kTopK * d, max_swiglu}),
+                                     max_tokens * kVocab);
+  OpBench& b = *bench_;
+  for (std::int64_t n : {kHeldTokens[0], kHeldTokens[1], kHeldRmsnormLarge}) {
     const std::string shape = fmt::format("n={} d={}", n, d);
-    cases.push_back({"rmsnorm_forward", shape, b.rmsnorm_forward(n, d), model.rmsnorm_forward(n, d)});
-    cases.push_back({"rmsnorm_backward", shape, b.rmsnorm_backward(n, d), model.rmsnorm_backward(n, d)});
+    ops.push_back({"rmsnorm_forward", shape, b.rmsnorm_forward(n, d), [=](const CostModel& m) { return m.rmsnorm_forward(n, d); }});
+    ops.push_back({"rmsnorm_backward", shape, b.rmsnorm_backward(n, d), [=](const CostModel& m) { return m.rmsnorm_backward(n, d); }});
   }
-  AttentionBench att(5 * kSeq * H * hd);
-  for (auto [B, S] : {std::pair<std::int64_t, std::int64_t>{5, kSeq}, {4, 96}, {2, 160}}) {
+  std::int64_t max_att = 0;
+  for (auto [B, S] : kHeldAttention) max_att = std::max(max_att, B * S * H * hd);
+  att_ = std::make_unique<AttentionBench>(max_att);
+  AttentionBench& att = *att_;
+  for (auto [B, S] : kHeldAttention) {
     const std::string shape = fmt::format("B={} S={} H={} hd={}", B, S, H, hd);
-    cases.push_back({"rope", shape, att.rope(B, S, H, hd), model.rope(B, S, H, hd)});
-    cases.push_back({"attention_forward", shape, att.forward(B, S, H, hd), model.attention_forward(B, S, H, hd)});
-    cases.push_back({"attention_backward", shape, att.backward(B, S, H, hd), model.attention_backward(B, S, H, hd)});
+    ops.push_back({"rope", shape, att.rope(B, S, H, hd), [=](const CostModel& m) { return m.rope(B, S, H, hd); }});
+    ops.push_back({"attention_forward", shape, att.forward(B, S, H, hd), [=](const CostModel& m) { return m.attention_forward(B, S, H, hd); }});
+    ops.push_back({"attention_backward", shape, att.backward(B, S, H, hd), [=](const CostModel& m) { return m.attention_backward(B, S, H, hd); }});
   }
-  for (std::int64_t expert_rows : {rows / 2, std::int64_t(700)}) {
+  for (std::int64_t expert_rows : kHeldSwigluRows) {
     const std::int64_t n = expert_rows * kExpertFfn;
     const std::string shape = fmt::format("rows={} f={}", expert_rows, kExpertFfn);
-    cases.push_back({"swiglu_forward", shape, b.swiglu_forward(n), model.swiglu_forward(n)});
-    cases.push_back({"swiglu_backward", shape, b.swiglu_backward(n), model.swiglu_backward(n)});
+    ops.push_back({"swiglu_forward", shape, b.swiglu_forward(n), [=](const CostModel& m) { return m.swiglu_forward(n); }});
+    ops.push_back({"swiglu_backward", shape, b.swiglu_backward(n), [=](const CostModel& m) { return m.swiglu_backward(n); }});
   }
-  const std::string rshape = fmt::format("n={} E={} k={}", n1, kExperts, kTopK);
-  cases.push_back({"router_forward", rshape, b.router_forward(n1), model.router_forward(n1, kExperts, kTopK)});
-  cases.push_back({"router_backward", rshape, b.router_backward(n1), model.router_backward(n1, kExperts, kTopK)});
-  const std::string pshape = fmt::format("n={} k={} d={}", n1, kTopK, d);
-  cases.push_back({"permute_forward", pshape, b.permutation(0, n1, d), model.permute_forward(n1, kTopK, d)});
-  cases.push_back({"permute_backward", pshape, b.permutation(1, n1, d), model.permute_backward(n1, kTopK, d)});
-  cases.push_back({"unpermute_forward", pshape, b.permutation(2, n1, d), model.unpermute_forward(n1, kTopK, d)});
-  cases.push_back({"unpermute_backward", pshape, b.permutation(3, n1, d), model.unpermute_backward(n1, kTopK, d)});
-  const std::string cshape = fmt::format("n={} V={}", n1, kVocab);
-  cases.push_back({"cross_entropy_forward", cshape, b.cross_entropy_forward(n1, kVocab), model.cross_entropy_forward(n1, kVocab)});
-  cases.push_back({"cross_entropy_backward", cshape, b.cross_entropy_backward(n1, kVocab), model.cross_entropy_backward(n1, kVocab)});
-
-  // Copies between an arena block and a host buffer.
-  Arena arena;
-  const Bytes copy_max = 24 * kMiB;
-  void* dev = arena.allocate(copy_max, MemCategory::workspace, "calibrate");
-  std::vector<char> host(static_cast<std::size_t>(copy_max), 1);
-  std::memset(dev, 2, static_cast<std::size_t>(copy_max));
-  for (Bytes s : {3 * kMiB, 24 * kMiB}) {
-    cases.push_back({"copy_h2d", format_bytes(s), [&, s] { std::memcpy(dev, host.data(), std::size_t(s)); }, model.copy_h2d(s)});
-    cases.push_back({"copy_d2h", format_bytes(s), [&, s] { std::memcpy(host.data(), dev, std::size_t(s)); }, model.copy_d2h(s)});
+  for (std::int64_t n : kHeldTokens) {
+    const std::string rshape = fmt::format("n={} E={} k={}", n, kExperts, kTopK);
+    ops.push_back({"router_forward", rshape, b.router_forward(n), [=](const CostModel& m) { return m.router_forward(n, kExperts, kTopK); }});
+    ops.push_back({"router_backward", rshape, b.router_backward(n), [=](const CostModel& m) { return m.router_backward(n, kExperts, kTopK); }});
+    const std::string pshape = fmt::format("n={} k={} d={}", n, kTopK, d);
+    ops.push_back({"permute_forward", pshape, b.permutation(0, n, d), [=](const CostModel& m) { return m.permute_forward(n, kTopK, d); }});
+    ops.push_back({"permute_backward", pshape, b.permutation(1, n, d), [=](const CostModel& m) { return m.permute_backward(n, kTopK, d); }});
+    ops.push_back({"unpermute_forward", pshape, b.permutation(2, n, d), [=](const CostModel& m) { return m.unpermute_forward(n, kTopK, d); }});
+    ops.push_back({"unpermute_backward", pshape, b.permutation(3, n, d), [=](const CostModel& m) { return m.unpermute_backward(n, kTopK, d); }});
+    const std::string cshape = fmt::format("n={} V={}", n, kVocab);
+    ops.push_back({"cross_entropy_forward", cshape, b.cross_entropy_forward(n, kVocab),
+                     [=](const CostModel& m) { return m.cross_entropy_forward(n, kVocab); }});
+    ops.push_back({"cross_entropy_backward", cshape, b.cross_entropy_backward(n, kVocab),
+                     [=](const CostModel& m) { return m.cross_entropy_backward(n, kVocab); }});
+  }
+  // Residual adds (y += x over [n, d]), priced as generic elementwise work.
+  const std::int64_t max_add = *std::max_element(kHeldElementwiseRows.begin(), kHeldElementwiseRows.end()) * d;
+  add_y_ = buffer(max_add, 45), add_x_ = buffer(max_add, 46);
+  float* add_y = add_y_.data();
+  const float* add_x = add_x_.data();
+  for (std::int64_t rows : kHeldElementwiseRows) {
+    const std::int64_t n = rows * d;
+    memory_cases.push_back({"elementwise (y += x)", fmt::format("n={} d={}", rows, d),
+                            [=] {
+#pragma omp parallel for schedule(static)
+                              for (std::int64_t i = 0; i < n; ++i) add_y[i] += add_x[i];
+                            },
+                            [=](const CostModel& m) { return m.elementwise(op_bytes::add_inplace(n)); }});
   }
 
-  std::vector<Job> jobs;
-  for (const Case& c : cases) jobs.push_back({c.run});
-  run_jobs(jobs, budget);
-  arena.deallocate(dev, copy_max, MemCategory::workspace);
-
-  CalibrationReport report;
-  double sum = 0;
-  for (std::size_t i = 0; i < cases.size(); ++i) {
-    CalibrationRow row{cases[i].op, cases[i].shape, jobs[i].median, cases[i].predicted};
-    sum += row.relative_error();
-    report.rows.push_back(std::move(row));
+  // Copies between an arena block and a host buffer, from cold caches.
+  copy_max_ = *std::max_element(kHeldCopyBytes.begin(), kHeldCopyBytes.end());
+  dev_ = arena_.allocate(copy_max_, MemCategory::workspace, "calibrate");
+  host_.assign(static_cast<std::size_t>(copy_max_), 1);
+  std::memset(dev_, 2, static_cast<std::size_t>(copy_max_));
+  char* host = host_.data();
+  void* dev = dev_;
+  for (Bytes s : kHeldCopyBytes) {
+    memory_cases.push_back({"copy_h2d", format_bytes(s), [=] { std::memcpy(dev, host, std::size_t(s)); },
+                            [=](const CostModel& m) { return m.copy_h2d(s); }, false});
+    memory_cases.push_back({"copy_d2h", format_bytes(s), [=] { std::memcpy(host, dev, std::size_t(s)); },
+                            [=](const CostModel& m) { return m.copy_d2h(s); }, false});
   }
+}
+
+/// The report of `cases` timed in `jobs` (one job per case, in order), predicted by `model`.
+void add_rows(CalibrationReport& report, const std::vector<HeldOut::Case>& cases, const std::vector<Job>& jobs,
+              const CostModel& model) {
+  for (std::size_t i = 0; i < cases.size(); ++i)
+    report.rows.push_back({cases[i].op, cases[i].shape, jobs[i].time, cases[i].predict(model), jobs[i].spread});
+}
+
+void finish_report(CalibrationReport& report) {
+  double sum = 0, spread = 0;
+  for (const CalibrationRow& row : report.rows) sum += row.relative_error(), spread += row.spread;
   report.mean_abs_relative_error = report.rows.empty() ? 0 : sum / double(report.rows.size());
+  report.mean_spread = report.rows.empty() ? 0 : spread / double(report.rows.size());
+}
+
+/// The calibration's phases, each timing `held`'s cases of its phase among its own
+/// jobs when `held` is given (their medians land in the three job lists).
+HardwareProfile calibrate_phases(int threads, Seconds budget, HeldOut* held, std::vector<Job>* gemm_jobs,
+                                 std::vector<Job>* op_jobs, std::vector<Job>* memory_jobs, bool progress) {
+  threads = resolve_threads(threads);
+  set_threads(threads);
+  const bool full = budget >= kFullGridMinBudget;
+  HardwareProfile p;
+  p.name = fmt::format("{} cpu ({} threads)", host_name(), threads);
+  p.threads = threads;
+  const auto t0 = Clock::now();
+  const auto note = [&](const char* what) {
+    if (!progress) return;
+    fmt::print("  [{:5.1f} s] {}\n", since(t0), what);
+    std::fflush(stdout);
+  };
+  if (held) *gemm_jobs = HeldOut::jobs_of(held->gemm_cases), *op_jobs = HeldOut::jobs_of(held->op_cases),
+            *memory_jobs = HeldOut::jobs_of(held->memory_cases);
+  // Memory first: the op tables' stage 1 reads the bandwidth.
+  note("memory bandwidth and copies ...");
+  measure_memory(p, full, (1.0 - kGemmShare - kOpShare) * budget, held ? memory_jobs : nullptr);
+  note("GEMMs ...");
+  measure_gemms(p, full, kGemmShare * budget, held ? gemm_jobs : nullptr);
+  note("op tables ...");
+  measure_ops(p, full, kOpShare * budget, held ? op_jobs : nullptr);
+  note("done");
+  return p;
+}
+
+}  // namespace
+
+HardwareProfile calibrate(int threads, Seconds budget) {
+  return calibrate_phases(threads, budget, nullptr, nullptr, nullptr, nullptr, false);
+}
+
+CalibrationReport validate(const HardwareProfile& profile, int threads, Seconds budget) {
+  set_threads(resolve_threads(threads));
+  const CostModel model(profile);
+  HeldOut held;
+  std::vector<HeldOut::Case> cases = held.gemm_cases;
+  cases.insert(cases.end(), held.op_cases.begin(), held.op_cases.end());
+  cases.insert(cases.end(), held.memory_cases.begin(), held.memory_cases.end());
+  std::vector<Job> jobs = HeldOut::jobs_of(cases);
+  run_jobs(jobs, budget);
+  CalibrationReport report;
+  add_rows(report, cases, jobs, model);
+  finish_report(report);
   return report;
+}
+
+CalibrationResult calibrate_and_validate(int threads, Seconds budget, bool progress) {
+  HeldOut held;
+  std::vector<Job> gemm_jobs, op_jobs, memory_jobs;
+  CalibrationResult r;
+  r.profile = calibrate_phases(threads, budget, &held, &gemm_jobs, &op_jobs, &memory_jobs, progress);
+  const CostModel model(r.profile);
+  add_rows(r.report, held.gemm_cases, gemm_jobs, model);
+  add_rows(r.report, held.op_cases, op_jobs, model);
+  add_rows(r.report, held.memory_cases, memory_jobs, model);
+  finish_report(r.report);
+  return r;
 }
 
 int run_calibrate_command(const std::string& out_path, int threads, double budget_seconds, bool report_and_write) {
@@ -837,33 +1265,43 @@ int run_calibrate_command(const std::string& out_path, int threads, double budge
   // A peer under mpirun measures alongside rank 0 (so that the profile sees the
   // cores' shared memory bandwidth as training ranks do) and reports nothing.
   if (!report_and_write) {
-    const HardwareProfile profile = calibrate(threads, kMeasureShare * budget_seconds);
-    (void)validate(profile, threads, (1.0 - kMeasureShare) * budget_seconds);
+    (void)calibrate_and_validate(threads, budget_seconds, false);
     return 0;
   }
-  fmt::print("moeflex calibrate: {} threads, budget {:.0f} s ({} grid)\n", threads, budget_seconds,
-             budget_seconds >= kFullGridMinBudget ? "full" : "coarse");
+  fmt::print("moeflex calibrate: {} threads, budget {:.0f} s ({} grid), timed by the {} clock\n", threads,
+             budget_seconds, budget_seconds >= kFullGridMinBudget ? "full" : "coarse",
+             threads == 1 ? "thread's CPU" : "wall");
   // Other work on the cores makes every multi-threaded kernel wait for descheduled
   // threads: the profile then describes a busy machine.
   if (const double load = load_average(); load > kBusyLoadPerCore * omp_get_num_procs())
-    fmt::print("warning: the machine is busy (load average {:.1f} on {} cores): timings will be noisy and the "
-               "profile pessimistic; calibrate on an idle machine for a faithful one\n",
-               load, omp_get_num_procs());
+    fmt::print("warning: the machine is busy (load average {:.1f} on {} cores): timings will be noisy{}; calibrate "
+               "on an idle machine for a faithful profile\n",
+               load, omp_get_num_procs(), threads == 1 ? "" : " and the profile pessimistic");
   std::fflush(stdout);
   const auto t0 = Clock::now();
-  const HardwareProfile profile = calibrate(threads, kMeasureShare * budget_seconds);
-  const Seconds t_measure = since(t0);
+  const CalibrationResult result = calibrate_and_validate(threads, budget_seconds, true);
+  const HardwareProfile& profile = result.profile;
+  const CalibrationReport& report = result.report;
   fmt::print("measured {} GEMM shapes, {} op tables, memory {:.1f} GB/s, copies {:.1f}/{:.1f} GB/s (h2d/d2h) in {:.1f} s\n",
              profile.gemm.size(), profile.op_tables.size(), profile.memory_bandwidth / 1e9, profile.h2d_bandwidth / 1e9,
-             profile.d2h_bandwidth / 1e9, t_measure);
-  const CalibrationReport report = validate(profile, threads, (1.0 - kMeasureShare) * budget_seconds);
-  fmt::print("\nheld-out op invocations (cost model vs this machine):\n");
+             profile.d2h_bandwidth / 1e9, since(t0));
+  fmt::print("\nheld-out op invocations (cost model vs this machine; never measured by the calibration):\n");
   fmt::print("{:<24} {:<44} {:>12} {:>12} {:>8}\n", "op", "shape", "measured", "predicted", "error");
-  for (const CalibrationRow& r : report.rows)
+  std::map<std::string, std::pair<double, int>> by_op;  // op -> (sum of errors, count)
+  for (const CalibrationRow& r : report.rows) {
     fmt::print("{:<24} {:<44} {:>12} {:>12} {:>7.1f}%\n", r.op, r.shape, format_seconds(r.measured),
                format_seconds(r.predicted), 100.0 * r.relative_error());
-  fmt::print("mean absolute relative error: {:.2f}% over {} invocations\n", 100.0 * report.mean_abs_relative_error,
+    auto& [sum, count] = by_op[r.op];
+    sum += r.relative_error(), ++count;
+  }
+  fmt::print("\nmean error by op:");
+  int col = 0;
+  for (const auto& [op, e] : by_op)
+    fmt::print("{}{:<24} {:5.1f}%", col++ % 3 == 0 ? "\n  " : "   ", op, 100.0 * e.first / e.second);
+  fmt::print("\nmean absolute relative error: {:.2f}% over {} invocations\n", 100.0 * report.mean_abs_relative_error,
              report.rows.size());
+  fmt::print("measurement noise: the even and odd repeats of a held-out invocation differ by {:.2f}% on average\n",
+             100.0 * report.mean_spread);
   write_profile(profile, out_path);
   fmt::print("wrote {} ({:.1f} s in all)\n", out_path, since(t0));
   return 0;

@@ -6,9 +6,17 @@
 //
 // Every time is the median of repeated runs after one warm-up run; the repeats of
 // each measurement are sized so that the whole calibration fits the time budget.
-// Weights come cold from a large ring and activations warm, as in a training step.
-// Other processes on the cores show up as noise (multi-threaded kernels then wait
-// for descheduled threads): calibrate on an idle machine.
+// Every timed run starts from evicted caches followed by one untimed run of the same
+// call: activations warm as after the op that produced them, weights cold (a large
+// ring), as in a training step; copies are timed cold. With one thread, a run is
+// timed by the thread's CPU clock, which leaves out the time the scheduler gave other
+// processes (see calibrate.cpp); with several, by the wall clock, and other
+// processes on the cores show up as noise: calibrate on an idle machine.
+// The time budget is counted on the same clock (with one thread, CPU time: a busy
+// machine makes the calibration take longer rather than measure less, up to three
+// times the budget in wall time).
+// The held-out invocations are timed among the calibration's own jobs, so that both
+// see the same machine, but nothing of theirs goes into the profile.
 #pragma once
 #include <filesystem>
 #include <string>
@@ -20,7 +28,7 @@
 namespace moeflex {
 
 /// The default time budget of a calibration (measurement and validation together).
-inline constexpr Seconds kDefaultCalibrationBudget = 20.0;
+inline constexpr Seconds kDefaultCalibrationBudget = 60.0;
 /// Below this budget the calibration uses a coarse grid (fewer and smaller shapes).
 inline constexpr Seconds kFullGridMinBudget = 10.0;
 /// The profile `moeflex calibrate` writes without --out.
@@ -37,8 +45,10 @@ void write_profile(const HardwareProfile& profile, const std::filesystem::path& 
 struct CalibrationRow {
   std::string op;       ///< e.g. "linear_forward"
   std::string shape;    ///< e.g. "n=768 in=256 out=4096"
-  Seconds measured = 0;   ///< median wall time on this machine
+  Seconds measured = 0;   ///< its time on this machine (the median of its repeats, see calibrate.cpp)
   Seconds predicted = 0;  ///< the cost model's time
+  /// |time of the even repeats - time of the odd ones| / measured: the measurement's own noise.
+  double spread = 0;
   /// |predicted - measured| / measured.
   double relative_error() const;
 };
@@ -47,12 +57,26 @@ struct CalibrationRow {
 struct CalibrationReport {
   std::vector<CalibrationRow> rows;
   double mean_abs_relative_error = 0;  ///< mean of rows[i].relative_error()
+  double mean_spread = 0;              ///< mean of rows[i].spread
 };
 
-/// Times a held-out set of op invocations (shapes outside the calibration grid,
-/// including skewed expert token counts) with `threads` threads (<= 0: all cores)
-/// in about `budget` seconds, and compares them with `profile`'s cost model.
+/// Times the held-out set of op invocations (the default model's training shapes
+/// and shapes beside them, including skewed expert token counts; none of them a
+/// point the calibration measures) with `threads` threads (<= 0: all cores) in
+/// about `budget` seconds, and compares them with `profile`'s cost model.
 CalibrationReport validate(const HardwareProfile& profile, int threads, Seconds budget = 4.0);
+
+/// A profile and its held-out report from one run.
+struct CalibrationResult {
+  HardwareProfile profile;
+  CalibrationReport report;
+};
+
+/// calibrate() with the held-out invocations of validate() timed in the same rounds
+/// as the calibration's own jobs (each beside the jobs of its phase), in about
+/// `budget` seconds; with `progress`, prints a line per phase.
+CalibrationResult calibrate_and_validate(int threads, Seconds budget = kDefaultCalibrationBudget,
+                                         bool progress = false);
 
 /// `moeflex calibrate [--out FILE] [--threads N] [--seconds S]`: calibrates within
 /// `budget_seconds` (measurement and validation), prints the validation table (op,

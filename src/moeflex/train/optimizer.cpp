@@ -3,7 +3,16 @@
 #include <cmath>
 #include <numbers>
 
+#include "moeflex/ops/backend.h"
+
 namespace moeflex {
+
+namespace {
+
+/// The backend holding a parameter's tensors (their arena's device, or the CPU).
+ops::Backend& backend_of(const Tensor& t) { return t.arena() ? ops::backend_of(*t.arena()) : ops::cpu_backend(); }
+
+}  // namespace
 
 AdamW::AdamW(std::vector<Param>& params, Arena& arena, AdamWConfig cfg) : params_(params), cfg_(cfg) {
   for (auto& p : params_) {
@@ -23,18 +32,9 @@ void AdamW::step(double lr) {
   const float inv_sqrt_bc2 = float(1.0 / std::sqrt(bc2));
   for (std::size_t i = 0; i < params_.size(); ++i) {
     auto& p = params_[i];
-    float* w = p.w.f32();
-    const float* g = p.g.f32();
-    float* m = m_[i].f32();
-    float* v = v_[i].f32();
     const float decay = p.no_decay ? 1.0f : float(1.0 - lr * cfg_.weight_decay);
-    const std::int64_t n = p.w.numel();
-#pragma omp parallel for schedule(static)
-    for (std::int64_t j = 0; j < n; ++j) {
-      m[j] = b1 * m[j] + (1.0f - b1) * g[j];
-      v[j] = b2 * v[j] + (1.0f - b2) * g[j] * g[j];
-      w[j] = w[j] * decay - step_size * m[j] / (std::sqrt(v[j]) * inv_sqrt_bc2 + eps);
-    }
+    backend_of(p.w).adamw(p.w.f32(), p.g.f32(), m_[i].f32(), v_[i].f32(), p.w.numel(), b1, b2, eps, decay, step_size,
+                          inv_sqrt_bc2);
   }
 }
 
@@ -49,34 +49,13 @@ std::vector<std::pair<std::string, Tensor*>> AdamW::state() {
 
 namespace {
 
-double square_sum(const Param& p) {
-  const float* g = p.g.f32();
-  const std::int64_t n = p.g.numel();
-  // Fixed-size chunks summed in order: the same result for any thread count.
-  constexpr std::int64_t kChunk = 4096;
-  const std::int64_t nchunks = (n + kChunk - 1) / kChunk;
-  std::vector<double> partial(std::size_t(nchunks), 0.0);
-#pragma omp parallel for schedule(static)
-  for (std::int64_t c = 0; c < nchunks; ++c) {
-    double s = 0;
-    for (std::int64_t j = c * kChunk; j < std::min(n, (c + 1) * kChunk); ++j) s += double(g[j]) * g[j];
-    partial[std::size_t(c)] = s;
-  }
-  double total = 0;
-  for (double s : partial) total += s;
-  return total;
-}
+double square_sum(const Param& p) { return backend_of(p.g).square_sum(p.g.f32(), p.g.numel()); }
 
 }  // namespace
 
 double grad_square_sum(const Param& p) { return square_sum(p); }
 
-void scale_grads(Param& p, float scale) {
-  float* g = p.g.f32();
-  const std::int64_t n = p.g.numel();
-#pragma omp parallel for schedule(static)
-  for (std::int64_t j = 0; j < n; ++j) g[j] *= scale;
-}
+void scale_grads(Param& p, float scale) { backend_of(p.g).scale(p.g.f32(), p.g.numel(), scale); }
 
 double grad_square_sum(const std::vector<Param>& params, bool expert) {
   double total = 0;

@@ -96,7 +96,7 @@ void RunConfig::validate() const {
   rule(t.grad_clip >= 0, "train.grad_clip: must not be negative");
   rule(t.eval_every >= 0, "train.eval_every: must not be negative");
   rule(t.eval_batches >= 1, "train.eval_batches: must be at least 1");
-  rule(t.checkpoint_every >= 0, "train.checkpoint_every: must not be negative");
+  rule(t.checkpoint_every >= -1, "train.checkpoint_every: must be >= 0, or -1 for no checkpoint at all");
   rule(t.keep_checkpoints >= 1, "train.keep_checkpoints: must be at least 1");
   if (t.policy != "adaptive" && t.policy != "auto") static_policy_recomputes(t.policy, "");  // throws ConfigError naming the policies
   ops::parse_imbalance(t.inject_imbalance);  // throws ConfigError naming the bad part
@@ -107,6 +107,7 @@ void RunConfig::validate() const {
        fmt::format("train.restart_seconds: must be a finite number >= 0 (got {})", t.restart_seconds));
   rule(data.val_fraction > 0 && data.val_fraction < 0.5, "data.val_fraction: must be in (0, 0.5)");
   rule(device_memory == -1 || device_memory > 0, "device.memory: must be positive or \"unlimited\"");
+  rule(device == "cpu" || device == "cuda", fmt::format("device.kind: must be \"cpu\" or \"cuda\" (got \"{}\")", device));
   rule(parallel.pp >= 1, "parallel.pp: must be at least 1");
   rule(parallel.dp >= 0, "parallel.dp: must not be negative (0 = world size / pp)");
   rule(parallel.ep >= 1, "parallel.ep: must be at least 1");
@@ -218,7 +219,11 @@ RunConfig RunConfig::from_toml_text(const std::string& text, const std::string& 
         else if (auto i = m->value<std::int64_t>(); i && m->is_integer()) c.device_memory = *i;
         else throw ConfigError("device.memory: must be a size such as \"512MiB\" or \"unlimited\"");
       }
-      reject_unknown(*dev, "device", {"memory"});
+      if (auto* k = dev->get("kind")) {
+        if (auto s = k->value<std::string>()) c.device = *s;
+        else throw ConfigError("device.kind: must be \"cpu\" or \"cuda\"");
+      }
+      reject_unknown(*dev, "device", {"memory", "kind"});
     }
   } catch (const ConfigError& e) {
     throw ConfigError(fmt::format("{}: {}", origin, e.what()));
@@ -252,6 +257,7 @@ std::string RunConfig::to_toml() const {
   if (!parallel.stage_layers.empty())
     s += fmt::format("stage_layers = [{}]\n", fmt::join(parallel.stage_layers, ", "));
   s += fmt::format("\n[device]\nmemory = \"{}\"\n", device_memory < 0 ? std::string("unlimited") : fmt::format("{}B", device_memory));
+  if (device != "cpu") s += fmt::format("kind = {}\n", toml_string(device));
   return s;
 }
 

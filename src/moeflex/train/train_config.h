@@ -25,7 +25,7 @@ struct TrainConfig {
   std::uint64_t seed = 1234;           ///< seeds init and data order
   std::int64_t eval_every = 50;        ///< steps between validation evaluations; 0 = end only
   std::int64_t eval_batches = 8;       ///< validation micro-batches per evaluation
-  std::int64_t checkpoint_every = 100; ///< steps between checkpoints; 0 = end only
+  std::int64_t checkpoint_every = 100; ///< steps between checkpoints; 0 = end only; -1 = none (benchmarks)
   std::int64_t keep_checkpoints = 2;   ///< newest checkpoints kept
   std::string policy = "auto";         ///< activation provisioning: auto (adaptive with a budget, else none), none, full, selective, moe-light, moe-medium, moe-full, threshold[=R], adaptive
   std::int64_t trace_steps = 3;        ///< steps recorded in trace.json (Chrome trace format); 0 = none
@@ -57,6 +57,7 @@ struct RunConfig {
   DataConfig data;
   ParallelConfig parallel;
   Bytes device_memory = -1;  ///< device-memory budget in bytes; -1 = unlimited
+  std::string device = "cpu";  ///< where the run computes: "cpu" or "cuda" (one GPU; [device] kind)
 
   /// Throws ConfigError naming the field and the rule.
   void validate() const;

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <ctime>
 #include <fstream>
 #include <optional>
 #include <nlohmann/json.hpp>
@@ -19,6 +20,10 @@
 #include "moeflex/core/arena.h"
 #include "moeflex/core/error.h"
 #include "moeflex/model/model.h"
+#include "moeflex/ops/backend.h"
+#ifdef MOEFLEX_HAVE_CUDA
+#include "moeflex/ops/cuda/backend.h"
+#endif
 #include "moeflex/train/checkpoint.h"
 #include "moeflex/train/dataset.h"
 #include "moeflex/train/distributed.h"
@@ -48,6 +53,77 @@ double seconds_since(Clock::time_point t0) {
 
 
 
+
+/// CPU seconds this process has used (all its threads): a step's CPU time is its
+/// work without the time it waited for a core (other jobs on the machine).
+double process_cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
+}
+
+/// One line of loads.jsonl, the expert loads `moeflex simulate --loads` replays
+/// (docs/simulator.md): {"step": s, "dp": dp, "ep": ep, "microbatches": M,
+/// "moe_layers": [global layer index, ...], "received": [layer][mb][dp rank],
+/// "kept": [layer][mb][dp rank], "step_cpu_seconds": [world rank]}. "received" is
+/// the rows a rank's local experts processed after the expert-parallel dispatch
+/// (MoERows::received), "kept" the assignments it routed and kept (MoERows::permuted);
+/// the EP group of dp rank q is the ep consecutive dp ranks around it. A chunk runs its
+/// micro-batches' forwards in order, so the k-th routing record of a layer is micro-batch k.
+/// Collective over `world` (one all-reduce of the int64 table, one of the CPU times);
+/// rank 0 passes `out`. Writes nothing for a model without MoE layers.
+void record_loads(comm::Communicator* world, const std::vector<RoutingStats>& routing, const ModelConfig& model,
+                  const comm::ParallelLayout& layout, int dp_rank, std::int64_t M, std::int64_t step,
+                  double step_cpu, std::ofstream* out) {
+  std::vector<int> moe_layers, index(std::size_t(model.num_hidden_layers), -1);
+  for (int l = 0; l < model.num_hidden_layers; ++l)
+    if (model.is_moe_layer(l)) {
+      index[std::size_t(l)] = int(moe_layers.size());
+      moe_layers.push_back(l);
+    }
+  if (moe_layers.empty()) return;
+  const std::size_t L = moe_layers.size(), dp = std::size_t(layout.dp()), m = std::size_t(M);
+  auto at = [&](std::size_t which, std::size_t k, std::size_t mb, std::size_t q) {
+    return ((which * L + k) * m + mb) * dp + q;
+  };
+  std::vector<std::int64_t> table(2 * L * m * dp, 0);
+  std::vector<std::size_t> seen(L, 0);  // forwards of each layer so far: the micro-batch index
+  for (const auto& r : routing) {
+    const int k = r.layer >= 0 && r.layer < model.num_hidden_layers ? index[std::size_t(r.layer)] : -1;
+    if (k < 0 || seen[std::size_t(k)] >= m) continue;
+    const std::size_t mb = seen[std::size_t(k)]++;
+    std::int64_t kept = 0;
+    for (auto c : r.tokens_per_expert) kept += c;
+    table[at(0, std::size_t(k), mb, std::size_t(dp_rank))] = r.received_rows;
+    table[at(1, std::size_t(k), mb, std::size_t(dp_rank))] = kept;
+  }
+  std::vector<double> cpu(std::size_t(world->size()), 0.0);
+  cpu[std::size_t(world->rank())] = step_cpu;
+  if (world->size() > 1) {
+    world->all_reduce_sum(table.data(), std::int64_t(table.size()));
+    world->all_reduce_sum(cpu.data(), std::int64_t(cpu.size()));
+  }
+  if (!out) return;
+  json rec = json::array(), kep = json::array();
+  for (std::size_t k = 0; k < L; ++k) {
+    json rk = json::array(), kk = json::array();
+    for (std::size_t mb = 0; mb < m; ++mb) {
+      json rr = json::array(), kr = json::array();
+      for (std::size_t q = 0; q < dp; ++q) {
+        rr.push_back(table[at(0, k, mb, q)]);
+        kr.push_back(table[at(1, k, mb, q)]);
+      }
+      rk.push_back(rr);
+      kk.push_back(kr);
+    }
+    rec.push_back(rk);
+    kep.push_back(kk);
+  }
+  json line = {{"step", step}, {"dp", layout.dp()}, {"ep", layout.ep()}, {"microbatches", M},
+               {"moe_layers", moe_layers}, {"received", rec}, {"kept", kep}, {"step_cpu_seconds", cpu}};
+  *out << line.dump() << "\n";
+  out->flush();
+}
 
 // Keeps only the metrics lines of steps <= `step` (a resumed run rewrites the rest).
 void truncate_metrics(const fs::path& path, std::int64_t step) {
@@ -103,6 +179,31 @@ class Progress {
 }  // namespace
 
 fs::path default_corpus_path() { return fs::path("data") / "brown"; }
+
+namespace {
+
+// The run's device and its arena (device.kind): host memory on the CPU, or one
+// region of one GPU. The CUDA slice trains one rank; what it lacks is refused here.
+ops::DeviceContext make_device(const RunConfig& cfg, int world_size) {
+  if (cfg.device == "cpu") return ops::make_cpu_context(cfg.device_memory);
+  if (world_size > 1)
+    throw ConfigError(fmt::format("--device cuda trains on one GPU (one rank) for now: {} ranks need the NCCL "
+                                  "gradient reduction and token dispatcher, which the training engine does not use "
+                                  "yet; run without mpirun, or with --device cpu", world_size));
+  if (cfg.train.on_oom == "restart")
+    throw ConfigError("--on-oom restart is not available with --device cuda: it serves the overflow of an "
+                      "out-of-memory step from host memory, which a GPU kernel cannot use");
+#ifdef MOEFLEX_HAVE_CUDA
+  ops::cuda::CudaContextOptions options;
+  options.budget = cfg.device_memory;
+  return ops::cuda::make_cuda_context(options);
+#else
+  throw ConfigError("--device cuda: this moeflex was built without the CUDA backend (configure with "
+                    "-DMOEFLEX_CUDA=ON where nvcc is installed)");
+#endif
+}
+
+}  // namespace
 
 namespace {
 
@@ -201,6 +302,12 @@ TrainResult run_training(const TrainOptions& opts) {
   Progress progress(opts.progress && rank0, t.steps);
   if (!progress_note_pending.empty()) fmt::print(stderr, "moeflex: {}\n", progress_note_pending);
   if (world_size > 1) progress.note(fmt::format("moeflex: {} ranks: {}", world_size, layout.describe()));
+  // Device state (weights, grads, optimizer moments, then activations per step) lives
+  // in the arena of the run's device; a device that cannot be had fails here, first.
+  ops::DeviceContext device = make_device(cfg, world_size);
+  Arena& arena = *device.arena;
+  if (device.backend)
+    progress.note(fmt::format("moeflex: device {}: arena {}", device.backend->describe(), format_bytes(arena.budget())));
 
   // Data: tokenize (or reuse) the corpus.
   const fs::path corpus = cfg.data.path.empty() ? default_corpus_path() : fs::path(cfg.data.path);
@@ -234,8 +341,6 @@ TrainResult run_training(const TrainOptions& opts) {
   }
   world->barrier();
 
-  // Device state: weights, grads, optimizer moments, then activations per step.
-  Arena arena(cfg.device_memory);
   TrainResult res;
   const fs::path summary_path = run_dir / "summary.json";
   json history = json::array();
@@ -257,6 +362,9 @@ TrainResult run_training(const TrainOptions& opts) {
     s["policy"] = cfg.train.policy;
     s["bytes_recomputed"] = res.bytes_recomputed;
     s["bytes_offloaded"] = res.bytes_offloaded;
+    s["arena_compactions"] = res.arena_compactions;
+    s["bytes_compacted"] = res.bytes_compacted;
+    s["bytes_evicted"] = res.bytes_evicted;
     s["decisions"] = res.decisions;
     s["decision_seconds_p99"] = res.decision_seconds_p99;
     s["max_load_ratio"] = res.max_load_ratio;
@@ -273,6 +381,7 @@ TrainResult run_training(const TrainOptions& opts) {
     s["active_params"] = cfg.model.num_active_params();
     s["val_loss_history"] = history;
     s["world_size"] = world_size;
+    s["device"] = cfg.device;
     s["layout"] = {{"pp", layout.pp()}, {"dp", layout.dp()}, {"ep", layout.ep()}, {"vpp", layout.vpp()}};
     s["peak_device_bytes_per_rank"] = rank_peaks;
     s["wall_seconds"] = wall;
@@ -404,8 +513,30 @@ TrainResult run_training(const TrainOptions& opts) {
     double elapsed_before = 0;
     // The training state a checkpoint holds (weights, AdamW moments and step, tokens,
     // losses); shared by --resume and by the restart after an OOM. Returns its step.
+    // On a device, checkpoint files are written from and read into host copies.
+    std::vector<std::vector<float>> staging;
+    auto stage = [&](std::vector<train::NamedBuffer> bufs, bool download) {
+      if (!device.backend) return bufs;
+      for (auto& b : bufs) {
+        staging.emplace_back(std::size_t(shape_numel(b.shape)));
+        if (download) device.backend->copy_to_host(staging.back().data(), b.data, Bytes(4) * shape_numel(b.shape));
+        b.data = staging.back().data();
+      }
+      return bufs;
+    };
+    auto unstage = [&](const std::vector<train::NamedBuffer>& on_device, const std::vector<train::NamedBuffer>& host) {
+      if (!device.backend) return;
+      for (std::size_t i = 0; i < host.size(); ++i)
+        device.backend->copy_from_host(on_device[i].data, host[i].data, Bytes(4) * shape_numel(host[i].shape));
+      device.backend->synchronize();
+    };
     auto restore_checkpoint = [&](const fs::path& dir) {
-      json st = train::load_checkpoint(dir, model_bufs(), opt_bufs());
+      const auto mb = model_bufs(), ob = opt_bufs();
+      const auto host_mb = stage(mb, false), host_ob = stage(ob, false);
+      json st = train::load_checkpoint(dir, host_mb, host_ob);
+      unstage(mb, host_mb);
+      unstage(ob, host_ob);
+      staging.clear();
       for (auto& o : opts_) o->set_steps_taken(st.at("adam_steps").get<std::int64_t>());
       res.tokens = st.at("tokens").get<std::int64_t>();
       res.initial_val_loss = st.at("initial_val_loss").get<double>();
@@ -428,6 +559,7 @@ TrainResult run_training(const TrainOptions& opts) {
       res.oom_peak_demand_bytes = st.value("oom_peak_demand_bytes", std::int64_t(0));
       res.first_oom = st.value("first_oom", std::string());
       if (rank0) truncate_metrics(run_dir / "metrics.jsonl", start_step);
+      if (rank0) truncate_metrics(run_dir / "loads.jsonl", start_step);
       if (start_step >= t.steps)
         progress.note(fmt::format("run {} is already complete at step {}; pass --steps N > {} to extend it",
                                   run_dir.string(), start_step, start_step));
@@ -435,6 +567,7 @@ TrainResult run_training(const TrainOptions& opts) {
         progress.note(fmt::format("resuming {} from step {}", run_dir.string(), start_step));
     } else {
       if (rank0) std::remove((run_dir / "metrics.jsonl").c_str());
+      if (rank0) std::remove((run_dir / "loads.jsonl").c_str());
       progress.note(fmt::format(
           "moeflex: {:.2f} M params ({:.2f} M active), {} train / {} val tokens, {} tokens per step, budget {}",
           double(cfg.model.num_params()) / 1e6, double(cfg.model.num_active_params()) / 1e6, info.train_tokens,
@@ -445,6 +578,8 @@ TrainResult run_training(const TrainOptions& opts) {
     }
     std::ofstream metrics;
     if (rank0) metrics.open(run_dir / "metrics.jsonl", std::ios::app);
+    std::ofstream loads_out;  // loads.jsonl (record_loads)
+    if (rank0) loads_out.open(run_dir / "loads.jsonl", std::ios::app);
     setup_done = true;
     double train_seconds = elapsed_before;
     auto save = [&](std::int64_t step) {
@@ -464,7 +599,9 @@ TrainResult run_training(const TrainOptions& opts) {
                  {"restart_seconds", res.restart_seconds},
                  {"oom_peak_demand_bytes", res.oom_peak_demand_bytes},
                  {"first_oom", res.first_oom}};
-      train::save_checkpoint(ckpt_root, step, model_bufs(), opt_bufs(), st, int(t.keep_checkpoints));
+      train::save_checkpoint(ckpt_root, step, stage(model_bufs(), true), stage(opt_bufs(), true), st,
+                             int(t.keep_checkpoints));
+      staging.clear();
     };
 
     double last_val = res.final_val_loss;
@@ -564,8 +701,11 @@ TrainResult run_training(const TrainOptions& opts) {
                                 step - back, oom.what()));
       return back;
     };
+    // Arena fragmentation handling so far on this rank: compactions, bytes moved, bytes evicted.
+    double defrag_seen[3] = {0, 0, 0};
     for (std::int64_t step = start_step; step < t.steps; ++step) {
       const auto t0 = Clock::now();
+      const double cpu0 = process_cpu_seconds();
       my_run_peak = std::max(my_run_peak, arena.peak());  // this rank's peak over the run so far
       arena.reset_peaks();
       replica.zero_grads();
@@ -632,6 +772,12 @@ TrainResult run_training(const TrainOptions& opts) {
       for (MoEModel* c : replica.chunks()) offl += double(c->stash().counters().offloaded);
       if (world_size > 1) world->all_reduce_sum(&offl, 1);
       res.bytes_offloaded += std::int64_t(offl);
+      double defrag[3] = {double(arena.compactions()), double(arena.bytes_compacted()), double(arena.bytes_evicted())};
+      for (int i = 0; i < 3; ++i) std::swap(defrag[i], defrag_seen[i]), defrag[i] = defrag_seen[i] - defrag[i];
+      if (world_size > 1) world->all_reduce_sum(defrag, 3);  // this step, all ranks
+      res.arena_compactions += std::int64_t(defrag[0]);
+      res.bytes_compacted += std::int64_t(defrag[1]);
+      res.bytes_evicted += std::int64_t(defrag[2]);
       double max_imbalance = 1.0;
       std::int64_t dropped = 0;
       std::map<int, std::int64_t> received_by_layer;  // rows this rank's experts received, summed over micro-batches
@@ -674,6 +820,10 @@ TrainResult run_training(const TrainOptions& opts) {
       const double lr = lr_at(step, t.warmup_steps, t.steps, t.lr, t.min_lr);
       for (auto& o : opts_) o->step(lr);
       const double dt = seconds_since(t0);
+      const double step_cpu = process_cpu_seconds() - cpu0;
+      // Before the evaluation below, which routes (and clears the routing records) too.
+      record_loads(world.get(), replica.routing(), cfg.model, layout, dp_rank, M, step + 1, step_cpu,
+                   rank0 ? &loads_out : nullptr);
       train_seconds += dt;
       const std::int64_t step_tokens = B * S * M * dp;
       res.tokens += step_tokens;
@@ -700,6 +850,8 @@ TrainResult run_training(const TrainOptions& opts) {
                    {"bytes_saved", std::int64_t(provisioned[0])},
                    {"bytes_recomputed", std::int64_t(provisioned[1])},
                    {"bytes_offloaded", std::int64_t(offl)},
+                   {"arena_compactions", std::int64_t(defrag[0])},
+                   {"bytes_evicted", std::int64_t(defrag[2])},
                    {"injected_imbalance", spike ? imbalance.ratio : 0.0},
                    {"oom", false}};
       for (auto& [k, v] : plan_line.items()) line[k] = v;
@@ -744,7 +896,8 @@ TrainResult run_training(const TrainOptions& opts) {
       if (world_size > 1) world->all_reduce_max(&stop_flag, 1);
       const bool stop_now =
           ((opts.stop_after >= 0 && step + 1 >= opts.stop_after) || stop_flag > 0) && step + 1 < t.steps;
-      if ((t.checkpoint_every > 0 && (step + 1) % t.checkpoint_every == 0) || step + 1 == t.steps || stop_now)
+      if ((t.checkpoint_every > 0 && (step + 1) % t.checkpoint_every == 0) ||
+          (step + 1 == t.steps && t.checkpoint_every >= 0) || stop_now)
         save(step + 1);
       if (stop_now) {
         progress.note(fmt::format("stopped after step {} (checkpoint saved); continue with --resume {}", step + 1,

@@ -33,6 +33,9 @@ struct TrainResult {
   std::int64_t oom_count = 0;
   std::int64_t bytes_recomputed = 0;  ///< activation bytes dropped in forward and rebuilt in backward
   std::int64_t bytes_offloaded = 0;   ///< activation bytes copied to host memory and back
+  std::int64_t arena_compactions = 0;  ///< arena defragmentations (all ranks; Arena::compact)
+  std::int64_t bytes_compacted = 0;    ///< bytes those compactions moved
+  std::int64_t bytes_evicted = 0;      ///< activation bytes evicted to the host to make room (Arena::make_room)
   std::int64_t decisions = 0;         ///< adaptive planner layer decisions
   double decision_seconds_p99 = 0;    ///< 99th percentile of one layer decision's time
   double max_load_ratio = 1.0;        ///< largest expert-load imbalance seen (max / mean)

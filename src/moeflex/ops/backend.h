@@ -1,0 +1,141 @@
+// The compute backend the model runs on (STYLE habit 6's "device" part): every op
+// the engine calls on tensor data, in fp32, plus the device's memory operations
+// (core/device.h). The CPU backend is the reference ops of ops/*.h called with the
+// same arguments (so CPU results are those of calling the ops directly, bit for
+// bit); the CUDA backend (ops/cuda/backend.h) runs ops/cuda/* on one compute stream
+// with one cuBLAS handle.
+//
+// Pointers are the arena's (device memory on CUDA). Shapes and semantics are those
+// of the CPU ops; the differences a caller must know:
+//   - token ids / targets are HOST arrays (the data loader's), copied by the backend;
+//   - grouped GEMM offsets are HOST arrays (moe_plan_dispatch returns them);
+//   - attention: `probs` and `dprobs_ws` are [B, H, S, S] buffers as on the CPU; the
+//     CUDA flash kernels keep only the logsumexp [B, H, S] in the first B*H*S floats
+//     of `probs` and use `dprobs_ws` as scratch, and the backward reads `out`;
+//   - functions returning a loss (double) wait for the device (they read it back).
+#pragma once
+#include <cstdint>
+#include <memory>
+
+#include "moeflex/core/arena.h"
+#include "moeflex/core/device.h"
+
+namespace moeflex::ops {
+
+class Backend : public Device {
+ public:
+  /// True when the host may read and write tensor memory directly (the CPU
+  /// backend); otherwise every touch goes through the Device operations.
+  virtual bool host_memory() const { return kind() == DeviceKind::cpu; }
+
+  // --- dense layers -------------------------------------------------------------------
+  virtual void linear_forward(const float* x, const float* w, float* y, std::int64_t n, std::int64_t in,
+                              std::int64_t out) = 0;
+  virtual void linear_backward(const float* dy, const float* x, const float* w, float* dx, float* dw, std::int64_t n,
+                               std::int64_t in, std::int64_t out, bool accumulate_dx) = 0;
+  /// Row-major C = alpha op(A) op(B) + beta C (ops/blas.h).
+  virtual void gemm(bool trans_a, bool trans_b, std::int64_t M, std::int64_t N, std::int64_t K, float alpha,
+                    const float* A, std::int64_t lda, const float* B, std::int64_t ldb, float beta, float* C,
+                    std::int64_t ldc) = 0;
+  virtual void rmsnorm_forward(const float* x, const float* w, float* y, float* rstd, std::int64_t n, std::int64_t d,
+                               float eps) = 0;
+  virtual void rmsnorm_backward(const float* dy, const float* x, const float* w, const float* rstd, float* dx,
+                                float* dw, std::int64_t n, std::int64_t d) = 0;
+  virtual void rope_forward(float* x, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd,
+                            double theta) = 0;
+  virtual void rope_backward(float* dx, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd,
+                             double theta) = 0;
+  virtual void attention_forward(const float* q, const float* k, const float* v, float* out, float* probs,
+                                 std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd) = 0;
+  virtual void attention_backward(const float* dout, const float* q, const float* k, const float* v,
+                                  const float* out, const float* probs, float* dq, float* dk, float* dv,
+                                  float* dprobs_ws, std::int64_t B, std::int64_t S, std::int64_t H,
+                                  std::int64_t hd) = 0;
+  virtual void swiglu_forward(const float* gate, const float* up, float* out, std::int64_t n) = 0;
+  virtual void swiglu_backward(const float* dout, const float* gate, const float* up, float* dgate, float* dup,
+                               std::int64_t n) = 0;
+  /// y += x over n elements.
+  virtual void add_inplace(float* y, const float* x, std::int64_t n) = 0;
+
+  // --- embedding and loss (ids, targets: host) -----------------------------------------
+  virtual void embedding_forward(const std::int32_t* host_ids, const float* table, float* out, std::int64_t n,
+                                 std::int64_t d) = 0;
+  virtual void embedding_backward(const std::int32_t* host_ids, const float* dout, float* dtable, std::int64_t n,
+                                  std::int64_t d) = 0;
+  /// Mean loss (waits for the device).
+  virtual double cross_entropy_forward(const float* logits, const std::int32_t* host_targets, float* probs,
+                                       float* losses, std::int64_t n, std::int64_t V) = 0;
+  virtual void cross_entropy_backward(const float* probs, const std::int32_t* host_targets, float* dlogits,
+                                      std::int64_t n, std::int64_t V, float scale) = 0;
+
+  // --- router and MoE dispatch ----------------------------------------------------------
+  virtual void router_forward(const float* logits, float* probs, std::int32_t* topk_idx, float* topk_w,
+                              std::int64_t n, std::int64_t E, std::int64_t k, bool norm_topk_prob) = 0;
+  virtual void router_backward(const float* dtopk_w, const float* dprobs_extra, const float* probs,
+                               const std::int32_t* topk_idx, float* dlogits, std::int64_t n, std::int64_t E,
+                               std::int64_t k, bool norm_topk_prob) = 0;
+  virtual double aux_loss_forward(const float* probs, const std::int32_t* topk_idx, std::int64_t n, std::int64_t E,
+                                  std::int64_t k, double coef) = 0;
+  virtual void aux_loss_backward(const std::int32_t* topk_idx, float* dprobs, std::int64_t n, std::int64_t E,
+                                 std::int64_t k, double coef) = 0;
+  virtual double z_loss_forward(const float* logits, std::int64_t n, std::int64_t E, double coef) = 0;
+  virtual void z_loss_backward(const float* logits, float* dlogits, std::int64_t n, std::int64_t E, double coef) = 0;
+  /// ops::skew_router_logits on logits [n, E] (spike tests).
+  virtual void skew_router_logits(float* logits, std::int64_t n, std::int64_t E, std::int64_t k, int groups,
+                                  double ratio) = 0;
+  /// counts, offsets, slot_of (=) as ops::moe_plan_dispatch, plus host_offsets [E+1]
+  /// on the host; returns the dropped assignments (waits for the device).
+  virtual std::int64_t moe_plan_dispatch(const std::int32_t* topk_idx, std::int64_t n, std::int64_t E,
+                                         std::int64_t k, std::int64_t capacity, std::int32_t* counts,
+                                         std::int32_t* offsets, std::int32_t* slot_of,
+                                         std::int32_t* host_offsets) = 0;
+  virtual void permute_forward(const float* x, const std::int32_t* slot_of, float* xp, std::int64_t n,
+                               std::int64_t k, std::int64_t d) = 0;
+  virtual void permute_backward(const float* dxp, const std::int32_t* slot_of, float* dx, std::int64_t n,
+                                std::int64_t k, std::int64_t d) = 0;
+  virtual void unpermute_forward(const float* yp, const std::int32_t* slot_of, const float* topk_w, float* y,
+                                 std::int64_t n, std::int64_t k, std::int64_t d) = 0;
+  virtual void unpermute_backward(const float* dy, const float* yp, const std::int32_t* slot_of,
+                                  const float* topk_w, float* dyp, float* dtopk_w, std::int64_t n, std::int64_t k,
+                                  std::int64_t d) = 0;
+  /// Grouped expert GEMMs; host_offsets [E+1] on the host.
+  virtual void grouped_linear_forward(const float* x, const float* w, float* y, const std::int32_t* host_offsets,
+                                      std::int64_t E, std::int64_t in, std::int64_t out) = 0;
+  virtual void grouped_linear_backward(const float* dy, const float* x, const float* w, float* dx, float* dw,
+                                       const std::int32_t* host_offsets, std::int64_t E, std::int64_t in,
+                                       std::int64_t out) = 0;
+
+  // --- optimizer ------------------------------------------------------------------------
+  /// Sum of squares of g [n] in double, over fixed chunks of 4096 summed in order
+  /// (waits for the device).
+  virtual double square_sum(const float* g, std::int64_t n) = 0;
+  /// g *= scale.
+  virtual void scale(float* g, std::int64_t n, float scale) = 0;
+  /// One AdamW update of n elements (train/optimizer.h's formula with its float
+  /// constants): m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
+  /// w = w * decay - step_size * m / (sqrt(v) * inv_sqrt_bc2 + eps).
+  virtual void adamw(float* w, const float* g, float* m, float* v, std::int64_t n, float b1, float b2, float eps,
+                     float decay, float step_size, float inv_sqrt_bc2) = 0;
+};
+
+/// A backend with the arena over its memory: what a run allocates from and computes
+/// on. For the CPU, `backend` is null (the CPU backend is a process-wide object) and
+/// the arena is host memory; for a device, the arena's device is `backend`, which
+/// owns the region (declared first, so it outlives the arena).
+struct DeviceContext {
+  std::unique_ptr<Backend> backend;
+  std::unique_ptr<Arena> arena;
+  DeviceKind kind() const { return backend ? backend->kind() : DeviceKind::cpu; }
+};
+
+/// The CPU context: an Arena(budget) (kUnlimited or bytes) on the CPU backend.
+DeviceContext make_cpu_context(Bytes budget);
+
+/// The CPU backend (ops/*.h on host memory); one per process.
+Backend& cpu_backend();
+
+/// The backend whose memory `arena` hands out: its device when it has one, else the
+/// CPU backend. Throws Error when the arena's device is not a Backend.
+Backend& backend_of(const Arena& arena);
+
+}  // namespace moeflex::ops

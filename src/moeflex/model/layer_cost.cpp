@@ -18,7 +18,7 @@ Seconds zero(const CostModel& c, std::int64_t n) { return c.elementwise(Bytes(n)
 /// swiglu_mlp_forward/backward run it, adding into `lc` and its recompute table.
 void swiglu_mlp(const CostModel& c, std::int64_t n, std::int64_t d, std::int64_t w, const std::string& prefix,
                 LayerCost& lc) {
-  lc.forward += 2 * c.linear_forward(n, d, w) + c.swiglu_forward(n * w) + c.gemm(n, d, w);
+  lc.forward += 2 * c.linear_forward(n, d, w) + c.swiglu_forward(n * w) + c.linear_forward(n, w, d);
   // backward: down (dx), swiglu, gate and up (dx); W: the three dW GEMMs.
   lc.backward_input += c.linear_backward(n, w, d, true, false) + c.swiglu_backward(n * w) +
                        2 * c.linear_backward(n, d, w, true, false);

@@ -362,6 +362,14 @@ TEST(Sim, PerRankReplayPeakIsEachRanksOwnWalk) {
       EXPECT_NE(std::string(e.what()).find("'received'"), std::string::npos) << e.what();
     }
   }
+  // The format follows the content, not the name: a renamed loads.jsonl replays
+  // per rank, and a file that is neither format is refused.
+  std::ofstream(dir / "renamed.jsonl") << line.dump() << "\n";
+  const LoadModel renamed = LoadModel::from_file(dir / "renamed.jsonl");
+  EXPECT_TRUE(renamed.per_rank());
+  EXPECT_DOUBLE_EQ(renamed.ratio(0, 2, 3, 1), 120.0 / 64.0);
+  std::ofstream(dir / "junk.jsonl") << "{}\n";
+  EXPECT_THROW(LoadModel::from_file(dir / "junk.jsonl"), DataError);
   std::filesystem::remove_all(dir);
 }
 

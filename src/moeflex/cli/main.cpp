@@ -141,7 +141,8 @@ int main(int argc, char** argv) {
       if (!resume_dir.empty()) {
         const bool others = !config_path.empty() || !device_memory.empty() || !data_path.empty() || !policy.empty() ||
                             !inject.empty() || pp > 0 || dp >= 0 || ep > 0 || vpp > 0 || !schedule.empty() || seed >= 0 ||
-                            !on_oom.empty() || max_restarts >= 0 || restart_seconds >= 0 || checkpoint_every >= 0;
+                            !on_oom.empty() || max_restarts >= 0 || restart_seconds >= 0 || checkpoint_every >= 0 ||
+                            !device.empty();
         if (others && (!comm::MpiSession::active() || mpi.world_rank() == 0))
           fmt::print(stderr, "moeflex: --resume uses the run's own config.toml; other flags than --steps are ignored\n");
         o.resume = fs::path(resume_dir);

@@ -41,7 +41,10 @@ void for_each_json_line(const std::filesystem::path& path,
 
 LoadModel LoadModel::from_metrics(const std::filesystem::path& path) {
   LoadModel m;
-  for_each_json_line(path, [&](const nlohmann::json& j, const std::string&) {
+  for_each_json_line(path, [&](const nlohmann::json& j, const std::string& where) {
+    if (!j.is_object() || !j.contains("step"))
+      throw DataError(fmt::format("{}: neither a metrics.jsonl step (no \"step\") nor a loads.jsonl record (no "
+                                  "\"moe_layers\")", where));
     std::vector<double> ratios;
     if (j.contains("ep_received_tokens") && j["ep_received_tokens"].is_array()) {
       for (const auto& row : j["ep_received_tokens"]) {
@@ -128,8 +131,17 @@ LoadModel LoadModel::from_file(const std::filesystem::path& path) {
     if (std::filesystem::exists(path / "loads.jsonl")) return from_loads(path / "loads.jsonl");
     return from_metrics(path / "metrics.jsonl");
   }
-  if (path.filename() == "loads.jsonl") return from_loads(path);
-  return from_metrics(path);
+  // A file: loads.jsonl records name their MoE layers; anything else must be a metrics.jsonl.
+  bool loads_format = path.filename() == "loads.jsonl";
+  if (!loads_format) {
+    std::ifstream in(path);
+    std::string line;
+    while (std::getline(in, line) && line.empty()) {
+    }
+    const auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    loads_format = j.is_object() && j.contains("moe_layers");
+  }
+  return loads_format ? from_loads(path) : from_metrics(path);
 }
 
 RecordedRows LoadModel::rows(int iteration, int microbatch, int moe_layer, int dp_rank) const {

@@ -31,6 +31,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -1260,7 +1261,12 @@ CalibrationResult calibrate_and_validate(int threads, Seconds budget, bool progr
 }
 
 int run_calibrate_command(const std::string& out_path, int threads, double budget_seconds, bool report_and_write) {
-  check_config(budget_seconds > 0, fmt::format("--seconds must be > 0 (got {})", budget_seconds));
+  check_config(budget_seconds > 0 && budget_seconds <= 3600,
+               fmt::format("--seconds must be in (0, 3600] (got {})", budget_seconds));
+  check_config(threads >= 0, fmt::format("--threads must be >= 0, 0 meaning every core (got {})", threads));
+  check_config(!std::filesystem::is_directory(out_path),
+               fmt::format("--out '{}' is a directory; give the profile's file name, e.g. {}/this-machine.json",
+                           out_path, out_path));
   threads = resolve_threads(threads);
   // A peer under mpirun measures alongside rank 0 (so that the profile sees the
   // cores' shared memory bandwidth as training ranks do) and reports nothing.
@@ -1300,8 +1306,11 @@ int run_calibrate_command(const std::string& out_path, int threads, double budge
     fmt::print("{}{:<24} {:5.1f}%", col++ % 3 == 0 ? "\n  " : "   ", op, 100.0 * e.first / e.second);
   fmt::print("\nmean absolute relative error: {:.2f}% over {} invocations\n", 100.0 * report.mean_abs_relative_error,
              report.rows.size());
-  fmt::print("measurement noise: the even and odd repeats of a held-out invocation differ by {:.2f}% on average\n",
-             100.0 * report.mean_spread);
+  if (report.mean_spread > 0)
+    fmt::print("measurement noise: the even and odd repeats of a held-out invocation differ by {:.2f}% on average\n",
+               100.0 * report.mean_spread);
+  else  // every held-out invocation ran once: nothing to compare
+    fmt::print("measurement noise: unknown (too few repeats to compare; raise --seconds)\n");
   write_profile(profile, out_path);
   fmt::print("wrote {} ({:.1f} s in all)\n", out_path, since(t0));
   return 0;

@@ -476,11 +476,12 @@ TrainResult run_training(const TrainOptions& opts) {
       if (world_size > 1) world->all_reduce_max(need, 2);
       if (double(arena.budget()) < need[0])
         throw ConfigError(fmt::format(
-            "--device-memory {} is below the smallest budget for which adaptive provisioning can guarantee no "
-            "out-of-memory error: {} ({} of weights, gradients and optimizer state on the fullest rank, plus one "
-            "step with every activation recomputed or offloaded and worst-case expert routing, plus a {:.0f}% "
-            "fragmentation margin); use --device-memory {} or more", format_bytes(arena.budget()),
-            format_bytes(Bytes(need[0])), format_bytes(Bytes(need[1])), 100 * kPlannerMarginFraction,
+            "--device-memory {} ({} B) is below the smallest budget for which adaptive provisioning can guarantee "
+            "no out-of-memory error: {} ({} B: {} of weights, gradients and optimizer state on the fullest rank, "
+            "plus one step with every activation recomputed or offloaded and worst-case expert routing, plus a "
+            "{:.0f}% fragmentation margin); use --device-memory {} or more", format_bytes(arena.budget()),
+            arena.budget(), format_bytes(Bytes(need[0])), Bytes(need[0]), format_bytes(Bytes(need[1])),
+            100 * kPlannerMarginFraction,
             format_bytes(Bytes(std::ceil(need[0] / double(kMiB)) * double(kMiB)))));
       progress.note(fmt::format("adaptive provisioning: budget {}, smallest feasible {}", format_bytes(arena.budget()),
                                 format_bytes(Bytes(need[0]))));

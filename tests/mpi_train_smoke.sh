@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # `moeflex train` under mpirun: 4 ranks, pp 2 x dp 2 with experts over 2 ranks,
-# then a resume of the same run; checks the run directory rank 0 wrote.
+# then a resume of the same run (after a refused resume on 1 process); checks the
+# run directory rank 0 wrote.
 set -euo pipefail
 bin=$1
 src=$2
@@ -10,6 +11,14 @@ mpi=(mpirun --allow-run-as-root --oversubscribe -np 4 -x OMP_NUM_THREADS=1)
 cd "$src"
 "${mpi[@]}" "$bin" train --config tests/configs/tiny.toml --pp 2 --ep 2 --schedule zb-h1 --stop-after 2 \
   --out "$out/run" --quiet
+# Resuming on another number of ranks is refused, naming the right one, and
+# leaves the run as it was.
+set +e
+"$bin" train --resume "$out/run" --quiet > "$out/wrong-ranks.log" 2>&1
+rc=$?
+set -e
+[[ $rc -eq 2 ]] && grep -q "trained on 4 ranks, not 1; resume it with mpirun -np 4" "$out/wrong-ranks.log" ||
+  { echo "a 4-rank run resumed on 1 process: rc $rc"; cat "$out/wrong-ranks.log"; exit 1; }
 "${mpi[@]}" "$bin" train --resume "$out/run" --quiet
 # generate gathers the stages and expert shards of every rank's checkpoint
 text=$("$bin" generate --run "$out/run" --prompt "The jury" --max-new-tokens 8 --temperature 0)

@@ -259,6 +259,19 @@ TrainResult run_training(const TrainOptions& opts) {
   const int rank = world->rank(), world_size = world->size();
   const bool rank0 = rank == 0;
   const ParallelConfig& pc = cfg.parallel;
+  if (opts.resume) {
+    // A run resumes on as many ranks as it trained on: one checkpoint folder per rank
+    // (rank00000, ...), or the checkpoints at the top for a single-process run.
+    int ranks = 0;
+    for (const auto& e : fs::directory_iterator(run_dir))
+      if (e.is_directory() && e.path().filename().string().starts_with("rank")) ++ranks;
+    const int trained_on = std::max(ranks, 1);
+    if (trained_on != world_size)
+      throw ConfigError(fmt::format("--resume: the run in '{}' trained on {} rank{}, not {}; resume it with {}",
+                                    run_dir.string(), trained_on, trained_on == 1 ? "" : "s", world_size,
+                                    trained_on == 1 ? std::string("a single process (no mpirun)")
+                                                    : fmt::format("mpirun -np {}", trained_on)));
+  }
   comm::LayoutSpec spec;
   spec.world_size = world_size;
   spec.pp = pc.pp;

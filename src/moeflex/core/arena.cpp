@@ -9,7 +9,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <unordered_map>
 #include <fmt/format.h>
 
 namespace moeflex {
@@ -97,19 +96,9 @@ void* Arena::allocate(Bytes bytes, MemCategory category, std::string_view op) {
     return p;
   }
   if (stress_ != Stress::off && !relocatable_.empty()) {
-    if (stress_ == Stress::evict) {
-      std::vector<std::pair<Tensor*, EvictFn*>> victims;
-      for (auto& [id, source] : relocatable_) {
-        if (!source.evict) continue;
-        std::vector<Tensor*> tensors;
-        source.list(tensors);
-        for (Tensor* t : tensors) victims.push_back({t, &source.evict});
-      }
-      for (auto& [t, evict] : victims) {
-        const Bytes bytes = round_up(t->nbytes());
-        if ((*evict)(t)) ++evictions_, bytes_evicted_ += bytes;
-      }
-    }
+    if (stress_ == Stress::evict)
+      for (const auto& [offset, r] : relocatable_by_offset())
+        if (r.source->evict) evict(r, offset);
     compact();
   }
   Bytes offset = 0;
@@ -174,15 +163,8 @@ int Arena::add_relocatable(RelocatableSource source, EvictFn evict, SettleFn set
 // evicts its relocatable tensors (lowest first) until the stretch's free bytes reach
 // `size`, then compacts again. True when a block of `size` is free afterwards.
 bool Arena::make_room(Bytes size) {
-  std::map<Bytes, std::pair<Tensor*, const EvictFn*>> movable;  // by offset
-  const auto lo = reinterpret_cast<std::uintptr_t>(base_);
-  for (auto& [id, source] : relocatable_) {
-    if (!source.evict) continue;
-    std::vector<Tensor*> tensors;
-    source.list(tensors);
-    for (Tensor* t : tensors)
-      if (t->arena_ == this) movable[static_cast<Bytes>(reinterpret_cast<std::uintptr_t>(t->raw()) - lo)] = {t, &source.evict};
-  }
+  std::map<Bytes, Relocatable> movable = relocatable_by_offset();
+  std::erase_if(movable, [](const auto& m) { return !m.second.source->evict; });
   struct Stretch {
     Bytes free = 0, movable = 0;
     std::vector<Bytes> tensors;  // offsets of its relocatable tensors
@@ -204,15 +186,35 @@ bool Arena::make_room(Bytes size) {
   Bytes room = best->free;
   for (Bytes offset : best->tensors) {
     if (room >= size) break;
-    auto [t, evict] = movable.at(offset);
-    const Bytes bytes = region_->block_size(offset);
-    if (!(*evict)(t)) continue;
-    room += bytes;
-    ++evictions_;
-    bytes_evicted_ += bytes;
+    room += evict(movable.at(offset), offset);
   }
   compact();
   return region_->largest_free_block() >= size;
+}
+
+std::map<Bytes, Arena::Relocatable> Arena::relocatable_by_offset() {
+  std::map<Bytes, Relocatable> out;
+  std::vector<Tensor*> tensors;
+  const auto lo = reinterpret_cast<std::uintptr_t>(base_);
+  for (auto& [id, source] : relocatable_) {
+    tensors.clear();
+    source.list(tensors);
+    for (Tensor* t : tensors) {
+      const auto addr = reinterpret_cast<std::uintptr_t>(t->raw());
+      // Only this region's blocks (not another arena's, nor heap blocks of overflow mode).
+      if (t->arena_ == this && addr >= lo && addr < lo + static_cast<std::uintptr_t>(budget_))
+        out[static_cast<Bytes>(addr - lo)] = {t, &source};
+    }
+  }
+  return out;
+}
+
+Bytes Arena::evict(const Relocatable& r, Bytes offset) {
+  const Bytes bytes = region_->block_size(offset);
+  if (!r.source->evict(r.tensor)) return 0;
+  ++evictions_;
+  bytes_evicted_ += bytes;
+  return bytes;
 }
 
 void Arena::remove_relocatable(int id) { relocatable_.erase(id); }
@@ -239,21 +241,13 @@ void Arena::move_bytes(char* dst, const char* src, Bytes size) {
 
 Bytes Arena::compact() {
   if (unlimited()) return 0;
-  std::vector<Tensor*> tensors;
-  for (auto& [id, source] : relocatable_) source.list(tensors);
-  std::unordered_map<Bytes, Tensor*> by_offset;
-  const auto lo = reinterpret_cast<std::uintptr_t>(base_);
-  for (Tensor* t : tensors) {
-    const auto addr = reinterpret_cast<std::uintptr_t>(t->raw());
-    if (t->arena_ != this || addr < lo || addr >= lo + static_cast<std::uintptr_t>(budget_)) continue;
-    by_offset[static_cast<Bytes>(addr - lo)] = t;
-  }
+  const std::map<Bytes, Relocatable> by_offset = relocatable_by_offset();
   if (by_offset.empty()) return 0;
   const auto moves = region_->compact([&](Bytes offset) { return by_offset.count(offset) > 0; });
   Bytes moved = 0;
   for (const BlockMove& m : moves) {
     move_bytes(base_ + m.to, base_ + m.from, m.size);
-    by_offset.at(m.from)->data_ = base_ + m.to;
+    by_offset.at(m.from).tensor->data_ = base_ + m.to;
     moved += m.size;
   }
   ++compactions_;

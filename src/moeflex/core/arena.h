@@ -212,6 +212,14 @@ class Arena {
     EvictFn evict;
     SettleFn settle;
   };
+  struct Relocatable {
+    Tensor* tensor;
+    Source* source;
+  };
+  // Every source's relocatable tensors in this region, by block offset.
+  std::map<Bytes, Relocatable> relocatable_by_offset();
+  // Evicts one (counted); returns the bytes freed (0 when its source refuses).
+  Bytes evict(const Relocatable& r, Bytes offset);
   std::map<int, Source> relocatable_;
   std::int64_t evictions_ = 0;
   Bytes bytes_evicted_ = 0;

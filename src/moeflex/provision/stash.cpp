@@ -48,18 +48,7 @@ bool ActivationStash::evict(Tensor* t) {
   for (auto& [key, item] : items_) {
     if (item.tensor.get() != t) continue;
     if (item.tensor.use_count() != 1 || item.offloading || item.prefetching) return false;
-    if (!item.host) {  // (an offloaded entry brought back still has its host copy)
-      item.shape = t->shape();
-      item.dtype = t->dtype();
-      item.host = std::unique_ptr<char, HostFree>(static_cast<char*>(engine_->host_alloc(item.entry.bytes)),
-                                                  HostFree{engine_, item.entry.bytes});
-      host_bytes_ += item.entry.bytes;
-      host_peak_ = std::max(host_peak_, host_bytes_);
-      engine_->copy(item.host.get(), t->raw(), item.entry.bytes,
-                    fmt::format("evict L{} {} mb{}", item.entry.layer, item.entry.name, item.entry.microbatch),
-                    /*to_host=*/true)
-          .wait();
-    }
+    if (!item.host) copy_to_host(item, "evict").wait();  // (an offload brought back keeps its host copy)
     account(item.tensor, -1);
     item.tensor.reset();
     // From now on it is an offloaded entry that has landed: prefetch_layer() and
@@ -69,6 +58,19 @@ bool ActivationStash::evict(Tensor* t) {
     return true;
   }
   return false;
+}
+
+CopyEngine::Ticket ActivationStash::copy_to_host(Item& item, const char* what) {
+  const Tensor& t = *item.tensor;
+  item.shape = t.shape();
+  item.dtype = t.dtype();
+  item.host = std::unique_ptr<char, HostFree>(static_cast<char*>(engine_->host_alloc(item.entry.bytes)),
+                                              HostFree{engine_, item.entry.bytes});
+  host_bytes_ += item.entry.bytes;
+  host_peak_ = std::max(host_peak_, host_bytes_);
+  return engine_->copy(item.host.get(), t.raw(), item.entry.bytes,
+                       fmt::format("{} L{} {} mb{}", what, item.entry.layer, item.entry.name, item.entry.microbatch),
+                       /*to_host=*/true);
 }
 
 void ActivationStash::settle(Item& item) {
@@ -130,15 +132,8 @@ void ActivationStash::save(int microbatch, int layer, std::string_view name, std
   if (item.entry.provision == Provision::recompute && !lineage) item.entry.provision = Provision::save;
   if (item.entry.provision == Provision::offload && !(arena_ && engine_)) item.entry.provision = Provision::save;
   if (item.entry.provision == Provision::offload) {
-    item.shape = t.shape();
-    item.dtype = t.dtype();
     item.tensor = std::make_shared<Tensor>(std::move(t));
-    item.host = std::unique_ptr<char, HostFree>(static_cast<char*>(engine_->host_alloc(item.entry.bytes)),
-                                                HostFree{engine_, item.entry.bytes});
-    host_bytes_ += item.entry.bytes;
-    host_peak_ = std::max(host_peak_, host_bytes_);
-    item.d2h = engine_->copy(item.host.get(), item.tensor->raw(), item.entry.bytes,
-                             fmt::format("offload L{} {} mb{}", layer, name, microbatch), /*to_host=*/true);
+    item.d2h = copy_to_host(item, "offload");
     item.offloading = true;
     item.lineage = std::move(lineage);
     counters_.offloaded += item.entry.bytes;

@@ -145,6 +145,9 @@ class ActivationStash {
   void account(const TensorPtr& t, int sign);
   void settle(Item& item);   // waits for in-flight copies of an item
   bool evict(Tensor* t);     // Arena::EvictFn: copies `t` to the host and frees it
+  // Host buffer for the item's device copy, and the copy into it started
+  // ("offload"/"evict" labels it for the trace).
+  CopyEngine::Ticket copy_to_host(Item& item, const char* what);
   void erase_item(std::map<std::tuple<int, int, std::string>, Item, std::less<>>::iterator it);
   Arena* arena_ = nullptr;
   int relocatable_id_ = -1;  // our compaction source in arena_

@@ -786,8 +786,10 @@ TrainResult run_training(const TrainOptions& opts) {
       for (MoEModel* c : replica.chunks()) offl += double(c->stash().counters().offloaded);
       if (world_size > 1) world->all_reduce_sum(&offl, 1);
       res.bytes_offloaded += std::int64_t(offl);
-      double defrag[3] = {double(arena.compactions()), double(arena.bytes_compacted()), double(arena.bytes_evicted())};
-      for (int i = 0; i < 3; ++i) std::swap(defrag[i], defrag_seen[i]), defrag[i] = defrag_seen[i] - defrag[i];
+      const double defrag_now[3] = {double(arena.compactions()), double(arena.bytes_compacted()),
+                                    double(arena.bytes_evicted())};
+      double defrag[3];
+      for (int i = 0; i < 3; ++i) defrag[i] = defrag_now[i] - defrag_seen[i], defrag_seen[i] = defrag_now[i];
       if (world_size > 1) world->all_reduce_sum(defrag, 3);  // this step, all ranks
       res.arena_compactions += std::int64_t(defrag[0]);
       res.bytes_compacted += std::int64_t(defrag[1]);

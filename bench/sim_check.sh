@@ -9,6 +9,10 @@
 # Spearman rank correlation of TGS. Targets (issue 5): step time within 5%, peak
 # within 1%, Spearman >= 0.8.
 # SIM_ONLY=1 OUT=DIR re-simulates the runs already in DIR (a model change, same runs).
+# CLUSTER=FILE.json simulates on another cluster description (e.g. one whose
+# "profile" is a fresh calibration elsewhere) instead of the this-machine preset.
+# Calibrate with `mpirun -np 2 moeflex calibrate --threads 1`: only then does the
+# profile hold the measured link between ranks (else the preset's assumed one).
 # The "cpu" column is the median over steps of the busiest rank's CPU seconds per
 # step (loads.jsonl): far below "step meas" means the machine was busy with others.
 set -euo pipefail
@@ -43,7 +47,7 @@ for c in "${CONFIGS[@]}"; do
   [[ -f "$loads" ]] || loads="$OUT/$name/metrics.jsonl"
   iters=$(wc -l < "$OUT/$name/metrics.jsonl")
   dp=$(sed 's/.*dp=\([0-9]*\).*/\1/' <<< "$par")
-  "$BIN" simulate --model "$CFG" --cluster this-machine --parallel "$par" --schedule "$sched" --policy "$pol" \
+  "$BIN" simulate --model "$CFG" --cluster "${CLUSTER:-this-machine}" --parallel "$par" --schedule "$sched" --policy "$pol" \
     --global-batch $((4 * 4 * dp)) --loads "$loads" --iterations "$iters" \
     --out "$OUT/$name/sim" > "$OUT/$name.sim.log"
 done

@@ -245,10 +245,16 @@ TEST(Planner, DecidesFromTheProjectionAndBudget) {
   EXPECT_EQ(planner.decide(entry(3, "experts.gate_out")), Provision::recompute);
   EXPECT_EQ(planner.decide(entry(3, "moe.combined")), Provision::offload);
   EXPECT_EQ(planner.infeasible(), 0);
-  planner.plan_block(0, 4, layer, flat(140 * kMiB), {4});  // 128 after dropping all 12: over, infeasible
+  // 128 after dropping all 12: over the margin's soft target but within the budget
+  // itself: the floor, feasible.
+  planner.plan_block(0, 4, layer, flat(140 * kMiB), {4});
+  EXPECT_EQ(planner.infeasible(), 0);
+  EXPECT_EQ(planner.decide(entry(4, "experts.act")), Provision::recompute);
+  EXPECT_EQ(planner.decide(entry(4, "moe.combined")), Provision::offload);
+  planner.plan_block(0, 4, layer, flat(140 * kMiB + 64), {});  // 64 B over the budget: infeasible
   EXPECT_EQ(planner.infeasible(), 1);
   EXPECT_EQ(planner.decide(entry(4, "experts.act")), Provision::recompute);
-  EXPECT_EQ(planner.decisions(), 5);
+  EXPECT_EQ(planner.decisions(), 6);
   EXPECT_EQ(planner.decide(entry(5, "experts.act")), Provision::save);  // undecided layers save
   arena.deallocate(held, 80 * kMiB, MemCategory::weights);
 }

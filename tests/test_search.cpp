@@ -92,3 +92,23 @@ TEST(Search, LayoutsThatDoNotFitAreDropped) {
   const search::SearchResult r = search::search(o);
   for (std::size_t i = 1; i < r.top.size(); ++i) EXPECT_LE(r.top[i - 1].peak_bytes, r.top[i].peak_bytes);
 }
+
+// The timing pass runs on several threads sharing one layer-cost cache; the result
+// must not depend on how many (same layouts, same order, the same figures bit for bit).
+TEST(Search, ThreadsDoNotChangeTheResult) {
+  search::SearchOptions o = small_search();
+  o.threads = 1;
+  const search::SearchResult one = search::search(o);
+  o.threads = 3;
+  const search::SearchResult three = search::search(o);
+  ASSERT_EQ(one.top.size(), three.top.size());
+  EXPECT_EQ(one.timed, three.timed);
+  EXPECT_EQ(one.walked, three.walked);
+  for (std::size_t i = 0; i < one.top.size(); ++i) {
+    EXPECT_EQ(one.top[i].parallel.str(), three.top[i].parallel.str()) << i;
+    EXPECT_EQ(one.top[i].schedule, three.top[i].schedule) << i;
+    EXPECT_EQ(one.top[i].policy, three.top[i].policy) << i;
+    EXPECT_EQ(one.top[i].step_time, three.top[i].step_time) << i;
+    EXPECT_EQ(one.top[i].peak_bytes, three.top[i].peak_bytes) << i;
+  }
+}

@@ -22,6 +22,7 @@
 #include "moeflex/sim/cluster.h"
 #include "moeflex/sim/presets.h"
 #include "moeflex/sim/simulator.h"
+#include "sim_fixtures.h"
 #include "moeflex/train/optimizer.h"
 
 using namespace moeflex;
@@ -29,20 +30,8 @@ using namespace moeflex::sim;
 
 namespace {
 
-constexpr FlopsPerSecond kRate = 1e12;
-
-/// Every GEMM at kRate, elementwise work and launches free: a layer's time is its
-/// GEMM FLOPs / kRate.
-HardwareProfile gemm_only_profile() {
-  HardwareProfile p;
-  p.name = "gemm-only";
-  p.gemm = {{64, 64, 64, kRate}};
-  p.memory_bandwidth = 1e30;
-  p.launch_overhead = 0;
-  p.h2d_bandwidth = p.d2h_bandwidth = 1e9;
-  p.copy_latency = 0;
-  return p;
-}
+constexpr FlopsPerSecond kRate = test::kGemmOnlyRate;
+using test::gemm_only_profile;
 
 ClusterSpec test_cluster() {
   ClusterSpec c;

@@ -10,6 +10,7 @@
 
 #include "moeflex/core/arena.h"
 #include "moeflex/core/error.h"
+#include "moeflex/provision/cost_model.h"
 #include "moeflex/train/trainer.h"
 
 using namespace moeflex;
@@ -91,15 +92,20 @@ TEST(Train, ValidationLossFallsOnRealCorpus) {
 
 TEST(Train, ResumeReproducesUninterruptedRun) {
   const fs::path a = fresh_dir("straight"), b = fresh_dir("resumed");
-  run_training(options(small_run(12), a));
+  const TrainResult whole = run_training(options(small_run(12), a));
+  EXPECT_EQ(whole.final_val_step, 12);  // evaluated at the end
   TrainOptions first = options(small_run(12), b);
   first.stop_after = 5;
   TrainResult r1 = run_training(first);
   EXPECT_EQ(r1.steps, 5);
+  EXPECT_EQ(r1.final_val_step, 0);  // stopped before any evaluation: the loss is the initial one
+  EXPECT_EQ(r1.final_val_loss, r1.initial_val_loss);
   TrainOptions second = options(small_run(12), b);
   second.config.train.steps = -1;  // keep the run's own length
   second.resume = b;
-  run_training(second);
+  const TrainResult r2 = run_training(second);
+  EXPECT_EQ(r2.final_val_step, 12);
+  EXPECT_EQ(r2.final_val_loss, whole.final_val_loss);
   auto la = losses(a), lb = losses(b);
   ASSERT_EQ(la.size(), 12u);
   ASSERT_EQ(lb.size(), 12u);
@@ -160,4 +166,47 @@ TEST(Train, BadInputsGetClearErrors) {
   EXPECT_THROW(parse_size("1e3MiB"), ConfigError);             // no exponent
   EXPECT_THROW(parse_size("99999999999999GiB"), ConfigError);  // overflow, not "must be positive"
   EXPECT_THROW(parse_size("1.2.3MiB"), ConfigError);
+}
+
+// The adaptive planner prices its choices with data/hardware/this-machine.json
+// (relative to the working directory). An unusable profile is not fatal (the planner
+// falls back to ranking by op family), and the summary says which one priced the run.
+TEST(Train, SummaryNamesThePlannersCostModel) {
+  const fs::path dir = fresh_dir("profile");
+  fs::create_directories(dir / "data" / "hardware");
+  const fs::path cwd = fs::current_path();
+  fs::current_path(dir);
+  struct Back {
+    fs::path p;
+    ~Back() { fs::current_path(p); }
+  } back{cwd};
+  std::ofstream(dir / "data" / "hardware" / "this-machine.json") << "{ \"version\": 2, \"gemm\": [";  // truncated
+  RunConfig cfg = small_run(2);
+  cfg.train.policy = "adaptive";
+  cfg.device_memory = 256 * kMiB;
+  run_training(options(cfg, dir / "corrupt"));
+  auto s = nlohmann::json::parse(std::ifstream(dir / "corrupt" / "summary.json"));
+  EXPECT_EQ(s.value("planner_cost_model", ""), "op family");
+  fs::remove(dir / "data" / "hardware" / "this-machine.json");
+  run_training(options(cfg, dir / "missing"));
+  s = nlohmann::json::parse(std::ifstream(dir / "missing" / "summary.json"));
+  EXPECT_EQ(s.value("planner_cost_model", ""), "op family");
+  HardwareProfile p;  // a usable one: a few GEMM points and the bandwidths
+  p.name = "test";
+  p.threads = 1;
+  p.gemm = {{64, 64, 64, 1e10}, {256, 256, 256, 4e10}};
+  p.memory_bandwidth = 1e10;
+  p.launch_overhead = 1e-6;
+  p.h2d_bandwidth = p.d2h_bandwidth = 1e10;
+  p.copy_latency = 1e-5;
+  p.save(dir / "data" / "hardware" / "this-machine.json");
+  run_training(options(cfg, dir / "priced"));
+  s = nlohmann::json::parse(std::ifstream(dir / "priced" / "summary.json"));
+  EXPECT_EQ(s.value("planner_cost_model", ""), "data/hardware/this-machine.json");
+  cfg.train.policy = "none";
+  run_training(options(cfg, dir / "static"));
+  s = nlohmann::json::parse(std::ifstream(dir / "static" / "summary.json"));
+  EXPECT_FALSE(s.contains("planner_cost_model"));  // no planner
+  fs::current_path(cwd);
+  fs::remove_all(dir);
 }

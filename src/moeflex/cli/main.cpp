@@ -63,6 +63,12 @@ int main(int argc, char** argv) {
   train->add_option("--stop-after", stop_after, "stop after this step with a checkpoint, as if interrupted")
       ->check(CLI::PositiveNumber);
   train->add_flag("--quiet", quiet, "no progress output");
+  bool profile_ops = false;
+  std::string hardware_profile;
+  train->add_flag("--profile-ops", profile_ops,
+                  "time every op of each step against the cost model: op events in trace.json, op_times.json");
+  train->add_option("--hardware-profile", hardware_profile,
+                    "--profile-ops: the profile that prices the ops (default data/hardware/this-machine.json)");
   std::string policy, inject;
   train->add_option("--inject-imbalance", inject, "routing spikes: every=N:ratio=R or prob=P:ratio=R:seed=S");
   train->add_option("--policy", policy,
@@ -152,12 +158,20 @@ int main(int argc, char** argv) {
       o.threads = threads;
       o.stop_after = stop_after;
       o.progress = !quiet;
+      o.profile_ops = profile_ops;
+      o.hardware_profile = hardware_profile;
       TrainResult r = run_training(o);
       const fs::path run = o.resume ? *o.resume : o.out_dir;
+      // The validation loss as evaluated: a run stopped between evaluations says when its last one was.
+      const std::string val =
+          r.final_val_step == 0 ? fmt::format("val loss {:.4f} (not evaluated since step 0)", r.initial_val_loss)
+          : r.final_val_step == r.steps
+              ? fmt::format("val loss {:.4f} -> {:.4f}", r.initial_val_loss, r.final_val_loss)
+              : fmt::format("val loss {:.4f} -> {:.4f} (at step {})", r.initial_val_loss, r.final_val_loss,
+                            r.final_val_step);
       if (!comm::MpiSession::active() || mpi.world_rank() == 0)
-        fmt::print("run {}: {} steps, {} tokens, val loss {:.4f} -> {:.4f}, {:.0f} tokens/s, peak device memory {}\n",
-                 run.string(), r.steps, r.tokens, r.initial_val_loss, r.final_val_loss, r.tokens_per_second,
-                 format_bytes(r.peak_device_bytes));
+        fmt::print("run {}: {} steps, {} tokens, {}, {:.0f} tokens/s, peak device memory {}\n", run.string(), r.steps,
+                   r.tokens, val, r.tokens_per_second, format_bytes(r.peak_device_bytes));
     } else if (run_sim_commands()) {
       return 0;
     } else if (*cal) {

@@ -25,7 +25,7 @@ struct Flags {
   std::string model = "default", cluster = "this-machine", parallel, schedule, policy = "none", out, loads,
               imbalance, trace_ranks = "0", objective = "tgs", memory;
   std::int64_t micro_batch_size = 0, seq_len = 0, global_batch = 0;
-  int iterations = 1, gpus = 8, top = 10, checkpoint_interval = 50;
+  int iterations = 1, gpus = 8, top = 10, checkpoint_interval = 50, search_threads = 0;
   double restart_seconds = 284;
 };
 
@@ -66,7 +66,8 @@ void add_sim_commands(CLI::App& app) {
     c->add_option("--cluster", f.cluster, "preset name (configs/clusters) or cluster JSON")->capture_default_str();
     c->add_option("--seq-len", f.seq_len, "tokens per sequence (default: 4096, or the run config's)")
         ->check(CLI::Range(std::int64_t(1), std::int64_t(1) << 24));
-    c->add_option("--global-batch", f.global_batch, "sequences per iteration")
+    c->add_option("--global-batch", f.global_batch,
+                  "sequences per iteration (default: a --loads run's own batch, else dp x B x 4 pp)")
         ->check(CLI::Range(std::int64_t(1), std::int64_t(1) << 30));
     c->add_option("--imbalance", f.imbalance, "load distribution calm=1.2:spike=2.6:p=0.029[:seed=S]");
     c->add_option("--restart-seconds", f.restart_seconds, "cold restart after an OOM")
@@ -96,6 +97,9 @@ void add_sim_commands(CLI::App& app) {
   q->add_option("--gpus", f.gpus, "devices")->required()->check(CLI::Range(1, int(sim::kMaxSimulatedDevices)));
   q->add_option("--top", f.top, "layouts to print")->capture_default_str()->check(CLI::Range(1, 100000));
   q->add_option("--objective", f.objective, "tgs or memory")->capture_default_str();
+  q->add_option("--threads", f.search_threads, "threads for the timing pass (0: every core)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1024));
   q->add_option("--out", f.out, "write the result as JSON");
 }
 
@@ -115,7 +119,6 @@ bool run_sim_commands() {
                                     format_bytes(cluster.device_memory)));
     cluster.reserved_memory = cluster.device_memory - limit;
   }
-  sim::LoadModel loads = f.imbalance.empty() ? sim::LoadModel{} : sim::LoadModel::parse(f.imbalance);
   if (*f.simulate) {
     sim::SimOptions o;
     o.model = model;
@@ -128,7 +131,7 @@ bool run_sim_commands() {
     o.seq_len = S;
     o.global_batch = f.global_batch;
     o.iterations = f.iterations;
-    o.loads = f.loads.empty() ? loads : sim::LoadModel::from_file(f.loads);
+    o.loads = sim::LoadModel::from_flags(f.loads, f.imbalance);  // refuses both at once
     o.restart_seconds = f.restart_seconds;
     o.checkpoint_interval = f.checkpoint_interval;
     o.overlap_pair_comm = cluster.element_bytes < 4;
@@ -151,9 +154,10 @@ bool run_sim_commands() {
     o.objective = f.objective;
     o.seq_len = S;
     o.global_batch = f.global_batch;
-    o.loads = loads;
+    o.loads = f.imbalance.empty() ? sim::LoadModel{} : sim::LoadModel::parse(f.imbalance);
     o.restart_seconds = f.restart_seconds;
     o.checkpoint_interval = f.checkpoint_interval;
+    o.threads = f.search_threads;
     const search::SearchResult r = search::search(o);
     fmt::print("{}", r.format(o));
     if (!f.out.empty()) {

@@ -189,14 +189,18 @@ int activation_id(std::string_view name) {
     using is_transparent = void;
     std::size_t operator()(std::string_view v) const { return std::hash<std::string_view>{}(v); }
   };
+  using Ids = std::unordered_map<std::string, int, Hash, std::equal_to<>>;
+  // A per-thread copy in front of the shared table: ids never change once given, so
+  // threads (the search's timing pass) look names up without taking the lock.
+  thread_local Ids local;
+  if (auto hit = local.find(name); hit != local.end()) return hit->second;
   static std::mutex mu;
-  static std::unordered_map<std::string, int, Hash, std::equal_to<>> ids;
+  static Ids ids;
   std::lock_guard<std::mutex> lock(mu);
   auto it = ids.find(name);
-  if (it != ids.end()) return it->second;
-  const int id = int(ids.size());
-  ids.emplace(std::string(name), id);
-  return id;
+  if (it == ids.end()) it = ids.emplace(std::string(name), int(ids.size())).first;
+  local.emplace(it->first, it->second);
+  return it->second;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "moeflex/core/op_context.h"
 #include "moeflex/core/rng.h"
 #include "moeflex/ops/grouped_linear.h"
 #include "moeflex/ops/moe_dispatch.h"
@@ -142,6 +143,11 @@ void MoEModel::zero_grads() {
 }
 
 void MoEModel::weight_grad(int mb, std::function<void()> fn) {
+  if (defer_wgrad_ && op_context().profiling)  // the W action runs it later: keep its layer for the op profiler
+    fn = [fn = std::move(fn), layer = op_context().layer] {
+      op_context().layer = layer;
+      fn();
+    };
   if (defer_wgrad_) wgrad_queue_[mb].push_back(std::move(fn));
   else fn();
 }
@@ -314,6 +320,7 @@ Tensor MoEModel::forward_impl(const std::int32_t* ids, const std::int32_t* targe
   const std::int64_t n = B * S, d = cfg_.hidden_size, V = cfg_.vocab_size;
 
   Tensor x = act({n, d}, "stage.input");
+  op_context().layer = kOpLayerEmbedding;  // the layer under way, for the op profiler
   if (par_.embedding) {
     for (std::int64_t i = 0; i < n; ++i)
       if (ids[i] < 0 || ids[i] >= V) throw DataError(fmt::format("token id {} out of range [0, {}) at position {}", ids[i], V, i));
@@ -322,6 +329,7 @@ Tensor MoEModel::forward_impl(const std::int32_t* ids, const std::int32_t* targe
     be_.copy(x.f32(), x_in, Bytes(sizeof(float)) * n * d);
   }
   for (int l = par_.first_layer; l < par_.last_layer; ++l) {
+    op_context().layer = l;
     attention_forward(l, x, B, S, mb, train);
     ffn_forward(l, x, n, mb, train, loss);
   }
@@ -329,6 +337,7 @@ Tensor MoEModel::forward_impl(const std::int32_t* ids, const std::int32_t* targe
     loss.total = loss.aux + loss.z;
     return x;
   }
+  op_context().layer = kHeadLayer;
   Tensor hn = act({n, d}, "final_norm.out");
   Tensor rstd = act({n}, "final_norm.rstd");
   be_.rmsnorm_forward(x.f32(), final_norm_->w.f32(), hn.f32(), rstd.f32(), n, d, float(cfg_.rms_norm_eps));
@@ -388,6 +397,7 @@ void MoEModel::backward_stage(const std::int32_t* ids, const std::int32_t* targe
   stash_.prefetch_layer(mb, kHeadLayer);
   if (par_.last_layer > par_.first_layer) stash_.prefetch_layer(mb, par_.last_layer - 1);
   Tensor dx = work({n, d}, "grad.residual");
+  op_context().layer = kHeadLayer;
   if (par_.head) {
     Shared probs = stash_.get(mb, kHeadLayer, "lm_head.probs");
     be_.cross_entropy_backward(probs->f32(), targets, probs->f32(), n, V, float(grad_scale / double(n)));
@@ -403,10 +413,12 @@ void MoEModel::backward_stage(const std::int32_t* ids, const std::int32_t* targe
   stash_.release_layer(mb, kHeadLayer);
   for (int l = par_.last_layer - 1; l >= par_.first_layer; --l) {
     if (l > par_.first_layer) stash_.prefetch_layer(mb, l - 1);
+    op_context().layer = l;
     ffn_backward(l, dx, n, mb, grad_scale);
     attention_backward(l, dx, B, S, mb);
     stash_.release_layer(mb, l);
   }
+  op_context().layer = kOpLayerEmbedding;
   if (par_.embedding) {
     // Part of W when the backward is split: with tied embeddings, the LM head's dW
     // (queued first) and this scatter then add up in the same order either way.

@@ -214,7 +214,18 @@ DeviceContext make_cpu_context(Bytes budget) {
   return ctx;
 }
 
+namespace {
+Backend* g_backend_override = nullptr;
+}  // namespace
+
+Backend* set_backend_override(Backend* backend) {
+  Backend* previous = g_backend_override;
+  g_backend_override = backend;
+  return previous;
+}
+
 Backend& backend_of(const Arena& arena) {
+  if (g_backend_override) return *g_backend_override;
   Device* dev = arena.device();
   if (!dev) return cpu_backend();
   auto* be = dynamic_cast<Backend*>(dev);

@@ -135,7 +135,14 @@ DeviceContext make_cpu_context(Bytes budget);
 Backend& cpu_backend();
 
 /// The backend whose memory `arena` hands out: its device when it has one, else the
-/// CPU backend. Throws Error when the arena's device is not a Backend.
+/// CPU backend. Throws Error when the arena's device is not a Backend. While an
+/// override is set (set_backend_override), the override.
 Backend& backend_of(const Arena& arena);
+
+/// Makes backend_of() return `backend` for every arena (null: no override) and
+/// returns the previous override. For the op profiler (train/op_profiler.h), a
+/// Backend that wraps the run's own; set it before the model is built (MoEModel
+/// binds its backend at construction). Not thread-safe: set it between runs.
+Backend* set_backend_override(Backend* backend);
 
 }  // namespace moeflex::ops

@@ -83,6 +83,10 @@ inline constexpr const char* kAttentionSoftmaxBackward = "attention_softmax_back
 /// heads, so a call costs B x H times the table's time.
 inline constexpr const char* kAttentionForward = "attention_forward";
 inline constexpr const char* kAttentionBackward = "attention_backward";
+/// One rank's per-step parameter work in the trainer (zero_grads, the global norm's
+/// square sums, the clip's scaling, AdamW::step), x = 4 x parameters (fp32 bytes of
+/// the weights); measured by `moeflex calibrate`, read by the simulator.
+inline constexpr const char* kOptimizerStep = "optimizer_step";
 /// Generic streaming work (residual adds, copies within the device, zero fills):
 /// y += x measured over sizes, x = bytes read plus written.
 inline constexpr const char* kElementwise = "elementwise";
@@ -150,8 +154,11 @@ struct HardwareProfile {
   BytesPerSecond h2d_bandwidth = 0;     ///< host -> device copies (CPU: memcpy host pool -> arena)
   BytesPerSecond d2h_bandwidth = 0;     ///< device -> host copies (CPU: memcpy arena -> host pool)
   Seconds copy_latency = 0;         ///< fixed cost of one copy
-  BytesPerSecond all_to_all_bandwidth = 0;  ///< per-rank all-to-all bandwidth; 0 = not measured yet
-  Seconds all_to_all_latency = 0;           ///< fixed cost of one all-to-all; 0 = not measured yet
+  /// Per-rank all-to-all bandwidth (bytes to each peer / time, pairwise exchange) and
+  /// the fixed cost of one all-to-all, as `mpirun -np N moeflex calibrate` measures
+  /// them between its ranks (calibrate.cpp, measure_link); 0 = not measured (one process).
+  BytesPerSecond all_to_all_bandwidth = 0;
+  Seconds all_to_all_latency = 0;
   /// Optional per-op-family tables (op_names::), points sorted by bytes. A family
   /// without a table is costed as generic elementwise work.
   std::map<std::string, std::vector<OpSample>> op_tables;

@@ -61,6 +61,9 @@ void AdaptivePlanner::plan_block(int mb, int layer, const std::vector<SaveCandid
   if (arena_.unlimited()) {
     peak = raw = project(nullptr).evaluate(candidates, choice);
   } else {
+    // The margin is a soft target: the cheapest choice under budget - margin when
+    // there is one, else the floor (the lowest peak, the most room left for
+    // fragmentation), infeasible only when even that is over the budget itself.
     const Bytes limit = arena_.budget() - margin();
     // The cache key adds the bytes in use, rounded up to 1/256 of the budget: a
     // cached choice was projected from the top of its bucket, so it still fits.
@@ -102,11 +105,11 @@ void AdaptivePlanner::plan_block(int mb, int layer, const std::vector<SaveCandid
           peak = exact;
           raw_exact = exact;
           cacheable = false;
-          if (peak > limit) {
+          if (peak > arena_.budget()) {
             ++infeasible_;
             if (planner_debug())
-              std::fprintf(stderr, "infeasible mb %d layer %d: floor %.2f MiB > limit %.2f MiB (margin %.2f MiB)\n", mb,
-                           layer, peak / 1048576.0, limit / 1048576.0, margin() / 1048576.0);
+              std::fprintf(stderr, "infeasible mb %d layer %d: floor %.2f MiB > budget %.2f MiB\n", mb, layer,
+                           peak / 1048576.0, arena_.budget() / 1048576.0);
           }
         } else {
           // Greedy in cost order, then put back what the budget still allows (a

@@ -73,10 +73,15 @@ struct BlockProjection {
 /// is then that choice's projected peak).
 using ProjectFn = std::function<BlockProjection(const BlockChoice* choice)>;
 
-/// The planner's margin for allocator fragmentation, as a fraction of the budget.
-/// Constant, so that a decision's projection still holds at the next one (a margin
-/// following the arena's momentary fragmentation moved the limit under decisions
-/// already taken).
+/// The planner's margin for allocator fragmentation, as a fraction of the budget:
+/// a soft target. The planner takes the cheapest choice whose projected peak stays
+/// under budget - margin when one exists, else the floor (the most memory-saving
+/// choice: the lowest peak); a decision is infeasible only when the floor exceeds
+/// the budget itself, the invariant's hard limit. What fragmentation the margin
+/// cannot absorb, the arena does by compaction and eviction, so the smallest
+/// feasible budget (minimum_budget) carries no margin. Constant, so
+/// that a decision's projection still holds at the next one (a margin following the
+/// arena's momentary fragmentation moved the limit under decisions already taken).
 inline constexpr double kPlannerMarginFraction = 0.05;
 
 class AdaptivePlanner {

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include "moeflex/core/op_context.h"
+
 #include <cstdlib>
 
 namespace moeflex {
@@ -166,6 +168,7 @@ ActivationStash::TensorPtr ActivationStash::get(int microbatch, int layer, std::
   if (!item.tensor) {
     // Rebuild from the lineage; its inputs are fetched (and rebuilt) recursively.
     RecomputeFn fn = item.lineage;
+    const OpScope scope(OpPhase::recompute, layer);  // labels the lineage's ops for the op profiler
     TensorPtr t = std::make_shared<Tensor>(fn());
     // The recursion may have inserted entries: look the key up again.
     auto again = items_.find(Key{microbatch, layer, std::string(name)});

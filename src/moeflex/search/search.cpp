@@ -4,8 +4,12 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
+#include <exception>
+#include <mutex>
+#include <thread>
 
 #include "moeflex/comm/layout.h"
 #include "moeflex/core/error.h"
@@ -54,6 +58,24 @@ SearchResult search(const SearchOptions& o) {
   auto cache = std::make_shared<sim::SimCache>(o.cluster.profile);
   sim::LoadModel calm = o.loads;
   calm.constant = std::max(1.0, o.loads.calm_max);  // score at the top of the calm range
+  // The simulation options of a candidate: times at the calm load, with or without the memory walks.
+  auto options_for = [&](const Candidate& c, bool walk) {
+    sim::SimOptions so;
+    so.model = cfg;
+    so.cluster = o.cluster;
+    so.parallel = c.parallel;
+    so.schedule = c.schedule;
+    so.policy = c.policy;
+    so.micro_batch_size = c.micro_batch_size;
+    so.seq_len = o.seq_len;
+    so.global_batch = G;
+    so.loads = calm;
+    so.walk_memory = walk;
+    if (walk) so.spike_check = o.loads.max_ratio();
+    so.overlap_pair_comm = o.cluster.element_bytes < 4;
+    so.cache = cache;
+    return so;
+  };
   for (int tp : o.tps) {
     if (o.gpus % tp != 0) continue;
     for (int pp : divisors(o.gpus / tp)) {
@@ -88,23 +110,10 @@ SearchResult search(const SearchOptions& o) {
                   continue;
                 }
                 c.num_microbatches = m;
-                sim::SimOptions so;
-                so.model = cfg;
-                so.cluster = o.cluster;
-                so.parallel = c.parallel;
-                so.schedule = sched;
-                so.policy = pol;
-                so.micro_batch_size = mbs;
-                so.seq_len = o.seq_len;
-                so.global_batch = G;
-                so.loads = calm;
-                so.walk_memory = false;
-                so.overlap_pair_comm = o.cluster.element_bytes < 4;
-                so.cache = cache;
                 // 2. memory lower bound: the persistent bytes alone
                 Bytes persist = 0;
                 try {
-                  persist = sim::max_persistent_bytes(so);
+                  persist = sim::max_persistent_bytes(options_for(c, false));
                 } catch (const ConfigError&) {
                   ++res.invalid;
                   continue;
@@ -114,13 +123,6 @@ SearchResult search(const SearchOptions& o) {
                   ++res.no_fit;
                   continue;
                 }
-                // 3. times at the calm load, no walks
-                const sim::SimReport r = sim::simulate(so);
-                ++res.timed;
-                c.step_time = r.step_time;
-                c.tgs = c.effective_tgs = r.tgs;
-                c.mfu = r.mfu;
-                c.bubble = r.bubble_fraction;
                 c.peak_bytes = persist;
                 timed.push_back(c);
               }
@@ -129,6 +131,37 @@ SearchResult search(const SearchOptions& o) {
         }
       }
     }
+  }
+  // 3. times at the calm load, no walks: independent simulations, spread over threads
+  // (the shared layer-cost cache is locked; each result goes to its own slot).
+  {
+    const int threads = std::max(1, std::min<int>(o.threads > 0 ? o.threads : int(std::thread::hardware_concurrency()),
+                                                  int(timed.size())));
+    std::atomic<std::size_t> next{0};
+    std::exception_ptr failure;
+    std::mutex failure_mu;
+    auto work = [&] {
+      for (std::size_t i; (i = next.fetch_add(1)) < timed.size();) {
+        try {
+          Candidate& c = timed[i];
+          const sim::SimReport r = sim::simulate(options_for(c, false));
+          c.step_time = r.step_time;
+          c.tgs = c.effective_tgs = r.tgs;
+          c.mfu = r.mfu;
+          c.bubble = r.bubble_fraction;
+        } catch (...) {
+          std::lock_guard lk(failure_mu);
+          if (!failure) failure = std::current_exception();
+          next = timed.size();
+        }
+      }
+    };
+    std::vector<std::thread> pool;
+    for (int t = 1; t < threads; ++t) pool.emplace_back(work);
+    work();
+    for (auto& t : pool) t.join();
+    if (failure) std::rethrow_exception(failure);
+    res.timed = std::int64_t(timed.size());
   }
   // 4. memory walks in order of the bound, branch and bound on the objective.
   const bool by_memory = o.objective == "memory";
@@ -139,24 +172,10 @@ SearchResult search(const SearchOptions& o) {
   });
   std::vector<Candidate> best;
   auto worst_kept = [&]() { return best.size() < std::size_t(o.top) ? -1.0 : by_memory ? -double(best.back().peak_bytes) : best.back().effective_tgs; };
-  const double spike = o.loads.max_ratio();
   for (Candidate& c : timed) {
     const double bound = by_memory ? -double(c.peak_bytes) : c.tgs;
     if (best.size() >= std::size_t(o.top) && bound <= worst_kept()) break;
-    sim::SimOptions so;
-    so.model = cfg;
-    so.cluster = o.cluster;
-    so.parallel = c.parallel;
-    so.schedule = c.schedule;
-    so.policy = c.policy;
-    so.micro_batch_size = c.micro_batch_size;
-    so.seq_len = o.seq_len;
-    so.global_batch = G;
-    so.loads = calm;
-    so.spike_check = spike;
-    so.cache = cache;
-    so.overlap_pair_comm = o.cluster.element_bytes < 4;
-    const sim::SimReport r = sim::simulate(so);
+    const sim::SimReport r = sim::simulate(options_for(c, true));
     ++res.walked;
     if (r.peak_bytes > limit) {
       ++res.no_fit;

@@ -43,6 +43,8 @@ struct SearchOptions {
   sim::LoadModel loads;                   ///< spike ratio and probability for the OOM risk
   Seconds restart_seconds = 284;
   int checkpoint_interval = 50;
+  /// Threads for the timing pass (independent simulations); 0: every core.
+  int threads = 0;
 };
 
 /// One scored layout.

@@ -89,6 +89,11 @@ ClusterSpec ClusterSpec::from_json(const json& j, const std::string& source, con
   if (j.contains("profile")) {
     const std::filesystem::path p = base_dir / j["profile"].get<std::string>();
     c.profile = HardwareProfile::load(p);
+    // A profile calibrated under mpirun measured the link between the ranks (the
+    // communicator's all-to-all): it replaces the file's assumed links.
+    if (c.profile.all_to_all_bandwidth > 0)
+      c.intra_node = c.inter_node = Link{c.profile.all_to_all_latency, c.profile.all_to_all_bandwidth};
+    c.per_tensor_gradient_reduce = j.value("per_tensor_gradient_reduce", false);
     c.peak_flops = number(j, "peak_flops", source, 0, false);
     if (c.peak_flops <= 0) {  // a CPU: its best measured GEMM rate stands for the peak
       for (const auto& g : c.profile.gemm) c.peak_flops = std::max(c.peak_flops, g.rate);
@@ -126,6 +131,7 @@ json ClusterSpec::to_json() const {
           {"optimizer_sharded", optimizer_sharded},
           {"flash_attention", flash_attention},
           {"host_cores", host_cores},
+          {"per_tensor_gradient_reduce", per_tensor_gradient_reduce},
           {"peak_flops", peak_flops},
           {"intra_node", {{"latency_s", intra_node.latency}, {"bandwidth_Bps", intra_node.bandwidth}}},
           {"inter_node", {{"latency_s", inter_node.latency}, {"bandwidth_Bps", inter_node.bandwidth}}},

@@ -59,6 +59,11 @@ struct ClusterSpec {
   /// under mpirun --oversubscribe); with more ranks than cores every compute time
   /// stretches by ranks / cores (Open MPI's waiting ranks spin, so they compete too).
   int host_cores = 0;
+  /// The data-parallel gradient reduction issues one all-reduce per parameter
+  /// tensor (moeflex's CPU engine, train/distributed.cpp reduce_gradients), each
+  /// paying its own latency; false: one all-reduce per gradient kind (dense,
+  /// expert), as bucketing frameworks do. Read only with a calibrated "profile".
+  bool per_tensor_gradient_reduce = false;
   /// Peak dense FLOP/s of one device at element_bytes precision; for MFU.
   FlopsPerSecond peak_flops = 0;
   /// The device's cost model input: derived from the fields below for GPU

@@ -181,6 +181,15 @@ LoadModel LoadModel::parse(const std::string& spec) {
   return m;
 }
 
+LoadModel LoadModel::from_flags(const std::string& loads_path, const std::string& imbalance_spec) {
+  if (!loads_path.empty() && !imbalance_spec.empty())
+    throw ConfigError(fmt::format("--imbalance '{}' and --loads '{}' both give the expert loads: a replay takes the "
+                                  "recorded run's own loads and would ignore the distribution; give one of them",
+                                  imbalance_spec, loads_path));
+  if (!loads_path.empty()) return from_file(loads_path);
+  return imbalance_spec.empty() ? LoadModel{} : parse(imbalance_spec);
+}
+
 double LoadModel::ratio(int iteration, int microbatch, int m, int moe_layer) const {
   if (!mb_ratio_.empty()) {
     const auto& step = mb_ratio_[std::size_t(std::max(iteration, 0)) % mb_ratio_.size()];

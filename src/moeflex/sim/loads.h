@@ -49,6 +49,11 @@ class LoadModel {
   /// Parses "calm=1.2:spike=2.6:p=0.029[:seed=S]" (any subset) over the defaults.
   /// Throws ConfigError naming the bad part.
   static LoadModel parse(const std::string& spec);
+  /// The loads of `moeflex simulate --loads PATH --imbalance SPEC`: from_file(PATH)
+  /// when a path is given, else parse(SPEC) (empty: the default distribution).
+  /// ConfigError when both are given: a replay takes the run's recorded loads and
+  /// would ignore the distribution.
+  static LoadModel from_flags(const std::string& loads_path, const std::string& imbalance_spec);
 
   /// True when ratios come from a recorded run.
   bool replay() const { return !trace_.empty() || !rows_.empty(); }

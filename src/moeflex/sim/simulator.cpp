@@ -99,7 +99,9 @@ const std::vector<std::string>& adaptive_levels() {
 
 int SimOptions::num_microbatches() const {
   const std::int64_t per = std::int64_t(parallel.dp) * micro_batch_size;
-  const std::int64_t g = global_batch > 0 ? global_batch : per * 4 * parallel.pp;
+  // A per-rank replay defaults to the recorded run's micro-batches per step (its grad_accum).
+  const std::int64_t dflt = loads.per_rank() ? per * loads.recorded_microbatches() : per * 4 * parallel.pp;
+  const std::int64_t g = global_batch > 0 ? global_batch : dflt;
   if (g % per != 0)
     throw ConfigError(fmt::format("global batch {} sequences is not a multiple of dp {} x micro-batch size {}", g,
                                   parallel.dp, micro_batch_size));
@@ -393,6 +395,13 @@ Bytes persistent_bytes(const ModelConfig& cfg, const ClusterSpec& cl, const Para
   return total;
 }
 
+Seconds ordered_sum_time(const CostModel& cost, int n, Bytes bytes) {
+  if (n <= 1 || bytes <= 0) return 0;
+  // The rank's block (bytes / n): copied out (read + write), then n - 1 blocks added
+  // to it (read both, write): (2 + 3 (n - 1)) / n bytes per byte reduced.
+  return cost.elementwise(Bytes(std::llround(double(bytes) * (3.0 * n - 1.0) / n)));
+}
+
 Seconds optimizer_step_time(const CostModel& cost, double params, double sharded_params) {
   const auto& tables = cost.profile().op_tables;
   if (tables.count(kOptimizerStepOp)) return cost.op(kOptimizerStepOp, Bytes(std::llround(4 * params)));
@@ -437,10 +446,15 @@ struct Simulation {
     const bool moe = cfg.is_moe_layer(l);
     const MoERows rows = moe ? rows_at(ratio) : MoERows{};
     auto k = std::make_tuple(o.parallel.tp, o.micro_batch_size, o.seq_len, o.parallel.ep, split, moe, rows.received);
-    auto it = cache->layers.find(k);
-    if (it != cache->layers.end()) return it->second;
+    {
+      std::lock_guard lk(cache->mu);
+      auto it = cache->layers.find(k);
+      if (it != cache->layers.end()) return it->second;  // map nodes stay put: the reference outlives the lock
+    }
     LayerWork w{o.micro_batch_size, o.seq_len, rows, o.parallel.ep, o.parallel.tp, split, o.cluster.element_bytes};
-    return cache->layers.emplace(k, layer_cost(cost, cfg, l, w)).first->second;
+    LayerCost lc = layer_cost(cost, cfg, l, w);
+    std::lock_guard lk(cache->mu);
+    return cache->layers.emplace(k, std::move(lc)).first->second;
   }
 
   /// Blocking collectives of one layer, forward or backward.
@@ -502,9 +516,20 @@ struct Simulation {
           L.recorded_moe_layers() != moe_layers)
         throw ConfigError(fmt::format(
             "--loads: the recorded run has dp {}, ep {}, {} micro-batches and {} MoE layers; this simulation has dp "
-            "{}, ep {}, {} micro-batches and {} MoE layers (per-rank replay needs the run's own layout)",
+            "{}, ep {}, {} micro-batches (global batch {} / (dp {} x micro-batch size {})) and {} MoE layers "
+            "(per-rank replay needs the run's own layout; without --global-batch it takes the run's micro-batches)",
             L.recorded_dp(), L.recorded_ep(), L.recorded_microbatches(), L.recorded_moe_layers(), p.dp, p.ep, m,
-            moe_layers));
+            std::int64_t(m) * p.dp * o.micro_batch_size, p.dp, o.micro_batch_size, moe_layers));
+      // Dropless routing keeps tokens x top-k assignments per rank and micro-batch:
+      // the recording's tell the run's micro-batch tokens (B x S).
+      const std::int64_t want = o.micro_batch_size * o.seq_len / p.tp * cfg.num_experts_per_tok;
+      const std::int64_t kept = L.rows(0, 0, 0, 0).kept;
+      if (cfg.capacity_factor <= 0 && moe_layers > 0 && kept != want)
+        throw ConfigError(fmt::format(
+            "--loads: the recorded run kept {} expert assignments per rank and micro-batch; this simulation's "
+            "micro-batch of {} x {} tokens (tp {}) with top-{} keeps {} (give the run's micro_batch_size and seq_len: "
+            "--model RUN/config.toml, or --micro-batch-size and --seq-len)",
+            kept, o.micro_batch_size, o.seq_len, p.tp, cfg.num_experts_per_tok, want));
       mw = m;
     }
     memory_plan = mw == m ? plan : make_schedule(o.schedule, p.pp, mw, dualv ? 1 : p.vpp);
@@ -690,20 +715,40 @@ SimReport simulate(const SimOptions& o) {
     const GroupPlacement dense_g = place_group(par.dp, par.tp, o.cluster.gpus_per_node);
     const GroupPlacement expert_g = place_group(par.dp / par.ep, par.tp * par.ep, o.cluster.gpus_per_node);
     const Bytes grad_bytes = 4;  // fp32 gradients (the engine; Megatron's main_grad)
+    // The CPU engine's sync_tied_embedding (train/distributed.cpp), on every pipeline
+    // rank when the embedding is tied and split over stages: the V x d gradient copies
+    // summed into a zeroed buffer (zero 4 B, add 12 B per element of a copy), an
+    // all-reduce over the pipeline group (with its local sum), and the result copied
+    // back (8 B).
+    Seconds tied_sync = 0;
+    if (o.cluster.per_tensor_gradient_reduce && sim.cfg.tie_word_embeddings && sim.plan.num_stages > 1) {
+      const double vd = double(sim.cfg.vocab_size) * double(sim.cfg.hidden_size) / par.tp;
+      const Bytes b = Bytes(std::llround(vd)) * grad_bytes;
+      tied_sync = all_reduce_time(o.cluster, place_group(par.pp, par.tp * par.dp, o.cluster.gpus_per_node), b) +
+                  ordered_sum_time(sim.cost, par.pp, b) + sim.cost.elementwise(Bytes(std::llround(24 * vd)));
+    }
     for (int r = 0; r < P; ++r) {
       double dense = 0, expert = 0;
+      Seconds per_tensor = 0;  // the CPU engine's reduce_gradients: one all-reduce per tensor
       for (int s : sim.plan.stages_of(r)) {
         const StageInfo& si = sim.stages[std::size_t(s)];
         for_each_param_tensor(sim.cfg, par, {{si.first_layer, si.last_layer}}, si.embedding, si.head,
-                              [&](double numel, bool is_expert) { (is_expert ? expert : dense) += numel; });
+                              [&](double numel, bool is_expert) {
+                                (is_expert ? expert : dense) += numel;
+                                const GroupPlacement& g = is_expert ? expert_g : dense_g;
+                                const Bytes b = Bytes(std::llround(numel)) * grad_bytes;
+                                per_tensor += all_reduce_time(o.cluster, g, b) + ordered_sum_time(sim.cost, g.size, b);
+                              });
       }
       // One ring all-reduce of all dense and one of all expert gradients (bucketed, as
-      // frameworks do; the CPU engine's reduce_gradients issues one per tensor, whose
-      // extra 2(n-1) alpha each are not counted).
+      // frameworks do), or, for the CPU engine (per_tensor_gradient_reduce), one per
+      // tensor, each with its own 2(n-1) alpha and the local sum of its ordered all-reduce.
       const Seconds t =
-          all_reduce_time(o.cluster, dense_g, Bytes(std::llround(dense)) * grad_bytes) +
-          all_reduce_time(o.cluster, expert_g, Bytes(std::llround(expert)) * grad_bytes);
-      dp_t = std::max(dp_t, t);
+          o.cluster.per_tensor_gradient_reduce
+              ? per_tensor
+              : all_reduce_time(o.cluster, dense_g, Bytes(std::llround(dense)) * grad_bytes) +
+                    all_reduce_time(o.cluster, expert_g, Bytes(std::llround(expert)) * grad_bytes);
+      dp_t = std::max(dp_t, t + tied_sync);
       const double shard_d = o.cluster.optimizer_sharded ? par.dp : 1, shard_e = o.cluster.optimizer_sharded ? par.dp / par.ep : 1;
       opt_t = std::max(opt_t, optimizer_step_time(sim.cost, dense + expert, dense / shard_d + expert / shard_e));
     }

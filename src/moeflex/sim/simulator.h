@@ -26,6 +26,7 @@
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <mutex>
 #include <memory>
 #include <tuple>
 #include <string>
@@ -63,6 +64,7 @@ const std::vector<std::string>& adaptive_levels();
 struct SimCache {
   explicit SimCache(const HardwareProfile& profile) : cost(profile) {}
   CostModel cost;
+  std::mutex mu;  ///< guards `layers` (the search's timing pass shares one cache between threads)
   /// (tp, B, S, ep, split backward, layer is MoE, rows received) -> times.
   std::map<std::tuple<int, std::int64_t, std::int64_t, int, bool, bool, std::int64_t>, LayerCost> layers;
 };
@@ -75,7 +77,9 @@ struct SimOptions {
   std::string policy = "none";       ///< a static policy name, threshold[=R], or adaptive
   std::int64_t micro_batch_size = 1; ///< B, sequences per micro-batch
   std::int64_t seq_len = 4096;       ///< S
-  std::int64_t global_batch = 0;     ///< sequences per iteration; 0: dp x B x 4 pp
+  /// Sequences per iteration; 0: dp x B x the recorded micro-batches of a per-rank
+  /// replay (loads.jsonl: the run's grad_accum), else dp x B x 4 pp.
+  std::int64_t global_batch = 0;
   int iterations = 1;
   LoadModel loads;
   Seconds restart_seconds = 284;     ///< one cold restart after an OOM (BaGuaLu-2)
@@ -228,11 +232,17 @@ PlanTimeline run_plan(const StepPlan& plan, const std::function<ActionCost(int, 
                       const std::function<Seconds(const Action&)>& message_time, bool overlap_pair_comm = false,
                       const CoreSharing& sharing = {});
 
+/// The local reduction of the CPU engine's deterministic all-reduce
+/// (MpiCommunicator::ordered_all_reduce) of `bytes` over n ranks: each rank sums its
+/// block of every rank's copy in rank order between the two exchanges, an
+/// elementwise pass over (3n - 1) / n x bytes (0 for n <= 1).
+Seconds ordered_sum_time(const CostModel& cost, int n, Bytes bytes);
+
 /// The name of the optional op table (HardwareProfile::op_tables) of one rank's
 /// per-step parameter work in the trainer, against the fp32 bytes of its
 /// parameters (4 x numel): zero_grads, the global-norm square sum, the clip's
 /// scaling, and AdamW::step.
-inline constexpr const char* kOptimizerStepOp = "optimizer_step";
+inline constexpr const char* kOptimizerStepOp = op_names::kOptimizerStep;
 
 /// Seconds of one rank's per-step parameter work for `params` parameters of which
 /// it updates `sharded_params` (fewer under a sharded optimizer): the

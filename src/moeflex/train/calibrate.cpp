@@ -12,6 +12,10 @@
 //   op tables   kOpShare      rmsnorm, swiglu, router, (un)permute, cross entropy over
 //                             token counts; rope's tables and rotation; attention,
 //                             forward and backward, on one sequence over lengths
+//   optimizer   kOptimizerShare  (on top) the trainer's per-step parameter work
+//                             (zero_grads, norm, clip, AdamW) over parameter counts
+//   link        (on top, under mpirun only, about 0.1 s) all-to-all between the
+//                             ranks over sizes: latency and bandwidth (measure_link)
 // Within a phase every measurement runs once (warm-up, and an estimate of its time),
 // then the remaining share is split equally between the measurements, each repeated
 // [kMinRepeats, kMaxRepeats] times in interleaved rounds, each timed run from evicted
@@ -45,9 +49,11 @@
 #include <memory>
 #include <tuple>
 
+#include "moeflex/comm/communicator.h"
 #include "moeflex/core/arena.h"
 #include "moeflex/core/error.h"
 #include "moeflex/ops/attention.h"
+#include "moeflex/ops/backend.h"
 #include "moeflex/ops/blas.h"
 #include "moeflex/ops/cross_entropy.h"
 #include "moeflex/ops/grouped_linear.h"
@@ -110,6 +116,8 @@ const std::vector<Bytes> kHeldCopyBytes = {1 * kMiB, 3 * kMiB, 24 * kMiB};
 // ---- budget ------------------------------------------------------------------------
 constexpr double kGemmShare = 0.55;     ///< of the measurement budget
 constexpr double kOpShare = 0.35;       ///< of the measurement budget
+/// Of the measurement budget, on top of the others (a few seconds): the optimizer_step table.
+constexpr double kOptimizerShare = 0.04;
 constexpr int kMaxRepeats = 101;        ///< repeats of one measurement, at most
 constexpr int kPreemptedRetries = 3;    ///< attempts at a visit the scheduler interrupts (the last one counts)
 constexpr double kWallBudgetFactor = 3;  ///< wall time a phase may take, in budgets (see run_jobs)
@@ -988,6 +996,118 @@ void measure_memory(HardwareProfile& p, bool full, Seconds budget, std::vector<J
   p.op_tables[op_names::kCopyD2H] = std::move(d2h_table);
 }
 
+// ---- per-step parameter work -----------------------------------------------------------
+
+/// Numels of the default model's parameter tensors of one MoE layer, in the order
+/// MoEModel creates them (input norm, q, k, v, o, post-attention norm, router, the
+/// grouped experts' gate, up and down projections): an optimizer_step sample cycles
+/// through them, so that it makes as many kernel calls per parameter as the model.
+const std::vector<std::int64_t> kLayerParamNumels = {kHidden,           kHidden * kHidden,
+                                                     kHidden * kHidden, kHidden * kHidden,
+                                                     kHidden * kHidden, kHidden,
+                                                     kExperts * kHidden, kExperts * kExpertFfn * kHidden,
+                                                     kExperts * kExpertFfn * kHidden, kExperts * kExpertFfn * kHidden};
+
+/// The trainer's per-step work on `count` parameters held as w, g, m, v (each
+/// `count` floats), split into tensors of kLayerParamNumels in turn: zero_grads
+/// (Tensor::zero, a memset of every g), the global norm's square sums
+/// (Backend::square_sum), the clip's scaling (Backend::scale; the sim_check runs
+/// clip every step, their norms being above grad_clip) and AdamW::step
+/// (Backend::adamw with its constants of step 10). Unlike the real step, g is
+/// still zero when the norm reads it: the kernels' speed does not depend on the
+/// values, and v stays non-negative.
+class OptimizerBench {
+ public:
+  explicit OptimizerBench(std::int64_t max_count)
+      : w_(buffer(max_count, 301)), g_(buffer(max_count, 302)), m_(buffer(max_count, 303)), v_(buffer(max_count, 304)) {
+    for (float& x : v_) x = std::abs(x) * 1e-2f;
+  }
+  std::function<void()> step(std::int64_t count) {
+    std::vector<std::pair<std::int64_t, std::int64_t>> tensors;  // (offset, numel)
+    for (std::int64_t at = 0, i = 0; at < count; ++i) {
+      const std::int64_t n = std::min(kLayerParamNumels[std::size_t(i) % kLayerParamNumels.size()], count - at);
+      tensors.emplace_back(at, n);
+      at += n;
+    }
+    return [this, tensors] {
+      ops::Backend& be = ops::cpu_backend();
+      for (auto [at, n] : tensors) std::memset(g_.data() + at, 0, sizeof(float) * std::size_t(n));
+      double sq = 0;
+      for (auto [at, n] : tensors) sq += be.square_sum(g_.data() + at, n);
+      const float scale = float(1.0 / (std::sqrt(sq) + 1.0));
+      for (auto [at, n] : tensors) be.scale(g_.data() + at, n, scale);
+      const double bc1 = 1 - std::pow(0.9, 10.0), bc2 = 1 - std::pow(0.95, 10.0);
+      for (auto [at, n] : tensors)
+        be.adamw(w_.data() + at, g_.data() + at, m_.data() + at, v_.data() + at, n, 0.9f, 0.95f, 1e-8f,
+                 float(1 - 2e-3 * 0.1), float(2e-3 / bc1), float(1 / std::sqrt(bc2)));
+      sink_ = sq;
+    };
+  }
+
+ private:
+  std::vector<float> w_, g_, m_, v_;
+  volatile double sink_ = 0;
+};
+
+/// The optimizer_step table (op_names::kOptimizerStep): one rank's per-step
+/// parameter work against 4 x parameters bytes, over parameter counts around the
+/// default model's per-rank shares (4.4 M to 10.8 M in the sim_check layouts),
+/// timed from evicted caches like every job (the parameters' state outgrows the
+/// caches anyway: 16 B per parameter).
+void measure_optimizer(HardwareProfile& p, bool full, Seconds budget) {
+  const std::vector<std::int64_t> counts = full ? std::vector<std::int64_t>{1 << 19, 1 << 20, 1 << 21, 1 << 22, 1 << 23, 3 << 22}
+                                                : std::vector<std::int64_t>{1 << 20, 1 << 22};
+  OptimizerBench bench(counts.back());
+  std::vector<Job> jobs;
+  for (std::int64_t c : counts) jobs.push_back({bench.step(c), 0, false});
+  run_jobs(jobs, budget);
+  std::vector<OpSample> table;
+  for (std::size_t i = 0; i < counts.size(); ++i) table.push_back({4 * counts[i], jobs[i].time});
+  p.op_tables[op_names::kOptimizerStep] = std::move(table);
+}
+
+// ---- the link between ranks ---------------------------------------------------------------
+
+/// Bytes to every peer of the all-to-all samples of measure_link.
+const std::vector<Bytes> kLinkBytes = {4 * kKiB, 64 * kKiB, 256 * kKiB, 1 * kMiB, 4 * kMiB};
+constexpr int kLinkRepeats = 15;  ///< timed exchanges per size; the median counts
+
+/// Under mpirun with two ranks or more: the link between the ranks as moeflex's
+/// communicator drives it. An all-to-all-v (the expert dispatch's collective) of b
+/// bytes to every peer, for b in kLinkBytes, each timed on the wall clock (waiting
+/// for the peer is the point) right after a barrier lines the ranks up, kLinkRepeats
+/// times in rounds over the sizes; the medians are fitted t = alpha + b / beta
+/// (pairwise exchange, every peer's b at once: Hockney's alpha-beta per message).
+/// Stored as the profile's all_to_all_latency and all_to_all_bandwidth, which the
+/// this-machine cluster takes as its link. One process: nothing to measure, left 0.
+/// Every rank runs it (collectives); rank 0's fit is the one written.
+void measure_link(HardwareProfile& p) {
+  const std::unique_ptr<comm::Communicator> world = comm::make_world_communicator();
+  const int n = world->size();
+  if (n < 2) return;
+  const Bytes max_b = kLinkBytes.back();
+  std::vector<char> send(std::size_t(max_b * n), 1), recv(std::size_t(max_b * n), 0);
+  std::vector<std::int64_t> counts(static_cast<std::size_t>(n), 0), displs(static_cast<std::size_t>(n), 0);
+  std::vector<std::vector<Seconds>> t(kLinkBytes.size());
+  for (int r = 0; r <= kLinkRepeats; ++r) {  // round 0 warms the buffers and the transport up
+    for (std::size_t i = 0; i < kLinkBytes.size(); ++i) {
+      for (int q = 0; q < n; ++q) {
+        counts[std::size_t(q)] = q == world->rank() ? 0 : kLinkBytes[i];
+        displs[std::size_t(q)] = std::int64_t(q) * max_b;
+      }
+      world->barrier();
+      const auto t0 = Clock::now();
+      world->all_to_all_v(send.data(), counts.data(), displs.data(), recv.data(), counts.data(), displs.data(), 1);
+      if (r > 0) t[i].push_back(since(t0));
+    }
+  }
+  std::vector<std::pair<double, Seconds>> pts;
+  for (std::size_t i = 0; i < kLinkBytes.size(); ++i) pts.emplace_back(double(kLinkBytes[i]), quantile(t[i], 0.5));
+  const auto [alpha, per_byte] = fit_affine(pts);
+  p.all_to_all_latency = alpha;
+  p.all_to_all_bandwidth = 1.0 / per_byte;
+}
+
 std::string host_name() {
   char buf[256] = {0};
   if (gethostname(buf, sizeof(buf) - 1) != 0) return "this-machine";
@@ -1215,6 +1335,9 @@ HardwareProfile calibrate_phases(int threads, Seconds budget, HeldOut* held, std
   };
   if (held) *gemm_jobs = HeldOut::jobs_of(held->gemm_cases), *op_jobs = HeldOut::jobs_of(held->op_cases),
             *memory_jobs = HeldOut::jobs_of(held->memory_cases);
+  // The link first, while the ranks of an mpirun calibration start together.
+  note("link between ranks ...");
+  measure_link(p);
   // Memory first: the op tables' stage 1 reads the bandwidth.
   note("memory bandwidth and copies ...");
   measure_memory(p, full, (1.0 - kGemmShare - kOpShare) * budget, held ? memory_jobs : nullptr);
@@ -1222,6 +1345,8 @@ HardwareProfile calibrate_phases(int threads, Seconds budget, HeldOut* held, std
   measure_gemms(p, full, kGemmShare * budget, held ? gemm_jobs : nullptr);
   note("op tables ...");
   measure_ops(p, full, kOpShare * budget, held ? op_jobs : nullptr);
+  note("optimizer step ...");
+  measure_optimizer(p, full, kOptimizerShare * budget);
   note("done");
   return p;
 }
@@ -1291,6 +1416,13 @@ int run_calibrate_command(const std::string& out_path, int threads, double budge
   fmt::print("measured {} GEMM shapes, {} op tables, memory {:.1f} GB/s, copies {:.1f}/{:.1f} GB/s (h2d/d2h) in {:.1f} s\n",
              profile.gemm.size(), profile.op_tables.size(), profile.memory_bandwidth / 1e9, profile.h2d_bandwidth / 1e9,
              profile.d2h_bandwidth / 1e9, since(t0));
+  if (profile.all_to_all_bandwidth > 0)
+    fmt::print("link between the ranks (all-to-all): latency {:.1f} us, bandwidth {:.2f} GB/s\n",
+               1e6 * profile.all_to_all_latency, profile.all_to_all_bandwidth / 1e9);
+  if (profile.op_tables.count(op_names::kOptimizerStep))
+    for (const OpSample& s : profile.op_tables.at(op_names::kOptimizerStep))
+      fmt::print("optimizer step (zero_grads, norm, clip, AdamW) of {:.1f} M parameters: {:.2f} ms\n",
+                 double(s.bytes) / 4e6, 1e3 * s.seconds);
   fmt::print("\nheld-out op invocations (cost model vs this machine; never measured by the calibration):\n");
   fmt::print("{:<24} {:<44} {:>12} {:>12} {:>8}\n", "op", "shape", "measured", "predicted", "error");
   std::map<std::string, std::pair<double, int>> by_op;  // op -> (sum of errors, count)

@@ -5,6 +5,8 @@
 #include <chrono>
 #include <cstring>
 
+#include "moeflex/core/op_context.h"
+
 namespace moeflex {
 
 PipelineExecutor::PipelineExecutor(const StepPlan& plan, int pp_rank, std::map<int, MoEModel*> stages,
@@ -79,6 +81,16 @@ LossParts PipelineExecutor::run_step(const BatchFn& batch, double grad_scale) {
         }
       }
     } timer{a, t0, compute_seconds_, trace_, trace_ ? trace_->now_us() : 0.0, arena_};
+    // Labels the ops of this action for the op profiler (core/op_context.h).
+    OpContext& ctx = op_context();
+    ctx.action = int(ai);
+    ctx.microbatch = mb;
+    ctx.stage = s;
+    ctx.layer = OpContext::kNoLayer;
+    ctx.phase = a.kind == ActionKind::Forward          ? OpPhase::forward
+                : a.kind == ActionKind::BackwardWeight ? OpPhase::backward_weight
+                : is_compute(a.kind)                   ? OpPhase::backward_input
+                                                       : OpPhase::other;
     switch (a.kind) {
       case ActionKind::RecvActivation: {
         Tensor t = buffer("pipeline.recv_activation");
@@ -136,6 +148,7 @@ LossParts PipelineExecutor::run_step(const BatchFn& batch, double grad_scale) {
       }
     }
   }
+  op_context() = OpContext{.profiling = op_context().profiling};
   if (!act_in.empty() || !act_out.empty() || !grad_out.empty() || !grad_in.empty())
     throw Error(fmt::format("pipeline rank {}: the step ended with undelivered tensors (schedule bug)", rank_));
   pp_->flush_sends();

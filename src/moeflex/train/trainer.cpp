@@ -36,6 +36,7 @@
 #include "moeflex/train/replica.h"
 #include "moeflex/train/safetensors.h"
 #include "moeflex/train/trace.h"
+#include "moeflex/train/op_profiler.h"
 
 extern "C" void openblas_set_num_threads(int);
 
@@ -373,6 +374,7 @@ TrainResult run_training(const TrainOptions& opts) {
     s["device_budget_bytes"] = arena.unlimited() ? json(nullptr) : json(arena.budget());
     s["oom_count"] = res.oom_count;
     s["policy"] = cfg.train.policy;
+    if (!res.planner_cost_model.empty()) s["planner_cost_model"] = res.planner_cost_model;
     s["bytes_recomputed"] = res.bytes_recomputed;
     s["bytes_offloaded"] = res.bytes_offloaded;
     s["arena_compactions"] = res.arena_compactions;
@@ -390,6 +392,10 @@ TrainResult run_training(const TrainOptions& opts) {
     s["tokens_per_second_effective"] = res.tokens_per_second_effective;
     s["oom_peak_demand_bytes"] = res.oom_peak_demand_bytes;
     s["first_oom"] = res.first_oom.empty() ? json(nullptr) : json(res.first_oom);
+    if (!std::isnan(res.time_model_op_error)) {  // --profile-ops (op_times.json holds the detail)
+      s["time_model_op_error"] = res.time_model_op_error;
+      s["time_model_step_error"] = res.time_model_step_error;
+    }
     s["params"] = cfg.model.num_params();
     s["active_params"] = cfg.model.num_active_params();
     s["val_loss_history"] = history;
@@ -423,6 +429,24 @@ TrainResult run_training(const TrainOptions& opts) {
   try {
     const int B = int(t.micro_batch_size), S = int(t.seq_len);
     const std::int64_t M = t.grad_accum;
+    // --profile-ops: every backend op of each step is timed and priced by the cost model
+    // (train/op_profiler.h). The profiler wraps the arena's backend and is handed out by
+    // ops::backend_of() while the run lives, so the model and optimizer built below run
+    // through it; without the flag nothing is wrapped.
+    std::optional<CostModel> op_cost;
+    std::unique_ptr<ProfilingBackend> op_profiler;
+    std::optional<ScopedBackendOverride> op_override;
+    if (opts.profile_ops) {
+      const fs::path profile =
+          opts.hardware_profile.empty() ? fs::path(kDefaultHardwareProfilePath) : opts.hardware_profile;
+      if (!fs::exists(profile))
+        throw ConfigError(fmt::format("--profile-ops prices ops with a hardware profile, and '{}' does not exist: run "
+                                      "`moeflex calibrate` or pass --hardware-profile FILE", profile.string()));
+      op_cost.emplace(HardwareProfile::load(profile));
+      op_profiler = std::make_unique<ProfilingBackend>(ops::backend_of(arena), *op_cost, rank);
+      op_override.emplace(op_profiler.get());
+      if (rank0) progress.note(fmt::format("--profile-ops: ops priced with {}", profile.string()));
+    }
     Replica replica(cfg.model, pc.schedule, layout, groups, arena, M, B, S);
     replica.init_weights(t.seed);
     ops::ImbalanceSpec imbalance = ops::parse_imbalance(t.inject_imbalance);
@@ -456,15 +480,22 @@ TrainResult run_training(const TrainOptions& opts) {
       const fs::path profile = kDefaultHardwareProfilePath;
       std::string note = fmt::format("no hardware profile at {} (run `moeflex calibrate`): the planner ranks "
                                      "choices by op family", profile.string());
+      res.planner_cost_model = "op family";
+      bool unusable = false;
       if (fs::exists(profile)) {
         try {
           cost_model.emplace(HardwareProfile::load(profile));
           note = fmt::format("the planner prices choices with {}", profile.string());
+          res.planner_cost_model = profile.string();
         } catch (const Error& e) {
-          note = fmt::format("{} (ignored: {})", note, e.what());
+          note = fmt::format("the hardware profile {} is unusable ({}): the planner ranks choices by op family; "
+                             "rerun `moeflex calibrate` to replace it", profile.string(), e.what());
+          unusable = true;
         }
       }
-      if (rank0) progress.note(note);
+      // An unusable profile is a warning even under --quiet: the run goes on, but priced worse.
+      if (rank0 && unusable) fmt::print(stderr, "moeflex: warning: {}\n", note);
+      else if (rank0) progress.note(note);
     }
     for (MoEModel* c : replica.chunks()) {
       if (planner) {
@@ -483,19 +514,18 @@ TrainResult run_training(const TrainOptions& opts) {
     // under which every step fits with every activation at its most memory-saving
     // choice and every MoE layer at its worst-case routing. A smaller one is refused.
     if (planner && !arena.unlimited()) {
-      double need[2] = {double(minimum_budget(cfg.model, B, S, replica.step_program(), arena.in_use(),
-                                              kPlannerMarginFraction)),
+      double need[2] = {double(minimum_budget(cfg.model, B, S, replica.step_program(), arena.in_use(), 0.0)),
                         double(arena.in_use())};
       if (world_size > 1) world->all_reduce_max(need, 2);
       if (double(arena.budget()) < need[0])
         throw ConfigError(fmt::format(
             "--device-memory {} ({} B) is below the smallest budget for which adaptive provisioning can guarantee "
             "no out-of-memory error: {} ({} B: {} of weights, gradients and optimizer state on the fullest rank, "
-            "plus one step with every activation recomputed or offloaded and worst-case expert routing, plus a "
-            "{:.0f}% fragmentation margin); use --device-memory {} or more", format_bytes(arena.budget()),
-            arena.budget(), format_bytes(Bytes(need[0])), Bytes(need[0]), format_bytes(Bytes(need[1])),
-            100 * kPlannerMarginFraction,
-            format_bytes(Bytes(std::ceil(need[0] / double(kMiB)) * double(kMiB)))));
+            "plus one step with every activation recomputed or offloaded and worst-case expert routing); use "
+            "--device-memory {} or more ({:.0f}% more lets the planner keep a fragmentation margin)",
+            format_bytes(arena.budget()), arena.budget(), format_bytes(Bytes(need[0])), Bytes(need[0]),
+            format_bytes(Bytes(need[1])),
+            format_bytes(Bytes(std::ceil(need[0] / double(kMiB)) * double(kMiB))), 100 * kPlannerMarginFraction));
       progress.note(fmt::format("adaptive provisioning: budget {}, smallest feasible {}", format_bytes(arena.budget()),
                                 format_bytes(Bytes(need[0]))));
     }
@@ -557,6 +587,7 @@ TrainResult run_training(const TrainOptions& opts) {
       res.final_val_loss = st.value("last_val_loss", res.initial_val_loss);
       res.final_train_loss = st.value("last_train_loss", 0.0);
       history = st.value("val_loss_history", json::array());
+      res.final_val_step = history.empty() ? 0 : history.back().value("step", std::int64_t(0));
       return st;
     };
     if (ckpt) {
@@ -728,6 +759,8 @@ TrainResult run_training(const TrainOptions& opts) {
       const bool spike = ops::imbalance_active(imbalance, step + 1);
       const bool tracing = !trace_finished && step - start_step < t.trace_steps;
       replica.set_trace(tracing ? &trace : nullptr);
+      const double thread_cpu0 = op_profiler ? thread_cpu_seconds() : 0.0;
+      if (op_profiler) op_profiler->begin_step(step + 1, tracing ? &trace : nullptr);
       for (MoEModel* c : replica.chunks()) c->set_router_skew(spike ? imbalance.ratio : 0.0);
       if (restart_on_oom) arena.clear_oom_events();
       const LossParts sum = [&] {
@@ -771,6 +804,7 @@ TrainResult run_training(const TrainOptions& opts) {
           continue;
         }
       }
+      op_context().phase = OpPhase::optimizer;  // clipping and AdamW, for the op profiler
       const double gnorm = replica.clip_grad_norm(t.grad_clip);
       if (!std::isfinite(sum.total) || !std::isfinite(gnorm))
         throw Error(fmt::format("training diverged at step {}: loss {} and gradient norm {} (lower train.lr or "
@@ -835,7 +869,9 @@ TrainResult run_training(const TrainOptions& opts) {
       }
       const double lr = lr_at(step, t.warmup_steps, t.steps, t.lr, t.min_lr);
       for (auto& o : opts_) o->step(lr);
+      op_context().phase = OpPhase::other;
       const double dt = seconds_since(t0);
+      if (op_profiler) op_profiler->end_step(dt, thread_cpu_seconds() - thread_cpu0);
       const double step_cpu = process_cpu_seconds() - cpu0;
       // Before the evaluation below, which routes (and clears the routing records) too.
       record_loads(world.get(), replica.routing(), cfg.model, layout, dp_rank, M, step + 1, step_cpu,
@@ -878,6 +914,7 @@ TrainResult run_training(const TrainOptions& opts) {
       if (do_eval) {
         last_val = evaluate();
         res.final_val_loss = last_val;
+        res.final_val_step = step + 1;
         history.push_back({{"step", step + 1}, {"val_loss", last_val}});
         line["val_loss"] = last_val;
       }
@@ -920,6 +957,26 @@ TrainResult run_training(const TrainOptions& opts) {
                                   run_dir.string()));
         break;
       }
+    }
+    if (op_profiler) {
+      // op_times.json: every rank's ops and steps, summarised by rank 0; the first step
+      // of the run (cold caches, first-touch page faults) is left out when there are more.
+      write_op_times_part(op_times_part_path(run_dir, rank), op_profiler->records(), op_profiler->steps());
+      world->barrier();
+      if (rank0) {
+        std::vector<fs::path> parts;
+        for (int r = 0; r < world_size; ++r) parts.push_back(op_times_part_path(run_dir, r));
+        const std::int64_t first = res.steps - start_step > 1 ? start_step + 2 : start_step + 1;
+        const json doc = summarize_op_time_parts(parts, first, omp_get_max_threads() == 1);
+        train::write_file_atomically(run_dir / "op_times.json", doc.dump(2) + "\n");
+        for (auto& p : parts) fs::remove(p);
+        res.time_model_op_error = doc.at("op_error").get<double>();
+        res.time_model_step_error = doc.at("step_error").get<double>();
+        progress.note(fmt::format("time model ({} clock): op error {:.2f}%, step error {:.2f}% (wall clock: {:.2f}%); "
+                                  "op_times.json", doc.at("clock").get<std::string>(), 100 * res.time_model_op_error,
+                                  100 * res.time_model_step_error, 100 * doc.at("step_error_wall").get<double>()));
+      }
+      world->barrier();
     }
   } catch (const OutOfMemoryError& e) {
     if (!state_placed)  // not a step that ran out: the budget cannot hold the model state at all

@@ -19,6 +19,11 @@ struct TrainOptions {
   std::int64_t stop_after = -1;  ///< stop (as if interrupted, after a checkpoint) after this step; -1 = never
   int threads = 0;               ///< OpenMP/BLAS threads; 0 = all cores
   bool progress = true;          ///< show the progress bar / log lines on stderr
+  /// Time every backend op of each step and price it with the cost model
+  /// (train/op_profiler.h): op events in trace.json, op_times.json, and the errors
+  /// in summary.json.
+  bool profile_ops = false;
+  std::filesystem::path hardware_profile;  ///< the profile pricing the ops; empty = kDefaultHardwareProfilePath
 };
 
 /// What a finished (or stopped) run reports; also written to summary.json.
@@ -27,6 +32,7 @@ struct TrainResult {
   std::int64_t tokens = 0;
   double initial_val_loss = std::numeric_limits<double>::quiet_NaN();  ///< NaN until evaluated
   double final_val_loss = std::numeric_limits<double>::quiet_NaN();
+  std::int64_t final_val_step = 0;  ///< the step final_val_loss was evaluated after (0: before training)
   double final_train_loss = 0;
   double tokens_per_second = 0;
   std::int64_t peak_device_bytes = 0;
@@ -51,6 +57,15 @@ struct TrainResult {
   double tokens_per_second_effective = 0;
   std::int64_t oom_peak_demand_bytes = 0;  ///< the most device memory a dropped (OOM) step used, heap overflow included
   std::string first_oom;                   ///< the first OutOfMemoryError's message (empty: none)
+  /// What priced the adaptive planner's choices: the hardware profile's path, or
+  /// "op family" without a usable one (empty: no planner).
+  std::string planner_cost_model;
+  /// profile_ops: time-weighted mean absolute op error, sum |predicted - measured| /
+  /// sum measured over the ops of every step but the first (NaN without profiling).
+  double time_model_op_error = std::numeric_limits<double>::quiet_NaN();
+  /// profile_ops: mean over steps and ranks of |predicted - measured| / measured step time
+  /// (thread CPU time with one thread per rank, as the op error; else wall time).
+  double time_model_step_error = std::numeric_limits<double>::quiet_NaN();
 };
 
 /// Runs (or resumes) a training run. Throws ConfigError / DataError on bad input and

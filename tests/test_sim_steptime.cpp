@@ -200,4 +200,18 @@ TEST(SimStepTime, CalibrateMeasuresTheOptimizerStepTable) {
   for (const OpSample& s : t) EXPECT_GT(s.seconds, double(s.bytes) / p.memory_bandwidth) << s.bytes;
   EXPECT_GT(t[1].seconds, 2.0 * t[0].seconds);
   EXPECT_LT(t[1].seconds, 8.0 * t[0].seconds);
+  // The kernels one call at a time (the op profiler's prices): two sizes each, an
+  // attention projection's 256 x 256 floats and an expert bank's 8 x 384 x 256 (12x),
+  // so between 3x and 24x the time; AdamW (7 streams and a sqrt and divide per float)
+  // dearer than a scale (2 streams) of the same tensor.
+  for (const char* k : {op_names::kAdamW, op_names::kSquareSum, op_names::kScale}) {
+    ASSERT_TRUE(p.op_tables.count(k)) << k;
+    const auto& kt = p.op_tables.at(k);
+    ASSERT_EQ(kt.size(), 2u) << k;
+    EXPECT_EQ(kt[0].bytes, 4 * 256 * 256) << k;
+    EXPECT_EQ(kt[1].bytes, 12 * kt[0].bytes) << k;
+    EXPECT_GT(kt[1].seconds, 3.0 * kt[0].seconds) << k;
+    EXPECT_LT(kt[1].seconds, 24.0 * kt[0].seconds) << k;
+  }
+  EXPECT_GT(p.op_tables.at(op_names::kAdamW)[1].seconds, p.op_tables.at(op_names::kScale)[1].seconds);
 }

@@ -87,6 +87,13 @@ inline constexpr const char* kAttentionBackward = "attention_backward";
 /// square sums, the clip's scaling, AdamW::step), x = 4 x parameters (fp32 bytes of
 /// the weights); measured by `moeflex calibrate`, read by the simulator.
 inline constexpr const char* kOptimizerStep = "optimizer_step";
+/// The optimizer's kernels, one call on one parameter tensor of n floats, x = 4 n
+/// (fp32 bytes of the tensor): Backend::adamw, Backend::square_sum (the global
+/// norm's partial sums) and Backend::scale (the clip). Compute-bound on CPUs (sqrt,
+/// divide, a double sum), so they are timed rather than priced as streaming bytes.
+inline constexpr const char* kAdamW = "adamw";
+inline constexpr const char* kSquareSum = "square_sum";
+inline constexpr const char* kScale = "scale";
 /// Generic streaming work (residual adds, copies within the device, zero fills):
 /// y += x measured over sizes, x = bytes read plus written.
 inline constexpr const char* kElementwise = "elementwise";

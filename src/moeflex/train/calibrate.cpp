@@ -1043,6 +1043,19 @@ class OptimizerBench {
       sink_ = sq;
     };
   }
+  /// One call of one optimizer kernel (op_names::kAdamW, kSquareSum or kScale) on
+  /// the first n floats.
+  std::function<void()> kernel(const std::string& name, std::int64_t n) {
+    return [this, name, n] {
+      ops::Backend& be = ops::cpu_backend();
+      if (name == op_names::kAdamW)
+        be.adamw(w_.data(), g_.data(), m_.data(), v_.data(), n, 0.9f, 0.95f, 1e-8f, float(1 - 2e-3 * 0.1), 2e-3f, 1.0f);
+      else if (name == op_names::kSquareSum)
+        sink_ = be.square_sum(g_.data(), n);
+      else
+        be.scale(g_.data(), n, 0.999f);
+    };
+  }
 
  private:
   std::vector<float> w_, g_, m_, v_;
@@ -1060,10 +1073,24 @@ void measure_optimizer(HardwareProfile& p, bool full, Seconds budget) {
   OptimizerBench bench(counts.back());
   std::vector<Job> jobs;
   for (std::int64_t c : counts) jobs.push_back({bench.step(c), 0, false});
+  // The kernels one by one, one call on one tensor of n floats (the op profiler and
+  // the cost model price single calls with these), over the default model's tensor sizes.
+  const std::vector<std::int64_t> ns = full ? std::vector<std::int64_t>{kHidden, 1 << 14, kHidden * kHidden, 1 << 18,
+                                                                          kExperts * kExpertFfn * kHidden, 1 << 22}
+                                            : std::vector<std::int64_t>{kHidden * kHidden, kExperts * kExpertFfn * kHidden};
+  const char* kernels[] = {op_names::kAdamW, op_names::kSquareSum, op_names::kScale};
+  for (const char* k : kernels)
+    for (std::int64_t n : ns) jobs.push_back({bench.kernel(k, n), 0, true});
   run_jobs(jobs, budget);
   std::vector<OpSample> table;
   for (std::size_t i = 0; i < counts.size(); ++i) table.push_back({4 * counts[i], jobs[i].time});
   p.op_tables[op_names::kOptimizerStep] = std::move(table);
+  std::size_t j = counts.size();
+  for (const char* k : kernels) {
+    std::vector<OpSample> t;
+    for (std::int64_t n : ns) t.push_back({4 * n, jobs[j++].time});
+    p.op_tables[k] = std::move(t);
+  }
 }
 
 // ---- the link between ranks ---------------------------------------------------------------

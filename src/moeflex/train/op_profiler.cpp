@@ -408,16 +408,20 @@ void ProfilingBackend::grouped_linear_backward(const float* dy, const float* x, 
   timed(kind, std::move(rows), p, !want_dx,
         [&] { inner_.grouped_linear_backward(dy, x, w, dx, dw, offsets, E, in, out); });
 }
+Seconds ProfilingBackend::kernel_time(const char* table, std::int64_t n, Bytes fallback_bytes) const {
+  return cost_.profile().op_tables.count(table) ? cost_.op(table, 4 * n) : cost_.elementwise(fallback_bytes);
+}
 double ProfilingBackend::square_sum(const float* g, std::int64_t n) {
-  return timed("square_sum", {n}, cost_.elementwise(n * kF), false, [&] { return inner_.square_sum(g, n); });
+  return timed("square_sum", {n}, kernel_time(op_names::kSquareSum, n, n * kF), false,
+               [&] { return inner_.square_sum(g, n); });
 }
 void ProfilingBackend::scale(float* g, std::int64_t n, float s) {
-  timed("scale", {n}, cost_.elementwise(2 * n * kF), false, [&] { inner_.scale(g, n, s); });
+  timed("scale", {n}, kernel_time(op_names::kScale, n, 2 * n * kF), false, [&] { inner_.scale(g, n, s); });
 }
 void ProfilingBackend::adamw(float* w, const float* g, float* m, float* v, std::int64_t n, float b1, float b2,
                              float eps, float decay, float step_size, float inv_sqrt_bc2) {
   // w, m, v read and written, g read: 7 arrays of n floats.
-  timed("adamw", {n}, cost_.elementwise(7 * n * kF), false,
+  timed("adamw", {n}, kernel_time(op_names::kAdamW, n, 7 * n * kF), false,
         [&] { inner_.adamw(w, g, m, v, n, b1, b2, eps, decay, step_size, inv_sqrt_bc2); });
 }
 

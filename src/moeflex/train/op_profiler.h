@@ -211,6 +211,9 @@ class ProfilingBackend final : public ops::Backend {
   /// marks a weight-gradient op (its phase is backward_weight inside a fused backward).
   template <class Fn>
   auto timed(const char* kind, std::vector<std::int64_t> shape, Seconds predicted, bool weight_only, Fn&& fn);
+  /// One optimizer kernel call on n floats: the profile's table for it (x = 4 n;
+  /// measured by calibrate), else streaming `fallback_bytes`.
+  Seconds kernel_time(const char* table, std::int64_t n, Bytes fallback_bytes) const;
 
   ops::Backend& inner_;
   const CostModel& cost_;

@@ -64,6 +64,11 @@ TEST(HardwareProfile, JsonRoundTrip) {
 }
 
 TEST(HardwareProfile, ErrorsNameTheFileAndTheField) {
+  // A directory given for the file (e.g. calibrate's --out): a DataError naming it.
+  const std::string dir = ::testing::TempDir();
+  std::string dmsg = message_of([&] { HardwareProfile::load(dir); });
+  EXPECT_NE(dmsg.find("is a directory"), std::string::npos) << dmsg;
+
   nlohmann::json j = hand_profile().to_json();
   j.erase("memory_bandwidth_Bps");
   std::string msg = message_of([&] { HardwareProfile::from_json(j, "hw.json"); });

@@ -106,6 +106,16 @@ TEST(Train, ResumeReproducesUninterruptedRun) {
   const TrainResult r2 = run_training(second);
   EXPECT_EQ(r2.final_val_step, 12);
   EXPECT_EQ(r2.final_val_loss, whole.final_val_loss);
+  // Resuming the finished run trains nothing and leaves its summary as it was.
+  const std::string summary = [&] {
+    std::ifstream in(b / "summary.json");
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  }();
+  const TrainResult r3 = run_training(second);
+  EXPECT_EQ(r3.steps, 12);
+  EXPECT_EQ(r3.tokens_per_second, nlohmann::json::parse(summary).at("tokens_per_second").get<double>());
+  std::ifstream in(b / "summary.json");
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), summary);
   auto la = losses(a), lb = losses(b);
   ASSERT_EQ(la.size(), 12u);
   ASSERT_EQ(lb.size(), 12u);

@@ -38,4 +38,7 @@ Bytes parse_size(const std::string& text);
 /// Formats bytes for people: "12.3 MiB".
 std::string format_bytes(Bytes bytes);
 
+/// Formats a parameter count for people, in decimal units: "11.5 M", "671.0 B".
+std::string format_count(double n);
+
 }  // namespace moeflex

@@ -219,6 +219,9 @@ void HardwareProfile::save(const std::filesystem::path& path) const {
 }
 
 HardwareProfile HardwareProfile::load(const std::filesystem::path& path) {
+  if (std::filesystem::is_directory(path))
+    throw DataError(fmt::format("hardware profile '{}' is a directory; give the profile file (calibrate writes "
+                                "DIR/this-machine.json)", path.string()));
   std::ifstream in(path);
   if (!in) throw DataError(fmt::format("hardware profile '{}' cannot be opened (run `moeflex calibrate`?)", path.string()));
   json j;

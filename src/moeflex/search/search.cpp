@@ -217,9 +217,9 @@ json SearchResult::to_json(const SearchOptions& o) const {
 
 std::string SearchResult::format(const SearchOptions& o) const {
   std::string s = fmt::format(
-      "{:.1f} B-parameter model on {} x {}: {} combinations, {} invalid, {} do not fit, {} timed, {} walked, "
+      "{}-parameter model on {} x {}: {} combinations, {} invalid, {} do not fit, {} timed, {} walked, "
       "{:.1f} s\n\n",
-      o.model.num_params() / 1e9, o.gpus, o.cluster.name, enumerated, invalid, no_fit, timed, walked, seconds);
+      format_count(double(o.model.num_params())), o.gpus, o.cluster.name, enumerated, invalid, no_fit, timed, walked, seconds);
   s += fmt::format("{:>3} {:<30} {:<12} {:<10} {:>3} {:>4} {:>9} {:>9} {:>6} {:>7} {:>9} {:>9} {:>6}\n", "#",
                    "layout", "schedule", "policy", "mbs", "m", "TGS", "eff. TGS", "MFU", "bubble", "peak GiB",
                    "spike GiB", "P(oom)");

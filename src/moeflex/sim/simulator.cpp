@@ -1081,9 +1081,9 @@ json SimReport::to_json() const {
 std::string SimReport::format() const {
   const double GiB = double(kGiB);
   std::string s = fmt::format(
-      "{} params ({:.1f} B, {:.1f} B active) on {} x {} [{}], schedule {}, policy {}\n"
+      "{} params ({}, {} active) on {} x {} [{}], schedule {}, policy {}\n"
       "micro-batch {} x {} tokens, {} micro-batches, {} iteration(s); loads {}\n\n",
-      options.model.num_params(), options.model.num_params() / 1e9, options.model.num_active_params() / 1e9,
+      options.model.num_params(), format_count(double(options.model.num_params())), format_count(double(options.model.num_active_params())),
       options.parallel.world(), options.cluster.name, options.parallel.str(), options.schedule, options.policy,
       options.micro_batch_size, options.seq_len, num_microbatches, options.iterations, options.loads.describe());
   s += fmt::format("{:>7} {:>10} {:>12} {:>14} {:>10} {:>10} {:>10}\n", "pp rank", "layers", "persist GiB",

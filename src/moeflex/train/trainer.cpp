@@ -361,8 +361,12 @@ TrainResult run_training(const TrainOptions& opts) {
   json rank_peaks = json::array();
   Bytes my_run_peak = 0;
   fs::path summary_path_override;
+  // --resume of a run already at its last step: nothing trains, and its summary.json
+  // (the statistics of the steps that did) stays as it is.
+  bool already_complete = false;
   auto write_summary = [&](double wall, bool any_rank = false) {
     if (!rank0 && !any_rank) return;
+    if (already_complete) return;
     json s;
     s["steps"] = res.steps;
     s["tokens"] = res.tokens;
@@ -446,6 +450,13 @@ TrainResult run_training(const TrainOptions& opts) {
       op_profiler = std::make_unique<ProfilingBackend>(ops::backend_of(arena), *op_cost, rank);
       op_override.emplace(op_profiler.get());
       if (rank0) progress.note(fmt::format("--profile-ops: ops priced with {}", profile.string()));
+      if (rank0 && op_cost->profile().threads != omp_get_max_threads())
+        fmt::print(stderr,
+                   "moeflex: warning: --profile-ops: {} was calibrated with {} thread(s) and this run uses {}: "
+                   "the predictions are for the profile's threads (calibrate with --threads {} or train with "
+                   "--threads {})\n",
+                   profile.string(), op_cost->profile().threads, omp_get_max_threads(), omp_get_max_threads(),
+                   op_cost->profile().threads);
     }
     Replica replica(cfg.model, pc.schedule, layout, groups, arena, M, B, S);
     replica.init_weights(t.seed);
@@ -605,11 +616,22 @@ TrainResult run_training(const TrainOptions& opts) {
       res.first_oom = st.value("first_oom", std::string());
       if (rank0) truncate_metrics(run_dir / "metrics.jsonl", start_step);
       if (rank0) truncate_metrics(run_dir / "loads.jsonl", start_step);
-      if (start_step >= t.steps)
+      if (start_step >= t.steps) {
         progress.note(fmt::format("run {} is already complete at step {}; pass --steps N > {} to extend it",
                                   run_dir.string(), start_step, start_step));
-      else
+        already_complete = true;
+        res.steps = start_step;
+        if (fs::exists(summary_path)) {  // the figures of the run as it finished, for the final line
+          try {
+            const json prev = json::parse(std::ifstream(summary_path));
+            res.tokens_per_second = prev.value("tokens_per_second", 0.0);
+            res.peak_device_bytes = prev.value("peak_device_bytes", Bytes(0));
+          } catch (const json::exception&) {
+          }
+        }
+      } else {
         progress.note(fmt::format("resuming {} from step {}", run_dir.string(), start_step));
+      }
     } else {
       if (rank0) std::remove((run_dir / "metrics.jsonl").c_str());
       if (rank0) std::remove((run_dir / "loads.jsonl").c_str());

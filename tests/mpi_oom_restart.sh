@@ -37,8 +37,18 @@ spike = max(l['peak_device_bytes'] for l in lines if l['injected_imbalance'])
 assert spike - calm > 512 * 1024, (calm, spike)
 print(spike - 64 * 1024)")
 set +e
+# With --profile-ops (a hand-made profile): the op times of the steps that completed
+# are written even though the run gives up.
+/usr/bin/python3 -c "
+import json
+json.dump({'format': 'moeflex-hardware-profile', 'version': 2, 'name': 'test', 'threads': 1,
+           'gemm': [{'M': 64, 'N': 64, 'K': 64, 'flops_per_s': 1e10, 'layout': 'nt'}],
+           'memory_bandwidth_Bps': 1e10, 'launch_overhead_s': 1e-6, 'h2d_bandwidth_Bps': 1e10,
+           'd2h_bandwidth_Bps': 1e10, 'copy_latency_s': 1e-5, 'all_to_all_bandwidth_Bps': 0,
+           'all_to_all_latency_s': 0, 'op_tables': {}}, open('$out/hw.json', 'w'))"
 "${mpi[@]}" "$bin" "${args[@]}" --device-memory "${budget}B" --policy none --on-oom restart --checkpoint-every 2 \
-  --max-restarts 2 --restart-seconds 60 --out "$out/restart" > "$out/restart.log" 2>&1
+  --max-restarts 2 --restart-seconds 60 --profile-ops --hardware-profile "$out/hw.json" --out "$out/restart" \
+  > "$out/restart.log" 2>&1
 rc=$?
 set -e
 [[ $rc -eq 3 ]] || { cat "$out/restart.log"; echo "expected exit code 3 after the restarts, got $rc"; exit 1; }
@@ -59,6 +69,9 @@ assert s["oom_peak_demand_bytes"] == free[3]["peak_device_bytes"], (s["oom_peak_
 assert [l["step"] for l in m] == [1, 2, 3, 4, 3, 4, 3, 4], [l["step"] for l in m]
 assert sum(l["oom"] for l in m) == 3 and all(l["oom"] == (l["step"] == 4) for l in m)
 assert {l["loss"] for l in m if l["step"] == 3} == {free[2]["loss"]}, "a redone step repeats its loss"
+ops = json.load(open(f"{out}/restart/op_times.json"))
+assert 0 < s["time_model_op_error"] == ops["op_error"], (s.get("time_model_op_error"), ops["op_error"])
+assert s["time_model_step_error"] > 0, s
 print("on-oom=restart under MPI: ok, budget", budget, "B, restart_seconds", s["restart_seconds"],
       "tokens/s", round(s["tokens_per_second"]), "effective", round(s["tokens_per_second_effective"]))
 PY

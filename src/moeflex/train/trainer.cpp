@@ -643,6 +643,29 @@ TrainResult run_training(const TrainOptions& opts) {
       res.final_val_loss = res.initial_val_loss;
       history.push_back({{"step", 0}, {"val_loss", res.initial_val_loss}});
     }
+    // op_times.json: every rank's ops and steps, summarised by rank 0; the first step
+    // of the run (cold caches, first-touch page faults) is left out when there are more.
+    // Every rank calls it at the same point: after the last step, or when an
+    // on-oom=restart run gives up (the steps that completed).
+    auto finish_op_times = [&] {
+      if (!op_profiler || res.steps <= start_step) return;  // no step completed: nothing to report
+      write_op_times_part(op_times_part_path(run_dir, rank), op_profiler->records(), op_profiler->steps());
+      world->barrier();
+      if (rank0) {
+        std::vector<fs::path> parts;
+        for (int r = 0; r < world_size; ++r) parts.push_back(op_times_part_path(run_dir, r));
+        const std::int64_t first = res.steps - start_step > 1 ? start_step + 2 : start_step + 1;
+        const json doc = summarize_op_time_parts(parts, first, omp_get_max_threads() == 1);
+        train::write_file_atomically(run_dir / "op_times.json", doc.dump(2) + "\n");
+        for (auto& p : parts) fs::remove(p);
+        res.time_model_op_error = doc.at("op_error").get<double>();
+        res.time_model_step_error = doc.at("step_error").get<double>();
+        progress.note(fmt::format("time model ({} clock): op error {:.2f}%, step error {:.2f}% (wall clock: {:.2f}%); "
+                                  "op_times.json", doc.at("clock").get<std::string>(), 100 * res.time_model_op_error,
+                                  100 * res.time_model_step_error, 100 * doc.at("step_error_wall").get<double>()));
+      }
+      world->barrier();
+    };
     std::ofstream metrics;
     if (rank0) metrics.open(run_dir / "metrics.jsonl", std::ios::app);
     std::ofstream loads_out;  // loads.jsonl (record_loads)
@@ -734,6 +757,7 @@ TrainResult run_training(const TrainOptions& opts) {
       }
       if (tried >= t.max_restarts) {
         res.tokens_per_second_effective = double(res.tokens) / std::max(train_seconds + res.restart_seconds, 1e-9);
+        finish_op_times();
         write_summary(seconds_since(t_start));
         world->barrier();  // rank 0's summary is on disk before any rank ends the job
         restart_limit_reached = true;
@@ -980,26 +1004,7 @@ TrainResult run_training(const TrainOptions& opts) {
         break;
       }
     }
-    if (op_profiler) {
-      // op_times.json: every rank's ops and steps, summarised by rank 0; the first step
-      // of the run (cold caches, first-touch page faults) is left out when there are more.
-      write_op_times_part(op_times_part_path(run_dir, rank), op_profiler->records(), op_profiler->steps());
-      world->barrier();
-      if (rank0) {
-        std::vector<fs::path> parts;
-        for (int r = 0; r < world_size; ++r) parts.push_back(op_times_part_path(run_dir, r));
-        const std::int64_t first = res.steps - start_step > 1 ? start_step + 2 : start_step + 1;
-        const json doc = summarize_op_time_parts(parts, first, omp_get_max_threads() == 1);
-        train::write_file_atomically(run_dir / "op_times.json", doc.dump(2) + "\n");
-        for (auto& p : parts) fs::remove(p);
-        res.time_model_op_error = doc.at("op_error").get<double>();
-        res.time_model_step_error = doc.at("step_error").get<double>();
-        progress.note(fmt::format("time model ({} clock): op error {:.2f}%, step error {:.2f}% (wall clock: {:.2f}%); "
-                                  "op_times.json", doc.at("clock").get<std::string>(), 100 * res.time_model_op_error,
-                                  100 * res.time_model_step_error, 100 * doc.at("step_error_wall").get<double>()));
-      }
-      world->barrier();
-    }
+    finish_op_times();
   } catch (const OutOfMemoryError& e) {
     if (!state_placed)  // not a step that ran out: the budget cannot hold the model state at all
       throw ConfigError(fmt::format(

@@ -161,6 +161,74 @@ TEST(MemoryPlan, PeakEqualsTheArenaForRandomMixes) {
   }
 }
 
+// The experts' FFN in chunks (model.expert_chunk_rows = 5: the 32 received rows
+// of a micro-batch in 7 chunks, the last one shorter) under skewed routing: the
+// walk's peak is the arena's for every static policy, random save/recompute mixes,
+// and the zero-bubble split (whose expert weight gradients run in B over several
+// chunks, and wait for W when the rows make one chunk).
+TEST(MemoryPlan, PeakEqualsTheArenaWithChunkedExperts) {
+  ModelConfig cfg = config_with_dense_and_shared();
+  cfg.expert_chunk_rows = 5;
+  for (const std::string& name : static_policy_names()) {
+    const StepResult r = run_step(cfg, make_static_policy(name), 2, 3.0, 7);
+    EXPECT_EQ(r.predicted, r.measured) << "chunked, policy " << name;
+  }
+  for (std::uint64_t trial = 0; trial < 8; ++trial) {
+    auto policy = [trial](const LedgerEntry& e) {
+      const double u = uniform01(trial + 100, std::uint64_t(e.layer * 131 + e.microbatch), std::hash<std::string>{}(e.name));
+      return u < 0.5 ? Provision::save : Provision::recompute;
+    };
+    const StepResult r = run_step(cfg, policy, 1 + int(trial % 3), trial % 2 ? 3.0 : 0.0, trial + 40, trial % 4 == 3);
+    EXPECT_EQ(r.predicted, r.measured) << "chunked, trial " << trial;
+  }
+  for (const char* name : {"none", "moe-full"})
+    for (const std::int64_t chunk : {std::int64_t(5), std::int64_t(64)}) {  // several chunks, or one
+      ModelConfig c = cfg;
+      c.expert_chunk_rows = chunk;
+      const StepResult r = run_step(c, make_static_policy(name), 2, 2.5, 9, true);
+      EXPECT_EQ(r.predicted, r.measured) << "split, chunk " << chunk << ", policy " << name;
+    }
+  // Chunking bounds the floor's transient: recomputing the experts holds less.
+  ModelConfig whole = cfg;
+  whole.expert_chunk_rows = 0;
+  EXPECT_LT(run_step(cfg, make_static_policy("moe-full"), 1, 3.0, 7).measured,
+            run_step(whole, make_static_policy("moe-full"), 1, 3.0, 7).measured);
+}
+
+// The smallest feasible budget (the floor with worst-case routing) with the experts
+// chunked is lower than without, when the worst case dominates: 4 EP ranks, 8
+// experts, top-2 (worst case 16 x the balanced rows of a rank).
+TEST(MemoryPlan, ChunkedExpertsLowerTheMinimumBudget) {
+  ModelConfig cfg = test::small_moe_config(3, 1, 8, true);
+  cfg.moe_intermediate_size = 64;
+  const std::int64_t B = 4, S = 16;
+  auto minimum = [&](std::int64_t chunk) {
+    ModelConfig c = cfg;
+    c.expert_chunk_rows = chunk;
+    StepProgram program;
+    program.stages = {StageSpec{0, int(c.num_hidden_layers), true, true, 4}};
+    for (int mb = 0; mb < 2; ++mb) {
+      program.actions.push_back({WalkAction::Kind::forward, mb, 0});
+      program.actions.push_back({WalkAction::Kind::backward, mb, 0});
+    }
+    return minimum_budget(c, B, S, program, 0, 0.0);
+  };
+  const MoERows worst = MoERows::worst_case(cfg, B * S, 4), balanced = MoERows::balanced(cfg, B * S);
+  ASSERT_EQ(worst.received, 4 * B * S * 2);                     // 4 senders x 64 tokens x 2 local experts
+  ASSERT_EQ(worst.received, 16 * (balanced.received / 4));      // 16 x a rank's balanced rows
+  const Bytes off = minimum(0), chunked = minimum(16);
+  std::printf("minimum budget (activations, EP 4, worst case %lld rows): %lld B unchunked, %lld B in chunks of 16 rows\n",
+              static_cast<long long>(worst.received), static_cast<long long>(off), static_cast<long long>(chunked));
+  EXPECT_LT(chunked, off);
+  // Each of the six f-wide transients ([rows, f]: three rebuilt, three gradients) of
+  // the floor's backward shrinks from the worst case's rows to a chunk's; the rest of
+  // the walk is the same.
+  const Bytes fwide = Arena::round_up(worst.received * cfg.moe_intermediate_size * 4) -
+                      Arena::round_up(16 * cfg.moe_intermediate_size * 4);
+  EXPECT_GE(off - chunked, 3 * fwide);
+  EXPECT_EQ(minimum(worst.received), off) << "a chunk of all the rows is no chunking";
+}
+
 struct AdaptiveRun {
   Bytes budget = 0, peak = 0, predicted = 0;
   std::int64_t infeasible = 0, decisions = 0;
@@ -300,21 +368,42 @@ BlockContext pipeline_context(const ModelConfig& cfg, StepProgram& program, cons
   return ctx;
 }
 
+/// The block's candidates as MoEModel::plan_saves describes them (bytes, lineage,
+/// saved first, and the chunked experts' per-chunk bytes), for the closed form.
+std::vector<SaveCandidate> candidates_of(const ModelConfig& cfg, const BlockContext& ctx) {
+  std::vector<SaveCandidate> v;
+  const bool ep = ctx.stage.ep();
+  const std::int64_t Rr = ep ? ctx.rows.received : ctx.rows.permuted;
+  for (const ActivationSpec& a : layer_activations(cfg, ctx.layer, kB, kS, ctx.rows, ep)) {
+    if (std::find(ctx.candidates.begin(), ctx.candidates.end(), a.name) == ctx.candidates.end()) continue;
+    SaveCandidate c{a.name, a.op, a.bytes, a.recomputable};
+    c.rebuild_extra = rebuild_extra_bytes(cfg, kB, kS, a.name);
+    c.saved_first = ctx.point != SavePoint::moe || a.name.starts_with("experts.") || a.name == "moe.combined";
+    if (ctx.point == SavePoint::moe &&
+        (a.name == "experts.gate_out" || a.name == "experts.up_out" || a.name == "experts.act") && Rr > 0)
+      c.chunk_bytes = Arena::round_up(cfg.expert_chunk(Rr) * cfg.moe_intermediate_size * 4);
+    v.push_back(c);
+  }
+  return v;
+}
+
 // The planner's projection (project_block: later layers replayed from memoized
 // summaries, phases around the block) against a plain exact walk of the same rest
 // of the step: each phase's peak is the exact walk's, and together they are its
 // peak, for blocks kept whole and random choices, fused and zero-bubble backwards,
 // with and without EP.
 TEST(MemoryPlan, ProjectionEqualsAnExactWalkOfTheRestOfTheStep) {
-  const ModelConfig cfg = config_with_dense_and_shared();  // layer 0 dense, 1-2 MoE
+  ModelConfig cfg = config_with_dense_and_shared();  // layer 0 dense, 1-2 MoE
   std::mt19937_64 rng(5);
   int cases = 0;
+  for (const std::int64_t chunk : {std::int64_t(0), std::int64_t(3)})  // the experts whole, or in chunks of 3 rows
   for (const std::string schedule : {"1f1b", "zb-h1"})
     for (const int ep : {1, 2})
       for (const auto& [layer, point] : {std::pair{0, SavePoint::attention}, {0, SavePoint::dense_ffn},
                                          {1, SavePoint::attention}, {1, SavePoint::moe}})
         for (int trial = 0; trial < 3; ++trial) {
           StepProgram program;
+          cfg.expert_chunk_rows = chunk;
           const BlockContext ctx = pipeline_context(cfg, program, schedule, ep, layer, point, rng);
           BlockChoice choice;
           for (const ActivationSpec& a : layer_activations(cfg, layer, kB, kS, ctx.rows, ep > 1))
@@ -344,9 +433,15 @@ TEST(MemoryPlan, ProjectionEqualsAnExactWalkOfTheRestOfTheStep) {
             w.finish_forward(ctx.microbatch, ctx.stage, layer, point, own, decide);
             w.run(program.actions, program.current + 1, program.stages,
                   [&](int, const StageSpec&) { return std::vector<MoERows>(std::size_t(L), worst); }, decide);
-            const std::string what = fmt::format("{} ep {} layer {} point {} trial {} choice {}", schedule, ep, layer,
-                                                 int(point), trial, c ? c->size() : 0);
+            const std::string what = fmt::format("{} ep {} layer {} point {} trial {} choice {} chunk {}", schedule, ep,
+                                                 layer, int(point), trial, c ? c->size() : 0, chunk);
             using P = MemoryWalk;
+            EXPECT_EQ(p.compute, w.phase_peak(P::kCompute)) << what;
+            if (point == SavePoint::moe) {
+              EXPECT_GT(p.compute, 0) << what;
+              // The closed form bounds the exact walk of the choice from the block kept whole.
+              if (c) EXPECT_LE(w.peak(), project_block(cfg, ctx, nullptr).evaluate(candidates_of(cfg, ctx), *c)) << what;
+            }
             EXPECT_EQ(p.tail, w.phase_peak(P::kTail)) << what;
             EXPECT_EQ(p.landing, w.phase_peak(P::kLanding)) << what;
             EXPECT_EQ(p.held, w.phase_peak(P::kHeld)) << what;
@@ -358,7 +453,7 @@ TEST(MemoryPlan, ProjectionEqualsAnExactWalkOfTheRestOfTheStep) {
             ++cases;
           }
         }
-  EXPECT_EQ(cases, 2 * 2 * 4 * 3 * 2);
+  EXPECT_EQ(cases, 2 * 2 * 2 * 4 * 3 * 2);
 }
 }  // namespace
 }  // namespace moeflex

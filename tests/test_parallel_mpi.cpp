@@ -111,10 +111,13 @@ TEST(Parallel, ExpertParallelTwoWithinData) {
 // peak exactly, with skewed routing, for several policies.
 TEST(Parallel, MemoryPlanUnderExpertParallelism) {
   const int world = g_world->size();
-  const ModelConfig cfg = test::small_moe_config(2, 0, 4, true);
+  ModelConfig cfg = test::small_moe_config(2, 0, 4, true);
   if (cfg.num_experts % world != 0) GTEST_SKIP() << "experts do not divide over " << world << " ranks";
   const std::int64_t B = 2, S = 8, n = B * S, M = 2;
+  // The experts' FFN whole (a chunk holds every row), or in chunks of 5 received rows.
+  for (const std::int64_t chunk : {std::int64_t(0), std::int64_t(5)})
   for (const char* policy : {"none", "full", "moe-light", "threshold=1.1", "none/split", "full/split"}) {
+    cfg.expert_chunk_rows = chunk;
     const bool split = std::string_view(policy).ends_with("/split");  // zero-bubble B then W
     const std::string name = split ? std::string(policy).substr(0, std::string(policy).size() - 6) : policy;
     Arena arena;
@@ -154,7 +157,7 @@ TEST(Parallel, MemoryPlanUnderExpertParallelism) {
       model.backward_weight(mb);
       walk.weight(mb, stage);
     }
-    EXPECT_EQ(walk.peak(), arena.peak()) << policy << " on rank " << g_world->rank();
+    EXPECT_EQ(walk.peak(), arena.peak()) << policy << " chunk " << chunk << " on rank " << g_world->rank();
     EXPECT_EQ(walk.in_use(), arena.in_use()) << policy << " at the end on rank " << g_world->rank();
   }
 }

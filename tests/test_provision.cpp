@@ -4,6 +4,7 @@
 // with and without the zero-bubble B/W split; recomputation must lower the peak.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 
 #include "moeflex/core/rng.h"
@@ -23,18 +24,21 @@ struct PolicyRun {
   ActivationStash::Counters counters;
   double loss = 0;
   std::int64_t compactions = 0, evictions = 0;
+  Bytes peak = 0;  // the arena's peak over the run (every category)
 };
 
 // Two micro-batches of skewed tokens (low ids dominate: uneven routing).
 // With `stress`, a bounded arena compacts (or evicts every saved tensor and
-// compacts) before every allocation.
+// compacts) before every allocation. With `budget` > 0, the arena holds exactly
+// that many bytes.
 PolicyRun run(const ModelConfig& cfg, const ProvisionPolicy& policy, bool split_backward = false,
-              Arena::Stress stress = Arena::Stress::off) {
-  Arena arena(stress == Arena::Stress::off ? Arena::kUnlimited : Bytes(64) << 20);
+              Arena::Stress stress = Arena::Stress::off, double skew = 0.0, Bytes budget = 0) {
+  Arena arena(budget > 0 ? budget : stress == Arena::Stress::off ? Arena::kUnlimited : Bytes(64) << 20);
   arena.set_stress(stress);
   MoEModel model(cfg, arena);
   model.init_weights(13);
   model.stash().set_policy(policy);
+  model.set_router_skew(skew);
   const std::int64_t B = 2, S = 8, n = B * S;
   std::vector<std::int32_t> ids(static_cast<std::size_t>(n)), tg(static_cast<std::size_t>(n));
   PolicyRun r;
@@ -51,6 +55,7 @@ PolicyRun run(const ModelConfig& cfg, const ProvisionPolicy& policy, bool split_
     model.backward(ids.data(), tg.data(), B, S, mb, 0.5);
     model.set_defer_weight_grads(false);
     model.backward_weight(mb);
+    r.peak = std::max(r.peak, arena.peak());
   }
   r.counters = model.stash().counters();
   r.compactions = arena.compactions();
@@ -102,6 +107,78 @@ TEST(Provision, RandomAssignmentsGiveBitIdenticalGradients) {
       return u < 0.33 ? Provision::recompute : u < 0.66 ? Provision::offload : Provision::save;
     };
     expect_same_grads(base, run(cfg, random, /*split_backward=*/seed % 2 == 1), "random assignment " + std::to_string(seed));
+  }
+}
+
+// The experts' FFN in chunks of 5 received rows (32 rows: 7 chunks, boundaries
+// inside experts' groups), with routing skewed so that one expert takes most rows:
+// every static policy and random save/recompute/offload mixes, fused and split
+// backwards, give the gradients of saving everything bit for bit; and chunking
+// changes only the order of the weight gradients' sums (close to unchunked).
+TEST(Provision, ChunkedExpertsGiveBitIdenticalGradientsForEveryMix) {
+  ModelConfig cfg = test::small_moe_config(3, 1, 4, true);
+  cfg.expert_chunk_rows = 5;
+  for (const double skew : {0.0, 3.0}) {
+    const PolicyRun base = run(cfg, {}, false, Arena::Stress::off, skew);
+    for (const auto& name : static_policy_names()) {
+      const PolicyRun r = run(cfg, make_static_policy(name), false, Arena::Stress::off, skew);
+      expect_same_grads(base, r, name + " chunked, skew " + std::to_string(skew));
+      if (name == "moe-full") EXPECT_LT(r.activation_peak, base.activation_peak) << "chunked moe-full holds less";
+    }
+    for (std::uint64_t seed = 0; seed < 8; ++seed) {
+      ProvisionPolicy random = [seed](const LedgerEntry& e) {
+        std::uint64_t h = seed * 7727u + std::uint64_t(e.layer) * 104729u + std::uint64_t(e.microbatch) * 31u;
+        for (char c : e.name) h = h * 131u + std::uint64_t(c);
+        const double u = uniform01(h, 3, 4);
+        return u < 0.4 ? Provision::recompute : u < 0.7 ? Provision::offload : Provision::save;
+      };
+      expect_same_grads(base, run(cfg, random, seed % 2 == 1, Arena::Stress::off, skew),
+                        "chunked random " + std::to_string(seed) + ", skew " + std::to_string(skew));
+    }
+    // The zero-bubble split computes the experts' weight gradients of more than one
+    // chunk in B: the same bits as the fused backward.
+    expect_same_grads(base, run(cfg, {}, true, Arena::Stress::off, skew), "chunked split backward");
+    // Against the unchunked FFN: the same maths, sums in another order.
+    ModelConfig whole = cfg;
+    whole.expert_chunk_rows = 0;
+    const PolicyRun ref = run(whole, {}, false, Arena::Stress::off, skew);
+    EXPECT_NEAR(ref.loss, base.loss, 1e-5 * std::abs(ref.loss));
+    for (std::size_t i = 0; i < ref.grads.size(); ++i) {
+      double diff = 0, norm = 0;
+      for (std::size_t j = 0; j < ref.grads[i].size(); ++j) {
+        diff += std::pow(double(ref.grads[i][j]) - double(base.grads[i][j]), 2);
+        norm += std::pow(double(ref.grads[i][j]), 2);
+      }
+      EXPECT_LE(std::sqrt(diff), 1e-5 * std::sqrt(norm) + 1e-12) << "gradient " << i << " chunked vs whole";
+    }
+  }
+}
+
+// A budget of exactly the peak leaves no byte spare at the peak's moment, so every
+// free byte must then be one block. The arena gathers free bytes by compaction and
+// eviction only from what nobody holds: the forward and the backward must leave no
+// free bytes under the blocks they hold (allocation order: longer-lived first, a
+// lineage's returned tensor first). Every static policy, chunked (3 chunks) and
+// unchunked experts, calm and skewed routing: the run fits its own peak, with the
+// same gradients.
+TEST(Provision, RunsFitABudgetOfExactlyTheirPeak) {
+  for (const std::int64_t chunk : {std::int64_t(0), std::int64_t(12)}) {
+    ModelConfig cfg = test::small_moe_config(3, 1, 4, true);
+    cfg.expert_chunk_rows = chunk;
+    for (const double skew : {0.0, 3.0})
+      for (const auto& name : static_policy_names()) {
+        const std::string what = name + ", chunk " + std::to_string(chunk) + ", skew " + std::to_string(skew);
+        const PolicyRun free = run(cfg, make_static_policy(name), false, Arena::Stress::off, skew);
+        PolicyRun tight;
+        try {
+          tight = run(cfg, make_static_policy(name), false, Arena::Stress::off, skew, free.peak);
+        } catch (const OutOfMemoryError& e) {
+          ADD_FAILURE() << what << ": " << e.what();
+          continue;
+        }
+        EXPECT_LE(tight.peak, free.peak) << what;  // (lower when something was evicted)
+        expect_same_grads(free, tight, what);
+      }
   }
 }
 

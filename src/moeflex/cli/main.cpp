@@ -97,6 +97,10 @@ int main(int argc, char** argv) {
   bool pad_layers = false;
   train->add_flag("--pad-layers", pad_layers, "pad with empty layers so pp x vpp divides the layer count");
   train->add_option("--schedule", schedule, "pipeline schedule: gpipe, 1f1b, interleaved, zb-h1, dualpipev");
+  std::int64_t expert_chunk_rows = -1;
+  train->add_option("--expert-chunk-rows", expert_chunk_rows,
+                    "received rows the routed experts process at a time, 0 = off (model.expert_chunk_rows)")
+      ->check(CLI::NonNegativeNumber);
 
   // --- generate
   auto* gen = app.add_subcommand("generate", "sample text from a trained run");
@@ -143,12 +147,13 @@ int main(int argc, char** argv) {
       if (vpp > 0) o.config.parallel.vpp = vpp;
       if (!schedule.empty()) o.config.parallel.schedule = schedule;
       if (pad_layers) o.config.parallel.pad_layers = true;
+      if (expert_chunk_rows >= 0) o.config.model.expert_chunk_rows = expert_chunk_rows;
       o.out_dir = out_dir.empty() ? fs::path(timestamp_dir()) : fs::path(out_dir);
       if (!resume_dir.empty()) {
         const bool others = !config_path.empty() || !device_memory.empty() || !data_path.empty() || !policy.empty() ||
                             !inject.empty() || pp > 0 || dp >= 0 || ep > 0 || vpp > 0 || !schedule.empty() || seed >= 0 ||
                             !on_oom.empty() || max_restarts >= 0 || restart_seconds >= 0 || checkpoint_every >= 0 ||
-                            !device.empty();
+                            !device.empty() || expert_chunk_rows >= 0;
         if (others && (!comm::MpiSession::active() || mpi.world_rank() == 0))
           fmt::print(stderr, "moeflex: --resume uses the run's own config.toml; other flags than --steps are ignored\n");
         o.resume = fs::path(resume_dir);

@@ -37,6 +37,7 @@ void for_each_field(ModelConfig& c, F&& f) {
   f("tie_word_embeddings", c.tie_word_embeddings);
   f("capacity_factor", c.capacity_factor);
   f("initializer_range", c.initializer_range);
+  f("expert_chunk_rows", c.expert_chunk_rows);
 }
 
 void rule(bool ok, const char* field, const std::string& msg) {
@@ -94,6 +95,8 @@ void ModelConfig::validate() const {
   rule(router_aux_loss_coef >= 0, "router_aux_loss_coef", "must not be negative");
   rule(router_z_loss_coef >= 0, "router_z_loss_coef", "must not be negative");
   rule(initializer_range > 0, "initializer_range", "must be positive");
+  rule(expert_chunk_rows >= 0 && expert_chunk_rows <= (std::int64_t(1) << 40), "expert_chunk_rows",
+       fmt::format("must be 0 (off) or a positive row count (got {})", expert_chunk_rows));
 }
 
 std::int64_t ModelConfig::num_params() const {

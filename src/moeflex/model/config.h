@@ -1,6 +1,7 @@
 // ModelConfig: the model's shape, with Hugging Face field names (docs/model.md).
 // One typed config, validated in one place (STYLE habit 8).
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -40,6 +41,21 @@ struct ModelConfig {
   bool tie_word_embeddings = true;             ///< LM head shares the embedding matrix
   double capacity_factor = 0.0;                ///< <= 0: dropless; else rows per expert = ceil(cf*n*k/E)
   double initializer_range = 0.02;             ///< std of the normal init of matrices
+  /// Rows of received tokens the routed experts' FFN processes at a time (moeflex,
+  /// not Hugging Face): FC1, SwiGLU and their gradients are [chunk, f] transients,
+  /// so the most memory-saving provision's working set is bounded whatever the
+  /// routing (DESIGN.md, "Routing-independent floor"). 0 = off (one chunk of all
+  /// rows). Chunk boundaries are a function of the rows alone (never of the
+  /// provisioning), so every provision gives the same bits.
+  std::int64_t expert_chunk_rows = 2048;
+  /// Rows per chunk for `rows` received rows: the fewest chunks of at most
+  /// expert_chunk_rows, as even as can be (ceil(rows / ceil(rows / expert_chunk_rows))
+  /// each, the last one the rest), so no chunk is a sliver; all rows when off.
+  std::int64_t expert_chunk(std::int64_t rows) const {
+    if (expert_chunk_rows <= 0 || rows <= expert_chunk_rows) return rows;
+    const std::int64_t chunks = (rows + expert_chunk_rows - 1) / expert_chunk_rows;
+    return (rows + chunks - 1) / chunks;
+  }
 
   std::int64_t head_dim() const { return hidden_size / num_attention_heads; }
   std::int64_t shared_width() const {

@@ -28,6 +28,39 @@ void swiglu_mlp(const CostModel& c, std::int64_t n, std::int64_t d, std::int64_t
   lc.recompute.emplace_back(prefix + ".act", c.swiglu_forward(n * w));
 }
 
+/// The chunks of an expert FFN over rows grouped as `groups` (model.cpp's chunk loop,
+/// model.expert_chunk_rows): each distinct chunk's group sizes and rows, with how many
+/// chunks have them (chunks of even groups repeat, so a long list prices in a few).
+struct ExpertChunkShape {
+  std::vector<std::int64_t> groups;
+  std::int64_t rows = 0;
+  std::int64_t count = 0;
+};
+std::vector<ExpertChunkShape> expert_chunk_shapes(const ModelConfig& cfg, const std::vector<std::int64_t>& groups) {
+  std::int64_t total = 0;
+  for (auto g : groups) total += g;
+  std::vector<ExpertChunkShape> out;
+  if (total <= 0) return out;
+  const std::int64_t chunk = cfg.expert_chunk(total);
+  std::vector<std::int64_t> offsets(groups.size() + 1, 0);
+  for (std::size_t e = 0; e < groups.size(); ++e) offsets[e + 1] = offsets[e] + groups[e];
+  std::vector<std::int64_t> cg(groups.size());
+  for (std::int64_t r0 = 0; r0 < total; r0 += chunk) {
+    const std::int64_t rows = std::min(chunk, total - r0);
+    for (std::size_t e = 0; e < groups.size(); ++e)
+      cg[e] = std::clamp(offsets[e + 1] - r0, std::int64_t(0), rows) - std::clamp(offsets[e] - r0, std::int64_t(0), rows);
+    bool found = false;
+    for (auto& s : out)
+      if (s.rows == rows && s.groups == cg) {
+        ++s.count;
+        found = true;
+        break;
+      }
+    if (!found) out.push_back({cg, rows, 1});
+  }
+  return out;
+}
+
 }  // namespace
 
 Seconds LayerCost::recompute_seconds(const std::string& name) const {
@@ -88,15 +121,27 @@ LayerCost layer_cost(const CostModel& c, const ModelConfig& cfg, int layer, cons
     if (cfg.router_z_loss_coef > 0) lc.forward += c.elementwise(Bytes(ns) * E * kActivationBytes);
     lc.forward += c.permute_forward(ns, k, d);
     if (ep) lc.forward += 2 * copy(c, Rr * d);  // dispatch and combine through the local scratch
-    lc.forward += 2 * c.grouped_linear_forward(groups, d, f) + c.swiglu_forward(Rr * f) +
-                  c.grouped_linear_forward(groups, f, d) + c.unpermute_forward(ns, k, d);
+    // The experts' FFN runs chunk by chunk (model.expert_chunk_rows): each chunk's
+    // GEMMs priced at the chunk's group sizes. Their weight gradients are part of B
+    // when a split backward runs over more than one chunk (model.cpp computes them at once).
+    Seconds fc1 = 0, act = 0, fc2 = 0, expert_b = 0, expert_w = 0;
+    std::int64_t chunks = 0;
+    for (const ExpertChunkShape& ch : expert_chunk_shapes(cfg, groups)) {
+      const double m = double(ch.count);
+      chunks += ch.count;
+      fc1 += m * c.grouped_linear_forward(ch.groups, d, f);
+      act += m * c.swiglu_forward(ch.rows * f);
+      fc2 += m * c.grouped_linear_forward(ch.groups, f, d);
+      expert_b += m * (c.grouped_linear_backward(ch.groups, f, d, true, false) + c.swiglu_backward(ch.rows * f) +
+                       2 * c.grouped_linear_backward(ch.groups, d, f, true, false) + add_inplace(c, ch.rows * d));
+      expert_w += m * (c.grouped_linear_backward(ch.groups, f, d, false, true) +
+                       2 * c.grouped_linear_backward(ch.groups, d, f, false, true));
+    }
+    lc.forward += 2 * fc1 + act + fc2 + c.unpermute_forward(ns, k, d);
     // backward: unpermute, dispatch, down (dx), swiglu, gate/up (dx) + add, combine, permute
-    lc.backward_input += c.unpermute_backward(ns, k, d) + (ep ? 2 * copy(c, Rr * d) : 0) +
-                         c.grouped_linear_backward(groups, f, d, true, false) + c.swiglu_backward(Rr * f) +
-                         2 * c.grouped_linear_backward(groups, d, f, true, false) + add_inplace(c, Rr * d) +
+    lc.backward_input += c.unpermute_backward(ns, k, d) + (ep ? 2 * copy(c, Rr * d) : 0) + expert_b +
                          c.permute_backward(ns, k, d);
-    lc.backward_weight += c.grouped_linear_backward(groups, f, d, false, true) +
-                          2 * c.grouped_linear_backward(groups, d, f, false, true);
+    (split && chunks > 1 ? lc.backward_input : lc.backward_weight) += expert_w;
     // router backward: dprobs zero, aux loss, softmax/top-k backward, gate GEMM dx (dW in W)
     lc.backward_input += zero(c, ns * E) + c.elementwise(Bytes(ns) * (E + k) * kActivationBytes) +
                          c.router_backward(ns, E, k) + c.linear_backward(ns, d, E, true, false);
@@ -108,11 +153,11 @@ LayerCost layer_cost(const CostModel& c, const ModelConfig& cfg, int layer, cons
     lc.recompute.emplace_back("router.topk_w", c.router_forward(ns, E, k));
     if (!ep) {
       lc.recompute.emplace_back("experts.in", c.permute_forward(ns, k, d));
-      lc.recompute.emplace_back("moe.combined", c.grouped_linear_forward(groups, f, d));
+      lc.recompute.emplace_back("moe.combined", fc2);
     }
-    lc.recompute.emplace_back("experts.gate_out", c.grouped_linear_forward(groups, d, f));
-    lc.recompute.emplace_back("experts.up_out", c.grouped_linear_forward(groups, d, f));
-    lc.recompute.emplace_back("experts.act", c.swiglu_forward(Rr * f));
+    lc.recompute.emplace_back("experts.gate_out", fc1);
+    lc.recompute.emplace_back("experts.up_out", fc1);
+    lc.recompute.emplace_back("experts.act", act);
     if (ep) {
       // Balanced routing keeps 1/ep of a rank's rows local; the rest crosses the network.
       const double off = double(wk.ep - 1) / double(wk.ep);

@@ -248,6 +248,7 @@ const MemoryWalk::LayerSpecs& MemoryWalk::specs_of(int layer, const MoERows& row
     else if (a.name == "router.probs") r = Rebuild::router_probs;
     else if (a.name == "router.topk_w") r = Rebuild::router_topk_w;
     else if (a.name == "lm_head.probs") r = Rebuild::lm_head;
+    else if (a.name == "moe.combined") r = Rebuild::expert_out;
     ls->rebuild.push_back(r);
   }
   const LayerSpecs* out = ls.get();
@@ -301,9 +302,9 @@ void MemoryWalk::watch(int mb, int layer, SavePoint point) {
   watch_mb_ = mb;
   watch_layer_ = layer;
   watch_attention_ = point == SavePoint::attention;
-  phase_ = kTail;
+  phase_ = point == SavePoint::moe ? kCompute : kTail;
   for (auto& p : phase_peak_) p = 0;
-  phase_peak_[kTail] = in_use_;
+  phase_peak_[phase_] = in_use_;
 }
 
 void MemoryWalk::enter(Phase phase, int mb, int layer) {
@@ -332,41 +333,47 @@ Bytes MemoryWalk::held(int mb) const {
   return h;
 }
 
+Provision MemoryWalk::decide(int mb, int layer, const LayerSpecs& specs, int id, const ProvisionFn& provision) {
+  thread_local LedgerEntry le;  // reused: its strings keep their capacity
+  const int pos = std::size_t(id) < specs.pos.size() ? specs.pos[std::size_t(id)] : -1;
+  if (pos < 0) throw Error(fmt::format("memory plan: no activation #{} in layer {}", id, layer));
+  const ActivationSpec& spec = specs.specs[std::size_t(pos)];
+  Provision p = Provision::save;
+  if (projection_) {
+    const bool block = mb == projection_->mb && layer == projection_->layer;
+    p = block && std::size_t(id) < projection_->candidate.size() && projection_->candidate[std::size_t(id)]
+            ? projection_->block[std::size_t(id)]
+            : specs.floor[std::size_t(pos)];
+  } else if (provision) {
+    le.name.assign(spec.name);
+    le.op.assign(spec.op);
+    le.layer = layer;
+    le.microbatch = mb;
+    le.bytes = spec.bytes;
+    le.recomputable = spec.recomputable;
+    le.provision = Provision::save;
+    le.tokens_received = le.tokens_balanced = 0;
+    if (has_ctx_) {  // the routing context of an MoE block's saves
+      le.tokens_received = ctx_ep_ > 1 ? ctx_rows_.received : ctx_rows_.permuted;
+      le.tokens_balanced = B_ * S_ * cfg_.num_experts_per_tok / ctx_ep_;
+    }
+    p = provision(le);
+  }
+  if (p == Provision::recompute && !spec.recomputable) p = Provision::save;
+  return p;
+}
+
 void MemoryWalk::save(int mb, int layer, const LayerSpecs& specs, const std::vector<int>& ids,
                       const ProvisionFn& provision) {
-  thread_local LedgerEntry le;  // reused: its strings keep their capacity
   Slot& s = slot(mb, layer);
   if (!s.specs) s.specs = &specs;
   if (!s.entries) s.entries = entry_blocks_.emplace_back().data();
-  const bool block = projection_ && mb == projection_->mb && layer == projection_->layer;
   for (const int id : ids) {
-    const int pos = std::size_t(id) < specs.pos.size() ? specs.pos[std::size_t(id)] : -1;
-    if (pos < 0) throw Error(fmt::format("memory plan: no activation #{} in layer {}", id, layer));
-    const ActivationSpec& spec = specs.specs[std::size_t(pos)];
-    Provision p = Provision::save;
-    if (projection_) {
-      p = block && std::size_t(id) < projection_->candidate.size() && projection_->candidate[std::size_t(id)]
-              ? projection_->block[std::size_t(id)]
-              : specs.floor[std::size_t(pos)];
-    } else if (provision) {
-      le.name.assign(spec.name);
-      le.op.assign(spec.op);
-      le.layer = layer;
-      le.microbatch = mb;
-      le.bytes = spec.bytes;
-      le.recomputable = spec.recomputable;
-      le.provision = Provision::save;
-      le.tokens_received = le.tokens_balanced = 0;
-      if (has_ctx_) {  // the routing context of an MoE block's saves
-        le.tokens_received = ctx_ep_ > 1 ? ctx_rows_.received : ctx_rows_.permuted;
-        le.tokens_balanced = B_ * S_ * cfg_.num_experts_per_tok / ctx_ep_;
-      }
-      p = provision(le);
-    }
-    if (p == Provision::recompute && !spec.recomputable) p = Provision::save;
+    const Provision p = decide(mb, layer, specs, id, provision);
+    const int pos = specs.pos[std::size_t(id)];
     // (The slot's spec list may be another of the same kind, e.g. the adopted
     // layer's: the same names at the same positions.)
-    s.entries[pos] = Entry{spec.bytes, p, true, true, false};
+    s.entries[pos] = Entry{specs.specs[std::size_t(pos)].bytes, p, true, true, false};
   }
   // Recomputed entries are freed at their save. An offloaded one keeps its device
   // block while the copy runs, at the latest until the next decision point, where
@@ -396,6 +403,12 @@ void MemoryWalk::get(int mb, int layer, int id) {
   // Recompute: the lineage fetches its inputs, then allocates as model.cpp's lineages do.
   const std::int64_t n = B_ * S_, d = cfg_.hidden_size;
   const std::size_t pos = std::size_t(s->specs->pos[std::size_t(id)]);
+  if (s->specs->rebuild[pos] == Rebuild::expert_out) {  // [Rr, d], then the down projection chunk by chunk
+    alloc(size);
+    expert_chunks(mb, layer, e->bytes / (kF32 * d), false, false, false);
+    e->on_device = true;
+    return;
+  }
   for (const int in : s->specs->specs[pos].input_ids) get(mb, layer, in);
   switch (s->specs->rebuild[pos]) {
     case Rebuild::norm_out:  // y [n, d] and rstd [n], one returned
@@ -427,6 +440,7 @@ void MemoryWalk::get(int mb, int layer, int id) {
       free(rounded(n));
       break;
     case Rebuild::plain:  // a linear, rope, swiglu, permute or grouped GEMM output: just itself
+    case Rebuild::expert_out:
       alloc(size);
       break;
   }
@@ -525,6 +539,7 @@ void MemoryWalk::finish_forward(int mb, const StageSpec& st, int l, SavePoint po
     s.has_rows = true;
     s.rows = r;
     s.ep_size = st.ep_size;
+    moe_experts(mb, l, specs, provision);
     ffn_moe_tail(mb, l, specs, provision);
   }
   enter(kLanding, mb, l);
@@ -623,7 +638,7 @@ void MemoryWalk::ffn_forward(int mb, int l, const LayerSpecs& specs, const MoERo
   if (!cfg_.is_moe_layer(l)) {
     mlp_forward(mb, l, specs, false, cfg_.intermediate_size, provision);
   } else {
-    const std::int64_t E = cfg_.num_experts, k = cfg_.num_experts_per_tok, f = cfg_.moe_intermediate_size;
+    const std::int64_t E = cfg_.num_experts, k = cfg_.num_experts_per_tok;
     const std::int64_t R = rows.permuted, Rr = ep ? rows.received : rows.permuted;
     Slot& s = slot(mb, l);
     s.has_rows = true;
@@ -643,26 +658,51 @@ void MemoryWalk::ffn_forward(int mb, int l, const LayerSpecs& specs, const MoERo
       free(rounded(Rr * d));
       free(rounded(R * d));  // moe.permuted
     }
-    for (int i = 0; i < 3; ++i) alloc(rounded(Rr * f));  // h1, h3, a
-    alloc(rounded(Rr * d));                              // experts.out
-    if (ep) {
-      alloc(rounded(R * d));   // moe.combined
-      alloc(rounded(Rr * d));  // all-to-all scratch
-      free(rounded(Rr * d));
-      free(rounded(Rr * d));  // experts.out
-    }
-    land();  // a decision point
+    land();  // a decision point: after the dispatch, before the experts run
+    moe_experts(mb, l, specs, provision);
     ffn_moe_tail(mb, l, specs, provision);
     return;
   }
   save(mb, l, specs, IDS("ffn_norm.in", "ffn_norm.out", "ffn_norm.rstd"), provision);
 }
 
-void MemoryWalk::ffn_moe_tail(int mb, int l, const LayerSpecs& specs, const ProvisionFn& provision) {
+void MemoryWalk::moe_experts(int mb, int l, const LayerSpecs& specs, const ProvisionFn& provision) {
   const Slot& s = slot(mb, l);
   has_ctx_ = true;
   ctx_rows_ = s.rows;
   ctx_ep_ = s.ep_size;
+  const bool ep = s.ep_size > 1;
+  const std::int64_t d = cfg_.hidden_size, f = cfg_.moe_intermediate_size;
+  const std::int64_t R = s.rows.permuted, Rr = ep ? s.rows.received : s.rows.permuted;
+  Bytes chunk_bytes = 0;  // the chunk's own FC1 outputs and activation
+  for (const int id : IDS("experts.gate_out", "experts.up_out", "experts.act")) {
+    if (decide(mb, l, specs, id, provision) != Provision::recompute) alloc(rounded(Rr * f));  // kept whole
+    else if (Rr > 0) chunk_bytes += rounded(cfg_.expert_chunk(Rr) * f);
+  }
+  alloc(rounded(Rr * d));  // experts.out
+  touch(chunk_bytes);      // the first (largest) chunk's transients
+  if (ep) {
+    alloc(rounded(R * d));   // moe.combined
+    alloc(rounded(Rr * d));  // all-to-all scratch
+    free(rounded(Rr * d));
+    free(rounded(Rr * d));  // experts.out
+  }
+  has_ctx_ = false;
+}
+
+void MemoryWalk::ffn_moe_tail(int mb, int l, const LayerSpecs& specs, const ProvisionFn& provision) {
+  const Slot& s = slot(mb, l);
+  enter(kTail, mb, l);
+  has_ctx_ = true;
+  ctx_rows_ = s.rows;
+  ctx_ep_ = s.ep_size;
+  {
+    // The FC1 outputs and activation not kept were never held whole (moe_experts):
+    // counted here for save(), which frees a recomputed entry at once.
+    const std::int64_t Rr = s.ep_size > 1 ? s.rows.received : s.rows.permuted;
+    for (const int id : IDS("experts.gate_out", "experts.up_out", "experts.act"))
+      if (decide(mb, l, specs, id, provision) == Provision::recompute) in_use_ += rounded(Rr * cfg_.moe_intermediate_size);
+  }
   save(mb, l, specs, IDS("experts.in", "experts.gate_out", "experts.up_out", "experts.act", "moe.combined"), provision);
   if (cfg_.n_shared_experts > 0 || cfg_.shared_expert_intermediate_size > 0)
     mlp_forward(mb, l, specs, true, cfg_.shared_width(), provision);
@@ -671,6 +711,44 @@ void MemoryWalk::ffn_moe_tail(int mb, int l, const LayerSpecs& specs, const Prov
   free(rounded(cfg_.num_experts));  // counts
   save(mb, l, specs, IDS("ffn_norm.in", "ffn_norm.out", "ffn_norm.rstd"), provision);
   has_ctx_ = false;
+}
+
+void MemoryWalk::expert_chunks(int mb, int l, std::int64_t Rr, bool need_fc1, bool backward, bool defer) {
+  const Slot* s = find_slot(mb, l);
+  auto kept = [&](int id) {
+    const Entry* e = s ? find_entry(*s, id) : nullptr;
+    return e && e->provision != Provision::recompute;
+  };
+  const bool keep1 = kept(ID("experts.gate_out")), keep3 = kept(ID("experts.up_out")), keepa = kept(ID("experts.act"));
+  const bool fc1 = need_fc1 || !keepa;
+  if (fc1 && !(keep1 && keep3)) get(mb, l, ID("experts.in"));
+  if (fc1 && keep1) get(mb, l, ID("experts.gate_out"));
+  if (fc1 && keep3) get(mb, l, ID("experts.up_out"));
+  if (keepa) {
+    get(mb, l, ID("experts.act"));
+    if (defer) pin(mb, l, ID("experts.act"));  // W2's dW reads it
+  }
+  if (Rr <= 0) return;
+  const std::int64_t rows = cfg_.expert_chunk(Rr);  // the first chunk: every later one is no larger
+  const Bytes cf = rounded(rows * cfg_.moe_intermediate_size), cd = rounded(rows * cfg_.hidden_size);
+  if (!backward) {  // the rebuilt FC1 outputs and activation of the chunk, for a moment
+    Bytes own = 0;
+    for (const bool rebuilt : {fc1 && !keep1, fc1 && !keep3, !keepa})
+      if (rebuilt) own += cf;
+    touch(own);
+    return;
+  }
+  // ffn_backward's chunk (model.cpp): dgate, dup, dact, then the rebuilt FC1 outputs;
+  // a rebuilt activation goes into dact's block.
+  alloc(3 * cf);
+  const Bytes own = (keep1 ? 0 : cf) + (keep3 ? 0 : cf);
+  touch(own);
+  if (defer && !keepa) keep(mb, cf);  // dact's block holds the activation W2's dW reads
+  else free(cf);                      // experts.dact
+  if (defer) alloc(rounded(Rr * cfg_.hidden_size));  // experts.din of its own (one chunk: rows == Rr)
+  touch(cd);                                         // experts.din_up
+  if (defer) keep(mb, 2 * cf);  // dgate and dup wait for W1's and W3's dW
+  else free(2 * cf);
 }
 
 void MemoryWalk::keep(int mb, Bytes bytes) { retained_[{mb, stage_id_}] += bytes; }
@@ -699,7 +777,8 @@ const MemoryWalk::LayerSummary& MemoryWalk::summary_of(int l, const MoERows& row
   const bool moe = cfg_.is_moe_layer(l), shared = cfg_.n_shared_experts > 0 || cfg_.shared_expert_intermediate_size > 0;
   const SummaryKey key{cfg_.hidden_size, cfg_.num_attention_heads, cfg_.num_experts, cfg_.num_experts_per_tok,
                        cfg_.moe_intermediate_size, cfg_.intermediate_size, shared ? cfg_.shared_width() : -1, B_, S_,
-                       moe, moe ? rows.permuted : 0, moe ? rows.received : 0, ep_size > 1};
+                       moe, moe ? rows.permuted : 0, moe ? rows.received : 0, ep_size > 1,
+                       moe ? cfg_.expert_chunk_rows : 0};
   // Per thread, kept for the process (a few kinds and worst-case rows in practice);
   // beyond kMemo, further summaries live as long as this walk.
   constexpr std::size_t kMemo = 256;
@@ -844,7 +923,7 @@ void MemoryWalk::ffn_backward(int mb, int l) {
   if (!cfg_.is_moe_layer(l)) {
     mlp_backward(mb, l, false, cfg_.intermediate_size);
   } else {
-    const std::int64_t E = cfg_.num_experts, k = cfg_.num_experts_per_tok, f = cfg_.moe_intermediate_size;
+    const std::int64_t E = cfg_.num_experts, k = cfg_.num_experts_per_tok;
     const Slot* s = find_slot(mb, l);
     if (!s || !s->has_rows)
       throw Error(fmt::format("memory plan: no forward of MoE layer {} of micro-batch {} to go back through", l, mb));
@@ -854,40 +933,27 @@ void MemoryWalk::ffn_backward(int mb, int l) {
     const std::int64_t R = rows.permuted, Rr = ep ? rows.received : rows.permuted;
     for (const int id : IDS("moe.offsets", "moe.slot_of", "router.topk_idx", "router.topk_w")) get(mb, l, id);
     alloc(rounded(n * k));  // router.dtopk_w
-    alloc(rounded(R * d));  // moe.dcombined
+    if (ep) alloc(rounded(Rr * d));  // experts.dout (before moe.dcombined, which it outlives)
+    alloc(rounded(R * d));           // moe.dcombined
     get(mb, l, ID("moe.combined"));
     if (ep) {
-      alloc(rounded(Rr * d));  // experts.dout
       alloc(rounded(Rr * d));  // all-to-all scratch
       free(rounded(Rr * d));
       free(rounded(R * d));  // moe.dcombined
     }
-    alloc(rounded(Rr * f));  // experts.dact
-    get(mb, l, ID("experts.act"));
-    pin(mb, l, ID("experts.act"));
-    if (split_) keep(mb, rounded(Rr * d));  // experts.dout waits for W2's dW
-    else free(rounded(Rr * d));            // experts.dout (or moe.dcombined without EP)
-    alloc(rounded(Rr * f));  // dh1
-    alloc(rounded(Rr * f));  // dh3
-    get(mb, l, ID("experts.gate_out"));
-    get(mb, l, ID("experts.up_out"));
-    free(rounded(Rr * f));  // experts.dact
+    // The expert weight gradients wait for W only when the rows make one chunk (model.cpp).
+    const bool defer = split_ && Rr > 0 && cfg_.expert_chunk(Rr) >= Rr;  // (no rows: no chunk, no dW)
     get(mb, l, ID("experts.in"));
-    pin(mb, l, ID("experts.in"));
-    alloc(rounded(Rr * d));  // experts.din
-    if (split_) keep(mb, rounded(Rr * f));  // dh1 waits for W1's dW
-    else free(rounded(Rr * f));
-    alloc(rounded(Rr * d));  // experts.din_up
-    free(rounded(Rr * d));
-    if (split_) keep(mb, rounded(Rr * f));  // dh3 waits for W3's dW
-    else free(rounded(Rr * f));
+    if (defer) pin(mb, l, ID("experts.in"));  // W1's and W3's dW read it
+    expert_chunks(mb, l, Rr, true, true, defer);  // (experts.din: written over experts.dout, or see there)
+    if (defer) keep(mb, rounded(Rr * d));  // experts.dout waits for W2's dW
     if (ep) {
       alloc(rounded(R * d));   // moe.dpermuted
       alloc(rounded(Rr * d));  // all-to-all scratch
       free(rounded(Rr * d));
       free(rounded(R * d));
     }
-    free(rounded(Rr * d));  // experts.din
+    free(rounded(Rr * d));  // experts.din (experts.dout, or moe.dcombined without EP, when not deferred)
     if (shared) mlp_backward(mb, l, true, cfg_.shared_width());
     get(mb, l, ID("router.probs"));
     get(mb, l, ID("router.logits"));
@@ -1012,7 +1078,8 @@ BlockProjection project_block(const ModelConfig& cfg, const BlockContext& ctx, c
           .prefetched = w.phase_peak(P::kPrefetched),
           .backward = w.phase_peak(P::kBackward),
           .backward_rest = w.phase_peak(P::kBackwardRest),
-          .after = w.phase_peak(P::kAfter)};
+          .after = w.phase_peak(P::kAfter),
+          .compute = w.phase_peak(P::kCompute)};
 }
 
 std::vector<std::int64_t> block_cache_key(const BlockContext& ctx) {

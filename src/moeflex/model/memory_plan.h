@@ -207,9 +207,10 @@ class MemoryWalk {
   /// Phases of the walk around one layer's activations of one micro-batch (see
   /// watch()): the block still finishing its forward, held until the backward,
   /// prefetched (offloads back one layer ahead), its backward, after its release.
-  enum Phase { kTail, kLanding, kHeld, kPrefetched, kBackward, kBackwardRest, kAfter, kPhases };
+  enum Phase { kCompute, kTail, kLanding, kHeld, kPrefetched, kBackward, kBackwardRest, kAfter, kPhases };
   /// From now on, also records the peak of each Phase for the block at `point` of
-  /// layer `layer` (or kHeadLayer) of micro-batch `mb`; the walk starts in kTail,
+  /// layer `layer` (or kHeadLayer) of micro-batch `mb`; the walk starts in kTail
+  /// (an MoE block in kCompute: its experts run after the decision, until its saves),
   /// moves to kLanding when the block's saves are done (its offloads still copying)
   /// and to kHeld at the next decision point (where they have landed). kBackward is the block's own
   /// backward (an attention block's starts after its layer's FFN backward),
@@ -243,7 +244,10 @@ class MemoryWalk {
 
  private:
   /// How a recompute rebuilds an activation (get()): its lineage's allocations.
-  enum class Rebuild : std::uint8_t { plain, norm_out, norm_rstd, attn_probs, attn_out, router_probs, router_topk_w, lm_head };
+  enum class Rebuild : std::uint8_t {
+    plain, norm_out, norm_rstd, attn_probs, attn_out, router_probs, router_topk_w, lm_head,
+    expert_out  ///< moe.combined without EP: the down projection over the expert chunks
+  };
   /// A layer kind's activations (layer_activations or head_activations) with
   /// lookups: the position of each activation id, the planner's floor and the
   /// rebuild by position. Memoized per thread (specs_of).
@@ -308,6 +312,17 @@ class MemoryWalk {
   void get(int mb, int layer, int id);
   /// Saves the entries `ids` (in that order) from `specs` under the provision.
   void save(int mb, int layer, const LayerSpecs& specs, const std::vector<int>& ids, const ProvisionFn& provision);
+  /// The provision save() gives activation `id` of (mb, layer) (the block's
+  /// projection, the floor, or `provision` seeing its ledger entry).
+  Provision decide(int mb, int layer, const LayerSpecs& specs, int id, const ProvisionFn& provision);
+  /// An MoE layer's experts after its decision (model.cpp: the chunked FFN, the
+  /// combine), with the FC1 outputs and activation allocated whole only when kept.
+  void moe_experts(int mb, int l, const LayerSpecs& specs, const ProvisionFn& provision);
+  /// MoEModel::for_each_expert_chunk over Rr rows of (mb, l): fetches what is kept,
+  /// then replays its first (largest) chunk: the rebuilt FC1 outputs and activation,
+  /// and with `backward` the chunk's gradients (ffn_backward's loop body); `defer`:
+  /// the expert weight gradients wait for W (zero-bubble B, the rows in one chunk).
+  void expert_chunks(int mb, int l, std::int64_t Rr, bool need_fc1, bool backward, bool defer);
   void prefetch(int mb, int layer);
   void release_layer(int mb, int layer);
   void keep(int mb, Bytes bytes);  // held until weight(mb) of the current stage
@@ -362,7 +377,7 @@ class MemoryWalk {
   bool probe_ = false, probe_landed_ = false;
   Bytes probe_pre_peak_ = 0, probe_pre_end_ = 0;
   /// What a LayerSummary depends on (see summary_of).
-  using SummaryKey = std::array<std::int64_t, 13>;
+  using SummaryKey = std::array<std::int64_t, 14>;
   std::deque<std::pair<SummaryKey, LayerSummary>> local_summaries_;  // beyond the per-thread memo
   void land();
 };

@@ -7,6 +7,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -23,6 +24,13 @@ std::uint64_t name_stream(const std::string& s) {
   std::uint64_t h = 1469598103934665603ull;  // FNV-1a
   for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
   return h;
+}
+
+/// The per-expert offsets of rows [r0, r0 + rows) of a grouped GEMM's input sorted
+/// by expert (offsets eoff [El + 1]), from the chunk's first row: out [El + 1].
+void chunk_offsets(const std::int32_t* eoff, std::int64_t El, std::int64_t r0, std::int64_t rows, std::int32_t* out) {
+  for (std::int64_t e = 0; e <= El; ++e)
+    out[e] = std::int32_t(std::clamp<std::int64_t>(std::int64_t(eoff[e]) - r0, 0, rows));
 }
 
 }  // namespace
@@ -185,7 +193,12 @@ RecomputeFn MoEModel::rmsnorm_lineage(int mb, int l, const char* input, const Pa
   const float eps = float(cfg_.rms_norm_eps);
   return [this, mb, l, input, w, want_rstd, n, d, eps] {
     auto x = stash_.get(mb, l, input);
-    Tensor y = act({n, d}, "rmsnorm.out"), r = act({n}, "rmsnorm.rstd");
+    // The one returned first: the other, freed at once, then leaves no hole under it
+    // (a hole under a block its backward holds could not be compacted away).
+    Tensor y, r;
+    if (want_rstd) r = act({n}, "rmsnorm.rstd");
+    y = act({n, d}, "rmsnorm.out");
+    if (!want_rstd) r = act({n}, "rmsnorm.rstd");
     be_.rmsnorm_forward(x->f32(), w->w.f32(), y.f32(), r.f32(), n, d, eps);
     return want_rstd ? std::move(r) : std::move(y);
   };
@@ -210,6 +223,54 @@ RecomputeFn MoEModel::swiglu_lineage(int mb, int l, std::string gate, std::strin
     be_.swiglu_forward(g->f32(), u->f32(), a.f32(), a.numel());
     return a;
   };
+}
+
+void MoEModel::for_each_expert_chunk(int mb, int l, std::int64_t Rr, const std::vector<std::int32_t>& eoff,
+                                     bool need_fc1, const std::function<void(ExpertChunk&)>& fn) {
+  const LayerParams& P = layer(l);
+  const std::int64_t d = cfg_.hidden_size, f = cfg_.moe_intermediate_size, El = std::int64_t(eoff.size()) - 1;
+  const bool keep1 = stash_.provision(mb, l, "experts.gate_out") != Provision::recompute;
+  const bool keep3 = stash_.provision(mb, l, "experts.up_out") != Provision::recompute;
+  const bool keepa = stash_.provision(mb, l, "experts.act") != Provision::recompute;
+  const bool fc1 = need_fc1 || !keepa;  // the activation's rebuild reads the FC1 outputs
+  Shared xe, h1, h3, a;
+  if (fc1 && !(keep1 && keep3)) xe = stash_.get(mb, l, "experts.in");
+  if (fc1 && keep1) h1 = stash_.get(mb, l, "experts.gate_out");
+  if (fc1 && keep3) h3 = stash_.get(mb, l, "experts.up_out");
+  if (keepa) a = stash_.get(mb, l, "experts.act");
+  const std::int64_t chunk = cfg_.expert_chunk(Rr);
+  std::vector<std::int32_t> loc(std::size_t(El + 1));
+  for (std::int64_t r0 = 0; r0 < Rr; r0 += chunk) {
+    ExpertChunk c;
+    c.r0 = r0;
+    c.rows = std::min(chunk, Rr - r0);
+    chunk_offsets(eoff.data(), El, r0, c.rows, loc.data());
+    c.offsets = loc.data();
+    if (fc1) {
+      if (keep1) {
+        c.h1 = h1;
+        c.h1_row = r0;
+      } else {
+        c.h1 = share(act({c.rows, f}, "experts.gate_out"));
+        be_.grouped_linear_forward(xe->f32() + r0 * d, P.w1->w.f32(), c.h1->f32(), c.offsets, El, d, f);
+      }
+      if (keep3) {
+        c.h3 = h3;
+        c.h3_row = r0;
+      } else {
+        c.h3 = share(act({c.rows, f}, "experts.up_out"));
+        be_.grouped_linear_forward(xe->f32() + r0 * d, P.w3->w.f32(), c.h3->f32(), c.offsets, El, d, f);
+      }
+    }
+    if (keepa) {
+      c.a = a;
+      c.a_row = r0;
+    } else {
+      c.a = share(act({c.rows, f}, "experts.act"));
+      be_.swiglu_forward(c.gate_rows(), c.up_rows(), c.a->f32(), c.rows * f);
+    }
+    fn(c);
+  }  // the chunk's own tensors go here (unless fn kept them)
 }
 
 void MoEModel::plan_saves(int mb, int l, SavePoint point, std::initializer_list<Candidate> c, const MoERows& rows) {
@@ -241,18 +302,20 @@ void MoEModel::plan_saves(int mb, int l, SavePoint point, std::initializer_list<
   }
   std::vector<SaveCandidate> v;
   for (const Candidate& x : c)
-    if (x.t && x.t->defined()) {
+    if (!x.t || x.t->defined()) {
       const std::string name = x.name;
+      const Bytes bytes = x.t ? x.t->nbytes() : x.bytes;
       // In an MoE block the router and FFN-norm entries are saved after the shared expert ran.
       const bool first = point != SavePoint::moe || name.starts_with("experts.") || name == "moe.combined";
       Seconds drop = 0;
       if (cost_model_) {
         drop = x.recomputable ? lc.recompute_seconds(name)
-                              : overlapped(cost_model_->copy_d2h(x.t->nbytes()), lc.forward) +
-                                    overlapped(cost_model_->copy_h2d(x.t->nbytes()), lc.backward());
+                              : overlapped(cost_model_->copy_d2h(bytes), lc.forward) +
+                                    overlapped(cost_model_->copy_h2d(bytes), lc.backward());
         drop = std::max(drop, 1e-9);  // never free: an even trade goes to the bytes that cost nothing
       }
-      v.push_back({name, x.op, x.t->nbytes(), x.recomputable, drop, rebuild_extra_bytes(cfg_, ctx.B, ctx.S, name), first});
+      v.push_back({name, x.op, bytes, x.recomputable, drop, rebuild_extra_bytes(cfg_, ctx.B, ctx.S, name), first,
+                   x.chunk});
       ctx.candidates.push_back(name);
     }
   planner_->plan_block(mb, l, v, [&](const BlockChoice* choice) { return project_block(cfg_, ctx, choice); },
@@ -466,7 +529,10 @@ void MoEModel::attention_forward(int l, Tensor& x, std::int64_t B, std::int64_t 
     auto core = [this, mb, l, B, S, H, hd, n, d](bool want_probs) -> RecomputeFn {
       return [this, mb, l, B, S, H, hd, n, d, want_probs] {
         auto q = stash_.get(mb, l, "attn.q"), k = stash_.get(mb, l, "attn.k"), v = stash_.get(mb, l, "attn.v");
-        Tensor o = act({n, d}, "attn.out"), probs = act({B, H, S, S}, "attn.probs");
+        Tensor o, probs;  // the one returned first (see route() below)
+        if (!want_probs) o = act({n, d}, "attn.out");
+        probs = act({B, H, S, S}, "attn.probs");
+        if (want_probs) o = act({n, d}, "attn.out");
         be_.attention_forward(q->f32(), k->f32(), v->f32(), o.f32(), probs.f32(), B, S, H, hd);
         return want_probs ? std::move(probs) : std::move(o);
       };
@@ -611,13 +677,55 @@ void MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train,
       } else {
         xe = std::move(xp);
       }
-      Tensor h1 = act({Rr, f}, "experts.gate_out"), h3 = act({Rr, f}, "experts.up_out");
-      be_.grouped_linear_forward(xe.f32(), P.w1->w.f32(), h1.f32(), eoff, El, d, f);
-      be_.grouped_linear_forward(xe.f32(), P.w3->w.f32(), h3.f32(), eoff, El, d, f);
-      Tensor a = act({Rr, f}, "experts.act");
-      be_.swiglu_forward(h1.f32(), h3.f32(), a.f32(), Rr * f);
+      // Training decides the block's saves here, after the router and the dispatch and
+      // before the experts run, so that what is not kept whole is never allocated
+      // whole: the experts' FFN runs in chunks of rows (model.expert_chunk_rows) whose
+      // FC1 outputs and activation are the chunk's own unless kept.
+      const bool ep = dispatcher_.active();
+      const std::int64_t chunk = cfg_.expert_chunk(Rr);
+      const Bytes fc_bytes = Bytes(sizeof(float)) * Rr * f;
+      const Bytes fc_chunk = Rr > 0 ? Arena::round_up(Bytes(sizeof(float)) * chunk * f) : 0;
+      bool keep1 = false, keep3 = false, keepa = false;  // held whole: saved or offloaded
+      if (train) {
+        stash_.set_routing_context(Rr, n * k / dispatcher_.ep_size());
+        plan_saves(mb, l, SavePoint::moe,
+                   {{"experts.in", "permute", &xe, !ep},
+                    {"experts.gate_out", "grouped_gemm", nullptr, true, fc_bytes, fc_chunk},
+                    {"experts.up_out", "grouped_gemm", nullptr, true, fc_bytes, fc_chunk},
+                    {"experts.act", "swiglu", nullptr, true, fc_bytes, fc_chunk},
+                    {"moe.combined", "grouped_gemm", nullptr, !ep, Bytes(sizeof(float)) * R * d},
+                    {"router.logits", "linear", &logits, true}, {"router.probs", "router", &probs, true},
+                    {"router.topk_idx", "router", &idx, false}, {"router.topk_w", "router", &w, true},
+                    {"moe.offsets", "dispatch", &offsets, false}, {"moe.slot_of", "dispatch", &slot_of, false},
+                    {"ffn_norm.in", "residual", &x, false}, {"ffn_norm.out", "rmsnorm", &m, true},
+                    {"ffn_norm.rstd", "rmsnorm", &rstd, true}},
+                   MoERows{R, Rr});
+        keep1 = stash_.reserve(mb, l, "experts.gate_out", "grouped_gemm", fc_bytes, true) != Provision::recompute;
+        keep3 = stash_.reserve(mb, l, "experts.up_out", "grouped_gemm", fc_bytes, true) != Provision::recompute;
+        keepa = stash_.reserve(mb, l, "experts.act", "swiglu", fc_bytes, true) != Provision::recompute;
+      }
+      Tensor h1 = keep1 ? act({Rr, f}, "experts.gate_out") : Tensor();
+      Tensor h3 = keep3 ? act({Rr, f}, "experts.up_out") : Tensor();
+      Tensor a = keepa ? act({Rr, f}, "experts.act") : Tensor();
       Tensor ye = act({Rr, d}, "experts.out");
-      be_.grouped_linear_forward(a.f32(), P.w2->w.f32(), ye.f32(), eoff, El, f, d);
+      {
+        std::vector<std::int32_t> loc(std::size_t(El + 1));
+        for (std::int64_t r0 = 0; r0 < Rr; r0 += chunk) {
+          const std::int64_t cr = std::min(chunk, Rr - r0);
+          chunk_offsets(eoff, El, r0, cr, loc.data());
+          Tensor t1 = keep1 ? Tensor() : act({cr, f}, "experts.gate_out");
+          Tensor t3 = keep3 ? Tensor() : act({cr, f}, "experts.up_out");
+          Tensor ta = keepa ? Tensor() : act({cr, f}, "experts.act");
+          float* g = keep1 ? h1.f32() + r0 * f : t1.f32();
+          float* u = keep3 ? h3.f32() + r0 * f : t3.f32();
+          float* av = keepa ? a.f32() + r0 * f : ta.f32();
+          const float* xc = xe.f32() + r0 * d;
+          be_.grouped_linear_forward(xc, P.w1->w.f32(), g, loc.data(), El, d, f);
+          be_.grouped_linear_forward(xc, P.w3->w.f32(), u, loc.data(), El, d, f);
+          be_.swiglu_forward(g, u, av, cr * f);
+          be_.grouped_linear_forward(av, P.w2->w.f32(), ye.f32() + r0 * d, loc.data(), El, f, d);
+        }
+      }
       Tensor yp;
       if (dispatcher_.active()) {
         yp = act({R, d}, "moe.combined");
@@ -631,7 +739,6 @@ void MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train,
       if (train) {
         // Lineage: the permutation is local without EP; with EP, dispatch and combine
         // are all-to-alls, which a backward cannot replay alone, so they have none.
-        const bool ep = dispatcher_.active();
         auto offs = std::make_shared<std::vector<std::int32_t>>(eoff, eoff + El + 1);
         RecomputeFn xe_fn, yp_fn;
         if (!ep) {
@@ -641,10 +748,11 @@ void MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train,
             be_.permute_forward(m->f32(), slot->i32(), t.f32(), n, k, d);
             return t;
           };
-          yp_fn = [this, mb, l, offs, El, Rr, f, d, W2 = P.w2] {
-            auto a = stash_.get(mb, l, "experts.act");
+          yp_fn = [this, mb, l, offs, El, Rr, f, d, W2 = P.w2] {  // the down projection, chunk by chunk
             Tensor t = act({Rr, d}, "experts.out");
-            be_.grouped_linear_forward(a->f32(), W2->w.f32(), t.f32(), offs->data(), El, f, d);
+            for_each_expert_chunk(mb, l, Rr, *offs, false, [&](ExpertChunk& c) {
+              be_.grouped_linear_forward(c.act_rows(), W2->w.f32(), t.f32() + c.r0 * d, c.offsets, El, f, d);
+            });
             return t;
           };
         }
@@ -656,20 +764,16 @@ void MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train,
             return t;
           };
         };
-        stash_.set_routing_context(Rr, n * k / dispatcher_.ep_size());
-        plan_saves(mb, l, SavePoint::moe,
-                   {{"experts.in", "permute", &xe, !ep}, {"experts.gate_out", "grouped_gemm", &h1, true},
-                    {"experts.up_out", "grouped_gemm", &h3, true}, {"experts.act", "swiglu", &a, true},
-                    {"moe.combined", "grouped_gemm", &yp, !ep}, {"router.logits", "linear", &logits, true},
-                    {"router.probs", "router", &probs, true}, {"router.topk_idx", "router", &idx, false},
-                    {"router.topk_w", "router", &w, true}, {"moe.offsets", "dispatch", &offsets, false},
-                    {"moe.slot_of", "dispatch", &slot_of, false}, {"ffn_norm.in", "residual", &x, false},
-                    {"ffn_norm.out", "rmsnorm", &m, true}, {"ffn_norm.rstd", "rmsnorm", &rstd, true}},
-                   MoERows{R, Rr});
+        // What was not kept whole is recorded with its lineage alone (the backward
+        // rebuilds it chunk by chunk: for_each_expert_chunk).
+        auto save_fc = [&](const char* name, const char* op, Tensor& t, RecomputeFn fn) {
+          if (t.defined()) stash_.save(mb, l, name, op, std::move(t), std::move(fn));
+          else stash_.save_dropped(mb, l, name, std::move(fn));
+        };
         stash_.save(mb, l, "experts.in", "dispatch", std::move(xe), xe_fn);
-        stash_.save(mb, l, "experts.gate_out", "grouped_gemm", std::move(h1), grouped(P.w1));
-        stash_.save(mb, l, "experts.up_out", "grouped_gemm", std::move(h3), grouped(P.w3));
-        stash_.save(mb, l, "experts.act", "swiglu", std::move(a), swiglu_lineage(mb, l, "experts.gate_out", "experts.up_out"));
+        save_fc("experts.gate_out", "grouped_gemm", h1, grouped(P.w1));
+        save_fc("experts.up_out", "grouped_gemm", h3, grouped(P.w3));
+        save_fc("experts.act", "swiglu", a, swiglu_lineage(mb, l, "experts.gate_out", "experts.up_out"));
         stash_.save(mb, l, "moe.combined", "combine", std::move(yp), yp_fn);
         dispatch_layouts_[{mb, l}] = std::move(L);
       }
@@ -679,7 +783,12 @@ void MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train,
       auto route = [this, mb, l, n, E, k](bool want_probs) -> RecomputeFn {
         return [this, mb, l, n, E, k, want_probs] {
           auto lg = stash_.get(mb, l, "router.logits");
-          Tensor pr = act({n, E}, "router.probs"), wt = act({n, k}, "router.topk_w");
+          // The one returned first: the other is freed at once and, allocated above it,
+          // leaves no hole under the returned block (which its backward then holds).
+          Tensor pr, wt;
+          if (want_probs) pr = act({n, E}, "router.probs");
+          wt = act({n, k}, "router.topk_w");
+          if (!want_probs) pr = act({n, E}, "router.probs");
           Tensor ix = work({n, k}, "router.topk_idx", DType::i32);
           be_.router_forward(lg->f32(), pr.f32(), ix.i32(), wt.f32(), n, E, k, cfg_.norm_topk_prob);
           return want_probs ? std::move(pr) : std::move(wt);
@@ -734,69 +843,115 @@ void MoEModel::ffn_backward(int l, Tensor& dx, std::int64_t n, int mb, double gr
     const std::int64_t El = dispatcher_.local_experts(), Rr = L.rows_received;
     // Without EP the layout's offsets are the dispatch offsets (plan() sums the same counts).
     const std::int64_t R = L.rows_sent;
-    const std::int32_t* eoff = L.local_offsets.data();
     Tensor dw = work({n, k}, "router.dtopk_w");
     {
       // The backward of combine is dispatch, and the backward of dispatch is combine.
+      // With EP, experts.dout outlives moe.dcombined: allocated first (workspace grows
+      // down from the top), so that freeing moe.dcombined leaves no hole in the stack.
       Tensor dye;
+      if (dispatcher_.active()) dye = work({Rr, d}, "experts.dout");
       {
         Tensor dyp = work({R, d}, "moe.dcombined");
         Shared yp = stash_.get(mb, l, "moe.combined");
         be_.unpermute_backward(dx.f32(), yp->f32(), slot_of->i32(), w->f32(), dyp.f32(), dw.f32(), n, k, d);
         yp.reset();
         if (dispatcher_.active()) {
-          dye = work({Rr, d}, "experts.dout");
           Tensor scratch = work({Rr, d}, "moe.a2a_scratch");
           dispatcher_.dispatch(L, dyp.f32(), dye.f32(), d, scratch.f32());
         } else {
           dye = std::move(dyp);
         }
       }
-      // Grouped dW GEMMs may be deferred (zero-bubble W); they keep their offsets.
-      auto offs = std::make_shared<std::vector<std::int32_t>>(eoff, eoff + El + 1);
-      auto grouped_dw = [&](Shared dyy, Shared xx, Param* W, std::int64_t in, std::int64_t out) {
-        weight_grad(mb, [this, dyy, xx, W, offs, El, in, out] {
-          be_.grouped_linear_backward(dyy->f32(), xx->f32(), W->w.f32(), nullptr, W->g.f32(),
-                                      offs->data(), El, in, out);
-        });
+      // Chunk by chunk (model.expert_chunk_rows), over the chunk's activation and FC1
+      // outputs (views of what was kept, else rebuilt for the chunk): the down
+      // projection's and SwiGLU's backward, then FC1's into the chunk's rows of dxe.
+      // The expert weight gradients accumulate chunk after chunk; they wait for W
+      // (zero-bubble) only when the rows make one chunk: waiting would hold every
+      // chunk's gradients ([Rr, f] in all) and undo the chunks' bound.
+      const bool defer_experts = defer_wgrad_ && Rr > 0 && cfg_.expert_chunk(Rr) >= Rr;  // (no rows: nothing to wait)
+      auto grouped_dw = [&](Shared dyy, std::int64_t dy_row, Shared xx, std::int64_t x_row, Param* W,
+                            std::int64_t in, std::int64_t out, const std::int32_t* loc) {
+        auto run = [this, dyy, dy_row, xx, x_row, W, El, in, out,
+                    offs = std::vector<std::int32_t>(loc, loc + El + 1)] {
+          be_.grouped_linear_backward(dyy->f32() + dy_row * out, xx->f32() + x_row * in, W->w.f32(), nullptr,
+                                      W->g.f32(), offs.data(), El, in, out);
+        };
+        if (defer_experts) weight_grad(mb, std::move(run));
+        else run();
       };
-      Tensor da = work({Rr, f}, "experts.dact");
-      {
-        Shared a = stash_.get(mb, l, "experts.act"), dyes = share(std::move(dye));
-        be_.grouped_linear_backward(dyes->f32(), a->f32(), P.w2->w.f32(), da.f32(), nullptr,
-                                    eoff, El, f, d);
-        grouped_dw(dyes, a, P.w2, f, d);
-      }
-      Tensor dh1 = work({Rr, f}, "experts.dgate"), dh3 = work({Rr, f}, "experts.dup");
-      {
-        Shared h1 = stash_.get(mb, l, "experts.gate_out"), h3 = stash_.get(mb, l, "experts.up_out");
-        be_.swiglu_backward(da.f32(), h1->f32(), h3->f32(), dh1.f32(), dh3.f32(), Rr * f);
-      }
-      da.reset();
+      Shared dyes = share(std::move(dye));
       Shared xe = stash_.get(mb, l, "experts.in");
-      Tensor dxe = work({Rr, d}, "experts.din");
-      {
-        Shared dh1s = share(std::move(dh1));
-        be_.grouped_linear_backward(dh1s->f32(), xe->f32(), P.w1->w.f32(), dxe.f32(), nullptr,
-                                    eoff, El, d, f);
-        grouped_dw(dh1s, xe, P.w1, d, f);
+      // The chunks' input gradients overwrite the rows of dye each chunk has used up
+      // (dye and dxe are both [Rr, d]), unless W2's dW waits for dye: then their own,
+      // allocated once the chunk's gradients are (the rows make one chunk then).
+      Tensor dxe_own;
+      float* dxe = defer_experts ? nullptr : dyes->f32();
+      // Per chunk, the gradients' blocks come before the rebuilt FC1 outputs, which go
+      // first (a stack, so that the chunk leaves no holes between held blocks); a
+      // rebuilt activation is only read by W2's dW and is rebuilt into dact's block
+      // once SwiGLU's backward has used dact up.
+      const bool keep1 = stash_.provision(mb, l, "experts.gate_out") != Provision::recompute;
+      const bool keep3 = stash_.provision(mb, l, "experts.up_out") != Provision::recompute;
+      const bool keepa = stash_.provision(mb, l, "experts.act") != Provision::recompute;
+      Shared h1w = keep1 ? stash_.get(mb, l, "experts.gate_out") : Shared();
+      Shared h3w = keep3 ? stash_.get(mb, l, "experts.up_out") : Shared();
+      Shared aw = keepa ? stash_.get(mb, l, "experts.act") : Shared();
+      const std::int64_t chunk = cfg_.expert_chunk(Rr);
+      std::vector<std::int32_t> loc(std::size_t(El + 1));
+      for (std::int64_t r0 = 0; r0 < Rr; r0 += chunk) {
+        const std::int64_t cr = std::min(chunk, Rr - r0);
+        chunk_offsets(L.local_offsets.data(), El, r0, cr, loc.data());
+        const float* dyc = dyes->f32() + r0 * d;
+        const float* xc = xe->f32() + r0 * d;
+        // dgate and dup outlive dact: allocated first, so that dact's block, freed
+        // first, is the lowest of the workspace stack (no hole above the later ones).
+        Shared dh1 = share(work({cr, f}, "experts.dgate")), dh3 = share(work({cr, f}, "experts.dup"));
+        Shared dac = share(work({cr, f}, "experts.dact"));
+        be_.grouped_linear_backward(dyc, keepa ? aw->f32() + r0 * f : dac->f32(), P.w2->w.f32(), dac->f32(), nullptr,
+                                    loc.data(), El, f, d);  // (dx only: the activation is not read)
+        Tensor t1 = keep1 ? Tensor() : act({cr, f}, "experts.gate_out");
+        Tensor t3 = keep3 ? Tensor() : act({cr, f}, "experts.up_out");
+        if (!keep1) be_.grouped_linear_forward(xc, P.w1->w.f32(), t1.f32(), loc.data(), El, d, f);
+        if (!keep3) be_.grouped_linear_forward(xc, P.w3->w.f32(), t3.f32(), loc.data(), El, d, f);
+        const float* g = keep1 ? h1w->f32() + r0 * f : t1.f32();
+        const float* u = keep3 ? h3w->f32() + r0 * f : t3.f32();
+        be_.swiglu_backward(dac->f32(), g, u, dh1->f32(), dh3->f32(), cr * f);
+        if (keepa) {
+          grouped_dw(dyes, r0, aw, r0, P.w2, f, d, loc.data());
+        } else {
+          be_.swiglu_forward(g, u, dac->f32(), cr * f);  // the activation, in dact's block
+          grouped_dw(dyes, r0, dac, 0, P.w2, f, d, loc.data());
+        }
+        t3.reset();
+        t1.reset();
+        dac.reset();  // (W2's dW may still hold the activation in it)
+        if (!dxe) {
+          dxe_own = work({Rr, d}, "experts.din");
+          dxe = dxe_own.f32();
+        }
+        float* dxc = dxe + r0 * d;
+        be_.grouped_linear_backward(dh1->f32(), xc, P.w1->w.f32(), dxc, nullptr, loc.data(), El, d, f);
+        grouped_dw(dh1, 0, xe, r0, P.w1, d, f, loc.data());
+        Tensor dx3 = work({cr, d}, "experts.din_up");
+        be_.grouped_linear_backward(dh3->f32(), xc, P.w3->w.f32(), dx3.f32(), nullptr, loc.data(), El, d, f);
+        grouped_dw(dh3, 0, xe, r0, P.w3, d, f, loc.data());
+        be_.add_inplace(dxc, dx3.f32(), cr * d);
       }
-      {
-        Shared dh3s = share(std::move(dh3));
-        Tensor dxe3 = work({Rr, d}, "experts.din_up");
-        be_.grouped_linear_backward(dh3s->f32(), xe->f32(), P.w3->w.f32(), dxe3.f32(), nullptr,
-                                    eoff, El, d, f);
-        grouped_dw(dh3s, xe, P.w3, d, f);
-        be_.add_inplace(dxe.f32(), dxe3.f32(), Rr * d);
-      }
+      h1w.reset();
+      h3w.reset();
+      aw.reset();
       xe.reset();
+      if (!dxe) {  // (defensive: with defer_experts there are rows, and the first chunk allocated it)
+        dxe_own = work({Rr, d}, "experts.din");
+        dxe = dxe_own.f32();
+      }
       if (dispatcher_.active()) {
         Tensor dxp = work({R, d}, "moe.dpermuted");
         Tensor scratch = work({Rr, d}, "moe.a2a_scratch");
-        dispatcher_.combine(L, dxe.f32(), dxp.f32(), d, scratch.f32());
+        dispatcher_.combine(L, dxe, dxp.f32(), d, scratch.f32());
         be_.permute_backward(dxp.f32(), slot_of->i32(), dm.f32(), n, k, d);
       } else {
-        be_.permute_backward(dxe.f32(), slot_of->i32(), dm.f32(), n, k, d);
+        be_.permute_backward(dxe, slot_of->i32(), dm.f32(), n, k, d);
       }
     }
     if (P.s1) swiglu_mlp_backward(dy, m, P.s1, P.s3, P.s2, dm.f32(), n, l, mb, "shared");

@@ -28,7 +28,7 @@ double recompute_cost_per_byte(const std::string& op) {
 }
 
 Bytes BlockProjection::evaluate(const std::vector<SaveCandidate>& candidates, const BlockChoice& choice) const {
-  Bytes dropped = 0, recomputed_first = 0, recomputed = 0, extra = 0;
+  Bytes dropped = 0, recomputed_first = 0, recomputed = 0, extra = 0, chunked = 0, chunks = 0;
   for (const auto& c : candidates) {
     auto it = choice.find(c.name);
     if (it == choice.end() || it->second == Provision::save) continue;
@@ -38,14 +38,21 @@ Bytes BlockProjection::evaluate(const std::vector<SaveCandidate>& candidates, co
       recomputed += b;
       if (c.saved_first) recomputed_first += b;
       extra = std::max(extra, c.rebuild_extra);
+      if (c.chunk_bytes > 0) {  // never allocated whole: one chunk of it while the experts run
+        chunked += b;
+        chunks += c.chunk_bytes;
+      }
     }
   }
-  return std::max({tail - recomputed_first, landing - recomputed, held - dropped, prefetched - recomputed,
+  // The experts' compute: kept whole, the chunked candidates are allocated before
+  // any chunk runs, so every moment of it holds their bytes; dropped, a chunk's.
+  const Bytes experts = compute > 0 ? compute - chunked + chunks : 0;
+  return std::max({experts, tail - recomputed_first, landing - recomputed, held - dropped, prefetched - recomputed,
                    backward + extra, backward_rest, after});
 }
 
 Bytes BlockProjection::peak() const {
-  return std::max({tail, landing, held, prefetched, backward, backward_rest, after});
+  return std::max({compute, tail, landing, held, prefetched, backward, backward_rest, after});
 }
 
 Bytes AdaptivePlanner::margin() const {

@@ -43,6 +43,10 @@ struct SaveCandidate {
   /// Saved before the block allocates anything more (the MoE block's experts are
   /// saved before its shared expert runs; its router entries after).
   bool saved_first = true;
+  /// > 0: computed after the decision (the MoE block's FC1 outputs and activation,
+  /// model.expert_chunk_rows): when recomputed it is never held whole, only this
+  /// many bytes (one chunk's, rounded) while the block's experts run.
+  Bytes chunk_bytes = 0;
 };
 
 /// A block's choice: provision by activation name (absent = save).
@@ -62,6 +66,9 @@ struct BlockProjection {
   Bytes backward = 0;    ///< during the block's own backward, everything kept
   Bytes backward_rest = 0;  ///< the rest of the layer's backward (all entries back by then)
   Bytes after = 0;       ///< after the layer is released
+  /// An MoE block's experts running after its decision, before its saves (0 for
+  /// other blocks): a recomputed chunk_bytes candidate is a chunk there, not whole.
+  Bytes compute = 0;
   /// The largest phase: the peak of the walk itself.
   Bytes peak() const;
   /// The projected peak if the block takes `choice` (rounded bytes per candidate).

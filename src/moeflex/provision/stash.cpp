@@ -130,7 +130,12 @@ void ActivationStash::save(int microbatch, int layer, std::string_view name, std
   item.entry = LedgerEntry{std::string(name), std::string(op), layer, microbatch, t.nbytes(), bool(lineage),
                            Provision::save, ctx_received_, ctx_balanced_};
   poll();
-  if (policy_) item.entry.provision = policy_(item.entry);
+  if (auto r = reserved_.find(key); r != reserved_.end()) {  // decided at reserve()
+    item.entry.provision = r->second.provision;
+    reserved_.erase(r);
+  } else if (policy_) {
+    item.entry.provision = policy_(item.entry);
+  }
   if (item.entry.provision == Provision::recompute && !lineage) item.entry.provision = Provision::save;
   if (item.entry.provision == Provision::offload && !(arena_ && engine_)) item.entry.provision = Provision::save;
   if (item.entry.provision == Provision::offload) {
@@ -151,6 +156,43 @@ void ActivationStash::save(int microbatch, int layer, std::string_view name, std
     account(item.tensor, +1);
   }
   items_.emplace(std::move(key), std::move(item));
+}
+
+Provision ActivationStash::reserve(int microbatch, int layer, std::string_view name, std::string_view op, Bytes bytes,
+                                   bool recomputable) {
+  Key key{microbatch, layer, std::string(name)};
+  if (items_.count(key) || reserved_.count(key))
+    throw Error(fmt::format("activation stash: '{}' of layer {} micro-batch {} reserved twice", name, layer, microbatch));
+  LedgerEntry e{std::string(name), std::string(op), layer, microbatch, bytes, recomputable,
+                Provision::save, ctx_received_, ctx_balanced_};
+  if (policy_) e.provision = policy_(e);
+  if (e.provision == Provision::recompute && !recomputable) e.provision = Provision::save;
+  if (e.provision == Provision::offload && !(arena_ && engine_)) e.provision = Provision::save;
+  const Provision p = e.provision;
+  reserved_.emplace(std::move(key), std::move(e));
+  return p;
+}
+
+void ActivationStash::save_dropped(int microbatch, int layer, std::string_view name, RecomputeFn lineage) {
+  Key key{microbatch, layer, std::string(name)};
+  auto r = reserved_.find(key);
+  if (r == reserved_.end() || r->second.provision != Provision::recompute || !lineage)
+    throw Error(fmt::format("activation stash: '{}' of layer {} micro-batch {} was not reserved for recompute", name,
+                            layer, microbatch));
+  poll();
+  Item item;
+  item.entry = std::move(r->second);
+  reserved_.erase(r);
+  item.lineage = std::move(lineage);
+  counters_.recomputed += item.entry.bytes;
+  items_.emplace(std::move(key), std::move(item));
+}
+
+Provision ActivationStash::provision(int microbatch, int layer, std::string_view name) const {
+  auto it = items_.find(Key{microbatch, layer, std::string(name)});
+  if (it == items_.end())
+    throw Error(fmt::format("activation stash: '{}' of layer {} micro-batch {} is not saved", name, layer, microbatch));
+  return it->second.entry.provision;
 }
 
 ActivationStash::TensorPtr ActivationStash::get(int microbatch, int layer, std::string_view name) {
@@ -186,6 +228,10 @@ void ActivationStash::release_layer(int microbatch, int layer) {
 }
 
 void ActivationStash::release_microbatch(int microbatch) {
+  for (auto it = reserved_.begin(); it != reserved_.end();) {
+    if (std::get<0>(it->first) == microbatch) it = reserved_.erase(it);
+    else ++it;
+  }
   for (auto it = items_.begin(); it != items_.end();) {
     if (std::get<0>(it->first) == microbatch) erase_item(it++);
     else ++it;

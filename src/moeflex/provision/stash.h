@@ -72,6 +72,20 @@ class ActivationStash {
   /// Error if the key is present.
   void save(int microbatch, int layer, std::string_view name, std::string_view op, Tensor t,
             RecomputeFn lineage = {});
+  /// Decides now, once, the provision of an activation that will be saved later
+  /// under the same key (save() or save_dropped() then takes this decision without
+  /// asking the policy again), from the entry save() would record with `bytes` and
+  /// a lineage if `recomputable`. For producers that compute in chunks (the
+  /// experts' FFN): only what is kept is allocated whole. Returns the provision
+  /// save() will apply (the same fallbacks: no lineage or no copy engine = save).
+  Provision reserve(int microbatch, int layer, std::string_view name, std::string_view op, Bytes bytes,
+                    bool recomputable);
+  /// Records a reserved activation whose decision was recompute without ever
+  /// holding it whole: its ledger entry (the reserved bytes) and its lineage.
+  /// Throws Error if it was not reserved as recompute.
+  void save_dropped(int microbatch, int layer, std::string_view name, RecomputeFn lineage);
+  /// The provision of a saved activation (offload after an eviction); throws if absent.
+  Provision provision(int microbatch, int layer, std::string_view name) const;
   /// The activation, rebuilt first if it was dropped; throws Error naming the key when
   /// absent. It stays in the stash until release_layer/release_microbatch.
   TensorPtr get(int microbatch, int layer, std::string_view name);
@@ -90,6 +104,7 @@ class ActivationStash {
   void release_microbatch(int microbatch);
   void clear() {
     while (!items_.empty()) erase_item(items_.begin());
+    reserved_.clear();
   }
 
   void set_policy(ProvisionPolicy policy) { policy_ = std::move(policy); }
@@ -155,6 +170,7 @@ class ActivationStash {
   std::int64_t ctx_received_ = 0, ctx_balanced_ = 0;
   Bytes host_bytes_ = 0, host_peak_ = 0;
   std::map<Key, Item, std::less<>> items_;
+  std::map<Key, LedgerEntry, std::less<>> reserved_;  // reserve()d, not saved yet
   ProvisionPolicy policy_;
   Bytes bytes_ = 0;
   Bytes peak_ = 0;

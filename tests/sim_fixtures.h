@@ -2,6 +2,17 @@
 // GEMM FLOPs at one rate.
 #pragma once
 
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
 #include "moeflex/core/units.h"
 #include "moeflex/provision/cost_model.h"
 
@@ -21,6 +32,27 @@ inline HardwareProfile gemm_only_profile() {
   p.h2d_bandwidth = p.d2h_bandwidth = 1e9;
   p.copy_latency = 0;
   return p;
+}
+
+/// Received rows [MoE layer][micro-batch][dp rank] of write_loads_jsonl's step:
+/// every (layer, micro-batch) sums to 128, the group's 2 x 64 kept rows.
+inline const std::vector<std::vector<std::vector<std::int64_t>>> kLoadsReceived = {
+    {{100, 28}, {30, 98}, {40, 88}}, {{38, 90}, {88, 40}, {120, 8}}};
+
+/// A loads.jsonl (the format `moeflex train` writes) of one step: dp 2, ep 2, 3
+/// micro-batches, MoE layers 1 and 2, kLoadsReceived rows received and `kept`
+/// assignments kept per rank and micro-batch; written into a fresh directory
+/// named after `tag` and the process, which is returned.
+inline std::filesystem::path write_loads_jsonl(std::int64_t kept, const std::string& tag) {
+  nlohmann::json kept_j = nlohmann::json::array();
+  for (int k = 0; k < 2; ++k) kept_j.push_back(std::vector<std::vector<std::int64_t>>(3, {kept, kept}));
+  const nlohmann::json line = {{"step", 1},         {"dp", 2},           {"ep", 2},
+                               {"microbatches", 3}, {"moe_layers", {1, 2}}, {"received", kLoadsReceived},
+                               {"kept", kept_j},    {"step_cpu_seconds", {0.1, 0.1}}};
+  const auto dir = std::filesystem::temp_directory_path() / fmt::format("moeflex_test_{}_{}", tag, ::getpid());
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir / "loads.jsonl") << line.dump() << "\n";
+  return dir;
 }
 
 }  // namespace moeflex::test

@@ -10,6 +10,7 @@
 
 #include <vector>
 
+#include "engine_fixtures.h"
 #include "model_fixtures.h"
 #include "moeflex/core/cuda/device.h"
 #include "moeflex/model/memory_plan.h"
@@ -63,9 +64,7 @@ TrainRun train(Arena& arena, const std::string& policy, int steps, int M = 2, do
   model.init_weights(7);
   model.set_router_skew(skew);
   AdaptivePlanner planner(arena);
-  if (policy == "adaptive") model.set_planner(&planner);
-  else if (policy == "offload") model.stash().set_policy([](const LedgerEntry&) { return Provision::offload; });
-  else model.stash().set_policy(make_static_policy(policy));
+  test::apply_policy(model, planner, policy);
   AdamW opt(model.params(), arena, AdamWConfig{});
   const std::int64_t n = kB * kS;
   std::vector<std::int32_t> ids(static_cast<std::size_t>(n)), tg(static_cast<std::size_t>(n));

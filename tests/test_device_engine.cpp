@@ -13,6 +13,7 @@
 #include <cstring>
 #include <vector>
 
+#include "engine_fixtures.h"
 #include "model_fixtures.h"
 #include "moeflex/model/memory_plan.h"
 #include "moeflex/model/model.h"
@@ -137,9 +138,7 @@ Result run(Arena& arena, const std::string& policy) {
   model.init_weights(3);
   model.set_router_skew(2.0);
   AdaptivePlanner planner(arena);
-  if (policy == "adaptive") model.set_planner(&planner);
-  else if (policy == "offload") model.stash().set_policy([](const LedgerEntry&) { return Provision::offload; });
-  else model.stash().set_policy(make_static_policy(policy));
+  test::apply_policy(model, planner, policy);
   AdamW opt(model.params(), arena, AdamWConfig{});
   const std::int64_t n = kB * kS;
   std::vector<std::int32_t> ids(static_cast<std::size_t>(n)), tg(static_cast<std::size_t>(n));

@@ -285,19 +285,9 @@ TEST(Sim, PerRankReplayPeakIsEachRanksOwnWalk) {
   o.parallel.ep = 2;
   o.global_batch = 2 * 2 * 3;
   const std::int64_t n = o.micro_batch_size * o.seq_len, kept = n * o.model.num_experts_per_tok;  // 64
-  // received[MoE layer][mb][dp rank]; every (layer, mb) sums to the group's 2 x 64 kept rows
-  const std::vector<std::vector<std::vector<std::int64_t>>> received = {{{100, 28}, {30, 98}, {40, 88}},
-                                                                        {{38, 90}, {88, 40}, {120, 8}}};
-  nlohmann::json kept_j = nlohmann::json::array();
-  for (int k = 0; k < 2; ++k) kept_j.push_back(std::vector<std::vector<std::int64_t>>(3, {kept, kept}));
-  const nlohmann::json line = {{"step", 1}, {"dp", 2}, {"ep", 2}, {"microbatches", 3}, {"moe_layers", {1, 2}},
-                               {"received", received}, {"kept", kept_j}, {"step_cpu_seconds", {0.1, 0.1}}};
-  const auto dir = std::filesystem::temp_directory_path() / fmt::format("moeflex_test_loads_{}", ::getpid());
-  std::filesystem::create_directories(dir);
-  {
-    std::ofstream f(dir / "loads.jsonl");
-    f << line.dump() << "\n";
-  }
+  const auto& received = test::kLoadsReceived;  // [MoE layer][mb][dp rank]
+  const auto dir = test::write_loads_jsonl(kept, "loads");
+  const nlohmann::json line = nlohmann::json::parse(std::ifstream(dir / "loads.jsonl"));  // its one step
   o.loads = LoadModel::from_file(dir);  // a run directory: its loads.jsonl
   ASSERT_TRUE(o.loads.per_rank());
   EXPECT_DOUBLE_EQ(o.loads.ratio(0, 0, 3, 0), 100.0 / 64.0);  // max / mean of the group

@@ -45,20 +45,7 @@ SimOptions one_rank_options() {
   return o;
 }
 
-/// A loads.jsonl of one step: dp 2, ep 2, 3 micro-batches, MoE layers 1 and 2,
-/// `kept` assignments per rank and micro-batch; written into a fresh directory.
-std::filesystem::path write_loads(std::int64_t kept) {
-  const std::vector<std::vector<std::vector<std::int64_t>>> received = {{{100, 28}, {30, 98}, {40, 88}},
-                                                                        {{38, 90}, {88, 40}, {120, 8}}};
-  nlohmann::json kept_j = nlohmann::json::array();
-  for (int k = 0; k < 2; ++k) kept_j.push_back(std::vector<std::vector<std::int64_t>>(3, {kept, kept}));
-  const nlohmann::json line = {{"step", 1}, {"dp", 2}, {"ep", 2}, {"microbatches", 3}, {"moe_layers", {1, 2}},
-                               {"received", received}, {"kept", kept_j}, {"step_cpu_seconds", {0.1, 0.1}}};
-  const auto dir = std::filesystem::temp_directory_path() / fmt::format("moeflex_test_steptime_{}", ::getpid());
-  std::filesystem::create_directories(dir);
-  std::ofstream(dir / "loads.jsonl") << line.dump() << "\n";
-  return dir;
-}
+std::filesystem::path write_loads(std::int64_t kept) { return test::write_loads_jsonl(kept, "steptime"); }
 
 }  // namespace
 

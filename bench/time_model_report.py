@@ -35,6 +35,9 @@ def report(name, doc):
         pred = sum(s["predicted_s"] for s in steps) / len(steps)
         print(f"step (mean over {len(steps)} rank-steps): measured wall {wall * 1e3:.1f} ms, in ops {inops * 1e3:.1f} ms "
               f"(wall), predicted {pred * 1e3:.1f} ms")
+    print(f"by shape: median error {100 * doc['op_median_error']:.2f}% (time-weighted |predicted - measured| of "
+          f"each (kind, shape)'s medians); noise floor {100 * doc['op_noise_floor']:.2f}% (the op error of a model "
+          f"knowing every shape's median)")
     print(f"op error {100 * doc['op_error']:.2f}% (wall clock: {100 * doc['op_error_wall']:.2f}%), "
           f"net {100 * doc['op_total_error']:+.2f}%; step error {100 * doc['step_error']:.2f}% "
           f"(wall clock: {100 * doc['step_error_wall']:.2f}%; against the step's ops: {100 * doc['step_error_ops']:.2f}%)")
@@ -47,10 +50,12 @@ def main():
     for n in names:
         with open(f"{out}/{n}/op_times.json") as f:
             docs[n] = report(n, json.load(f))
-    print("\n| run | clock | op error | net | step error | step error (wall) | step error vs ops |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("\n| run | clock | op error | noise floor | median error | net | step error | step error (wall) | "
+          "step error vs ops |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for n, d in docs.items():
-        print(f"| {n} | {d['clock']} | {100 * d['op_error']:.2f}% | {100 * d['op_total_error']:+.2f}% | "
+        print(f"| {n} | {d['clock']} | {100 * d['op_error']:.2f}% | {100 * d['op_noise_floor']:.2f}% | "
+              f"{100 * d['op_median_error']:.2f}% | {100 * d['op_total_error']:+.2f}% | "
               f"{100 * d['step_error']:.2f}% | {100 * d['step_error_wall']:.2f}% | {100 * d['step_error_ops']:.2f}% |")
 
 

@@ -322,6 +322,75 @@ TEST(CostModel, GroupedGemmIsTheSumOverNonEmptyGroups) {
   EXPECT_DOUBLE_EQ(a.attention_backward(1, 128, 8, 64), 8 * 70e-6);
 }
 
+TEST(CostModel, InSituOpsAnswerTheirExactShapesAndScaleGroupedGemms) {
+  HardwareProfile p = hand_profile();
+  const CostModel base(p);
+  p.in_situ_ops = {{"linear_forward", {100, 300, 200}, 7e-3},
+                   {"linear_backward_dw", {100, 300, 200}, 2e-3},
+                   {"rmsnorm_forward", {10, 50}, 9e-6}};
+  p.in_situ_scales = {{"grouped_linear_backward_dw", 300, 200, 1.5}};
+  p.in_situ_source = "/runs/a";
+  const CostModel c(p);
+  // linear_forward(n=100, in=300, out=200) is gemm(100, 200, 300): 1.2e-3 s from the
+  // table, 7e-3 s measured in situ; another n falls back to the table.
+  EXPECT_DOUBLE_EQ(base.linear_forward(100, 300, 200), 1.2e-3);
+  EXPECT_DOUBLE_EQ(c.linear_forward(100, 300, 200), 7e-3);
+  EXPECT_DOUBLE_EQ(c.linear_forward(200, 300, 200), base.linear_forward(200, 300, 200));
+  // Backward: the measured dW plus the modelled dX (no in-situ dX at this shape).
+  EXPECT_DOUBLE_EQ(c.linear_backward(100, 300, 200, true, true), 2e-3 + base.linear_backward(100, 300, 200, true, false));
+  EXPECT_DOUBLE_EQ(c.linear_backward(100, 300, 200, false, true), 2e-3);
+  EXPECT_DOUBLE_EQ(c.rmsnorm_forward(10, 50), 9e-6);
+  EXPECT_DOUBLE_EQ(c.rmsnorm_forward(10, 100), base.rmsnorm_forward(10, 100));
+  // Grouped: only the dW part of [in 300, out 200] is scaled.
+  const std::vector<std::int64_t> rows = {100, 0, 200};
+  EXPECT_DOUBLE_EQ(c.grouped_linear_backward(rows, 300, 200, false, true),
+                   1.5 * base.grouped_linear_backward(rows, 300, 200, false, true));
+  EXPECT_DOUBLE_EQ(c.grouped_linear_backward(rows, 300, 200, true, false),
+                   base.grouped_linear_backward(rows, 300, 200, true, false));
+  EXPECT_DOUBLE_EQ(c.grouped_linear_forward(rows, 300, 200), base.grouped_linear_forward(rows, 300, 200));
+  // The JSON keeps them; a malformed entry is refused by name.
+  const HardwareProfile q = HardwareProfile::from_json(p.to_json(), "q.json");
+  EXPECT_EQ(q.to_json(), p.to_json());
+  EXPECT_EQ(q.in_situ_source, "/runs/a");
+  nlohmann::json bad = p.to_json();
+  bad["in_situ"]["scales"][0]["scale"] = 0;
+  EXPECT_NE(message_of([&] { HardwareProfile::from_json(bad, "b.json"); }).find("in_situ.scales[0].scale"),
+            std::string::npos);
+}
+
+TEST(Calibrate, InSituProfileTakesARunsMediansAndGroupedRatios) {
+  const auto dir = std::filesystem::path(MOEFLEX_BINARY_DIR) / "test_cost_model.d" / "run";
+  std::filesystem::create_directories(dir);
+  const HardwareProfile base = hand_profile();
+  const CostModel model(base);
+  const std::vector<std::int64_t> rows = {64, 0, 192};
+  const double predicted_fwd = model.grouped_linear_forward(rows, 300, 200);
+  nlohmann::json shapes = nlohmann::json::array();
+  shapes.push_back({{"kind", "linear_forward"}, {"shape", {100, 300, 200}}, {"count", 4},
+                    {"measured_median_s", 5e-3}, {"measured_total_s", 2.1e-2}});
+  shapes.push_back({{"kind", "embedding_forward"}, {"shape", {100, 64}}, {"count", 4},  // not taken
+                    {"measured_median_s", 1e-5}, {"measured_total_s", 4e-5}});
+  // Two row splits of one weight: 3 calls measured 2x the model in all.
+  shapes.push_back({{"kind", "grouped_linear_forward"}, {"shape", {64, 0, 192, 300, 200}}, {"count", 3},
+                    {"measured_median_s", 2 * predicted_fwd}, {"measured_total_s", 6 * predicted_fwd}});
+  {
+    std::ofstream out(dir / "op_times.json");
+    out << nlohmann::json{{"shapes", shapes}}.dump();
+  }
+  const HardwareProfile p = in_situ_profile(base, dir);
+  ASSERT_EQ(p.in_situ_ops.size(), 1u);
+  EXPECT_EQ(p.in_situ_ops[0].kind, "linear_forward");
+  EXPECT_DOUBLE_EQ(p.in_situ_ops[0].seconds, 5e-3);
+  ASSERT_EQ(p.in_situ_scales.size(), 1u);
+  EXPECT_DOUBLE_EQ(p.in_situ_scales[0].scale, 2.0);
+  EXPECT_EQ(p.gemm.size(), base.gemm.size());  // the base's measurements are kept
+  EXPECT_DOUBLE_EQ(CostModel(p).grouped_linear_forward({10, 20, 30}, 300, 200),
+                   2.0 * model.grouped_linear_forward({10, 20, 30}, 300, 200));
+  // A run without op_times.json is refused by name.
+  std::filesystem::remove(dir / "op_times.json");
+  EXPECT_NE(message_of([&] { in_situ_profile(base, dir); }).find("--profile-ops"), std::string::npos);
+}
+
 TEST(CostModel, OverlapCostsOnlyTheExposedPart) {
   EXPECT_DOUBLE_EQ(overlapped(3e-3, 1e-3), 2e-3);
   EXPECT_EQ(overlapped(1e-3, 3e-3), 0.0);

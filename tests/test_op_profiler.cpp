@@ -115,6 +115,26 @@ TEST(OpProfiler, SummaryAggregatesMediansAndErrors) {
   EXPECT_DOUBLE_EQ(w.weighted_error, (9 + 9 + 7 + 5 + 15) / 60.0);
 }
 
+TEST(OpProfiler, MedianErrorAndNoiseFloorAreJudgedPerShape) {
+  // Kind a at shape [1]: measured 1, 2, 3 (median 2), predicted 2: its medians agree,
+  // its ops scatter by 1 + 0 + 1 around the median. Shape [2]: measured 4, 4,
+  // predicted 6: medians 50% apart, no scatter. Step 1 is left out (first_step 2).
+  std::vector<OpRecord> r = {rec("a", 1, 1, 2), rec("a", 2, 2, 2), rec("a", 3, 3, 2), rec("a", 4, 4, 6),
+                             rec("a", 4, 4, 6), rec("a", 100, 100, 1, /*step=*/1)};
+  for (int i = 0; i < 3; ++i) r[std::size_t(i)].shape = {1};
+  for (int i = 3; i < 6; ++i) r[std::size_t(i)].shape = {2};
+  const fs::path dir = fs::temp_directory_path() / "moeflex_op_profiler_median";
+  fs::create_directories(dir);
+  write_op_times_part(dir / "part0.json", r, {});
+  const nlohmann::json doc = summarize_op_time_parts({dir / "part0.json"}, 2, /*use_cpu=*/true);
+  fs::remove_all(dir);
+  // Weights: the shapes' measured totals, 6 and 8 s.
+  EXPECT_DOUBLE_EQ(doc.at("op_median_error").get<double>(), (6 * 0.0 + 8 * 0.5) / 14);
+  EXPECT_DOUBLE_EQ(doc.at("op_noise_floor").get<double>(), 2.0 / 14);
+  // The per-op error counts both: |2-1| + 0 + |2-3| + 2 + 2 over 14.
+  EXPECT_DOUBLE_EQ(doc.at("op_error").get<double>(), 6.0 / 14);
+}
+
 TEST(OpProfiler, StepErrorIsTheMeanRelativeErrorOverSteps) {
   std::vector<StepTimeRecord> s(2);
   s[0].measured_wall = 2.0, s[0].measured_cpu = 1.0, s[0].predicted = 1.5;

@@ -121,6 +121,11 @@ int main(int argc, char** argv) {
   cal->add_option("--out", cal_out, "profile JSON to write")->capture_default_str();
   cal->add_option("--threads", cal_threads, "threads (default: all cores)");
   cal->add_option("--seconds", cal_seconds, "time budget")->capture_default_str();
+  std::string cal_from_run, cal_base = kDefaultHardwareProfilePath;
+  cal->add_option("--from-run", cal_from_run,
+                  "no timing: add the ops of a run trained with --profile-ops (RUN/op_times.json) to --base, "
+                  "written to --out (default: the base's name with -in-situ)");
+  cal->add_option("--base", cal_base, "with --from-run: the profile to start from")->capture_default_str();
 
   // --- simulate, search (cli/sim_commands.cpp)
   add_sim_commands(app);
@@ -179,6 +184,13 @@ int main(int argc, char** argv) {
                    r.tokens, val, r.tokens_per_second, format_bytes(r.peak_device_bytes));
     } else if (run_sim_commands()) {
       return 0;
+    } else if (*cal && !cal_from_run.empty()) {
+      std::string out = cal_out;
+      if (cal->count("--out") == 0) {  // keep the base: name the result after it
+        fs::path b(cal_base);
+        out = (b.parent_path() / (b.stem().string() + "-in-situ" + b.extension().string())).string();
+      }
+      return run_in_situ_calibrate_command(cal_from_run, cal_base, out);
     } else if (*cal) {
       return run_calibrate_command(cal_out, cal_threads, cal_seconds,
                                    !comm::MpiSession::active() || mpi.world_rank() == 0);

@@ -134,6 +134,13 @@ nlohmann::json HardwareProfile::to_json() const {
     ops[op] = std::move(arr);
   }
   j["op_tables"] = std::move(ops);
+  if (!in_situ_source.empty() || !in_situ_ops.empty() || !in_situ_scales.empty()) {
+    json o = json::array(), sc = json::array();
+    for (const InSituOp& x : in_situ_ops) o.push_back({{"kind", x.kind}, {"shape", x.shape}, {"seconds", x.seconds}});
+    for (const InSituScale& x : in_situ_scales)
+      sc.push_back({{"kind", x.kind}, {"in", x.in}, {"out", x.out}, {"scale", x.scale}});
+    j["in_situ"] = {{"source", in_situ_source}, {"ops", o}, {"scales", sc}};
+  }
   return j;
 }
 
@@ -202,6 +209,48 @@ HardwareProfile HardwareProfile::from_json(const nlohmann::json& j, const std::s
         points.push_back(s);
       }
       p.op_tables[op] = std::move(points);
+    }
+  }
+  if (auto it = j.find("in_situ"); it != j.end()) {
+    if (!it->is_object()) bad_field(source, "in_situ", "must be an object {source, ops, scales}");
+    if (auto src = it->find("source"); src != it->end()) {
+      if (!src->is_string()) bad_field(source, "in_situ.source", "must be a string");
+      p.in_situ_source = src->get<std::string>();
+    }
+    if (auto ops = it->find("ops"); ops != it->end()) {
+      if (!ops->is_array()) bad_field(source, "in_situ.ops", "must be an array of {kind, shape, seconds}");
+      for (std::size_t i = 0; i < ops->size(); ++i) {
+        const json& e = (*ops)[i];
+        const std::string f = fmt::format("in_situ.ops[{}]", i);
+        if (!e.is_object() || !e.contains("kind") || !e["kind"].is_string() || !e.contains("shape") ||
+            !e["shape"].is_array())
+          bad_field(source, f, "must be an object {kind: string, shape: [integers], seconds}");
+        InSituOp op;
+        op.kind = e["kind"].get<std::string>();
+        for (const json& d : e["shape"]) {
+          if (!d.is_number_integer() || d.get<std::int64_t>() < 0)
+            bad_field(source, f + ".shape", "must hold non-negative integers");
+          op.shape.push_back(d.get<std::int64_t>());
+        }
+        op.seconds = non_negative(e, "seconds", source, f + ".seconds");
+        p.in_situ_ops.push_back(std::move(op));
+      }
+    }
+    if (auto sc = it->find("scales"); sc != it->end()) {
+      if (!sc->is_array()) bad_field(source, "in_situ.scales", "must be an array of {kind, in, out, scale}");
+      for (std::size_t i = 0; i < sc->size(); ++i) {
+        const json& e = (*sc)[i];
+        const std::string f = fmt::format("in_situ.scales[{}]", i);
+        if (!e.is_object() || !e.contains("kind") || !e["kind"].is_string())
+          bad_field(source, f, "must be an object {kind: string, in, out, scale}");
+        InSituScale x;
+        x.kind = e["kind"].get<std::string>();
+        x.in = positive_int(e, "in", source, f + ".in");
+        x.out = positive_int(e, "out", source, f + ".out");
+        x.scale = non_negative(e, "scale", source, f + ".scale");
+        if (!(x.scale > 0)) bad_field(source, f + ".scale", "must be > 0");
+        p.in_situ_scales.push_back(std::move(x));
+      }
     }
   }
   return p;
@@ -307,6 +356,8 @@ CostModel::CostModel(HardwareProfile profile) : profile_(std::move(profile)) {
       }
     }
   }
+  for (const InSituOp& x : profile_.in_situ_ops) in_situ_ops_[{x.kind, x.shape}] = x.seconds;
+  for (const InSituScale& x : profile_.in_situ_scales) in_situ_scales_[{x.kind, x.in, x.out}] = x.scale;
   for (auto& [op, points] : profile_.op_tables) {
     std::sort(points.begin(), points.end(), [](const OpSample& a, const OpSample& b) { return a.bytes < b.bytes; });
     std::vector<Seconds> times;
@@ -446,11 +497,13 @@ Seconds CostModel::table_time(const std::vector<OpSample>& pts, Bytes bytes, Sec
 
 Seconds CostModel::rmsnorm_forward(std::int64_t n, std::int64_t d) const {
   if (n <= 0 || d <= 0) return 0;
+  if (const Seconds* t = in_situ("rmsnorm_forward", {n, d})) return *t;
   return op(op_names::kRmsnormForward, op_bytes::rmsnorm_forward(n, d));
 }
 
 Seconds CostModel::rmsnorm_backward(std::int64_t n, std::int64_t d) const {
   if (n <= 0 || d <= 0) return 0;
+  if (const Seconds* t = in_situ("rmsnorm_backward", {n, d})) return *t;
   return op(op_names::kRmsnormBackward, op_bytes::rmsnorm_backward(n, d));
 }
 
@@ -461,6 +514,7 @@ Seconds CostModel::rope(std::int64_t B, std::int64_t S, std::int64_t H, std::int
 
 Seconds CostModel::attention_forward(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd) const {
   if (B <= 0 || S <= 0 || H <= 0 || hd <= 0) return 0;
+  if (const Seconds* t = in_situ("attention_forward", {B, S, H, hd})) return *t;
   if (profile_.op_tables.count(op_names::kAttentionForward))
     return double(B * H) * op(op_names::kAttentionForward, op_bytes::attention_softmax_forward(1, S, 1));
   const Seconds per_head = gemm(S, S, hd, GemmLayout::nt) + gemm(S, hd, S, GemmLayout::nn);
@@ -470,6 +524,7 @@ Seconds CostModel::attention_forward(std::int64_t B, std::int64_t S, std::int64_
 
 Seconds CostModel::attention_backward(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd) const {
   if (B <= 0 || S <= 0 || H <= 0 || hd <= 0) return 0;
+  if (const Seconds* t = in_situ("attention_backward", {B, S, H, hd})) return *t;
   if (profile_.op_tables.count(op_names::kAttentionBackward))
     return double(B * H) * op(op_names::kAttentionBackward, op_bytes::attention_softmax_forward(1, S, 1));
   // dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q.
@@ -480,69 +535,115 @@ Seconds CostModel::attention_backward(std::int64_t B, std::int64_t S, std::int64
 }
 
 Seconds CostModel::swiglu_forward(std::int64_t n) const {
-  return n <= 0 ? 0 : op(op_names::kSwigluForward, op_bytes::swiglu_forward(n));
+  if (n <= 0) return 0;
+  if (const Seconds* t = in_situ("swiglu_forward", {n})) return *t;
+  return op(op_names::kSwigluForward, op_bytes::swiglu_forward(n));
 }
 
 Seconds CostModel::swiglu_backward(std::int64_t n) const {
-  return n <= 0 ? 0 : op(op_names::kSwigluBackward, op_bytes::swiglu_backward(n));
+  if (n <= 0) return 0;
+  if (const Seconds* t = in_situ("swiglu_backward", {n})) return *t;
+  return op(op_names::kSwigluBackward, op_bytes::swiglu_backward(n));
 }
 
 Seconds CostModel::router_forward(std::int64_t n, std::int64_t E, std::int64_t k) const {
-  return n <= 0 ? 0 : op(op_names::kRouterForward, op_bytes::router_forward(n, E, k));
+  if (n <= 0) return 0;
+  if (const Seconds* t = in_situ("router_forward", {n, E, k})) return *t;
+  return op(op_names::kRouterForward, op_bytes::router_forward(n, E, k));
 }
 
 Seconds CostModel::router_backward(std::int64_t n, std::int64_t E, std::int64_t k) const {
-  return n <= 0 ? 0 : op(op_names::kRouterBackward, op_bytes::router_backward(n, E, k));
+  if (n <= 0) return 0;
+  if (const Seconds* t = in_situ("router_backward", {n, E, k})) return *t;
+  return op(op_names::kRouterBackward, op_bytes::router_backward(n, E, k));
 }
 
 Seconds CostModel::permute_forward(std::int64_t n, std::int64_t k, std::int64_t d) const {
-  return n <= 0 ? 0 : op(op_names::kPermuteForward, op_bytes::permute(n, k, d));
+  if (n <= 0) return 0;
+  if (const Seconds* t = in_situ("permute_forward", {n, k, d})) return *t;
+  return op(op_names::kPermuteForward, op_bytes::permute(n, k, d));
 }
 
 Seconds CostModel::permute_backward(std::int64_t n, std::int64_t k, std::int64_t d) const {
-  return n <= 0 ? 0 : op(op_names::kPermuteBackward, op_bytes::permute(n, k, d));
+  if (n <= 0) return 0;
+  if (const Seconds* t = in_situ("permute_backward", {n, k, d})) return *t;
+  return op(op_names::kPermuteBackward, op_bytes::permute(n, k, d));
 }
 
 Seconds CostModel::unpermute_forward(std::int64_t n, std::int64_t k, std::int64_t d) const {
-  return n <= 0 ? 0 : op(op_names::kUnpermuteForward, op_bytes::permute(n, k, d));
+  if (n <= 0) return 0;
+  if (const Seconds* t = in_situ("unpermute_forward", {n, k, d})) return *t;
+  return op(op_names::kUnpermuteForward, op_bytes::permute(n, k, d));
 }
 
 Seconds CostModel::unpermute_backward(std::int64_t n, std::int64_t k, std::int64_t d) const {
-  return n <= 0 ? 0 : op(op_names::kUnpermuteBackward, op_bytes::permute(n, k, d));
+  if (n <= 0) return 0;
+  if (const Seconds* t = in_situ("unpermute_backward", {n, k, d})) return *t;
+  return op(op_names::kUnpermuteBackward, op_bytes::permute(n, k, d));
 }
 
 Seconds CostModel::cross_entropy_forward(std::int64_t n, std::int64_t V) const {
-  return n <= 0 ? 0 : op(op_names::kCrossEntropyForward, op_bytes::cross_entropy(n, V));
+  if (n <= 0) return 0;
+  if (const Seconds* t = in_situ("cross_entropy_forward", {n, V})) return *t;
+  return op(op_names::kCrossEntropyForward, op_bytes::cross_entropy(n, V));
 }
 
 Seconds CostModel::cross_entropy_backward(std::int64_t n, std::int64_t V) const {
-  return n <= 0 ? 0 : op(op_names::kCrossEntropyBackward, op_bytes::cross_entropy(n, V));
+  if (n <= 0) return 0;
+  if (const Seconds* t = in_situ("cross_entropy_backward", {n, V})) return *t;
+  return op(op_names::kCrossEntropyBackward, op_bytes::cross_entropy(n, V));
 }
 
 Seconds CostModel::linear_forward(std::int64_t n, std::int64_t in, std::int64_t out) const {
+  if (n > 0)
+    if (const Seconds* t = in_situ("linear_forward", {n, in, out})) return *t;
   return gemm(n, out, in, GemmLayout::nt);
 }
 
 Seconds CostModel::linear_backward(std::int64_t n, std::int64_t in, std::int64_t out, bool want_dx,
                                    bool want_dw) const {
   if (n <= 0) return 0;  // the kernel's dw GEMM has K = 0 and changes nothing
-  return (want_dx ? gemm(n, in, out, GemmLayout::nn) : 0) + (want_dw ? gemm(out, in, n, GemmLayout::tn) : 0);
+  if (want_dx && want_dw)
+    if (const Seconds* t = in_situ("linear_backward", {n, in, out})) return *t;
+  Seconds t = 0;
+  if (want_dx) {
+    const Seconds* m = in_situ("linear_backward_dx", {n, in, out});
+    t += m ? *m : gemm(n, in, out, GemmLayout::nn);
+  }
+  if (want_dw) {
+    const Seconds* m = in_situ("linear_backward_dw", {n, in, out});
+    t += m ? *m : gemm(out, in, n, GemmLayout::tn);
+  }
+  return t;
 }
 
 Seconds CostModel::grouped_linear_forward(const std::vector<std::int64_t>& rows_per_group, std::int64_t in,
                                           std::int64_t out) const {
-  return grouped_gemm(rows_per_group, out, in, GemmLayout::nt);
+  return in_situ_scale("grouped_linear_forward", in, out) * grouped_gemm(rows_per_group, out, in, GemmLayout::nt);
 }
 
 Seconds CostModel::grouped_linear_backward(const std::vector<std::int64_t>& rows_per_group, std::int64_t in,
                                            std::int64_t out, bool want_dx, bool want_dw) const {
-  Seconds t = 0;
+  Seconds dx = 0, dw = 0;
   for (std::int64_t rows : rows_per_group) {
     if (rows <= 0) continue;  // skipped by the kernel, like the forward
-    if (want_dx) t += gemm(rows, in, out, GemmLayout::nn);
-    if (want_dw) t += gemm(out, in, rows, GemmLayout::tn);
+    if (want_dx) dx += gemm(rows, in, out, GemmLayout::nn);
+    if (want_dw) dw += gemm(out, in, rows, GemmLayout::tn);
   }
-  return t;
+  return in_situ_scale("grouped_linear_backward_dx", in, out) * dx +
+         in_situ_scale("grouped_linear_backward_dw", in, out) * dw;
+}
+
+const Seconds* CostModel::in_situ(const char* kind, std::initializer_list<std::int64_t> shape) const {
+  if (in_situ_ops_.empty()) return nullptr;
+  auto it = in_situ_ops_.find({std::string(kind), std::vector<std::int64_t>(shape)});
+  return it == in_situ_ops_.end() ? nullptr : &it->second;
+}
+
+double CostModel::in_situ_scale(const char* kind, std::int64_t in, std::int64_t out) const {
+  if (in_situ_scales_.empty()) return 1.0;
+  auto it = in_situ_scales_.find({std::string(kind), in, out});
+  return it == in_situ_scales_.end() ? 1.0 : it->second;
 }
 
 Seconds overlapped(Seconds extra, Seconds available) { return std::max<Seconds>(0, extra - available); }

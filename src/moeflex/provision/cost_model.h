@@ -27,6 +27,7 @@
 #include <filesystem>
 #include <map>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -150,6 +151,25 @@ struct OpSample {
   Seconds seconds = 0;
 };
 
+/// One op timed inside real training steps (`moeflex calibrate --from-run`): the
+/// median of its measured times at exactly this shape, the shape in the order
+/// op_times.json lists it (the ops/ headers' arguments, e.g. linear [n, in, out]).
+struct InSituOp {
+  std::string kind;  ///< op_times.json's kind, e.g. "linear_backward_dw"
+  std::vector<std::int64_t> shape;
+  Seconds seconds = 0;
+};
+
+/// A grouped-GEMM kind's measured / modelled time in real training steps, for one
+/// weight shape [in, out] (its rows per group vary with the routing, so a ratio
+/// carries over where exact shapes would not).
+struct InSituScale {
+  std::string kind;  ///< grouped_linear_forward, grouped_linear_backward_dx or _dw
+  std::int64_t in = 0;
+  std::int64_t out = 0;
+  double scale = 1;
+};
+
 /// What one device of this machine does, as measured by `moeflex calibrate` (or
 /// written by hand for a machine we only simulate). Saved as JSON.
 struct HardwareProfile {
@@ -169,6 +189,12 @@ struct HardwareProfile {
   /// Optional per-op-family tables (op_names::), points sorted by bytes. A family
   /// without a table is costed as generic elementwise work.
   std::map<std::string, std::vector<OpSample>> op_tables;
+  /// Optional in-situ measurements (`moeflex calibrate --from-run RUN`): ops of a
+  /// real step at their exact shapes, which the cost model answers before its
+  /// tables, and grouped-GEMM scales; `in_situ_source` names the run.
+  std::string in_situ_source;
+  std::vector<InSituOp> in_situ_ops;
+  std::vector<InSituScale> in_situ_scales;
 
   /// The JSON document (see HardwareProfile::from_json for the fields).
   nlohmann::json to_json() const;
@@ -268,6 +294,11 @@ class CostModel {
                                   std::int64_t out, bool want_dx = true, bool want_dw = true) const;
 
  private:
+  /// The in-situ time of `kind` at exactly `shape`, or null (HardwareProfile::in_situ_ops).
+  const Seconds* in_situ(const char* kind, std::initializer_list<std::int64_t> shape) const;
+  /// The in-situ scale of a grouped kind with weight [in, out]; 1 without one.
+  double in_situ_scale(const char* kind, std::int64_t in, std::int64_t out) const;
+
   /// A GEMM sample's extents with one axis left out, the key of a line along it.
   using LineKey = std::pair<std::int64_t, std::int64_t>;
   /// Points (free extent, seconds) of one line, sorted by the extent.
@@ -283,6 +314,8 @@ class CostModel {
   static Seconds table_time(const std::vector<OpSample>& points, Bytes bytes, Seconds zero_time);
 
   HardwareProfile profile_;
+  std::map<std::pair<std::string, std::vector<std::int64_t>>, Seconds> in_situ_ops_;
+  std::map<std::tuple<std::string, std::int64_t, std::int64_t>, double> in_situ_scales_;
   Lines lines_[4];  ///< indexed by GemmLayout: [any] holds every sample, the others their layout's
 };
 

@@ -36,6 +36,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -63,6 +64,7 @@
 #include "moeflex/ops/rope.h"
 #include "moeflex/ops/router.h"
 #include "moeflex/ops/swiglu.h"
+#include "moeflex/train/safetensors.h"
 
 extern "C" void openblas_set_num_threads(int);
 
@@ -1472,6 +1474,74 @@ int run_calibrate_command(const std::string& out_path, int threads, double budge
     fmt::print("measurement noise: unknown (too few repeats to compare; raise --seconds)\n");
   write_profile(profile, out_path);
   fmt::print("wrote {} ({:.1f} s in all)\n", out_path, since(t0));
+  return 0;
+}
+
+HardwareProfile in_situ_profile(HardwareProfile base, const std::filesystem::path& run_dir) {
+  const std::filesystem::path path = run_dir / "op_times.json";
+  std::ifstream in(path);
+  if (!in)
+    throw DataError(fmt::format("'{}' cannot be opened: --from-run needs a run trained with --profile-ops",
+                                path.string()));
+  nlohmann::json doc;
+  try {
+    doc = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    throw DataError(fmt::format("'{}' is not valid JSON: {}", path.string(), e.what()));
+  }
+  if (!doc.is_object() || !doc.contains("shapes") || !doc["shapes"].is_array())
+    throw DataError(fmt::format("'{}' has no \"shapes\" list (written by an older moeflex?)", path.string()));
+  const CostModel cost(base);  // the base's own predictions, for the grouped ratios
+  const std::set<std::string> exact(std::begin(kInSituExactKinds), std::end(kInSituExactKinds));
+  const std::set<std::string> scaled(std::begin(kInSituScaledKinds), std::end(kInSituScaledKinds));
+  base.in_situ_ops.clear();
+  base.in_situ_scales.clear();
+  std::map<std::tuple<std::string, std::int64_t, std::int64_t>, std::pair<double, double>> ratio;  // measured, predicted
+  try {
+    for (const nlohmann::json& e : doc["shapes"]) {
+      const std::string kind = e.at("kind").get<std::string>();
+      const auto shape = e.at("shape").get<std::vector<std::int64_t>>();
+      if (exact.count(kind)) {
+        const Seconds median = e.at("measured_median_s").get<double>();
+        if (median > 0) base.in_situ_ops.push_back({kind, shape, median});
+      } else if (scaled.count(kind) && shape.size() >= 3) {
+        // [rows of each group..., in, out]
+        const std::int64_t in_f = shape[shape.size() - 2], out_f = shape.back();
+        const std::vector<std::int64_t> rows(shape.begin(), shape.end() - 2);
+        const Seconds one = kind == "grouped_linear_forward"
+                                ? cost.grouped_linear_forward(rows, in_f, out_f)
+                                : cost.grouped_linear_backward(rows, in_f, out_f, kind == "grouped_linear_backward_dx",
+                                                               kind == "grouped_linear_backward_dw");
+        auto& [m, p] = ratio[{kind, in_f, out_f}];
+        m += e.at("measured_total_s").get<double>();
+        p += double(e.at("count").get<std::int64_t>()) * one;
+      }
+    }
+  } catch (const nlohmann::json::exception& e) {
+    throw DataError(fmt::format("'{}': a \"shapes\" entry is malformed: {}", path.string(), e.what()));
+  }
+  for (const auto& [key, mp] : ratio)
+    if (mp.first > 0 && mp.second > 0)
+      base.in_situ_scales.push_back({std::get<0>(key), std::get<1>(key), std::get<2>(key), mp.first / mp.second});
+  base.in_situ_source = std::filesystem::absolute(run_dir).lexically_normal().string();
+  return base;
+}
+
+int run_in_situ_calibrate_command(const std::string& run_dir, const std::string& base_path,
+                                  const std::string& out_path) {
+  check_config(!std::filesystem::is_directory(out_path),
+               fmt::format("--out '{}' is a directory; give the profile's file name", out_path));
+  const HardwareProfile profile = in_situ_profile(HardwareProfile::load(base_path), run_dir);
+  fmt::print("moeflex calibrate --from-run {}: base profile {}\n", run_dir, base_path);
+  fmt::print("in-situ: {} ops at their exact shapes", profile.in_situ_ops.size());
+  if (!profile.in_situ_scales.empty()) {
+    fmt::print("; grouped GEMMs measured / modelled:");
+    for (const InSituScale& x : profile.in_situ_scales)
+      fmt::print(" {} [{}, {}] x{:.3f}", x.kind, x.in, x.out, x.scale);
+  }
+  fmt::print("\n");
+  train::write_file_atomically(out_path, profile.to_json().dump(2) + "\n");
+  fmt::print("wrote {}\n", out_path);
   return 0;
 }
 

@@ -508,6 +508,43 @@ json summary_json(const OpTimeSummary& s) {
 
 }  // namespace
 
+namespace {
+
+/// The time model judged on what it can predict: each (kind, shape)'s median.
+struct ShapeErrors {
+  /// Time-weighted mean over (kind, shape) of |predicted median - measured median| /
+  /// measured median (weight: the shape's measured total).
+  double median_error = 0;
+  /// sum over ops |measured - its shape's measured median| / sum measured: the op
+  /// error of a model that knew every shape's median exactly (run-to-run noise).
+  double noise_floor = 0;
+};
+
+ShapeErrors shape_median_errors(
+    const std::map<std::pair<std::string, std::vector<std::int64_t>>, std::vector<OpRecord>>& by_shape,
+    bool use_cpu) {
+  double weight = 0, median_sum = 0, noise_sum = 0;
+  for (const auto& [key, rs] : by_shape) {
+    std::vector<double> measured, predicted;
+    for (const OpRecord& r : rs) {
+      measured.push_back(use_cpu ? r.cpu : r.wall);
+      predicted.push_back(r.predicted);
+    }
+    const double mm = median(measured), pm = median(predicted);
+    double total = 0;
+    for (double m : measured) {
+      total += m;
+      noise_sum += std::abs(m - mm);
+    }
+    if (mm > 0) median_sum += total * std::abs(pm - mm) / mm;
+    weight += total;
+  }
+  if (weight <= 0) return {};
+  return {median_sum / weight, noise_sum / weight};
+}
+
+}  // namespace
+
 json summarize_op_time_parts(const std::vector<fs::path>& parts, std::int64_t first_step, bool use_cpu) {
   std::vector<OpRecord> all;
   std::vector<StepTimeRecord> all_steps;
@@ -550,6 +587,7 @@ json summarize_op_time_parts(const std::vector<fs::path>& parts, std::int64_t fi
   std::map<std::pair<std::string, std::vector<std::int64_t>>, std::vector<OpRecord>> by_shape;
   for (const OpRecord& r : records) by_shape[{r.kind, r.shape}].push_back(r);
   json shapes = json::array();
+  const ShapeErrors shape_errors = shape_median_errors(by_shape, use_cpu);
   for (const auto& [key, rs] : by_shape) {
     const OpTimeSummary s = summarize_op_times(rs, use_cpu);
     shapes.push_back({{"kind", key.first},
@@ -565,6 +603,8 @@ json summarize_op_time_parts(const std::vector<fs::path>& parts, std::int64_t fi
           {"op_error", main.weighted_error},
           {"op_error_wall", wall.weighted_error},
           {"op_total_error", main.total_error},
+          {"op_median_error", shape_errors.median_error},
+          {"op_noise_floor", shape_errors.noise_floor},
           {"step_error", step_time_error(steps, use_cpu)},
           {"step_error_wall", step_time_error(steps, false)},
           {"step_error_ops", step_time_error(ops_as_measured, false)},

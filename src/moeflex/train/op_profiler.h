@@ -250,7 +250,10 @@ void write_op_times_part(const std::filesystem::path& path, const std::vector<Op
 /// op_times.json document. Measured times are thread CPU time (use_cpu: one thread
 /// per rank, the clock calibrate measures with) or wall time, "clock" says which:
 /// "op_error" (summarize_op_times' weighted_error; "op_error_wall" on the wall clock),
-/// "op_total_error" (its net bias), "step_error" (step_time_error on that clock;
+/// "op_total_error" (its net bias), "op_median_error" (time-weighted over (kind,
+/// shape): |predicted median - measured median| / measured median), "op_noise_floor"
+/// (sum |measured - its shape's measured median| / sum measured: the op error left
+/// to a model that knew every shape's median), "step_error" (step_time_error on that clock;
 /// "step_error_wall" on the wall clock, "step_error_ops" against the sum of the step's
 /// measured ops, i.e. without the time spent outside ops), "ops" and "ops_wall" (the
 /// kinds' tables), "shapes" (per kind and shape), "phases", "steps".

@@ -398,6 +398,8 @@ TrainResult run_training(const TrainOptions& opts) {
     s["first_oom"] = res.first_oom.empty() ? json(nullptr) : json(res.first_oom);
     if (!std::isnan(res.time_model_op_error)) {  // --profile-ops (op_times.json holds the detail)
       s["time_model_op_error"] = res.time_model_op_error;
+      s["time_model_op_median_error"] = res.time_model_op_median_error;
+      s["time_model_op_noise_floor"] = res.time_model_op_noise_floor;
       s["time_model_step_error"] = res.time_model_step_error;
     }
     s["params"] = cfg.model.num_params();
@@ -418,7 +420,6 @@ TrainResult run_training(const TrainOptions& opts) {
 
   const auto t_start = Clock::now();
   g_stop_requested = 0;
-  bool setup_done = false;
   bool state_placed = false;  // weights, gradients and optimizer state are in the arena
   auto old_int = std::signal(SIGINT, on_stop_signal);
   auto old_term = std::signal(SIGTERM, on_stop_signal);
@@ -664,9 +665,14 @@ TrainResult run_training(const TrainOptions& opts) {
         for (auto& p : parts) fs::remove(p);
         res.time_model_op_error = doc.at("op_error").get<double>();
         res.time_model_step_error = doc.at("step_error").get<double>();
-        progress.note(fmt::format("time model ({} clock): op error {:.2f}%, step error {:.2f}% (wall clock: {:.2f}%); "
-                                  "op_times.json", doc.at("clock").get<std::string>(), 100 * res.time_model_op_error,
-                                  100 * res.time_model_step_error, 100 * doc.at("step_error_wall").get<double>()));
+        res.time_model_op_median_error = doc.at("op_median_error").get<double>();
+        res.time_model_op_noise_floor = doc.at("op_noise_floor").get<double>();
+        progress.note(fmt::format(
+            "time model ({} clock): op error {:.2f}% (noise floor {:.2f}%), by shape medians {:.2f}%, step error "
+            "{:.2f}% (wall clock: {:.2f}%); op_times.json",
+            doc.at("clock").get<std::string>(), 100 * res.time_model_op_error, 100 * res.time_model_op_noise_floor,
+            100 * res.time_model_op_median_error, 100 * res.time_model_step_error,
+            100 * doc.at("step_error_wall").get<double>()));
       }
       world->barrier();
     };
@@ -674,7 +680,6 @@ TrainResult run_training(const TrainOptions& opts) {
     if (rank0) metrics.open(run_dir / "metrics.jsonl", std::ios::app);
     std::ofstream loads_out;  // loads.jsonl (record_loads)
     if (rank0) loads_out.open(run_dir / "loads.jsonl", std::ios::app);
-    setup_done = true;
     double train_seconds = elapsed_before;
     auto save = [&](std::int64_t step) {
       json st = {{"step", step},

@@ -63,6 +63,12 @@ struct TrainResult {
   /// profile_ops: time-weighted mean absolute op error, sum |predicted - measured| /
   /// sum measured over the ops of every step but the first (NaN without profiling).
   double time_model_op_error = std::numeric_limits<double>::quiet_NaN();
+  /// profile_ops: the same judged on medians, time-weighted over (op kind, shape):
+  /// |predicted median - measured median| / measured median (NaN without profiling).
+  double time_model_op_median_error = std::numeric_limits<double>::quiet_NaN();
+  /// profile_ops: the op error a model knowing every shape's measured median would
+  /// have (the run's own op-to-op noise; NaN without profiling).
+  double time_model_op_noise_floor = std::numeric_limits<double>::quiet_NaN();
   /// profile_ops: mean over steps and ranks of |predicted - measured| / measured step time
   /// (thread CPU time with one thread per rank, as the op error; else wall time).
   double time_model_step_error = std::numeric_limits<double>::quiet_NaN();

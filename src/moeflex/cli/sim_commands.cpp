@@ -27,6 +27,7 @@ struct Flags {
   std::int64_t micro_batch_size = 0, seq_len = 0, global_batch = 0;
   int iterations = 1, gpus = 8, top = 10, checkpoint_interval = 50, search_threads = 0;
   double restart_seconds = 284;
+  bool breakdown = false;
 };
 
 Flags& flags() {
@@ -93,6 +94,9 @@ void add_sim_commands(CLI::App& app) {
   s->add_option("--out", f.out, "write summary.json and trace.json here");
   s->add_option("--trace-ranks", f.trace_ranks, "pipeline ranks in trace.json, e.g. 0,3 (empty: none)")
       ->capture_default_str();
+  s->add_flag("--breakdown", f.breakdown,
+              "also print (and write to summary.json) the priced ops of one step by kind and phase, as "
+              "`train --profile-ops` names them in op_times.json");
   auto* q = f.search;
   q->add_option("--gpus", f.gpus, "devices")->required()->check(CLI::Range(1, int(sim::kMaxSimulatedDevices)));
   q->add_option("--top", f.top, "layouts to print")->capture_default_str()->check(CLI::Range(1, 100000));
@@ -135,6 +139,7 @@ bool run_sim_commands() {
     o.restart_seconds = f.restart_seconds;
     o.checkpoint_interval = f.checkpoint_interval;
     o.overlap_pair_comm = cluster.element_bytes < 4;
+    o.breakdown = f.breakdown;
     std::stringstream ss(f.trace_ranks);
     for (std::string x; std::getline(ss, x, ',');)
       if (!x.empty()) o.trace_ranks.push_back(std::stoi(x));

@@ -2,6 +2,7 @@
 #include "moeflex/model/layer_cost.h"
 
 #include <algorithm>
+#include <tuple>
 
 namespace moeflex {
 
@@ -14,18 +15,63 @@ Seconds copy(const CostModel& c, std::int64_t n) { return c.elementwise(Bytes(2)
 /// Zero-filling n elements (Tensor::zero).
 Seconds zero(const CostModel& c, std::int64_t n) { return c.elementwise(Bytes(n) * kActivationBytes); }
 
+enum class Phase { forward, backward_input, backward_weight };
+
+const char* phase_name(Phase p) {
+  switch (p) {
+    case Phase::forward: return "forward";
+    case Phase::backward_input: return "backward_input";
+    case Phase::backward_weight: return "backward_weight";
+  }
+  return "";
+}
+
+/// Adds op times to a LayerCost: to the time of the phase they run in (`into`, which
+/// for the experts' weight gradients of a chunked split backward is B) and, with a
+/// breakdown, to its ops under the phase the profiler labels them with (`label`).
+struct Acc {
+  LayerCost& lc;
+  bool on;
+  Seconds& total(Phase p) {
+    return p == Phase::forward ? lc.forward : p == Phase::backward_input ? lc.backward_input : lc.backward_weight;
+  }
+  void add(Phase p, const char* kind, Seconds t, double count = 1) { add(p, p, kind, t, count); }
+  void add(Phase into, Phase label, const char* kind, Seconds t, double count) {
+    total(into) += t;
+    if (!on) return;
+    OpTally& x = lc.ops[{phase_name(label), kind}];
+    x.count += count;
+    x.seconds += t;
+  }
+  /// A recompute entry: its lineage's ops (kind, seconds, calls).
+  void rebuild(const std::string& name, std::initializer_list<std::tuple<const char*, Seconds, double>> parts) {
+    Seconds t = 0;
+    OpBreakdown b;
+    for (const auto& [kind, s, n] : parts) {
+      t += s;
+      if (on) b[{"recompute", kind}] = OpTally{n, s};
+    }
+    lc.recompute.emplace_back(name, t);
+    if (on) lc.recompute_ops.push_back(std::move(b));
+  }
+};
+
 /// A SwiGLU MLP of width w on n tokens (dense layers, shared experts), as
 /// swiglu_mlp_forward/backward run it, adding into `lc` and its recompute table.
 void swiglu_mlp(const CostModel& c, std::int64_t n, std::int64_t d, std::int64_t w, const std::string& prefix,
-                LayerCost& lc) {
-  lc.forward += 2 * c.linear_forward(n, d, w) + c.swiglu_forward(n * w) + c.linear_forward(n, w, d);
+                Acc& a) {
+  a.add(Phase::forward, "linear_forward", 2 * c.linear_forward(n, d, w), 2);
+  a.add(Phase::forward, "swiglu_forward", c.swiglu_forward(n * w));
+  a.add(Phase::forward, "gemm_nt", c.linear_forward(n, w, d));  // the down projection accumulates: a gemm call
   // backward: down (dx), swiglu, gate and up (dx); W: the three dW GEMMs.
-  lc.backward_input += c.linear_backward(n, w, d, true, false) + c.swiglu_backward(n * w) +
-                       2 * c.linear_backward(n, d, w, true, false);
-  lc.backward_weight += c.linear_backward(n, w, d, false, true) + 2 * c.linear_backward(n, d, w, false, true);
-  lc.recompute.emplace_back(prefix + ".gate_out", c.linear_forward(n, d, w));
-  lc.recompute.emplace_back(prefix + ".up_out", c.linear_forward(n, d, w));
-  lc.recompute.emplace_back(prefix + ".act", c.swiglu_forward(n * w));
+  a.add(Phase::backward_input, "linear_backward_dx", c.linear_backward(n, w, d, true, false));
+  a.add(Phase::backward_input, "swiglu_backward", c.swiglu_backward(n * w));
+  a.add(Phase::backward_input, "linear_backward_dx", 2 * c.linear_backward(n, d, w, true, false), 2);
+  a.add(Phase::backward_weight, "linear_backward_dw", c.linear_backward(n, w, d, false, true));
+  a.add(Phase::backward_weight, "linear_backward_dw", 2 * c.linear_backward(n, d, w, false, true), 2);
+  a.rebuild(prefix + ".gate_out", {{"linear_forward", c.linear_forward(n, d, w), 1}});
+  a.rebuild(prefix + ".up_out", {{"linear_forward", c.linear_forward(n, d, w), 1}});
+  a.rebuild(prefix + ".act", {{"swiglu_forward", c.swiglu_forward(n * w), 1}});
 }
 
 /// The chunks of an expert FFN over rows grouped as `groups` (model.cpp's chunk loop,
@@ -63,10 +109,50 @@ std::vector<ExpertChunkShape> expert_chunk_shapes(const ModelConfig& cfg, const 
 
 }  // namespace
 
+void add_breakdown(OpBreakdown& into, const OpBreakdown& b, double times) {
+  for (const auto& [key, t] : b) {
+    OpTally& x = into[key];
+    x.count += times * t.count;
+    x.seconds += times * t.seconds;
+  }
+}
+
 Seconds LayerCost::recompute_seconds(const std::string& name) const {
   for (const auto& [n, s] : recompute)
     if (n == name) return s;
   return 0;
+}
+
+Seconds LayerCost::recompute_total(const std::function<bool(const std::string&)>& recomputed, OpBreakdown* ops) const {
+  // The chunk tensors the backward's expert loop rebuilds inline (labelled backward_input).
+  auto in_loop = [](const std::string& n) {
+    return n == "experts.gate_out" || n == "experts.up_out" || n == "experts.act";
+  };
+  bool combined = false;
+  for (const auto& [n, s] : recompute) combined |= n == "moe.combined" && recomputed(n);
+  const bool again = combined && recomputed("experts.act");  // the down projection's input rebuilt first
+  Seconds t = 0;
+  for (std::size_t i = 0; i < recompute.size(); ++i) {
+    const auto& [n, s] = recompute[i];
+    if (!recomputed(n)) continue;
+    const bool loop = in_loop(n);
+    const double times = loop && again ? 2 : 1;
+    t += times * s;
+    if (!ops || i >= recompute_ops.size()) continue;
+    for (const auto& [key, x] : recompute_ops[i]) {
+      if (loop) {
+        OpTally& y = (*ops)[{"backward_input", key.second}];
+        y.count += x.count;
+        y.seconds += x.seconds;
+      }
+      if (!loop || again) {
+        OpTally& y = (*ops)[{"recompute", key.second}];
+        y.count += x.count;
+        y.seconds += x.seconds;
+      }
+    }
+  }
+  return t;
 }
 
 std::vector<std::int64_t> even_groups(std::int64_t rows, std::int64_t experts) {
@@ -79,6 +165,8 @@ std::vector<std::int64_t> even_groups(std::int64_t rows, std::int64_t experts) {
 
 LayerCost layer_cost(const CostModel& c, const ModelConfig& cfg, int layer, const LayerWork& wk) {
   LayerCost lc;
+  Acc a{lc, wk.breakdown};
+  constexpr Phase F = Phase::forward, B_ = Phase::backward_input, W = Phase::backward_weight;
   const int tp = std::max(wk.tp, 1);
   const std::int64_t B = wk.B, S = wk.S, n = B * S, d = cfg.hidden_size;
   const std::int64_t ns = n / tp;  // tokens of this rank's sequence-parallel shard
@@ -86,45 +174,61 @@ LayerCost layer_cost(const CostModel& c, const ModelConfig& cfg, int layer, cons
   const bool split = wk.split_backward;
 
   // ---- attention block (model.cpp attention_forward / attention_backward)
-  lc.forward += c.rmsnorm_forward(ns, d) + 3 * c.linear_forward(n, d, dh) + 2 * c.rope(B, S, H, hd) +
-                c.attention_forward(B, S, H, hd) + c.linear_forward(n, dh, d) + add_inplace(c, ns * d);
-  lc.backward_input += (split ? copy(c, ns * d) : 0) + c.linear_backward(n, dh, d, true, false) +
-                       c.attention_backward(B, S, H, hd) + 2 * c.rope(B, S, H, hd) +
-                       3 * c.linear_backward(n, d, dh, true, false) + c.rmsnorm_backward(ns, d) +
-                       add_inplace(c, ns * d);
-  lc.backward_weight += c.linear_backward(n, dh, d, false, true) + 3 * c.linear_backward(n, d, dh, false, true);
-  lc.recompute.emplace_back("attn_norm.out", c.rmsnorm_forward(ns, d));
-  lc.recompute.emplace_back("attn_norm.rstd", c.rmsnorm_forward(ns, d));
-  lc.recompute.emplace_back("attn.q", c.linear_forward(n, d, dh) + c.rope(B, S, H, hd));
-  lc.recompute.emplace_back("attn.k", c.linear_forward(n, d, dh) + c.rope(B, S, H, hd));
-  lc.recompute.emplace_back("attn.v", c.linear_forward(n, d, dh));
-  lc.recompute.emplace_back("attn.probs", c.attention_forward(B, S, H, hd));
-  lc.recompute.emplace_back("attn.out", c.attention_forward(B, S, H, hd));
+  a.add(F, "rmsnorm_forward", c.rmsnorm_forward(ns, d));
+  a.add(F, "linear_forward", 3 * c.linear_forward(n, d, dh), 3);
+  a.add(F, "rope_forward", 2 * c.rope(B, S, H, hd), 2);
+  a.add(F, "attention_forward", c.attention_forward(B, S, H, hd));
+  a.add(F, "linear_forward", c.linear_forward(n, dh, d));
+  a.add(F, "add_inplace", add_inplace(c, ns * d));
+  if (split) a.add(B_, "copy", copy(c, ns * d));  // o_proj's dy for its deferred dW
+  a.add(B_, "linear_backward_dx", c.linear_backward(n, dh, d, true, false));
+  a.add(B_, "attention_backward", c.attention_backward(B, S, H, hd));
+  a.add(B_, "rope_backward", 2 * c.rope(B, S, H, hd), 2);
+  a.add(B_, "linear_backward_dx", 3 * c.linear_backward(n, d, dh, true, false), 3);
+  a.add(B_, "rmsnorm_backward", c.rmsnorm_backward(ns, d));
+  a.add(B_, "add_inplace", add_inplace(c, ns * d));
+  a.add(W, "linear_backward_dw", c.linear_backward(n, dh, d, false, true));
+  a.add(W, "linear_backward_dw", 3 * c.linear_backward(n, d, dh, false, true), 3);
+  a.rebuild("attn_norm.out", {{"rmsnorm_forward", c.rmsnorm_forward(ns, d), 1}});
+  a.rebuild("attn_norm.rstd", {{"rmsnorm_forward", c.rmsnorm_forward(ns, d), 1}});
+  a.rebuild("attn.q", {{"linear_forward", c.linear_forward(n, d, dh), 1}, {"rope_forward", c.rope(B, S, H, hd), 1}});
+  a.rebuild("attn.k", {{"linear_forward", c.linear_forward(n, d, dh), 1}, {"rope_forward", c.rope(B, S, H, hd), 1}});
+  a.rebuild("attn.v", {{"linear_forward", c.linear_forward(n, d, dh), 1}});
+  a.rebuild("attn.probs", {{"attention_forward", c.attention_forward(B, S, H, hd), 1}});
+  a.rebuild("attn.out", {{"attention_forward", c.attention_forward(B, S, H, hd), 1}});
 
   // ---- FFN block (ffn_forward / ffn_backward)
-  lc.forward += c.rmsnorm_forward(ns, d) + add_inplace(c, ns * d);
-  lc.backward_input += (split ? copy(c, ns * d) : 0) + c.rmsnorm_backward(ns, d) + add_inplace(c, ns * d);
-  lc.recompute.emplace_back("ffn_norm.out", c.rmsnorm_forward(ns, d));
-  lc.recompute.emplace_back("ffn_norm.rstd", c.rmsnorm_forward(ns, d));
+  a.add(F, "rmsnorm_forward", c.rmsnorm_forward(ns, d));
+  a.add(F, "add_inplace", add_inplace(c, ns * d));
+  if (split) a.add(B_, "copy", copy(c, ns * d));  // the FFN's dy for its deferred dW
+  a.add(B_, "rmsnorm_backward", c.rmsnorm_backward(ns, d));
+  a.add(B_, "add_inplace", add_inplace(c, ns * d));
+  a.rebuild("ffn_norm.out", {{"rmsnorm_forward", c.rmsnorm_forward(ns, d), 1}});
+  a.rebuild("ffn_norm.rstd", {{"rmsnorm_forward", c.rmsnorm_forward(ns, d), 1}});
   if (!cfg.is_moe_layer(layer)) {
-    lc.backward_input += zero(c, ns * d);  // dm.zero()
-    swiglu_mlp(c, n, d, cfg.intermediate_size / tp, "dense", lc);
+    a.add(B_, "zero", zero(c, ns * d));  // dm.zero()
+    swiglu_mlp(c, n, d, cfg.intermediate_size / tp, "dense", a);
   } else {
     const std::int64_t E = cfg.num_experts, k = cfg.num_experts_per_tok, f = cfg.moe_intermediate_size;
     const std::int64_t R = wk.rows.permuted, Rr = wk.rows.received;
     const bool ep = wk.ep > 1;
     const std::int64_t El = E / std::max(wk.ep, 1);
     const std::vector<std::int64_t> groups = even_groups(Rr, El);
-    // router: gate GEMM, softmax/top-k, aux loss and dispatch planning (elementwise over [n, E] and [n, k])
-    const Seconds router_f = c.linear_forward(ns, d, E) + c.router_forward(ns, E, k);
-    lc.forward += router_f + c.elementwise(Bytes(ns) * (E + 2 * k) * kActivationBytes);
-    if (cfg.router_z_loss_coef > 0) lc.forward += c.elementwise(Bytes(ns) * E * kActivationBytes);
-    lc.forward += c.permute_forward(ns, k, d);
-    if (ep) lc.forward += 2 * copy(c, Rr * d);  // dispatch and combine through the local scratch
+    // router: gate GEMM, softmax/top-k, aux loss (reads probs [n, E] and top-k [n, k]),
+    // z loss, the dispatch plan (top-k read, slots written) and the top-k indices
+    // read back to the host for the imbalance statistics (a copy on the CPU engine)
+    a.add(F, "linear_forward", c.linear_forward(ns, d, E));
+    a.add(F, "router_forward", c.router_forward(ns, E, k));
+    a.add(F, "aux_loss_forward", c.elementwise(Bytes(ns) * (E + k) * kActivationBytes));
+    if (cfg.router_z_loss_coef > 0) a.add(F, "z_loss_forward", c.elementwise(Bytes(ns) * E * kActivationBytes));
+    a.add(F, "moe_plan_dispatch", c.elementwise(Bytes(2) * ns * k * kActivationBytes));
+    a.add(F, "copy_d2h", c.elementwise(Bytes(2) * ns * k * kActivationBytes));
+    a.add(F, "permute_forward", c.permute_forward(ns, k, d));
+    if (ep) a.add(F, "a2a_local_copy", 2 * copy(c, Rr * d), 2);  // dispatch and combine through the local scratch
     // The experts' FFN runs chunk by chunk (model.expert_chunk_rows): each chunk's
     // GEMMs priced at the chunk's group sizes. Their weight gradients are part of B
     // when a split backward runs over more than one chunk (model.cpp computes them at once).
-    Seconds fc1 = 0, act = 0, fc2 = 0, expert_b = 0, expert_w = 0;
+    Seconds fc1 = 0, act = 0, fc2 = 0, fc2_dx = 0, act_b = 0, fc1_dx = 0, add_b = 0, fc1_dw = 0, fc2_dw = 0;
     std::int64_t chunks = 0;
     for (const ExpertChunkShape& ch : expert_chunk_shapes(cfg, groups)) {
       const double m = double(ch.count);
@@ -132,32 +236,44 @@ LayerCost layer_cost(const CostModel& c, const ModelConfig& cfg, int layer, cons
       fc1 += m * c.grouped_linear_forward(ch.groups, d, f);
       act += m * c.swiglu_forward(ch.rows * f);
       fc2 += m * c.grouped_linear_forward(ch.groups, f, d);
-      expert_b += m * (c.grouped_linear_backward(ch.groups, f, d, true, false) + c.swiglu_backward(ch.rows * f) +
-                       2 * c.grouped_linear_backward(ch.groups, d, f, true, false) + add_inplace(c, ch.rows * d));
-      expert_w += m * (c.grouped_linear_backward(ch.groups, f, d, false, true) +
-                       2 * c.grouped_linear_backward(ch.groups, d, f, false, true));
+      fc2_dx += m * c.grouped_linear_backward(ch.groups, f, d, true, false);
+      act_b += m * c.swiglu_backward(ch.rows * f);
+      fc1_dx += m * c.grouped_linear_backward(ch.groups, d, f, true, false);
+      add_b += m * add_inplace(c, ch.rows * d);
+      fc2_dw += m * c.grouped_linear_backward(ch.groups, f, d, false, true);
+      fc1_dw += m * c.grouped_linear_backward(ch.groups, d, f, false, true);
     }
-    lc.forward += 2 * fc1 + act + fc2 + c.unpermute_forward(ns, k, d);
+    const double nc = double(chunks);
+    a.add(F, "grouped_linear_forward", 2 * fc1 + fc2, 3 * nc);
+    a.add(F, "swiglu_forward", act, nc);
+    a.add(F, "unpermute_forward", c.unpermute_forward(ns, k, d));
     // backward: unpermute, dispatch, down (dx), swiglu, gate/up (dx) + add, combine, permute
-    lc.backward_input += c.unpermute_backward(ns, k, d) + (ep ? 2 * copy(c, Rr * d) : 0) + expert_b +
-                         c.permute_backward(ns, k, d);
-    (split && chunks > 1 ? lc.backward_input : lc.backward_weight) += expert_w;
-    // router backward: dprobs zero, aux loss, softmax/top-k backward, gate GEMM dx (dW in W)
-    lc.backward_input += zero(c, ns * E) + c.elementwise(Bytes(ns) * (E + k) * kActivationBytes) +
-                         c.router_backward(ns, E, k) + c.linear_backward(ns, d, E, true, false);
-    if (cfg.router_z_loss_coef > 0) lc.backward_input += c.elementwise(Bytes(2) * ns * E * kActivationBytes);
-    lc.backward_weight += c.linear_backward(ns, d, E, false, true);
-    if (cfg.shared_width() > 0) swiglu_mlp(c, ns, d, cfg.shared_width() / tp, "shared", lc);
-    lc.recompute.emplace_back("router.logits", c.linear_forward(ns, d, E));
-    lc.recompute.emplace_back("router.probs", c.router_forward(ns, E, k));
-    lc.recompute.emplace_back("router.topk_w", c.router_forward(ns, E, k));
+    a.add(B_, "unpermute_backward", c.unpermute_backward(ns, k, d));
+    if (ep) a.add(B_, "a2a_local_copy", 2 * copy(c, Rr * d), 2);
+    a.add(B_, "grouped_linear_backward_dx", fc2_dx + 2 * fc1_dx, 3 * nc);
+    a.add(B_, "swiglu_backward", act_b, nc);
+    a.add(B_, "add_inplace", add_b, nc);
+    a.add(split && chunks > 1 ? B_ : W, W, "grouped_linear_backward_dw", fc2_dw + 2 * fc1_dw, 3 * nc);
+    a.add(B_, "permute_backward", c.permute_backward(ns, k, d));
+    // router backward: dprobs zero, aux loss, softmax/top-k backward, z loss, gate GEMM dx (dW in W)
+    a.add(B_, "zero", zero(c, ns * E));
+    a.add(B_, "aux_loss_backward", c.elementwise(Bytes(ns) * (E + k) * kActivationBytes));
+    a.add(B_, "router_backward", c.router_backward(ns, E, k));
+    if (cfg.router_z_loss_coef > 0)
+      a.add(B_, "z_loss_backward", c.elementwise(Bytes(2) * ns * E * kActivationBytes));
+    a.add(B_, "linear_backward_dx", c.linear_backward(ns, d, E, true, false));
+    a.add(W, "linear_backward_dw", c.linear_backward(ns, d, E, false, true));
+    if (cfg.shared_width() > 0) swiglu_mlp(c, ns, d, cfg.shared_width() / tp, "shared", a);
+    a.rebuild("router.logits", {{"linear_forward", c.linear_forward(ns, d, E), 1}});
+    a.rebuild("router.probs", {{"router_forward", c.router_forward(ns, E, k), 1}});
+    a.rebuild("router.topk_w", {{"router_forward", c.router_forward(ns, E, k), 1}});
     if (!ep) {
-      lc.recompute.emplace_back("experts.in", c.permute_forward(ns, k, d));
-      lc.recompute.emplace_back("moe.combined", fc2);
+      a.rebuild("experts.in", {{"permute_forward", c.permute_forward(ns, k, d), 1}});
+      a.rebuild("moe.combined", {{"grouped_linear_forward", fc2, nc}});
     }
-    lc.recompute.emplace_back("experts.gate_out", fc1);
-    lc.recompute.emplace_back("experts.up_out", fc1);
-    lc.recompute.emplace_back("experts.act", act);
+    a.rebuild("experts.gate_out", {{"grouped_linear_forward", fc1, nc}});
+    a.rebuild("experts.up_out", {{"grouped_linear_forward", fc1, nc}});
+    a.rebuild("experts.act", {{"swiglu_forward", act, nc}});
     if (ep) {
       // Balanced routing keeps 1/ep of a rank's rows local; the rest crosses the network.
       const double off = double(wk.ep - 1) / double(wk.ep);
@@ -171,24 +287,40 @@ LayerCost layer_cost(const CostModel& c, const ModelConfig& cfg, int layer, cons
 
 LayerCost head_cost(const CostModel& c, const ModelConfig& cfg, const LayerWork& wk) {
   LayerCost lc;
+  Acc a{lc, wk.breakdown};
   const int tp = std::max(wk.tp, 1);
   const std::int64_t n = wk.B * wk.S, d = cfg.hidden_size, V = cfg.vocab_size / tp, ns = n / tp;
-  lc.forward = c.rmsnorm_forward(ns, d) + c.linear_forward(n, d, V) + c.cross_entropy_forward(n, V);
-  lc.backward_input = c.cross_entropy_backward(n, V) + c.linear_backward(n, d, V, true, false) +
-                      c.rmsnorm_backward(ns, d);
-  lc.backward_weight = c.linear_backward(n, d, V, false, true);
-  lc.recompute.emplace_back("final_norm.out", c.rmsnorm_forward(ns, d));
-  lc.recompute.emplace_back("final_norm.rstd", c.rmsnorm_forward(ns, d));
-  lc.recompute.emplace_back("lm_head.probs", c.linear_forward(n, d, V) + c.cross_entropy_forward(n, V));
+  a.add(Phase::forward, "rmsnorm_forward", c.rmsnorm_forward(ns, d));
+  a.add(Phase::forward, "linear_forward", c.linear_forward(n, d, V));
+  a.add(Phase::forward, "cross_entropy_forward", c.cross_entropy_forward(n, V));
+  a.add(Phase::backward_input, "cross_entropy_backward", c.cross_entropy_backward(n, V));
+  a.add(Phase::backward_input, "linear_backward_dx", c.linear_backward(n, d, V, true, false));
+  a.add(Phase::backward_input, "rmsnorm_backward", c.rmsnorm_backward(ns, d));
+  a.add(Phase::backward_weight, "linear_backward_dw", c.linear_backward(n, d, V, false, true));
+  a.rebuild("final_norm.out", {{"rmsnorm_forward", c.rmsnorm_forward(ns, d), 1}});
+  a.rebuild("final_norm.rstd", {{"rmsnorm_forward", c.rmsnorm_forward(ns, d), 1}});
+  a.rebuild("lm_head.probs", {{"linear_forward", c.linear_forward(n, d, V), 1},
+                              {"cross_entropy_forward", c.cross_entropy_forward(n, V), 1}});
   if (tp > 1) lc.tp_collective_bytes = n * d * wk.element_bytes;
   return lc;
 }
 
 LayerCost embedding_cost(const CostModel& c, const ModelConfig& cfg, const LayerWork& wk) {
   LayerCost lc;
+  Acc a{lc, wk.breakdown};
   const std::int64_t ns = wk.B * wk.S / std::max(wk.tp, 1), d = cfg.hidden_size;
-  lc.forward = copy(c, ns * d);           // a gather of rows: reads and writes n x d
-  lc.backward_weight = add_inplace(c, ns * d);  // scatter-add into the table
+  a.add(Phase::forward, "embedding_forward", copy(c, ns * d));             // a gather of rows: reads and writes n x d
+  a.add(Phase::backward_weight, "embedding_backward", add_inplace(c, ns * d));  // scatter-add into the table
+  return lc;
+}
+
+LayerCost stage_copy_cost(const CostModel& c, const ModelConfig& cfg, const LayerWork& wk, bool embedding, bool head) {
+  LayerCost lc;
+  Acc a{lc, wk.breakdown};
+  const std::int64_t ns = wk.B * wk.S / std::max(wk.tp, 1), d = cfg.hidden_size;
+  if (!embedding) a.add(Phase::forward, "copy", copy(c, ns * d));
+  if (!head) a.add(Phase::backward_input, "copy", copy(c, ns * d));
+  if (!embedding) a.add(Phase::backward_input, "copy", copy(c, ns * d));
   return lc;
 }
 

@@ -18,6 +18,8 @@
 //   gradient that a deferred W keeps (model.cpp copy_of) are part of B.
 #pragma once
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -38,7 +40,25 @@ struct LayerWork {
   int tp = 1;                ///< tensor-parallel size (1 in the engine)
   bool split_backward = false;  ///< zero-bubble schedules: W deferred, dx copied
   Bytes element_bytes = kActivationBytes;  ///< bytes per element on the wire (fp32 engine; 2 for bf16)
+  /// Also fill LayerCost::ops and the recompute entries' ops (off: no allocation beyond the times).
+  bool breakdown = false;
 };
+
+/// Calls and seconds of one op kind.
+struct OpTally {
+  double count = 0;
+  Seconds seconds = 0;
+};
+
+/// Op times by (phase, kind), named as the op profiler names them (train/op_profiler.h,
+/// op_times.json): phase "forward", "backward_input", "backward_weight" or
+/// "recompute" (a rebuild run by the stash); kind the Backend call ("linear_forward",
+/// "grouped_linear_backward_dw", "copy", ...), or, for host work that is no backend
+/// op (so the profiler does not record it), a name of its own ("a2a_local_copy").
+using OpBreakdown = std::map<std::pair<std::string, std::string>, OpTally>;
+
+/// Adds every tally of `b`, times `times`, into `into`.
+void add_breakdown(OpBreakdown& into, const OpBreakdown& b, double times = 1);
 
 /// Times of one layer (or the head) on one rank.
 struct LayerCost {
@@ -59,10 +79,25 @@ struct LayerCost {
   /// activation's stash name (as layer_activations() names them), assuming its
   /// inputs are on the device.
   std::vector<std::pair<std::string, Seconds>> recompute;
+  /// LayerWork::breakdown only: forward, backward_input and backward_weight by op
+  /// kind (they sum to the three times), and each recompute entry's ops (phase
+  /// "recompute"), in the order of `recompute`.
+  OpBreakdown ops;
+  std::vector<OpBreakdown> recompute_ops;
 
   Seconds backward() const { return backward_input + backward_weight; }
   /// The recompute time of `name`; 0 for a name without a lineage (or unknown).
   Seconds recompute_seconds(const std::string& name) const;
+  /// Seconds one backward of the layer spends rebuilding every activation for which
+  /// `recomputed(name)` is true, as the engine does it (model.cpp): a rebuilt tensor
+  /// stays in the stash until the layer's release, so each is rebuilt once, except
+  /// the expert FFN's chunk tensors (experts.gate_out, experts.up_out, experts.act),
+  /// which the backward's chunk loop rebuilds for itself: rebuilding moe.combined
+  /// (no EP) without a kept experts.act runs the experts' FC1 (what is not kept of
+  /// it) and activation once more before the down projection. `ops` (breakdown
+  /// only) receives their ops, the loop's under backward_input as the profiler
+  /// labels them.
+  Seconds recompute_total(const std::function<bool(const std::string&)>& recomputed, OpBreakdown* ops = nullptr) const;
 };
 
 /// Rows per local expert when `rows` spread evenly over `experts` groups (the
@@ -77,6 +112,14 @@ LayerCost head_cost(const CostModel& cost, const ModelConfig& cfg, const LayerWo
 
 /// The embedding lookup (forward) and its gradient scatter (W).
 LayerCost embedding_cost(const CostModel& cost, const ModelConfig& cfg, const LayerWork& work);
+
+/// A pipeline stage's boundary copies (MoEModel::forward_impl / backward_stage): a
+/// stage without the embedding copies its received input [n, d] into the stage's
+/// first activation (forward); one without the head copies the received output
+/// gradient into the residual gradient, one without the embedding the input
+/// gradient out to its send buffer (backward_input). Zero for a whole model.
+LayerCost stage_copy_cost(const CostModel& cost, const ModelConfig& cfg, const LayerWork& work, bool embedding,
+                          bool head);
 
 /// Forward FLOPs of one layer for n tokens as the engine computes them (GEMMs of
 /// the projections, the full S x S attention, top-k experts and the shared expert;

@@ -428,6 +428,7 @@ struct Simulation {
   Bytes limit = 0;
   double act_scale = 1;
   LayerCost head, embed;
+  std::vector<LayerCost> stage_copies;  // per global stage: its boundary copies (stage_copy_cost)
 
   explicit Simulation(const SimOptions& opt)
       : o(opt), cfg(opt.model), cache(opt.cache ? opt.cache : std::make_shared<SimCache>(opt.cluster.profile)),
@@ -445,13 +446,15 @@ struct Simulation {
   const LayerCost& layer_at(int l, double ratio) {
     const bool moe = cfg.is_moe_layer(l);
     const MoERows rows = moe ? rows_at(ratio) : MoERows{};
-    auto k = std::make_tuple(o.parallel.tp, o.micro_batch_size, o.seq_len, o.parallel.ep, split, moe, rows.received);
+    auto k = std::make_tuple(o.parallel.tp, o.micro_batch_size, o.seq_len, o.parallel.ep, split, moe, rows.received,
+                             o.breakdown);
     {
       std::lock_guard lk(cache->mu);
       auto it = cache->layers.find(k);
       if (it != cache->layers.end()) return it->second;  // map nodes stay put: the reference outlives the lock
     }
     LayerWork w{o.micro_batch_size, o.seq_len, rows, o.parallel.ep, o.parallel.tp, split, o.cluster.element_bytes};
+    w.breakdown = o.breakdown;
     LayerCost lc = layer_cost(cost, cfg, l, w);
     std::lock_guard lk(cache->mu);
     return cache->layers.emplace(k, std::move(lc)).first->second;
@@ -551,8 +554,10 @@ struct Simulation {
     limit = o.memory_limit > 0 ? o.memory_limit : o.cluster.usable_memory();
     act_scale = double(o.cluster.element_bytes) / double(kActivationBytes);
     LayerWork w{o.micro_batch_size, o.seq_len, {}, p.ep, p.tp, split, o.cluster.element_bytes};
+    w.breakdown = o.breakdown;
     head = head_cost(cost, cfg, w);
     embed = embedding_cost(cost, cfg, w);
+    for (const StageInfo& si : stages) stage_copies.push_back(stage_copy_cost(cost, cfg, w, si.embedding, si.head));
   }
 
   double ratio(int it, int mb, int layer) const {
@@ -710,6 +715,7 @@ SimReport simulate(const SimOptions& o) {
   for (int r = 0; r < P; ++r) persist[std::size_t(r)] = rep.ranks[std::size_t(r)].persistent_bytes = sim.persistent(r);
 
   // Data-parallel gradient reduction and optimizer, after the last backward.
+  Seconds optimizer_ops = 0;  // the optimizer's priced work summed over the pipeline ranks (SimReport::ops)
   {
     Seconds dp_t = 0, opt_t = 0;
     const GroupPlacement dense_g = place_group(par.dp, par.tp, o.cluster.gpus_per_node);
@@ -750,7 +756,9 @@ SimReport simulate(const SimOptions& o) {
                     all_reduce_time(o.cluster, expert_g, Bytes(std::llround(expert)) * grad_bytes);
       dp_t = std::max(dp_t, t + tied_sync);
       const double shard_d = o.cluster.optimizer_sharded ? par.dp : 1, shard_e = o.cluster.optimizer_sharded ? par.dp / par.ep : 1;
-      opt_t = std::max(opt_t, optimizer_step_time(sim.cost, dense + expert, dense / shard_d + expert / shard_e));
+      const Seconds rank_opt = optimizer_step_time(sim.cost, dense + expert, dense / shard_d + expert / shard_e);
+      opt_t = std::max(opt_t, rank_opt);
+      optimizer_ops += rank_opt;
     }
     rep.dp_reduce_time = dp_t;
     // Every process runs its optimizer at once: with more than the host's cores they share them.
@@ -848,12 +856,14 @@ SimReport simulate(const SimOptions& o) {
     const int S_ = sim.plan.num_stages;
     std::vector<ActionCost> F(std::size_t(S_ * m)), Bi(std::size_t(S_ * m)), W(std::size_t(S_ * m));
     std::vector<Seconds> recompute_rank(std::size_t(P), 0);
+    OpBreakdown step_ops;  // this iteration's (SimOptions::breakdown)
     for (int s = 0; s < S_; ++s) {
       const StageInfo& si = sim.stages[std::size_t(s)];
       const int r = sim.plan.rank_of(s);
       for (int mb = 0; mb < m; ++mb) {
         ActionCost f, b, w;
         const std::string& pol = policy[std::size_t(r)][std::size_t(mb)];
+        OpBreakdown* bd = o.breakdown ? &step_ops : nullptr;
         // Under core sharing: segments between the processes' synchronisations (the
         // expert all-to-alls); the weight gradients have none (one segment).
         const double dp = par.dp * par.tp;
@@ -870,15 +880,29 @@ SimReport simulate(const SimOptions& o) {
           b.compute += lc.backward_input;
           b.comm += comm;
           w.compute += lc.backward_weight;
-          Seconds rc = 0;
+          std::set<std::string> dropped;
           if (pol != "none" || o.cluster.flash_attention) {
             const auto specs = layer_activations(sim.cfg, l, o.micro_batch_size, o.seq_len / par.tp,
                                                  sim.rows_at(rt), par.ep > 1);
             for (const auto& sp : specs)
               if (recomputes(pol, sp, rt) || (o.cluster.flash_attention && sp.name == "attn.probs"))
-                rc += lc.recompute_seconds(sp.name);
-            b.compute += rc;
-            recompute_rank[std::size_t(r)] += rc;
+                dropped.insert(sp.name);
+          }
+          auto is_dropped = [&](const std::string& name) { return dropped.count(name) > 0; };
+          const Seconds rc = dropped.empty() ? 0 : lc.recompute_total(is_dropped);
+          b.compute += rc;
+          recompute_rank[std::size_t(r)] += rc;
+          if (bd) {
+            // The ops every process runs: an MoE layer's at each data-parallel rank's own
+            // rows (their mean), while the time above follows the hottest.
+            const std::vector<const LayerCost*> group =
+                sim.moe_index[std::size_t(l)] >= 0 && par.ep > 1 ? sim.group_layers(it, mb, l, rt)
+                                                                  : std::vector<const LayerCost*>{&lc};
+            for (const LayerCost* q : group) {
+              OpBreakdown one = q->ops;
+              if (!dropped.empty()) q->recompute_total(is_dropped, &one);
+              add_breakdown(*bd, one, 1.0 / double(group.size()));
+            }
           }
           if (!shared) continue;
           if (sim.moe_index[std::size_t(l)] >= 0 && par.ep > 1) {
@@ -910,7 +934,16 @@ SimReport simulate(const SimOptions& o) {
           }
           w_all.T += lc.backward_weight;
         }
+        {  // a stage's boundary copies (received input, gradients in and out)
+          const LayerCost& sc = sim.stage_copies[std::size_t(s)];
+          f.compute += sc.forward;
+          b.compute += sc.backward_input;
+          same(f, sc.forward);
+          same(b, sc.backward_input);
+          if (bd) add_breakdown(*bd, sc.ops);
+        }
         if (si.embedding) {
+          if (bd) add_breakdown(*bd, sim.embed.ops);
           f.compute += sim.embed.forward;
           w.compute += sim.embed.backward_weight;
           same(f, sim.embed.forward);
@@ -918,10 +951,12 @@ SimReport simulate(const SimOptions& o) {
           w_all.D += sim.embed.backward_weight * dp;
         }
         if (si.head) {
-          const Seconds head_rc = pol == "full" ? sim.head.recompute_seconds("final_norm.out") +
-                                                      sim.head.recompute_seconds("final_norm.rstd") +
-                                                      sim.head.recompute_seconds("lm_head.probs")
-                                                : 0;
+          if (bd) add_breakdown(*bd, sim.head.ops);
+          std::set<std::string> dropped;
+          for (const auto& sp : head_activations(sim.cfg, o.micro_batch_size, o.seq_len / par.tp))
+            if (recomputes(pol, sp, 1.0)) dropped.insert(sp.name);
+          const Seconds head_rc =
+              sim.head.recompute_total([&](const std::string& name) { return dropped.count(name) > 0; }, bd);
           f.compute += sim.head.forward;
           b.compute += sim.head.backward_input + head_rc;
           w.compute += sim.head.backward_weight;
@@ -955,6 +990,12 @@ SimReport simulate(const SimOptions& o) {
         },
         [&](const Action&) { return msg_time; }, o.overlap_pair_comm,
         shared ? CoreSharing{o.cluster.host_cores, par.dp * par.tp, kCommPollSeconds} : CoreSharing{});
+    if (o.breakdown) {
+      add_breakdown(rep.ops, step_ops, 1.0 / iters);
+      OpTally& opt = rep.ops[{"optimizer", "optimizer_step"}];
+      opt.count += double(P) / iters;
+      opt.seconds += optimizer_ops / iters;
+    }
     const Seconds step = tl.makespan + rep.dp_reduce_time + rep.optimizer_time;
     step_sum += step;
     rep.step_time_max = std::max(rep.step_time_max, step);
@@ -1070,6 +1111,12 @@ json SimReport::to_json() const {
             {"spike_peak_bytes", spike_peak_bytes},
             {"ranks", ranks_j},
             {"simulation_wall_s", wall_seconds}};
+  if (!ops.empty()) {
+    json o = json::array();
+    for (const auto& [key, t] : ops)
+      o.push_back({{"phase", key.first}, {"kind", key.second}, {"count", t.count}, {"seconds", t.seconds}});
+    j["ops"] = o;
+  }
   if (!adaptive_level_histogram.empty()) {
     json h;
     for (std::size_t i = 0; i < adaptive_level_histogram.size(); ++i) h[adaptive_levels()[i]] = adaptive_level_histogram[i];
@@ -1115,6 +1162,26 @@ std::string SimReport::format() const {
     for (std::size_t i = 0; i < adaptive_level_histogram.size(); ++i)
       s += fmt::format("{} {}  ", adaptive_levels()[i], adaptive_level_histogram[i]);
     s += "(rank-micro-batches per level)\n";
+  }
+  if (!ops.empty()) {
+    // By kind (phases summed), then by phase: ms per step over the pipeline ranks.
+    std::map<std::string, OpTally> kinds, phases;
+    Seconds total = 0;
+    for (const auto& [key, t] : ops) {
+      for (OpTally* x : {&kinds[key.second], &phases[key.first]}) {
+        x->count += t.count;
+        x->seconds += t.seconds;
+      }
+      total += t.seconds;
+    }
+    std::vector<std::pair<std::string, OpTally>> by(kinds.begin(), kinds.end());
+    std::stable_sort(by.begin(), by.end(), [](const auto& a, const auto& b) { return a.second.seconds > b.second.seconds; });
+    s += fmt::format("\nops per step (all pipeline ranks): {:.2f} ms\n{:<28} {:>9} {:>10}\n", 1e3 * total, "op kind",
+                     "calls", "ms");
+    for (const auto& [k, t] : by) s += fmt::format("{:<28} {:>9.1f} {:>10.3f}\n", k, t.count, 1e3 * t.seconds);
+    s += "by phase:";
+    for (const auto& [p, t] : phases) s += fmt::format(" {} {:.3f} ms;", p, 1e3 * t.seconds);
+    s += "\n";
   }
   s += fmt::format("simulated in {:.3f} s\n", wall_seconds);
   return s;

@@ -65,8 +65,8 @@ struct SimCache {
   explicit SimCache(const HardwareProfile& profile) : cost(profile) {}
   CostModel cost;
   std::mutex mu;  ///< guards `layers` (the search's timing pass shares one cache between threads)
-  /// (tp, B, S, ep, split backward, layer is MoE, rows received) -> times.
-  std::map<std::tuple<int, std::int64_t, std::int64_t, int, bool, bool, std::int64_t>, LayerCost> layers;
+  /// (tp, B, S, ep, split backward, layer is MoE, rows received, with a breakdown) -> times.
+  std::map<std::tuple<int, std::int64_t, std::int64_t, int, bool, bool, std::int64_t, bool>, LayerCost> layers;
 };
 
 struct SimOptions {
@@ -97,6 +97,8 @@ struct SimOptions {
   double spike_check = 0;
   /// Shared cost model and layer times (the search); null: the simulation builds its own.
   std::shared_ptr<SimCache> cache;
+  /// Also fill SimReport::ops: the priced op stream by phase and kind.
+  bool breakdown = false;
 
   /// Micro-batches per iteration: global_batch / (dp x B); ConfigError when it does not divide.
   int num_microbatches() const;
@@ -141,6 +143,13 @@ struct SimReport {
   Bytes spike_peak_bytes = 0;         ///< max over ranks with SimOptions::spike_check's spike
   std::vector<RankReport> ranks;
   std::vector<int> adaptive_level_histogram;  ///< micro-batch stages per adaptive level (adaptive only)
+  /// SimOptions::breakdown only: the ops one process of each pipeline rank runs in a
+  /// step, by (phase, op kind) as the op profiler names them (LayerCost::ops; phase
+  /// "optimizer" for the optimizer), summed over the pipeline ranks, mean over
+  /// iterations. An MoE layer's ops are the mean over the data-parallel ranks at
+  /// their own rows (the op profiler's mean over ranks), while the step time follows
+  /// the hottest rank. Blocking collectives, the gradient reduction and waits are not ops.
+  OpBreakdown ops;
   nlohmann::json trace;               ///< Chrome trace events of the trace ranks (last iteration)
   Seconds wall_seconds = 0;           ///< host time the simulation took
 

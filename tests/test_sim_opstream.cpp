@@ -1,0 +1,176 @@
+// The simulator's priced op stream against the engine's: one real training step
+// through the op profiler (train/op_profiler.h: every backend op the engine runs,
+// priced by the cost model) and `simulate --breakdown` of the same step must agree
+// op kind by op kind (calls and seconds) and phase by phase, under every static
+// policy (their recomputes, the expert FFN's rebuilt twice without a kept
+// activation) and the zero-bubble split; and the step's busy time is that stream.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <set>
+#include <string>
+
+#include "model_fixtures.h"
+#include "moeflex/comm/layout.h"
+#include "moeflex/model/layer_cost.h"
+#include "moeflex/provision/policies.h"
+#include "moeflex/sim/simulator.h"
+#include "moeflex/train/distributed.h"
+#include "moeflex/train/op_profiler.h"
+#include "moeflex/train/replica.h"
+
+using namespace moeflex;
+
+namespace {
+
+/// GEMMs at one rate (so that a grouped GEMM's time depends on its total rows only,
+/// not on how the routing split them), every other op streaming with a launch
+/// overhead (so that each call counts).
+HardwareProfile stream_profile() {
+  HardwareProfile p;
+  p.name = "stream";
+  p.gemm = {{64, 64, 64, 1e10}};
+  p.memory_bandwidth = 1e10;
+  p.launch_overhead = 1e-6;
+  p.h2d_bandwidth = p.d2h_bandwidth = 5e9;
+  p.copy_latency = 2e-6;
+  return p;
+}
+
+constexpr std::int64_t kB = 2, kS = 8, kM = 2;
+
+/// (phase, kind) -> calls and predicted seconds of one engine step on one rank.
+OpBreakdown engine_step(const ModelConfig& cfg, const std::string& schedule, const std::string& policy) {
+  const CostModel cost(stream_profile());
+  Arena arena;
+  ProfilingBackend profiler{ops::backend_of(arena), cost, 0};
+  {
+    ScopedBackendOverride over(&profiler);
+    auto world = comm::make_world_communicator();
+    comm::LayoutSpec spec;
+    spec.world_size = 1;
+    spec.num_layers = int(cfg.num_hidden_layers);
+    spec.num_experts = int(cfg.num_experts);
+    comm::ParallelLayout layout(spec);
+    comm::ParallelGroups groups = comm::make_groups(*world, layout);
+    Replica replica(cfg, schedule, layout, groups, arena, kM, kB, kS);
+    replica.init_weights(3);
+    for (MoEModel* c : replica.chunks()) c->stash().set_policy(make_static_policy(policy));
+    profiler.begin_step(1, nullptr);
+    replica.forward_backward([&](int mb, std::int32_t* ids, std::int32_t* tg) {
+      test::skewed_batch(mb, kB * kS, cfg.vocab_size, ids, tg);
+    });
+    profiler.end_step(1.0, 1.0);
+  }
+  OpBreakdown out;
+  for (const OpRecord& r : profiler.records()) {
+    OpTally& t = out[{to_string(r.phase), r.kind}];
+    t.count += 1;
+    t.seconds += r.predicted;
+  }
+  return out;
+}
+
+sim::SimReport simulated_step(const ModelConfig& cfg, const std::string& schedule, const std::string& policy,
+                              int pp = 1) {
+  sim::SimOptions o;
+  o.model = cfg;
+  o.cluster.name = "test";
+  o.cluster.gpus_per_node = 8;
+  o.cluster.device_memory = kGiB;
+  o.cluster.intra_node = {1e-6, 100e9};
+  o.cluster.inter_node = {5e-6, 10e9};
+  o.cluster.profile = stream_profile();
+  o.cluster.host_cores = 0;
+  o.parallel.pp = pp;
+  o.schedule = schedule;
+  o.policy = policy;
+  o.micro_batch_size = kB;
+  o.seq_len = kS;
+  o.global_batch = kB * kM;
+  o.loads.constant = 1.0;
+  o.breakdown = true;
+  return sim::simulate(o);
+}
+
+/// The kinds the engine records by phase, from a breakdown (the optimizer, Tensor::zero
+/// and the all-to-all's memcpy are no profiled backend ops).
+OpBreakdown profiled_only(const OpBreakdown& b) {
+  OpBreakdown out;
+  for (const auto& [key, t] : b)
+    if (key.first != "optimizer" && key.second != "zero" && key.second != "a2a_local_copy") out[key] = t;
+  return out;
+}
+
+}  // namespace
+
+TEST(SimOpStream, EveryPolicysOpsMatchTheEnginesKindByKindAndPhaseByPhase) {
+  const ModelConfig cfg = test::small_moe_config(3, 1, 4, true);  // a dense layer, 2 MoE layers, shared experts
+  for (const std::string schedule : {"1f1b", "zb-h1"})
+    for (const std::string& policy : static_policy_names()) {
+      if (schedule == "zb-h1" && policy != "none" && policy != "full") continue;  // the split's copies, either way
+      SCOPED_TRACE(schedule + " " + policy);
+      const OpBreakdown eng = engine_step(cfg, schedule, policy);
+      const sim::SimReport rep = simulated_step(cfg, schedule, policy);
+      const OpBreakdown sim = profiled_only(rep.ops);
+      ASSERT_FALSE(eng.empty());
+      std::set<std::pair<std::string, std::string>> keys;
+      for (const auto& [k, t] : eng) keys.insert(k);
+      for (const auto& [k, t] : sim) keys.insert(k);
+      for (const auto& k : keys) {
+        const OpTally e = eng.count(k) ? eng.at(k) : OpTally{}, s = sim.count(k) ? sim.at(k) : OpTally{};
+        EXPECT_DOUBLE_EQ(s.count, e.count) << k.first << " " << k.second;
+        EXPECT_NEAR(s.seconds, e.seconds, 1e-9 * e.seconds + 1e-15) << k.first << " " << k.second;
+      }
+      // The busy time of the one rank is its priced ops (the zero fills included).
+      Seconds ops = 0;
+      for (const auto& [k, t] : rep.ops)
+        if (k.first != "optimizer") ops += t.seconds;
+      EXPECT_NEAR(rep.ranks[0].busy, ops, 1e-9 * ops);
+    }
+}
+
+TEST(SimOpStream, MoeFullRebuildsTheExpertFfnTwice) {
+  // moe-full without EP drops moe.combined and the expert FFN's tensors: the
+  // combined's rebuild runs FC1 (gate, up), the activation and the down projection,
+  // and the backward's chunk loop rebuilds FC1 and the activation again.
+  const ModelConfig cfg = test::small_moe_config(2, 0, 4, true);
+  const CostModel cost(stream_profile());
+  LayerWork w{kB, kS, MoERows::balanced(cfg, kB * kS)};
+  const LayerCost lc = layer_cost(cost, cfg, 0, w);
+  const std::int64_t d = cfg.hidden_size, f = cfg.moe_intermediate_size, R = w.rows.received;
+  const std::vector<std::int64_t> groups = even_groups(R, cfg.num_experts);
+  const Seconds fc1 = cost.grouped_linear_forward(groups, d, f), fc2 = cost.grouped_linear_forward(groups, f, d);
+  const Seconds act = cost.swiglu_forward(R * f);
+  auto moe_full = [](const std::string& n) { return static_policy_recomputes("moe-full", n); };
+  const std::set<std::string> ffn = {"experts.gate_out", "experts.up_out", "experts.act", "moe.combined"};
+  Seconds other = 0;  // router, norm, permutation and shared-expert rebuilds, once each
+  for (const auto& [n, s] : lc.recompute)
+    if (moe_full(n) && !ffn.count(n)) other += s;
+  EXPECT_GT(other, 0);
+  EXPECT_NEAR(lc.recompute_total(moe_full), other + (fc2 + 2 * fc1 + act) + (2 * fc1 + act), 1e-15);
+  // Keeping the activation (moe-light's complement) leaves one FC1 rebuild: the loop's.
+  auto fc1_only = [](const std::string& n) { return n == "experts.gate_out" || n == "experts.up_out" || n == "moe.combined"; };
+  EXPECT_NEAR(lc.recompute_total(fc1_only), fc2 + 2 * fc1, 1e-15);
+}
+
+TEST(SimOpStream, PipelineStagesCopyTheirInputsAndGradients) {
+  // pp 2: the second stage copies its received input (F) and its input gradient
+  // out (B); the first copies the received output gradient in (B): 3 copies of
+  // [B*S, d] per micro-batch, none on one stage.
+  const ModelConfig cfg = test::small_moe_config(4, 1, 4, true);
+  const sim::SimReport one = simulated_step(cfg, "1f1b", "none", 1), two = simulated_step(cfg, "1f1b", "none", 2);
+  auto copies = [](const sim::SimReport& r) {
+    OpTally t;
+    for (const auto& [k, x] : r.ops)
+      if (k.second == "copy") {
+        t.count += x.count;
+        t.seconds += x.seconds;
+      }
+    return t;
+  };
+  EXPECT_EQ(copies(one).count, 0);
+  EXPECT_EQ(copies(two).count, 3 * kM);
+  const CostModel cost(stream_profile());
+  EXPECT_NEAR(copies(two).seconds, 3 * kM * cost.elementwise(2 * kB * kS * cfg.hidden_size * 4), 1e-15);
+}

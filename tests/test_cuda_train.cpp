@@ -137,7 +137,9 @@ TEST(CudaTrain, EveryPolicyGivesTheGradientsOfSavingEverything) {
     // Recompute replays the same kernels on the same inputs: equal bits, as on the
     // CPU, except where cuBLAS may pick another algorithm for another layout.
     EXPECT_LE(grads_error(r.first_grads, base.first_grads), kTolF32) << p;
-    if (p == "full" || p == "selective" || p == "moe-full" || p == "offload") EXPECT_GT(r.dropped, 0) << p;
+    if (p == "full" || p == "selective" || p == "moe-full" || p == "offload") {
+      EXPECT_GT(r.dropped, 0) << p;
+    }
   }
 }
 

@@ -192,7 +192,9 @@ TEST(DeviceEngine, EveryPolicyTouchesTensorsOnlyThroughTheBackend) {
     Arena arena(kRegion, dev.region(), &dev);
     const Result d = run(arena, policy);
     expect_same(d, h, policy);
-    if (policy == "offload") EXPECT_GT(dev.async_copies, 0) << "offloads and prefetches go through copy_async";
+    if (policy == "offload") {
+      EXPECT_GT(dev.async_copies, 0) << "offloads and prefetches go through copy_async";
+    }
   }
 }
 

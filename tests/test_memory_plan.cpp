@@ -440,7 +440,9 @@ TEST(MemoryPlan, ProjectionEqualsAnExactWalkOfTheRestOfTheStep) {
             if (point == SavePoint::moe) {
               EXPECT_GT(p.compute, 0) << what;
               // The closed form bounds the exact walk of the choice from the block kept whole.
-              if (c) EXPECT_LE(w.peak(), project_block(cfg, ctx, nullptr).evaluate(candidates_of(cfg, ctx), *c)) << what;
+              if (c) {
+                EXPECT_LE(w.peak(), project_block(cfg, ctx, nullptr).evaluate(candidates_of(cfg, ctx), *c)) << what;
+              }
             }
             EXPECT_EQ(p.tail, w.phase_peak(P::kTail)) << what;
             EXPECT_EQ(p.landing, w.phase_peak(P::kLanding)) << what;

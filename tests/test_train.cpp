@@ -5,6 +5,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <unistd.h>
 #include <nlohmann/json.hpp>
 
@@ -219,4 +220,67 @@ TEST(Train, SummaryNamesThePlannersCostModel) {
   EXPECT_FALSE(s.contains("planner_cost_model"));  // no planner
   fs::current_path(cwd);
   fs::remove_all(dir);
+}
+
+// What is on disk survives: a new run does not take over a folder that holds a run
+// of any rank count, a resume does not touch the run's tokenizer, and --steps on
+// resume is the run's new length.
+TEST(Train, RunFoldersAreNeverTakenOverOrRewritten) {
+  auto message_of = [](const std::function<void()>& fn) -> std::string {
+    try {
+      fn();
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "(no error)";
+  };
+  // A folder with another rank count's checkpoint folder, or with metrics only (a run
+  // killed before its first checkpoint): refused, left as it was.
+  const fs::path multi = fresh_dir("multi");
+  fs::create_directories(multi / "rank00001" / "checkpoints");
+  EXPECT_NE(message_of([&] { run_training(options(small_run(2), multi)); }).find("cannot be resumed: use another --out"),
+            std::string::npos);
+  EXPECT_TRUE(fs::is_directory(multi / "rank00001" / "checkpoints"));
+  const fs::path killed = fresh_dir("killed");
+  fs::create_directories(killed);
+  std::ofstream(killed / "metrics.jsonl") << "{\"step\": 1, \"loss\": 8.0}\n";
+  EXPECT_NE(message_of([&] { run_training(options(small_run(2), killed)); }).find("before its first checkpoint"),
+            std::string::npos);
+  EXPECT_EQ(losses(killed).size(), 1u);
+  // A folder a refused run left (config.toml only) is taken over.
+  const fs::path refused = fresh_dir("refused");
+  fs::create_directories(refused);
+  std::ofstream(refused / "config.toml") << "# left by a refused run\n";
+  RunConfig cfg = small_run(4);
+  cfg.train.checkpoint_every = 2;
+  const TrainResult r = run_training(options(cfg, refused));
+  EXPECT_EQ(r.steps, 4);
+  // --steps on resume is saved: a later plain resume keeps it.
+  TrainOptions more = options(small_run(6), refused);
+  more.resume = refused;
+  more.stop_after = 5;
+  EXPECT_EQ(run_training(more).steps, 5);
+  EXPECT_EQ(RunConfig::from_file((refused / "config.toml").string()).train.steps, 6);
+  TrainOptions plain = options(small_run(1), refused);
+  plain.config.train.steps = -1;
+  plain.resume = refused;
+  EXPECT_EQ(run_training(plain).steps, 6);
+  // A run whose tokenizer differs from the corpus's (the corpus changed): refused,
+  // and the run's tokenizer.model is not replaced.
+  std::ofstream(refused / "tokenizer.model", std::ios::binary) << "not the corpus's tokenizer";
+  TrainOptions again = options(small_run(8), refused);
+  again.resume = refused;
+  EXPECT_NE(message_of([&] { run_training(again); }).find("has changed since the run began"), std::string::npos);
+  std::ifstream tok(refused / "tokenizer.model");
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(tok), {}), "not the corpus's tokenizer");
+  // The schedules' micro-batch requirements are named in the config's terms.
+  RunConfig il = small_run(2);
+  il.parallel.pp = 2;
+  il.parallel.schedule = "interleaved";
+  EXPECT_NE(message_of([&] { il.validate(); }).find("train.grad_accum"), std::string::npos);
+  il.train.grad_accum = 2;
+  EXPECT_NO_THROW(il.validate());
+  il.model.capacity_factor = -1;
+  EXPECT_NE(message_of([&] { il.validate(); }).find("capacity_factor"), std::string::npos);
+  for (const fs::path& d : {multi, killed, refused}) fs::remove_all(d);
 }

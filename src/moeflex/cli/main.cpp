@@ -90,6 +90,9 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   int pp = 0, dp = -1, ep = 0, vpp = 0;
   std::string schedule;
+  std::int64_t grad_accum = 0;
+  train->add_option("--grad-accum", grad_accum, "micro-batches per optimizer step (train.grad_accum)")
+      ->check(CLI::PositiveNumber);
   train->add_option("--pp", pp, "pipeline-parallel size (parallel.pp)");
   train->add_option("--dp", dp, "data-parallel size (parallel.dp; default world size / pp)");
   train->add_option("--ep", ep, "expert-parallel size, within dp (parallel.ep)");
@@ -130,7 +133,13 @@ int main(int argc, char** argv) {
   // --- simulate, search (cli/sim_commands.cpp)
   add_sim_commands(app);
 
-  CLI11_PARSE(app, argc, argv);
+  // A bad command line exits 2, as bad input does everywhere (CLI11's own codes are 100+).
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int rc = app.exit(e);
+    return rc == 0 ? 0 : 2;
+  }
   try {
     if (*train) {
       TrainOptions o;
@@ -146,10 +155,12 @@ int main(int argc, char** argv) {
       if (max_restarts >= 0) o.config.train.max_restarts = max_restarts;
       if (restart_seconds >= 0) o.config.train.restart_seconds = restart_seconds;
       if (checkpoint_every >= 0) o.config.train.checkpoint_every = checkpoint_every;
-      if (pp > 0) o.config.parallel.pp = pp;
-      if (dp >= 0) o.config.parallel.dp = dp;
-      if (ep > 0) o.config.parallel.ep = ep;
-      if (vpp > 0) o.config.parallel.vpp = vpp;
+      // Given values are applied as given, so that RunConfig::validate refuses a bad one.
+      if (train->count("--pp")) o.config.parallel.pp = pp;
+      if (train->count("--dp")) o.config.parallel.dp = dp;
+      if (train->count("--ep")) o.config.parallel.ep = ep;
+      if (train->count("--vpp")) o.config.parallel.vpp = vpp;
+      if (grad_accum > 0) o.config.train.grad_accum = grad_accum;
       if (!schedule.empty()) o.config.parallel.schedule = schedule;
       if (pad_layers) o.config.parallel.pad_layers = true;
       if (expert_chunk_rows >= 0) o.config.model.expert_chunk_rows = expert_chunk_rows;
@@ -158,9 +169,10 @@ int main(int argc, char** argv) {
         const bool others = !config_path.empty() || !device_memory.empty() || !data_path.empty() || !policy.empty() ||
                             !inject.empty() || pp > 0 || dp >= 0 || ep > 0 || vpp > 0 || !schedule.empty() || seed >= 0 ||
                             !on_oom.empty() || max_restarts >= 0 || restart_seconds >= 0 || checkpoint_every >= 0 ||
-                            !device.empty() || expert_chunk_rows >= 0;
+                            !device.empty() || expert_chunk_rows >= 0 || !out_dir.empty() || grad_accum > 0;
         if (others && (!comm::MpiSession::active() || mpi.world_rank() == 0))
-          fmt::print(stderr, "moeflex: --resume uses the run's own config.toml; other flags than --steps are ignored\n");
+          fmt::print(stderr, "moeflex: --resume continues the run in its own folder with its own config.toml; other "
+                             "flags than --steps (--out, the config's) are ignored\n");
         o.resume = fs::path(resume_dir);
         if (steps < 0) o.config.train.steps = -1;  // keep the run's own step count
       }
@@ -179,9 +191,17 @@ int main(int argc, char** argv) {
               ? fmt::format("val loss {:.4f} -> {:.4f}", r.initial_val_loss, r.final_val_loss)
               : fmt::format("val loss {:.4f} -> {:.4f} (at step {})", r.initial_val_loss, r.final_val_loss,
                             r.final_val_step);
+      // What the adaptive planner did (the progress bar shows it per step; here the run's total).
+      const std::string planner =
+          r.decisions > 0
+              ? fmt::format("; adaptive planner: {} decisions (p99 {:.3f} ms), {} recomputed, {} offloaded, {} OOMs",
+                            r.decisions, 1e3 * r.decision_seconds_p99, format_bytes(r.bytes_recomputed),
+                            format_bytes(r.bytes_offloaded), r.oom_count)
+          : r.oom_count > 0 ? fmt::format("; {} OOMs, {} restarts", r.oom_count, r.restarts)
+                            : std::string();
       if (!comm::MpiSession::active() || mpi.world_rank() == 0)
-        fmt::print("run {}: {} steps, {} tokens, {}, {:.0f} tokens/s, peak device memory {}\n", run.string(), r.steps,
-                   r.tokens, val, r.tokens_per_second, format_bytes(r.peak_device_bytes));
+        fmt::print("run {}: {} steps, {} tokens, {}, {:.0f} tokens/s, peak device memory {}{}\n", run.string(), r.steps,
+                   r.tokens, val, r.tokens_per_second, format_bytes(r.peak_device_bytes), planner);
     } else if (run_sim_commands()) {
       return 0;
     } else if (*cal && !cal_from_run.empty()) {
@@ -201,6 +221,8 @@ int main(int argc, char** argv) {
   } catch (const OutOfMemoryError& e) {
     return fail(mpi, e.what(), 3);
   } catch (const Error& e) {
+    return fail(mpi, fmt::format("error: {}", e.what()), 2);
+  } catch (const std::filesystem::filesystem_error& e) {  // a path that cannot be created, read or written
     return fail(mpi, fmt::format("error: {}", e.what()), 2);
   } catch (const std::exception& e) {
     return fail(mpi, fmt::format("unexpected error: {}", e.what()), 1);

@@ -7,6 +7,8 @@
 #include <fstream>
 #include <sstream>
 
+#include <unistd.h>
+
 #include "moeflex/core/error.h"
 #include "moeflex/search/search.h"
 #include "moeflex/sim/presets.h"
@@ -48,11 +50,30 @@ ModelConfig model_of(const std::string& m, std::int64_t& B, std::int64_t& S, con
 }
 
 Bytes size_of(const std::string& s) {
+  Bytes b = 0;
   try {
-    return parse_size(s);  // the same sizes --device-memory takes
+    b = parse_size(s);  // the same sizes --device-memory takes
   } catch (const Error& e) {
     throw ConfigError(fmt::format("--memory: {}", e.what()));
   }
+  if (b <= 0)
+    throw ConfigError(fmt::format("--memory '{}': give a positive size such as 250MiB (without --memory, the "
+                                  "cluster's usable memory)", s));
+  return b;
+}
+
+/// Makes sure `dir` is (or can be made) a directory we can write files into, before
+/// the long work: ConfigError naming `flag` and the path otherwise.
+void check_writable_dir(const fs::path& dir, const std::string& flag, const std::string& given) {
+  std::error_code ec;
+  if (fs::exists(dir, ec) && !fs::is_directory(dir, ec))
+    throw ConfigError(fmt::format("{} '{}': {} exists and is not a directory", flag, given, dir.string()));
+  fs::create_directories(dir, ec);
+  if (ec) throw ConfigError(fmt::format("{} '{}': cannot create {} ({})", flag, given, dir.string(), ec.message()));
+  const fs::path probe = dir / fmt::format(".moeflex-write-check-{}", ::getpid());
+  if (!std::ofstream(probe))
+    throw ConfigError(fmt::format("{} '{}': cannot write into {}", flag, given, dir.string()));
+  fs::remove(probe, ec);
 }
 
 }  // namespace
@@ -140,10 +161,9 @@ bool run_sim_commands() {
     o.checkpoint_interval = f.checkpoint_interval;
     o.overlap_pair_comm = cluster.element_bytes < 4;
     o.breakdown = f.breakdown;
-    std::stringstream ss(f.trace_ranks);
-    for (std::string x; std::getline(ss, x, ',');)
-      if (!x.empty()) o.trace_ranks.push_back(std::stoi(x));
+    o.trace_ranks = sim::parse_trace_ranks(f.trace_ranks);
     if (f.out.empty()) o.trace_ranks.clear();
+    else check_writable_dir(f.out, "--out", f.out);  // before the simulation, not after it
     const sim::SimReport r = sim::simulate(o);
     fmt::print("{}", r.format());
     if (!f.out.empty()) {
@@ -163,10 +183,17 @@ bool run_sim_commands() {
     o.restart_seconds = f.restart_seconds;
     o.checkpoint_interval = f.checkpoint_interval;
     o.threads = f.search_threads;
+    o.progress = [](const std::string& line) { fmt::print(stderr, "{}\n", line); };
+    if (!f.out.empty()) {  // one JSON file: checked before the search, not after it
+      if (fs::is_directory(f.out))
+        throw ConfigError(fmt::format("--out '{}' is a directory; search writes one JSON file (e.g. --out {})", f.out,
+                                      (fs::path(f.out) / "search.json").string()));
+      const fs::path parent = fs::path(f.out).has_parent_path() ? fs::path(f.out).parent_path() : fs::path(".");
+      check_writable_dir(parent, "--out", f.out);
+    }
     const search::SearchResult r = search::search(o);
     fmt::print("{}", r.format(o));
     if (!f.out.empty()) {
-      if (fs::path(f.out).has_parent_path()) fs::create_directories(fs::path(f.out).parent_path());
       std::ofstream out(f.out);
       if (!out) throw DataError(fmt::format("{}: cannot write", f.out));
       out << r.to_json(o).dump(2) << "\n";

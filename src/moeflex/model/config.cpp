@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <limits>
 
 #include <nlohmann/json.hpp>
 #include <set>
@@ -80,6 +81,8 @@ void ModelConfig::validate() const {
        fmt::format("head_dim = hidden_size / num_attention_heads = {} must be even for RoPE", head_dim()));
   rule(max_position_embeddings >= 2, "max_position_embeddings", "must be at least 2");
   rule(rope_theta > 0, "rope_theta", "must be positive");
+  rule(capacity_factor >= 0, "capacity_factor",
+       fmt::format("must be >= 0, 0 meaning no capacity limit (got {})", capacity_factor));
   rule(rms_norm_eps > 0, "rms_norm_eps", "must be positive");
   rule(first_k_dense_replace >= 0 && first_k_dense_replace <= num_hidden_layers, "first_k_dense_replace",
        fmt::format("must be in [0, num_hidden_layers={}] (got {})", num_hidden_layers, first_k_dense_replace));
@@ -150,11 +153,37 @@ ModelConfig ModelConfig::from_toml(const toml::table& t) {
   return c;
 }
 
-ModelConfig ModelConfig::from_hf_json(const nlohmann::json& j) {
+ModelConfig ModelConfig::from_hf_json(const nlohmann::json& j, const std::string& source) {
+  if (!j.is_object()) throw ConfigError(fmt::format("{}: a Hugging Face config.json must be a JSON object", source));
   ModelConfig c;
-  auto get_i = [&](const char* k, std::int64_t& f) { if (j.contains(k) && j[k].is_number()) f = j[k].get<std::int64_t>(); };
-  auto get_d = [&](const char* k, double& f) { if (j.contains(k) && j[k].is_number()) f = j[k].get<double>(); };
-  auto get_b = [&](const char* k, bool& f) { if (j.contains(k) && j[k].is_boolean()) f = j[k].get<bool>(); };
+  // A present field of the wrong type is an error; null reads as absent (Python's None).
+  auto has = [&](const char* k) { return j.contains(k) && !j[k].is_null(); };
+  auto bad = [&](const char* k, const char* want) {
+    return ConfigError(fmt::format("{}: field '{}' must be {} (got {})", source, k, want, j[k].dump()));
+  };
+  auto get_i = [&](const char* k, std::int64_t& f) {
+    if (!has(k)) return false;
+    const auto& v = j[k];
+    if (v.is_number_unsigned() && v.get<std::uint64_t>() > std::uint64_t(std::numeric_limits<std::int64_t>::max())) throw bad(k, "an integer below 2^63");
+    if (v.is_number_integer()) f = v.get<std::int64_t>();
+    else if (v.is_number_float() && std::isfinite(v.get<double>()) && v.get<double>() == std::floor(v.get<double>()) &&
+             std::abs(v.get<double>()) < 9.2e18)
+      f = std::int64_t(v.get<double>());  // 4096.0
+    else throw bad(k, "an integer");
+    return true;
+  };
+  auto get_d = [&](const char* k, double& f) {
+    if (!has(k)) return false;
+    if (!j[k].is_number()) throw bad(k, "a number");
+    f = j[k].get<double>();
+    return true;
+  };
+  auto get_b = [&](const char* k, bool& f) {
+    if (!has(k)) return false;
+    if (!j[k].is_boolean()) throw bad(k, "true or false");
+    f = j[k].get<bool>();
+    return true;
+  };
   for_each_field(c, [&](const char* key, auto& field) {
     using F = std::decay_t<decltype(field)>;
     if constexpr (std::is_same_v<F, bool>) get_b(key, field);
@@ -162,14 +191,29 @@ ModelConfig ModelConfig::from_hf_json(const nlohmann::json& j) {
     else get_d(key, field);
   });
   // Field variants across families.
-  get_i("num_local_experts", c.num_experts);      // Mixtral
-  get_i("n_routed_experts", c.num_experts);       // DeepSeek-V2/V3
-  if (j.contains("num_local_experts") && !j.contains("moe_intermediate_size"))
+  const bool mixtral = get_i("num_local_experts", c.num_experts);  // Mixtral
+  const bool deepseek = get_i("n_routed_experts", c.num_experts);  // DeepSeek-V2/V3
+  if (mixtral && !has("moe_intermediate_size"))
     get_i("intermediate_size", c.moe_intermediate_size);  // Mixtral's experts use intermediate_size
-  get_d("router_aux_loss_coef", c.router_aux_loss_coef);
   get_d("aux_loss_alpha", c.router_aux_loss_coef);  // DeepSeek
-  if (j.contains("shared_expert_intermediate_size")) get_i("shared_expert_intermediate_size", c.shared_expert_intermediate_size);
-  if (!j.contains("tie_word_embeddings")) c.tie_word_embeddings = false;  // HF default
+  if (!has("tie_word_embeddings")) c.tie_word_embeddings = false;  // HF default
+
+  // The shape has no sensible default: a missing field would silently give the
+  // embedded toy model's value. The rest (RoPE, norms, router losses, shared
+  // experts, dense prefix) have the architectures' usual defaults.
+  auto require = [&](bool ok, const std::string& what) {
+    if (!ok) throw ConfigError(fmt::format("{}: missing field {}", source, what));
+  };
+  for (const char* k : {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"})
+    require(has(k), fmt::format("'{}'", k));
+  if (c.first_k_dense_replace < c.num_hidden_layers) {  // MoE layers
+    require(mixtral || deepseek || has("num_experts"),
+            "'num_experts' (or 'num_local_experts', 'n_routed_experts'): the routed expert count");
+    require(has("num_experts_per_tok"), "'num_experts_per_tok'");
+    require(has("moe_intermediate_size") || (mixtral && has("intermediate_size")),
+            mixtral ? "'intermediate_size' (the experts' width)" : "'moe_intermediate_size'");
+  }
+  if (c.first_k_dense_replace > 0) require(has("intermediate_size"), "'intermediate_size' (the dense layers' width)");
   return c;
 }
 

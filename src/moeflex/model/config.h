@@ -73,7 +73,10 @@ struct ModelConfig {
   /// Reads the fields present in `t` over the defaults; unknown keys are an error.
   static ModelConfig from_toml(const toml::table& t);
   /// Reads a Hugging Face config.json (Mixtral, Qwen-MoE, DeepSeek field variants).
-  static ModelConfig from_hf_json(const nlohmann::json& j);
+  /// The shape fields (vocab, width, layers, heads; expert count, top-k and widths
+  /// where the layers need them) are required; a field of the wrong type is refused.
+  /// Throws ConfigError naming `source` (the file) and the field.
+  static ModelConfig from_hf_json(const nlohmann::json& j, const std::string& source = "config.json");
   /// Renders the [model] table as TOML text.
   std::string to_toml() const;
   nlohmann::json to_json() const;

@@ -137,10 +137,10 @@ std::vector<ActivationSpec> layer_activations(const ModelConfig& cfg, int layer,
 
 std::vector<ActivationSpec> head_activations(const ModelConfig& cfg, std::int64_t B, std::int64_t S) {
   const std::int64_t n = B * S, d = cfg.hidden_size, V = cfg.vocab_size;
-  std::vector<ActivationSpec> v = {{"final_norm.in", "residual", n * d * kF32, false, {}, false},
-                                   {"final_norm.out", "rmsnorm", n * d * kF32, true, {"final_norm.in"}, false},
-                                   {"final_norm.rstd", "rmsnorm", n * kF32, true, {"final_norm.in"}, false},
-                                   {"lm_head.probs", "cross_entropy", n * V * kF32, true, {"final_norm.out"}, false}};
+  std::vector<ActivationSpec> v = {{"final_norm.in", "residual", n * d * kF32, false, {}, false, -1, {}},
+                                   {"final_norm.out", "rmsnorm", n * d * kF32, true, {"final_norm.in"}, false, -1, {}},
+                                   {"final_norm.rstd", "rmsnorm", n * kF32, true, {"final_norm.in"}, false, -1, {}},
+                                   {"lm_head.probs", "cross_entropy", n * V * kF32, true, {"final_norm.out"}, false, -1, {}}};
   for (auto& a : v) {
     a.id = activation_id(a.name);
     for (const auto& x : a.inputs) a.input_ids.push_back(activation_id(x));

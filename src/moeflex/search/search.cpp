@@ -56,6 +56,17 @@ SearchResult search(const SearchOptions& o) {
   std::vector<Candidate> timed;
   Bytes smallest_persistent = -1;
   auto cache = std::make_shared<sim::SimCache>(o.cluster.profile);
+  // A progress line at most every progress_seconds (any thread may call it).
+  std::mutex progress_mu;
+  auto last_progress = std::chrono::steady_clock::now();
+  auto report = [&](const auto& line_of) {
+    if (!o.progress) return;
+    std::lock_guard lk(progress_mu);
+    const auto now = std::chrono::steady_clock::now();
+    if (std::chrono::duration<double>(now - last_progress).count() < o.progress_seconds) return;
+    last_progress = now;
+    o.progress(fmt::format("search: {} ({:.0f} s)", line_of(), std::chrono::duration<double>(now - t0).count()));
+  };
   sim::LoadModel calm = o.loads;
   calm.constant = std::max(1.0, o.loads.calm_max);  // score at the top of the calm range
   // The simulation options of a candidate: times at the calm load, with or without the memory walks.
@@ -89,6 +100,10 @@ SearchResult search(const SearchOptions& o) {
             for (int mbs : o.micro_batch_sizes) {
               for (const auto& pol : o.policies) {
                 ++res.enumerated;
+                report([&] {
+                  return fmt::format("enumerating: {} combinations, {} invalid, {} do not fit (tp {}, pp {}, ep {})",
+                                     res.enumerated, res.invalid, res.no_fit, tp, pp, ep);
+                });
                 Candidate c;
                 c.parallel = {tp, pp, vpp, ep, dp};
                 c.schedule = sched;
@@ -137,7 +152,7 @@ SearchResult search(const SearchOptions& o) {
   {
     const int threads = std::max(1, std::min<int>(o.threads > 0 ? o.threads : int(std::thread::hardware_concurrency()),
                                                   int(timed.size())));
-    std::atomic<std::size_t> next{0};
+    std::atomic<std::size_t> next{0}, done{0};
     std::exception_ptr failure;
     std::mutex failure_mu;
     auto work = [&] {
@@ -149,6 +164,8 @@ SearchResult search(const SearchOptions& o) {
           c.tgs = c.effective_tgs = r.tgs;
           c.mfu = r.mfu;
           c.bubble = r.bubble_fraction;
+          ++done;
+          report([&] { return fmt::format("timing: {}/{} candidates", done.load(), timed.size()); });
         } catch (...) {
           std::lock_guard lk(failure_mu);
           if (!failure) failure = std::current_exception();
@@ -175,6 +192,12 @@ SearchResult search(const SearchOptions& o) {
   for (Candidate& c : timed) {
     const double bound = by_memory ? -double(c.peak_bytes) : c.tgs;
     if (best.size() >= std::size_t(o.top) && bound <= worst_kept()) break;
+    report([&] { return fmt::format("memory walks: {} walked of {} candidates, {} kept", res.walked, timed.size(), best.size()); });
+    // Adaptive provisioning below the trainer's minimum budget would be refused by `moeflex train`.
+    if (c.policy == "adaptive" && sim::adaptive_minimum_budget(options_for(c, true)) > limit) {
+      ++res.no_fit;
+      continue;
+    }
     const sim::SimReport r = sim::simulate(options_for(c, true));
     ++res.walked;
     if (r.peak_bytes > limit) {

@@ -17,6 +17,7 @@
 //    pays the expected OOM cost; a layout whose calm load does not fit is dropped.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -45,6 +46,10 @@ struct SearchOptions {
   int checkpoint_interval = 50;
   /// Threads for the timing pass (independent simulations); 0: every core.
   int threads = 0;
+  /// Called with a progress line (phase, candidates done / total) at most every
+  /// progress_seconds while the search runs; empty: silent.
+  std::function<void(const std::string&)> progress;
+  Seconds progress_seconds = 5;
 };
 
 /// One scored layout.

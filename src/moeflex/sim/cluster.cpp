@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <initializer_list>
+#include <vector>
 
 #include "moeflex/core/error.h"
 
@@ -26,9 +28,49 @@ double number(const json& j, const char* key, const std::string& source, double 
   return v;
 }
 
+/// A count or a byte size: a number() that must also be a whole number of at most `max`.
+std::int64_t integer(const json& j, const char* key, const std::string& source, std::int64_t fallback, bool required,
+                     double max = 1 << 24) {
+  const double v = number(j, key, source, double(fallback), required);
+  if (v != std::floor(v) || v > max)
+    throw DataError(fmt::format("{}: field '{}' must be a whole number{} (got {})", source, key,
+                                v > max ? fmt::format(" of at most {:.0f}", max) : "", j[key].dump()));
+  return std::int64_t(v);
+}
+
+/// Levenshtein distance (for suggesting the intended key of a typo).
+std::size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<std::size_t> row(b.size() + 1);
+  for (std::size_t k = 0; k <= b.size(); ++k) row[k] = k;
+  for (std::size_t i = 1; i <= a.size(); ++i) {
+    std::size_t diag = row[0];
+    row[0] = i;
+    for (std::size_t k = 1; k <= b.size(); ++k) {
+      const std::size_t up = row[k];
+      row[k] = std::min({row[k] + 1, row[k - 1] + 1, diag + (a[i - 1] == b[k - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+/// Refuses a key of object `j` that is not in `known`, naming it and the closest known key.
+void refuse_unknown_keys(const json& j, std::initializer_list<const char*> known, const std::string& source) {
+  for (const auto& [key, value] : j.items()) {
+    if (std::find_if(known.begin(), known.end(), [&](const char* k) { return key == k; }) != known.end()) continue;
+    const char* best = *known.begin();
+    for (const char* k : known)
+      if (edit_distance(key, k) < edit_distance(key, best)) best = k;
+    throw DataError(fmt::format("{}: unknown field '{}'{}", source, key,
+                                edit_distance(key, best) <= 3 ? fmt::format(" (did you mean '{}'?)", best)
+                                                              : std::string()));
+  }
+}
+
 Link read_link(const json& j, const char* key, const std::string& source) {
   if (!j.contains(key) || !j[key].is_object()) throw DataError(fmt::format("{}: missing object '{}'", source, key));
   const std::string s = fmt::format("{}: {}", source, key);
+  refuse_unknown_keys(j[key], {"latency_s", "bandwidth_Bps"}, s);
   Link l{number(j[key], "latency_s", s, 0, true), number(j[key], "bandwidth_Bps", s, 0, true)};
   if (l.bandwidth <= 0) throw DataError(fmt::format("{}: bandwidth_Bps must be positive", s));
   return l;
@@ -66,26 +108,36 @@ HardwareProfile derive_profile(const std::string& name, const DeviceRates& r, By
 
 ClusterSpec ClusterSpec::from_json(const json& j, const std::string& source, const std::filesystem::path& base_dir) {
   if (!j.is_object()) throw DataError(fmt::format("{}: a cluster description must be a JSON object", source));
+  refuse_unknown_keys(j,
+                     {"name", "description", "gpus_per_node", "device_memory_bytes", "reserved_memory_bytes",
+                      "element_bytes", "param_bytes", "optimizer_bytes", "optimizer_sharded", "flash_attention",
+                      "host_cores", "profile", "per_tensor_gradient_reduce", "peak_flops", "device", "intra_node",
+                      "inter_node"},
+                     source);
+  for (const char* k : {"name", "description", "profile"})
+    if (j.contains(k) && !j[k].is_string()) throw DataError(fmt::format("{}: field '{}' must be a string", source, k));
+  for (const char* k : {"optimizer_sharded", "flash_attention", "per_tensor_gradient_reduce"})
+    if (j.contains(k) && !j[k].is_boolean()) throw DataError(fmt::format("{}: field '{}' must be true or false", source, k));
   ClusterSpec c;
   c.name = j.value("name", std::string("unnamed"));
   c.description = j.value("description", std::string());
-  c.gpus_per_node = int(number(j, "gpus_per_node", source, 1, true));
+  c.gpus_per_node = int(integer(j, "gpus_per_node", source, 1, true));
   if (c.gpus_per_node < 1) throw DataError(fmt::format("{}: gpus_per_node must be at least 1", source));
-  c.device_memory = Bytes(number(j, "device_memory_bytes", source, 0, true));
-  c.reserved_memory = Bytes(number(j, "reserved_memory_bytes", source, 0, false));
+  c.device_memory = integer(j, "device_memory_bytes", source, 0, true, 0x1p62);
+  c.reserved_memory = integer(j, "reserved_memory_bytes", source, 0, false, 0x1p62);
   if (c.usable_memory() <= 0)
     throw DataError(fmt::format("{}: device_memory_bytes {} leaves nothing after reserved_memory_bytes {}", source,
                                 c.device_memory, c.reserved_memory));
   c.intra_node = read_link(j, "intra_node", source);
   c.inter_node = read_link(j, "inter_node", source);
-  c.element_bytes = Bytes(number(j, "element_bytes", source, 4, false));
+  c.element_bytes = integer(j, "element_bytes", source, 4, false);
   if (c.element_bytes != 2 && c.element_bytes != 4)
     throw DataError(fmt::format("{}: element_bytes must be 2 or 4 (got {})", source, c.element_bytes));
   c.param_bytes = number(j, "param_bytes", source, 8, false);
   c.optimizer_bytes = number(j, "optimizer_bytes", source, 8, false);
   c.optimizer_sharded = j.value("optimizer_sharded", false);
   c.flash_attention = j.value("flash_attention", false);
-  c.host_cores = int(number(j, "host_cores", source, 0, false));
+  c.host_cores = int(integer(j, "host_cores", source, 0, false));
   if (j.contains("profile")) {
     const std::filesystem::path p = base_dir / j["profile"].get<std::string>();
     c.profile = HardwareProfile::load(p);
@@ -101,6 +153,10 @@ ClusterSpec ClusterSpec::from_json(const json& j, const std::string& source, con
   } else if (j.contains("device") && j["device"].is_object()) {
     const json& d = j["device"];
     const std::string s = source + ": device";
+    refuse_unknown_keys(d,
+                        {"peak_flops", "gemm_efficiency", "gemm_half_flops", "memory_bandwidth_Bps",
+                         "memory_efficiency", "launch_overhead_s", "host_link"},
+                        s);
     DeviceRates r;
     r.peak_flops = number(d, "peak_flops", s, 0, true);
     r.gemm_efficiency = number(d, "gemm_efficiency", s, r.gemm_efficiency, false);

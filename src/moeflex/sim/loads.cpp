@@ -37,6 +37,26 @@ void for_each_json_line(const std::filesystem::path& path,
     fn(j, where);
   }
 }
+
+/// Whether `v` is an integer in [lo, hi] (0 <= lo <= hi), checked as 64 bits before any narrowing.
+bool integer_within(const nlohmann::json& v, std::int64_t lo, std::int64_t hi) {
+  if (v.is_number_unsigned()) return v.get<std::uint64_t>() >= std::uint64_t(lo) && v.get<std::uint64_t>() <= std::uint64_t(hi);
+  return v.is_number_integer() && v.get<std::int64_t>() >= lo && v.get<std::int64_t>() <= hi;
+}
+
+/// An integer field of a loads.jsonl record in [lo, hi]: DataError naming the line,
+/// the field and the value otherwise.
+std::int64_t integer_in(const nlohmann::json& v, const std::string& where, const std::string& field, std::int64_t lo,
+                        std::int64_t hi) {
+  if (!integer_within(v, lo, hi))
+    throw DataError(fmt::format("{}: {} must be an integer in [{}, {}] (got {})", where, field, lo, hi, v.dump()));
+  return v.get<std::int64_t>();
+}
+
+// Bounds of a recorded layout (far beyond any run; they keep products in 64 bits).
+constexpr std::int64_t kMaxRecordedRanks = std::int64_t(1) << 24;
+constexpr std::int64_t kMaxRecordedMicrobatches = std::int64_t(1) << 20;
+constexpr std::int64_t kMaxRecordedRows = std::int64_t(1) << 48;
 }  // namespace
 
 LoadModel LoadModel::from_metrics(const std::filesystem::path& path) {
@@ -67,14 +87,13 @@ LoadModel LoadModel::from_loads(const std::filesystem::path& path) {
   LoadModel m;
   for_each_json_line(path, [&](const nlohmann::json& j, const std::string& where) {
     int dp = 0, ep = 0, M = 0, L = 0;
-    try {
-      dp = j.at("dp").get<int>();
-      ep = j.at("ep").get<int>();
-      M = j.at("microbatches").get<int>();
-      L = int(j.at("moe_layers").size());
-    } catch (const nlohmann::json::exception& e) {
-      throw DataError(fmt::format("{}: needs dp, ep, microbatches and moe_layers ({})", where, e.what()));
-    }
+    if (!j.is_object() || !j.contains("dp") || !j.contains("ep") || !j.contains("microbatches") ||
+        !j.contains("moe_layers") || !j["moe_layers"].is_array())
+      throw DataError(fmt::format("{}: needs dp, ep, microbatches and moe_layers (an array)", where));
+    dp = int(integer_in(j["dp"], where, "dp", 1, kMaxRecordedRanks));
+    ep = int(integer_in(j["ep"], where, "ep", 1, kMaxRecordedRanks));
+    M = int(integer_in(j["microbatches"], where, "microbatches", 1, kMaxRecordedMicrobatches));
+    L = int(j["moe_layers"].size());
     if (dp < 1 || ep < 1 || dp % ep != 0 || M < 1 || L < 1)
       throw DataError(fmt::format("{}: dp {}, ep {}, microbatches {}, {} MoE layers: need ep dividing dp and "
                                   "at least one of each", where, dp, ep, M, L));
@@ -86,6 +105,14 @@ LoadModel LoadModel::from_loads(const std::filesystem::path& path) {
     m.rec_ep_ = ep;
     m.rec_m_ = M;
     m.rec_layers_ = L;
+    // The arrays' own sizes before sizing the table by the header's counts.
+    for (const char* field : {"received", "kept"}) {
+      const auto& t = j.contains(field) ? j[field] : nlohmann::json();
+      if (!t.is_array() || int(t.size()) != L || !t[0].is_array() || int(t[0].size()) != M || !t[0][0].is_array() ||
+          int(t[0][0].size()) != dp)
+        throw DataError(fmt::format("{}: '{}' must be {} layers x {} micro-batches x {} ranks of row counts >= 0",
+                                    where, field, L, M, dp));
+    }
     std::vector<RecordedRows> rows(std::size_t(L) * std::size_t(M) * std::size_t(dp));
     for (const char* field : {"received", "kept"}) {
       const auto& t = j.contains(field) ? j[field] : nlohmann::json();
@@ -96,10 +123,12 @@ LoadModel LoadModel::from_loads(const std::filesystem::path& path) {
           const auto& v = t[std::size_t(k)][std::size_t(mb)];
           ok = v.is_array() && int(v.size()) == dp;
           for (int q = 0; ok && q < dp; ++q) {
-            ok = v[std::size_t(q)].is_number_integer() && v[std::size_t(q)].get<std::int64_t>() >= 0;
-            if (!ok) break;
+            const auto& x = v[std::size_t(q)];
+            if (!integer_within(x, 0, kMaxRecordedRows))  // named only when it fails
+              integer_in(x, where, fmt::format("{}[layer {}][micro-batch {}][rank {}]", field, k, mb, q), 0,
+                         kMaxRecordedRows);
             auto& r = rows[(std::size_t(k) * std::size_t(M) + std::size_t(mb)) * std::size_t(dp) + std::size_t(q)];
-            (std::string(field) == "received" ? r.received : r.kept) = v[std::size_t(q)].get<std::int64_t>();
+            (std::string(field) == "received" ? r.received : r.kept) = x.get<std::int64_t>();
           }
         }
       }
@@ -107,6 +136,19 @@ LoadModel LoadModel::from_loads(const std::filesystem::path& path) {
         throw DataError(fmt::format("{}: '{}' must be {} layers x {} micro-batches x {} ranks of row counts >= 0",
                                     where, field, L, M, dp));
     }
+    // A rank receives only what its EP group kept (conservation; with capacity
+    // dropping on the receiving side, at most that).
+    for (std::size_t i = 0; i < std::size_t(L) * std::size_t(M); ++i)
+      for (int g = 0; g < dp / ep; ++g) {
+        std::int64_t kept = 0;
+        for (int q = g * ep; q < (g + 1) * ep; ++q) kept += rows[i * std::size_t(dp) + std::size_t(q)].kept;
+        for (int q = g * ep; q < (g + 1) * ep; ++q)
+          if (rows[i * std::size_t(dp) + std::size_t(q)].received > kept)
+            throw DataError(fmt::format("{}: received[layer {}][micro-batch {}][rank {}] = {} is more than the {} "
+                                        "assignments its EP group kept",
+                                        where, i / std::size_t(M), i % std::size_t(M), q,
+                                        rows[i * std::size_t(dp) + std::size_t(q)].received, kept));
+      }
     // Per micro-batch and layer: the hottest EP group's max / mean of received rows.
     std::vector<double> ratios(std::size_t(L) * std::size_t(M), 1.0);
     for (std::size_t i = 0; i < ratios.size(); ++i)

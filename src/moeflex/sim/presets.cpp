@@ -47,8 +47,12 @@ ModelConfig load_model(const std::string& name_or_path, const fs::path& root) {
   } catch (const nlohmann::json::exception& e) {
     throw DataError(fmt::format("{}: not valid JSON ({})", path.string(), e.what()));
   }
-  ModelConfig c = ModelConfig::from_hf_json(j);
-  c.validate();
+  ModelConfig c = ModelConfig::from_hf_json(j, path.string());
+  try {
+    c.validate();
+  } catch (const ConfigError& e) {
+    throw ConfigError(fmt::format("{}: {}", path.string(), e.what()));
+  }
   return c;
 }
 

@@ -90,6 +90,26 @@ ParallelSpec ParallelSpec::parse(const std::string& s) {
   return p;
 }
 
+std::vector<int> parse_trace_ranks(const std::string& s) {
+  std::vector<int> v;
+  std::stringstream ss(s);
+  for (std::string x; std::getline(ss, x, ',');) {
+    if (x.empty()) continue;
+    std::size_t used = 0;
+    int r = -1;
+    try {
+      r = std::stoi(x, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != x.size() || r < 0)
+      throw ConfigError(fmt::format("--trace-ranks '{}': '{}' is not a pipeline rank (a non-negative integer, as in "
+                                    "--trace-ranks 0,3)", s, x));
+    v.push_back(r);
+  }
+  return v;
+}
+
 std::string ParallelSpec::str() const { return fmt::format("tp={},pp={},vpp={},ep={},dp={}", tp, pp, vpp, ep, dp); }
 
 const std::vector<std::string>& adaptive_levels() {
@@ -577,6 +597,20 @@ struct Simulation {
     return total;
   }
 
+  /// The smallest budget under which the adaptive planner's invariant holds for
+  /// pipeline rank r (the trainer's refusal): its persistent bytes plus the peak of
+  /// one step with every decided activation at its most memory-saving provision and
+  /// every MoE layer at its worst-case routing (minimum_budget, model/memory_plan.h).
+  Bytes adaptive_minimum(int r) const {
+    StepProgram program;
+    for (int s : plan.stages_of(r)) {
+      const StageInfo& si = stages[std::size_t(s)];
+      program.stages.push_back({si.first_layer, si.last_layer, si.embedding, si.head, o.parallel.ep});
+    }
+    program.actions = walk_actions(memory_plan, r);
+    return scaled(persistent(r), minimum_budget(cfg, o.micro_batch_size, o.seq_len / o.parallel.tp, program, 0, 0.0));
+  }
+
   /// Peak bytes of pipeline rank r's activations and buffers (MemoryWalk, fp32,
   /// persistent bytes excluded) over one iteration, with per-micro-batch ratios and
   /// provisioning policies.
@@ -713,6 +747,28 @@ SimReport simulate(const SimOptions& o) {
   if (adaptive) rep.adaptive_level_histogram.assign(adaptive_levels().size(), 0);
   std::vector<Bytes> persist(static_cast<std::size_t>(P));
   for (int r = 0; r < P; ++r) persist[std::size_t(r)] = rep.ranks[std::size_t(r)].persistent_bytes = sim.persistent(r);
+  for (int r : o.trace_ranks)  // before the work, not after it
+    if (r < 0 || r >= P) throw ConfigError(fmt::format("--trace-ranks: pipeline rank {} is not in [0, {})", r, P));
+  if (o.walk_memory) {
+    // A budget that cannot hold the persistent state fails every iteration at once;
+    // the adaptive policy needs the trainer's minimum budget (it refuses less).
+    for (int r = 0; r < P; ++r)
+      if (persist[std::size_t(r)] > sim.limit)
+        throw ConfigError(fmt::format(
+            "memory limit {} ({} B per device: --memory, or the cluster's usable memory) cannot hold pipeline rank "
+            "{}'s persistent state: {} ({} B) of weights, gradients and optimizer state for {}",
+            format_bytes(sim.limit), sim.limit, r, format_bytes(persist[std::size_t(r)]), persist[std::size_t(r)],
+            par.str()));
+    if (adaptive)
+      for (int r = 0; r < P; ++r)
+        if (const Bytes need = sim.adaptive_minimum(r); need > sim.limit)
+          throw ConfigError(fmt::format(
+              "memory limit {} ({} B per device) is below the smallest budget for which adaptive provisioning can "
+              "guarantee no out-of-memory error on pipeline rank {}: {} ({} B: {} of weights, gradients and optimizer "
+              "state, plus one step with every activation recomputed or offloaded and worst-case expert routing), "
+              "as `moeflex train` refuses it",
+              format_bytes(sim.limit), sim.limit, r, format_bytes(need), need, format_bytes(persist[std::size_t(r)])));
+  }
 
   // Data-parallel gradient reduction and optimizer, after the last backward.
   Seconds optimizer_ops = 0;  // the optimizer's priced work summed over the pipeline ranks (SimReport::ops)
@@ -780,6 +836,7 @@ SimReport simulate(const SimOptions& o) {
   // Processes (ranks) time-sharing fewer host cores: run_plan's CoreSharing.
   const bool shared = o.cluster.host_cores > 0 && par.world() > o.cluster.host_cores;
   double step_sum = 0, bubble_sum = 0, comm_sum = 0, recompute_sum = 0;
+  Seconds failed_attempts = 0;  // each OOM's restart and failed iteration
   const int iters = std::max(o.iterations, 1);
   PlanTimeline last;
   std::vector<std::vector<std::string>> last_policy;
@@ -1010,6 +1067,7 @@ SimReport simulate(const SimOptions& o) {
       const int lost = it % std::max(o.checkpoint_interval, 1);
       rep.lost_iterations += lost;
       rep.restart_time += o.restart_seconds + step * (lost + 1);  // the failed iteration and the redone ones
+      failed_attempts += o.restart_seconds + step;
     }
     last = std::move(tl);
     last_policy = std::move(policy);
@@ -1022,9 +1080,17 @@ SimReport simulate(const SimOptions& o) {
   const double world = par.world();
   rep.tgs = tokens / (rep.step_time * world);
   rep.mfu = o.cluster.peak_flops > 0 ? rep.model_flops_per_iteration / (rep.step_time * world * o.cluster.peak_flops) : 0;
-  const Seconds total = step_sum + rep.restart_time;
-  rep.effective_tgs = tokens * iters / (total * world);
-  rep.effective_mfu = rep.mfu * step_sum / total;
+  if (rep.ooms == iters) {
+    // No iteration fits: none completes, so a restart has nothing to redo (none is
+    // rolled back) and its retry fails again. The run makes no progress.
+    rep.lost_iterations = 0;
+    rep.restart_time = failed_attempts;
+    rep.effective_tgs = rep.effective_mfu = 0;  // SimReport::note says why (below)
+  } else {
+    const Seconds total = step_sum + rep.restart_time;
+    rep.effective_tgs = tokens * iters / (total * world);
+    rep.effective_mfu = rep.mfu * step_sum / total;
+  }
   for (int r = 0; r < P; ++r) {
     RankReport& rr = rep.ranks[std::size_t(r)];
     rr.pp_rank = r;
@@ -1033,10 +1099,13 @@ SimReport simulate(const SimOptions& o) {
     rr.idle = last.idle[std::size_t(r)];
     rep.peak_bytes = std::max(rep.peak_bytes, rr.peak_bytes);
   }
+  if (rep.ooms == iters)
+    rep.note = fmt::format("every iteration ran out of memory (peak {} over the limit {}): none completes, so the "
+                           "effective TGS is 0",
+                           format_bytes(rep.peak_bytes), format_bytes(sim.limit));
   // Chrome trace of the chosen ranks (last iteration), times in microseconds.
   json ev = json::array();
   for (int r : o.trace_ranks) {
-    if (r < 0 || r >= P) throw ConfigError(fmt::format("--trace-ranks: pipeline rank {} is not in [0, {})", r, P));
     ev.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", r}, {"args", {{"name", fmt::format("pp rank {}", r)}}}});
     ev.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", r}, {"tid", 0}, {"args", {{"name", "compute"}}}});
     ev.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", r}, {"tid", 1}, {"args", {{"name", "comm"}}}});
@@ -1109,6 +1178,7 @@ json SimReport::to_json() const {
             {"memory_limit_bytes", memory_limit},
             {"peak_bytes", peak_bytes},
             {"spike_peak_bytes", spike_peak_bytes},
+            {"note", note},
             {"ranks", ranks_j},
             {"simulation_wall_s", wall_seconds}};
   if (!ops.empty()) {
@@ -1157,6 +1227,7 @@ std::string SimReport::format() const {
       step_time, step_time_max, dp_reduce_time, optimizer_time, 100 * mfu, tgs, 100 * bubble_fraction, exposed_comm,
       recompute_time, peak_bytes / GiB, memory_limit / GiB, ooms, options.restart_seconds, lost_iterations,
       effective_tgs, 100 * effective_mfu);
+  if (!note.empty()) s += fmt::format("note           {}\n", note);
   if (!adaptive_level_histogram.empty()) {
     s += "adaptive       ";
     for (std::size_t i = 0; i < adaptive_level_histogram.size(); ++i)
@@ -1195,8 +1266,18 @@ Bytes max_persistent_bytes(const SimOptions& o) {
   return mx;
 }
 
+Bytes adaptive_minimum_budget(const SimOptions& o) {
+  Simulation sim(o);
+  sim.setup();
+  Bytes mx = 0;
+  for (int r = 0; r < sim.P; ++r) mx = std::max(mx, sim.adaptive_minimum(r));
+  return mx;
+}
+
 void write_outputs(const SimReport& r, const std::filesystem::path& dir) {
-  std::filesystem::create_directories(dir);
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) throw DataError(fmt::format("{}: cannot create the output directory ({})", dir.string(), ec.message()));
   {
     std::ofstream f(dir / "summary.json");
     if (!f) throw DataError(fmt::format("{}: cannot write", (dir / "summary.json").string()));

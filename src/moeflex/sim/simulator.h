@@ -56,6 +56,10 @@ struct ParallelSpec {
   std::string str() const;
 };
 
+/// Parses --trace-ranks "0,3" (empty items skipped) into pipeline ranks; ConfigError
+/// naming the flag and the item that is not a non-negative integer.
+std::vector<int> parse_trace_ranks(const std::string& s);
+
 /// The provisioning levels the simulated adaptive policy climbs, cheapest first.
 const std::vector<std::string>& adaptive_levels();
 
@@ -133,9 +137,14 @@ struct SimReport {
   double mfu = 0;                     ///< model FLOPs / (step_time x world x peak); recompute not counted
   double tgs = 0;                     ///< tokens per GPU per second
   int ooms = 0;                       ///< iterations whose walk exceeded the memory limit
-  int lost_iterations = 0;            ///< rolled back to the last checkpoint
+  /// Completed iterations rolled back to the last checkpoint, summed over the OOMs
+  /// (each OOM's restart redoes the iterations since the checkpoint, then retries the
+  /// failed one, as `moeflex train --on-oom restart` counts lost_steps); 0 when every
+  /// iteration runs out of memory, since none completes.
+  int lost_iterations = 0;
   Seconds restart_time = 0;           ///< restarts plus redone iterations
-  double effective_tgs = 0;           ///< including restart losses
+  /// Including restart losses; 0 when every iteration runs out of memory (see note).
+  double effective_tgs = 0;
   double effective_mfu = 0;
   Seconds recompute_time = 0;         ///< mean per iteration on the critical rank
   Bytes memory_limit = 0;
@@ -143,6 +152,7 @@ struct SimReport {
   Bytes spike_peak_bytes = 0;         ///< max over ranks with SimOptions::spike_check's spike
   std::vector<RankReport> ranks;
   std::vector<int> adaptive_level_histogram;  ///< micro-batch stages per adaptive level (adaptive only)
+  std::string note;                   ///< a remark on the result (e.g. every iteration ran out of memory); may be empty
   /// SimOptions::breakdown only: the ops one process of each pipeline rank runs in a
   /// step, by (phase, op kind) as the op profiler names them (LayerCost::ops; phase
   /// "optimizer" for the optimizer), summed over the pipeline ranks, mean over
@@ -159,8 +169,17 @@ struct SimReport {
 };
 
 /// Simulates `o.iterations` iterations. Throws ConfigError for layouts that do not
-/// validate (the message names the rule) and for an unknown schedule or policy.
+/// validate (the message names the rule), for an unknown schedule or policy, and
+/// (with memory walks) for a memory limit that cannot hold some pipeline rank's
+/// persistent state, or, for the adaptive policy, is below adaptive_minimum_budget().
 SimReport simulate(const SimOptions& o);
+
+/// The largest over pipeline ranks of the smallest budget for which adaptive
+/// provisioning can guarantee no OOM, as `moeflex train` computes and enforces it
+/// (minimum_budget in model/memory_plan.h: persistent state plus one step with every
+/// decided activation recomputed or offloaded at worst-case routing), in the
+/// cluster's element bytes. Validates like simulate().
+Bytes adaptive_minimum_budget(const SimOptions& o);
 
 /// The largest persistent footprint (weights, gradients, optimizer state) of any
 /// pipeline rank: a lower bound of its peak that needs no walk. Validates like simulate().

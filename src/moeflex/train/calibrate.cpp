@@ -40,6 +40,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cerrno>
 #include <cstring>
 #include <functional>
 #include <limits>
@@ -1161,7 +1162,35 @@ std::string format_seconds(Seconds s) {
 
 }  // namespace
 
-void write_profile(const HardwareProfile& profile, const std::filesystem::path& path) { profile.save(path); }
+void write_profile(const HardwareProfile& profile, const std::filesystem::path& path) {
+  std::error_code ec;
+  if (path.has_parent_path()) std::filesystem::create_directories(path.parent_path(), ec);
+  train::write_file_atomically(path, profile.to_json().dump(2) + "\n");  // an old profile survives a failed write
+}
+
+namespace {
+
+/// Refuses an --out the profile could not be written to, before any measuring:
+/// its folder must exist (or be creatable) and take a file.
+void check_writable(const std::filesystem::path& out) {
+  namespace fs = std::filesystem;
+  check_config(!fs::is_directory(out),
+               fmt::format("--out '{}' is a directory; give the profile's file name, e.g. {}/this-machine.json",
+                           out.string(), out.string()));
+  const fs::path dir = out.has_parent_path() ? out.parent_path() : fs::path(".");
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  const fs::path probe = dir / fmt::format(".moeflex-write-check-{}", ::getpid());
+  {
+    std::ofstream f(probe);
+    if (!f)
+      throw DataError(fmt::format("--out '{}': cannot write in '{}' ({})", out.string(), dir.string(),
+                                  ec ? ec.message() : std::strerror(errno)));
+  }
+  fs::remove(probe, ec);
+}
+
+}  // namespace
 
 double CalibrationRow::relative_error() const {
   return measured > 0 ? std::abs(predicted - measured) / measured : 0.0;
@@ -1418,9 +1447,6 @@ int run_calibrate_command(const std::string& out_path, int threads, double budge
   check_config(budget_seconds > 0 && budget_seconds <= 3600,
                fmt::format("--seconds must be in (0, 3600] (got {})", budget_seconds));
   check_config(threads >= 0, fmt::format("--threads must be >= 0, 0 meaning every core (got {})", threads));
-  check_config(!std::filesystem::is_directory(out_path),
-               fmt::format("--out '{}' is a directory; give the profile's file name, e.g. {}/this-machine.json",
-                           out_path, out_path));
   threads = resolve_threads(threads);
   // A peer under mpirun measures alongside rank 0 (so that the profile sees the
   // cores' shared memory bandwidth as training ranks do) and reports nothing.
@@ -1428,6 +1454,7 @@ int run_calibrate_command(const std::string& out_path, int threads, double budge
     (void)calibrate_and_validate(threads, budget_seconds, false);
     return 0;
   }
+  check_writable(out_path);
   fmt::print("moeflex calibrate: {} threads, budget {:.0f} s ({} grid), timed by the {} clock\n", threads,
              budget_seconds, budget_seconds >= kFullGridMinBudget ? "full" : "coarse",
              threads == 1 ? "thread's CPU" : "wall");
@@ -1529,8 +1556,7 @@ HardwareProfile in_situ_profile(HardwareProfile base, const std::filesystem::pat
 
 int run_in_situ_calibrate_command(const std::string& run_dir, const std::string& base_path,
                                   const std::string& out_path) {
-  check_config(!std::filesystem::is_directory(out_path),
-               fmt::format("--out '{}' is a directory; give the profile's file name", out_path));
+  check_writable(out_path);
   const HardwareProfile profile = in_situ_profile(HardwareProfile::load(base_path), run_dir);
   fmt::print("moeflex calibrate --from-run {}: base profile {}\n", run_dir, base_path);
   fmt::print("in-situ: {} ops at their exact shapes", profile.in_situ_ops.size());
@@ -1540,7 +1566,7 @@ int run_in_situ_calibrate_command(const std::string& run_dir, const std::string&
       fmt::print(" {} [{}, {}] x{:.3f}", x.kind, x.in, x.out, x.scale);
   }
   fmt::print("\n");
-  train::write_file_atomically(out_path, profile.to_json().dump(2) + "\n");
+  write_profile(profile, out_path);
   fmt::print("wrote {}\n", out_path);
   return 0;
 }

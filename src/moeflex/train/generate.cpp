@@ -70,11 +70,16 @@ void load_sharded_weights(const fs::path& run, const RunConfig& cfg, MoEModel& m
 std::string generate_text(const GenerateOptions& opts) {
   const fs::path& run = opts.run_dir;
   if (!fs::is_directory(run)) throw ConfigError(fmt::format("--run: '{}' is not a run directory", run.string()));
-  if (opts.temperature < 0) throw ConfigError(fmt::format("--temperature must be >= 0 (0 = greedy), got {}", opts.temperature));
+  if (!(opts.temperature >= 0) || !std::isfinite(opts.temperature))
+    throw ConfigError(fmt::format("--temperature must be a finite number >= 0 (0 = greedy), got {}", opts.temperature));
   if (opts.top_k < 0) throw ConfigError(fmt::format("--top-k must be >= 0 (0 = the whole vocabulary), got {}", opts.top_k));
   if (opts.max_new_tokens < 0) throw ConfigError("--max-new-tokens must be >= 0");
   RunConfig cfg = RunConfig::from_file((run / "config.toml").string());
   Tokenizer tok = Tokenizer::load((run / "tokenizer.model").string());
+  if (tok.vocab_size() != cfg.model.vocab_size)
+    throw DataError(fmt::format("run '{}': its tokenizer.model has {} pieces but the model's vocab_size is {}: the "
+                                "tokenizer is not the one the model was trained with", run.string(), tok.vocab_size(),
+                                cfg.model.vocab_size));
   Arena arena;
   MoEModel model(cfg.model, arena);
   if (fs::is_directory(run / "rank00000")) {

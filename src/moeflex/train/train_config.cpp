@@ -112,6 +112,16 @@ void RunConfig::validate() const {
   rule(parallel.dp >= 0, "parallel.dp: must not be negative (0 = world size / pp)");
   rule(parallel.ep >= 1, "parallel.ep: must be at least 1");
   rule(parallel.vpp >= 1, "parallel.vpp: must be at least 1");
+  // The schedules' own requirements on the micro-batches per step, named in the
+  // config's terms (schedule/ names them num_microbatches).
+  if (parallel.schedule == "interleaved")
+    rule(t.grad_accum % parallel.pp == 0,
+         fmt::format("train.grad_accum (--grad-accum, micro-batches per step) = {}: the interleaved schedule needs a "
+                     "multiple of parallel.pp = {}", t.grad_accum, parallel.pp));
+  if (parallel.schedule == "dualpipev")
+    rule(t.grad_accum >= 2 * parallel.pp,
+         fmt::format("train.grad_accum (--grad-accum, micro-batches per step) = {}: the dualpipev schedule needs at "
+                     "least 2 x parallel.pp = {}", t.grad_accum, 2 * parallel.pp));
 }
 
 RunConfig RunConfig::defaults() { return from_toml_text("", "the embedded default config"); }

@@ -236,6 +236,34 @@ std::string describe_checkpoints(const fs::path& root) {
   return out.empty() ? " (checkpoints/ is empty)" : out;
 }
 
+// The checkpoint roots a run folder may hold: the folder itself (one process) and
+// its rank folders (several).
+std::vector<fs::path> checkpoint_roots(const fs::path& run_dir) {
+  std::vector<fs::path> roots = {run_dir};
+  std::error_code ec;
+  if (fs::is_directory(run_dir, ec))
+    for (const auto& e : fs::directory_iterator(run_dir, ec))
+      if (e.is_directory() && e.path().filename().string().starts_with("rank")) roots.push_back(e.path());
+  return roots;
+}
+
+// Whether `run_dir` holds a complete checkpoint, on any number of ranks.
+bool holds_a_checkpoint(const fs::path& run_dir) {
+  for (const fs::path& root : checkpoint_roots(run_dir))
+    if (train::latest_checkpoint(root)) return true;
+  return false;
+}
+
+// Whether `run_dir` holds a run that trained (whatever its rank count): its metrics,
+// summary or checkpoints. A folder with only config.toml and tokenizer.model is a
+// run refused before its first step, which a new run may take over.
+bool holds_a_run(const fs::path& run_dir) {
+  if (fs::exists(run_dir / "summary.json") || fs::exists(run_dir / "metrics.jsonl")) return true;
+  for (const fs::path& root : checkpoint_roots(run_dir))
+    if (fs::exists(root / "checkpoints")) return true;
+  return false;
+}
+
 }  // namespace
 
 TrainResult run_training(const TrainOptions& opts) {
@@ -266,6 +294,12 @@ TrainResult run_training(const TrainOptions& opts) {
     int ranks = 0;
     for (const auto& e : fs::directory_iterator(run_dir))
       if (e.is_directory() && e.path().filename().string().starts_with("rank")) ++ranks;
+    // Rank folders appear with the first checkpoint: without them and without a
+    // checkpoint of a single process, the rank count is unknown and nothing resumes.
+    if (ranks == 0 && !train::latest_checkpoint(run_dir))
+      throw DataError(fmt::format("--resume: '{}' holds no complete checkpoint to resume from:{} (a run that ended "
+                                  "before its first checkpoint cannot be resumed: start it again with another --out, "
+                                  "or delete the folder)", run_dir.string(), describe_checkpoints(run_dir)));
     const int trained_on = std::max(ranks, 1);
     if (trained_on != world_size)
       throw ConfigError(fmt::format("--resume: the run in '{}' trained on {} rank{}, not {}; resume it with {}",
@@ -273,6 +307,9 @@ TrainResult run_training(const TrainOptions& opts) {
                                     trained_on == 1 ? std::string("a single process (no mpirun)")
                                                     : fmt::format("mpirun -np {}", trained_on)));
   }
+  if (pc.dp == 0 && world_size % pc.pp != 0)
+    throw ConfigError(fmt::format("{} rank{} cannot be split into pipelines of pp = {}: the world size must be a "
+                                  "multiple of pp (ranks = pp x dp)", world_size, world_size == 1 ? "" : "s", pc.pp));
   comm::LayoutSpec spec;
   spec.world_size = world_size;
   spec.pp = pc.pp;
@@ -339,20 +376,38 @@ TrainResult run_training(const TrainOptions& opts) {
   world->barrier();  // the other ranks read what rank 0 prepared
   TokenDataset data = TokenDataset::open(data_dir);
 
-  if (!opts.resume && (fs::exists(run_dir / "summary.json") || train::latest_checkpoint(ckpt_root))) {
-    if (!train::latest_checkpoint(ckpt_root))  // it ended before its first checkpoint: nothing to resume
-      throw ConfigError(fmt::format("run directory '{}' holds a run that ended before its first checkpoint (see its "
-                                    "summary.json); it cannot be resumed: use another --out, or delete it to start "
-                                    "over there", run_dir.string()));
+  if (!opts.resume && holds_a_run(run_dir)) {
+    if (!holds_a_checkpoint(run_dir))  // it ended before its first checkpoint: nothing to resume
+      throw ConfigError(fmt::format("run directory '{}' holds a run that ended before its first checkpoint (its "
+                                    "metrics.jsonl or summary.json); it cannot be resumed: use another --out, or "
+                                    "delete it to start over there", run_dir.string()));
     throw ConfigError(fmt::format("run directory '{}' already holds a run; use --resume {} or another --out",
                                   run_dir.string(), run_dir.string()));
   }
   world->barrier();
+  std::string resume_error;
   if (rank0) {
     fs::create_directories(run_dir);
-    if (!opts.resume) train::write_file_atomically(run_dir / "config.toml", cfg.to_toml());
-    fs::copy_file(data_dir / "tokenizer.model", run_dir / "tokenizer.model", fs::copy_options::overwrite_existing);
+    if (!opts.resume) {
+      train::write_file_atomically(run_dir / "config.toml", cfg.to_toml());
+      fs::copy_file(data_dir / "tokenizer.model", run_dir / "tokenizer.model", fs::copy_options::overwrite_existing);
+    } else if (!fs::exists(run_dir / "tokenizer.model")) {
+      fs::copy_file(data_dir / "tokenizer.model", run_dir / "tokenizer.model");
+    } else if (train::read_file_bytes(run_dir / "tokenizer.model") != train::read_file_bytes(data_dir / "tokenizer.model")) {
+      // The corpus changed since the run began (its tokenizer was retrained): the
+      // model's embeddings belong to the run's own tokenizer, which stays as it is.
+      resume_error = fmt::format(
+          "--resume: the corpus '{}' has changed since the run began: its tokenizer now differs from the run's "
+          "tokenizer.model, so its token ids would not mean what the model learned. Resume with the corpus the run "
+          "was trained on", corpus.string());
+    }
   }
+  if (world_size > 1) {  // every rank refuses together
+    double bad = resume_error.empty() ? 0.0 : 1.0;
+    world->all_reduce_max(&bad, 1);
+    if (bad > 0 && resume_error.empty()) resume_error = "--resume: refused on rank 0 (see its message)";
+  }
+  if (!resume_error.empty()) throw DataError(resume_error);
   world->barrier();
 
   TrainResult res;
@@ -622,8 +677,11 @@ TrainResult run_training(const TrainOptions& opts) {
       if (rank0) truncate_metrics(run_dir / "metrics.jsonl", start_step);
       if (rank0) truncate_metrics(run_dir / "loads.jsonl", start_step);
       if (start_step >= t.steps) {
-        progress.note(fmt::format("run {} is already complete at step {}; pass --steps N > {} to extend it",
-                                  run_dir.string(), start_step, start_step));
+        progress.note(start_step == t.steps
+                          ? fmt::format("run {} is already complete at step {}; pass --steps N > {} to extend it",
+                                        run_dir.string(), start_step, start_step)
+                          : fmt::format("run {} is at step {}, past --steps {}; pass --steps N > {} to extend it",
+                                        run_dir.string(), start_step, t.steps, start_step));
         already_complete = true;
         res.steps = start_step;
         if (fs::exists(summary_path)) {  // the figures of the run as it finished, for the final line
@@ -636,6 +694,10 @@ TrainResult run_training(const TrainOptions& opts) {
         }
       } else {
         progress.note(fmt::format("resuming {} from step {}", run_dir.string(), start_step));
+        // --steps sets the run's length from now on: a later plain --resume keeps it.
+        if (rank0 && opts.config.train.steps > 0 &&
+            RunConfig::from_file((run_dir / "config.toml").string()).train.steps != t.steps)
+          train::write_file_atomically(run_dir / "config.toml", cfg.to_toml());
       }
     } else {
       if (rank0) std::remove((run_dir / "metrics.jsonl").c_str());
@@ -1038,6 +1100,10 @@ TrainResult run_training(const TrainOptions& opts) {
     write_summary(seconds_since(t_start));
     throw;
   } catch (const Error& e) {
+    if (!opts.resume && res.steps_run == 0) {  // refused before its first step: no trace files are left behind
+      std::error_code ec;
+      fs::remove(world_size > 1 ? train::rank_trace_path(run_dir / "trace.json", rank) : run_dir / "trace.json", ec);
+    }
     if (world_size > 1) comm::abort_job(e.what(), 2);
     throw;
   }

@@ -1,0 +1,421 @@
+// Input handling of `moeflex simulate` / `moeflex search`: memory budgets that
+// cannot work, OOM accounting when every iteration fails, Hugging Face configs
+// with missing or mistyped fields, --trace-ranks, corrupt loads.jsonl values,
+// cluster JSON keys and counts, and --out checked before the long work.
+#include <gtest/gtest.h>
+
+#include <fmt/format.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "model_fixtures.h"
+#include "moeflex/core/error.h"
+#include "moeflex/model/config.h"
+#include "moeflex/search/search.h"
+#include "moeflex/sim/cluster.h"
+#include "moeflex/sim/loads.h"
+#include "moeflex/sim/presets.h"
+#include "moeflex/sim/simulator.h"
+#include "sim_fixtures.h"
+
+using namespace moeflex;
+using namespace moeflex::sim;
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+/// The message of the exception of type E that `fn` throws ("" when none).
+template <typename E, typename F>
+std::string error_of(F&& fn) {
+  try {
+    fn();
+  } catch (const E& e) {
+    return e.what();
+  }
+  return "";
+}
+
+SimOptions small_options(int pp) {
+  SimOptions o;
+  o.model = test::small_moe_config(4, 1, 8, true);
+  o.cluster.name = "test";
+  o.cluster.gpus_per_node = 8;
+  o.cluster.device_memory = kGiB;
+  o.cluster.intra_node = {1e-6, 100e9};
+  o.cluster.inter_node = {5e-6, 10e9};
+  o.cluster.peak_flops = test::kGemmOnlyRate;
+  o.cluster.profile = test::gemm_only_profile();
+  o.parallel.pp = pp;
+  o.micro_batch_size = 2;
+  o.seq_len = 16;
+  o.global_batch = 2 * 4;
+  o.loads.constant = 1.0;
+  return o;
+}
+
+fs::path scratch(const std::string& tag) {
+  const fs::path d = fs::path(MOEFLEX_BINARY_DIR) / "test_sim_inputs.d" / fmt::format("{}-{}", tag, ::getpid());
+  fs::remove_all(d);
+  fs::create_directories(d);
+  return d;
+}
+
+fs::path write(const fs::path& p, const std::string& text) {
+  std::ofstream(p) << text;
+  return p;
+}
+
+}  // namespace
+
+// ---- 1. memory budgets and the OOM account ----------------------------------------
+
+TEST(SimInputs, BudgetBelowARanksPersistentStateIsRefusedNamingTheRank) {
+  SimOptions o = small_options(2);
+  const SimReport fits = simulate(o);
+  ASSERT_EQ(fits.ranks.size(), 2u);
+  const Bytes p0 = fits.ranks[0].persistent_bytes, p1 = fits.ranks[1].persistent_bytes;
+  ASSERT_NE(p0, p1);  // a dense layer on rank 0, MoE layers and the head on rank 1
+  const int fat = p0 > p1 ? 0 : 1;
+  const Bytes most = std::max(p0, p1);
+  o.memory_limit = most - 1;  // the other rank fits: only `fat` is named
+  const std::string msg = error_of<ConfigError>([&] { simulate(o); });
+  EXPECT_NE(msg.find(fmt::format("pipeline rank {}'s persistent state", fat)), std::string::npos) << msg;
+  EXPECT_NE(msg.find(fmt::format("{} B) of weights", most)), std::string::npos) << msg;
+  EXPECT_NE(msg.find(fmt::format("({} B per device", most - 1)), std::string::npos) << msg;
+  o.memory_limit = most;  // holds the state; the activations then do not fit
+  EXPECT_NO_THROW(simulate(o));
+}
+
+TEST(SimInputs, AdaptiveBelowTheTrainersMinimumBudgetIsRefused) {
+  SimOptions o = small_options(2);
+  o.policy = "adaptive";
+  o.parallel.dp = o.parallel.ep = 2;
+  o.global_batch = 2 * 2 * 4;
+  const Bytes need = adaptive_minimum_budget(o);
+  o.memory_limit = kGiB;
+  const SimReport free = simulate(o);
+  Bytes persist = 0;
+  for (const auto& r : free.ranks) persist = std::max(persist, r.persistent_bytes);
+  EXPECT_GT(need, persist);  // the state plus a step's activations
+  o.memory_limit = need - 1;
+  const std::string msg = error_of<ConfigError>([&] { simulate(o); });
+  EXPECT_NE(msg.find("smallest budget for which adaptive provisioning"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(fmt::format("{} B:", need)), std::string::npos) << msg;
+  // Worst-case routing grows with the EP group: one rank may receive every rank's
+  // rows, so the step's part of the minimum (beyond the state) is larger with ep 2.
+  SimOptions one = o;
+  one.parallel.ep = 1;
+  EXPECT_LT(adaptive_minimum_budget(one) - max_persistent_bytes(one), need - max_persistent_bytes(o));
+  // At the minimum the planner's guarantee holds: no iteration runs out of memory.
+  o.memory_limit = need;
+  o.iterations = 3;
+  const SimReport r = simulate(o);
+  EXPECT_EQ(r.ooms, 0);
+  EXPECT_LE(r.peak_bytes, need);
+}
+
+TEST(SimInputs, EveryIterationOutOfMemoryMakesNoProgressAndRollsNothingBack) {
+  SimOptions o = small_options(1);
+  o.iterations = 10;
+  o.checkpoint_interval = 50;
+  o.restart_seconds = 100;
+  const SimReport fits = simulate(o);
+  o.memory_limit = fits.peak_bytes - 1;  // at constant loads every iteration is the same
+  const SimReport r = simulate(o);
+  EXPECT_EQ(r.ooms, 10);
+  EXPECT_EQ(r.lost_iterations, 0);  // none completes, so none is rolled back
+  EXPECT_LE(r.lost_iterations, o.iterations);
+  EXPECT_EQ(r.effective_tgs, 0.0);
+  EXPECT_EQ(r.effective_mfu, 0.0);
+  EXPECT_GT(r.tgs, 0.0);
+  EXPECT_NEAR(r.restart_time, 10 * (100 + r.step_time), 1e-9);  // each failed attempt and its restart
+  EXPECT_NE(r.note.find("every iteration ran out of memory"), std::string::npos) << r.note;
+  EXPECT_NE(r.format().find("every iteration ran out of memory"), std::string::npos);
+  EXPECT_EQ(r.to_json().at("note"), r.note);
+  EXPECT_TRUE(fits.note.empty());
+}
+
+// Some iterations fit: each OOM rolls back to the last checkpoint and the run goes on.
+TEST(SimInputs, SpikeOomsRollBackToTheCheckpointAndTheRunProgresses) {
+  SimOptions o = small_options(1);
+  o.parallel.dp = o.parallel.ep = 2;
+  o.global_batch = 2 * 2 * 4;
+  o.iterations = 4;
+  o.checkpoint_interval = 3;
+  o.restart_seconds = 100;
+  // A metrics.jsonl replay: iterations 0 and 2 hot (ratio 100 x 2 / 128), 1 and 3 balanced.
+  const fs::path d = scratch("spikes");
+  std::ofstream m(d / "metrics.jsonl");
+  for (int s = 0; s < 2; ++s) {
+    m << json{{"step", 2 * s + 1}, {"ep_received_tokens", {{100, 28}}}}.dump() << "\n";
+    m << json{{"step", 2 * s + 2}, {"ep_received_tokens", {{64, 64}}}}.dump() << "\n";
+  }
+  m.close();
+  o.loads = LoadModel::from_file(d / "metrics.jsonl");
+  const SimReport free = simulate(o);
+  const Bytes hot = free.peak_bytes, calm = free.ranks[0].peak_balanced_bytes;
+  ASSERT_LT(calm, hot);
+  o.memory_limit = calm;
+  const SimReport r = simulate(o);
+  EXPECT_EQ(r.ooms, 2);
+  // OOM at 0: nothing since the checkpoint; at 2: iterations 0 and 1 (checkpoint every 3).
+  EXPECT_EQ(r.lost_iterations, 2);
+  EXPECT_TRUE(r.note.empty());
+  EXPECT_GT(r.effective_tgs, 0);
+  EXPECT_LT(r.effective_tgs, r.tgs);
+}
+
+// ---- 2. Hugging Face config.json ----------------------------------------------------
+
+TEST(SimInputs, HfConfigNeedsItsShapeFieldsAndRefusesWrongTypes) {
+  const fs::path root = MOEFLEX_SOURCE_DIR;
+  const json mixtral = json::parse(std::ifstream(root / "configs/models/mixtral-8x7b.json"));
+  const json deepseek = json::parse(std::ifstream(root / "configs/models/deepseek-v3.json"));
+  const json qwen = json::parse(std::ifstream(root / "configs/models/qwen3-30b-a3b.json"));
+  auto msg = [](const json& j) { return error_of<ConfigError>([&] { ModelConfig::from_hf_json(j, "m.json"); }); };
+
+  EXPECT_NE(msg(json::object()).find("m.json: missing field 'vocab_size'"), std::string::npos) << msg(json::object());
+  EXPECT_NE(msg(json::array()).find("must be a JSON object"), std::string::npos);
+  json j = mixtral;
+  j["hidden_size"] = "big";
+  EXPECT_NE(msg(j).find("m.json: field 'hidden_size' must be an integer (got \"big\")"), std::string::npos) << msg(j);
+  j["hidden_size"] = 4096.5;
+  EXPECT_NE(msg(j).find("'hidden_size' must be an integer (got 4096.5)"), std::string::npos) << msg(j);
+  j["hidden_size"] = 4096.0;  // a whole float reads as the integer
+  EXPECT_EQ(ModelConfig::from_hf_json(j).hidden_size, 4096);
+  j.erase("hidden_size");
+  EXPECT_NE(msg(j).find("missing field 'hidden_size'"), std::string::npos) << msg(j);
+  j = mixtral;
+  j.erase("intermediate_size");  // Mixtral's experts' width
+  EXPECT_NE(msg(j).find("missing field 'intermediate_size' (the experts' width)"), std::string::npos) << msg(j);
+  j = mixtral;
+  j["tie_word_embeddings"] = "no";
+  EXPECT_NE(msg(j).find("'tie_word_embeddings' must be true or false (got \"no\")"), std::string::npos) << msg(j);
+  j = mixtral;
+  j["rope_theta"] = "1e6";
+  EXPECT_NE(msg(j).find("'rope_theta' must be a number"), std::string::npos) << msg(j);
+  j = mixtral;
+  j["num_local_experts"] = 18446744073709551615ull;  // would wrap to -1
+  EXPECT_NE(msg(j).find("'num_local_experts' must be an integer below 2^63"), std::string::npos) << msg(j);
+  j = deepseek;
+  j.erase("n_routed_experts");
+  EXPECT_NE(msg(j).find("'num_experts' (or 'num_local_experts', 'n_routed_experts')"), std::string::npos) << msg(j);
+  j = deepseek;
+  j.erase("intermediate_size");  // its first 3 layers are dense
+  EXPECT_NE(msg(j).find("'intermediate_size' (the dense layers' width)"), std::string::npos) << msg(j);
+  j = qwen;
+  j.erase("moe_intermediate_size");
+  EXPECT_NE(msg(j).find("missing field 'moe_intermediate_size'"), std::string::npos) << msg(j);
+  j = qwen;
+  j.erase("num_experts_per_tok");
+  EXPECT_NE(msg(j).find("missing field 'num_experts_per_tok'"), std::string::npos) << msg(j);
+  // Defaults that are legitimate stay: no RoPE base or norm epsilon needed, null is absent.
+  j = qwen;
+  j.erase("rope_theta");
+  j["rms_norm_eps"] = nullptr;
+  const ModelConfig q = ModelConfig::from_hf_json(j);
+  EXPECT_EQ(q.hidden_size, 2048);
+  EXPECT_EQ(q.num_experts, 128);
+  EXPECT_EQ(q.rope_theta, ModelConfig{}.rope_theta);
+
+  // Through the loader: the file is named, and every shipped preset still loads.
+  const fs::path d = scratch("hf");
+  const fs::path empty = write(d / "empty.json", "{}");
+  const std::string e = error_of<ConfigError>([&] { load_model(empty.string(), root); });
+  EXPECT_NE(e.find(empty.string() + ": missing field 'vocab_size'"), std::string::npos) << e;
+  for (const std::string& name : preset_names(root, "models")) EXPECT_NO_THROW(load_model(name, root)) << name;
+  EXPECT_GE(preset_names(root, "models").size(), 6u);
+}
+
+// ---- 3. --trace-ranks ---------------------------------------------------------------
+
+TEST(SimInputs, TraceRanksAreNonNegativeIntegers) {
+  EXPECT_EQ(parse_trace_ranks("0,3"), (std::vector<int>{0, 3}));
+  EXPECT_EQ(parse_trace_ranks(""), std::vector<int>{});
+  EXPECT_EQ(parse_trace_ranks("2,,5"), (std::vector<int>{2, 5}));
+  for (const std::string bad : {"abc", "1,x", "3a", "-1", "99999999999"}) {
+    const std::string msg = error_of<ConfigError>([&] { parse_trace_ranks(bad); });
+    EXPECT_NE(msg.find(fmt::format("--trace-ranks '{}'", bad)), std::string::npos) << msg;
+  }
+  EXPECT_NE(error_of<ConfigError>([] { parse_trace_ranks("1,x"); }).find("'x' is not a pipeline rank"),
+            std::string::npos);
+  // A rank outside the pipeline is refused before the simulation.
+  SimOptions o = small_options(2);
+  o.trace_ranks = {2};
+  EXPECT_NE(error_of<ConfigError>([&] { simulate(o); }).find("pipeline rank 2 is not in [0, 2)"), std::string::npos);
+}
+
+// ---- 4. corrupt loads.jsonl ---------------------------------------------------------
+
+TEST(SimInputs, LoadsValuesAreRangeCheckedBeforeNarrowing) {
+  const fs::path good = test::write_loads_jsonl(64, "inputs-loads") / "loads.jsonl";
+  const json line = json::parse(std::ifstream(good));
+  ASSERT_NO_THROW(LoadModel::from_file(good));
+  const fs::path d = scratch("loads");
+  auto msg = [&](const json& j) {
+    const fs::path p = write(d / "loads.jsonl", j.dump() + "\n");
+    return error_of<DataError>([&] { LoadModel::from_file(p); });
+  };
+  json j = line;
+  j["dp"] = 4294967298ull;  // 2 mod 2^32
+  std::string m = msg(j);
+  EXPECT_NE(m.find("loads.jsonl:1: dp must be an integer in [1, 16777216] (got 4294967298)"), std::string::npos) << m;
+  j = line;
+  j["ep"] = 4294967298ull;
+  m = msg(j);
+  EXPECT_NE(m.find("ep must be an integer in [1, 16777216] (got 4294967298)"), std::string::npos) << m;
+  j = line;
+  j["dp"] = 1e12;
+  m = msg(j);
+  EXPECT_NE(m.find("dp must be an integer"), std::string::npos) << m;
+  EXPECT_EQ(m.find("-727379968"), std::string::npos) << m;
+  j = line;
+  j["microbatches"] = -3;
+  EXPECT_NE(msg(j).find("microbatches must be an integer in [1, "), std::string::npos) << msg(j);
+  j = line;
+  j["received"][1][2][0] = 4294967424ull;  // 128 mod 2^32
+  m = msg(j);
+  EXPECT_NE(m.find("received[layer 1][micro-batch 2][rank 0] = 4294967424 is more than the 128 assignments"),
+            std::string::npos)
+      << m;
+  j = line;
+  j["kept"][0][1][1] = 18446744073709551615ull;  // -1 as int64
+  m = msg(j);
+  EXPECT_NE(m.find("kept[layer 0][micro-batch 1][rank 1] must be an integer in [0, "), std::string::npos) << m;
+  j = line;
+  j["received"][0][0][1] = 28.5;
+  EXPECT_NE(msg(j).find("received[layer 0][micro-batch 0][rank 1] must be an integer"), std::string::npos) << msg(j);
+  j = line;
+  j["received"][0][0] = {1, 2, 3};  // three ranks of dp 2
+  EXPECT_NE(msg(j).find("'received' must be 2 layers x 3 micro-batches x 2 ranks"), std::string::npos) << msg(j);
+}
+
+// ---- 6. cluster JSON ----------------------------------------------------------------
+
+TEST(SimInputs, ClusterJsonRefusesUnknownKeysAndFractionalCounts) {
+  const fs::path root = MOEFLEX_SOURCE_DIR;
+  const json h100 = json::parse(std::ifstream(root / "configs/clusters/h100.json"));
+  auto msg = [](const json& j) { return error_of<DataError>([&] { ClusterSpec::from_json(j, "c.json", "."); }); };
+  ASSERT_EQ(msg(h100), "");
+  json j = h100;
+  j["reserved_memory_byte"] = 1;
+  EXPECT_NE(msg(j).find("c.json: unknown field 'reserved_memory_byte' (did you mean 'reserved_memory_bytes'?)"),
+            std::string::npos)
+      << msg(j);
+  j = h100;
+  j["colour"] = "green";
+  EXPECT_NE(msg(j).find("unknown field 'colour'"), std::string::npos) << msg(j);
+  EXPECT_EQ(msg(j).find("did you mean"), std::string::npos) << msg(j);
+  j = h100;
+  j["device"]["peak_flop"] = 1e15;
+  EXPECT_NE(msg(j).find("c.json: device: unknown field 'peak_flop' (did you mean 'peak_flops'?)"), std::string::npos)
+      << msg(j);
+  j = h100;
+  j["intra_node"]["latency"] = 1e-6;
+  EXPECT_NE(msg(j).find("c.json: intra_node: unknown field 'latency'"), std::string::npos) << msg(j);
+  j = h100;
+  j["gpus_per_node"] = 1.5;
+  EXPECT_NE(msg(j).find("field 'gpus_per_node' must be a whole number (got 1.5)"), std::string::npos) << msg(j);
+  j = h100;
+  j["gpus_per_node"] = 1e12;
+  EXPECT_NE(msg(j).find("'gpus_per_node' must be a whole number of at most"), std::string::npos) << msg(j);
+  j = h100;
+  j["device_memory_bytes"] = 85899345920.5;
+  EXPECT_NE(msg(j).find("'device_memory_bytes' must be a whole number"), std::string::npos) << msg(j);
+  j = h100;
+  j["flash_attention"] = 1;
+  EXPECT_NE(msg(j).find("'flash_attention' must be true or false"), std::string::npos) << msg(j);
+  j = h100;
+  j["gpus_per_node"] = 16.0;  // a whole float is a count
+  EXPECT_EQ(ClusterSpec::from_json(j, "c.json", ".").gpus_per_node, 16);
+  for (const std::string& name : preset_names(root, "clusters")) {
+    if (name == "this-machine" && !fs::exists(root / "data/hardware/this-machine.json")) continue;  // needs calibrate
+    EXPECT_NO_THROW(load_cluster(name, root)) << name;
+  }
+}
+
+// ---- 5. --out, checked before the work (through the binary) -------------------------
+
+TEST(SimInputs, OutIsCheckedBeforeTheWork) {
+  const fs::path bin = fs::path(MOEFLEX_BINARY_DIR) / "moeflex";
+  if (!fs::exists(bin)) GTEST_SKIP() << bin << " is not built";
+  const fs::path d = scratch("out");
+  const fs::path file = write(d / "a-file", "x");
+  auto run = [&](const std::string& args) {
+    const std::string cmd = fmt::format("cd {} && {} {} 2>&1", MOEFLEX_SOURCE_DIR, bin.string(), args);
+    FILE* p = popen(cmd.c_str(), "r");
+    std::string out;
+    std::array<char, 4096> buf{};
+    while (std::size_t n = std::fread(buf.data(), 1, buf.size(), p)) out.append(buf.data(), n);
+    const int status = pclose(p);
+    return std::make_pair(WEXITSTATUS(status), out);
+  };
+  // search writes one file: a directory is refused at once (not after the search).
+  auto [rc, out] = run(fmt::format("search --gpus 8 --cluster h100 --out {}", d.string()));
+  EXPECT_EQ(rc, 2) << out;
+  EXPECT_NE(out.find(fmt::format("--out '{}' is a directory", d.string())), std::string::npos) << out;
+  EXPECT_EQ(out.find("combinations"), std::string::npos) << out;  // the search did not run
+  // simulate writes into a directory: a file in its place, or a parent that is a file.
+  std::tie(rc, out) = run(fmt::format("simulate --cluster h100 --out {}", file.string()));
+  EXPECT_EQ(rc, 2) << out;
+  EXPECT_NE(out.find(fmt::format("{} exists and is not a directory", file.string())), std::string::npos) << out;
+  std::tie(rc, out) = run(fmt::format("simulate --cluster h100 --out {}/sub", file.string()));
+  EXPECT_EQ(rc, 2) << out;
+  EXPECT_NE(out.find(fmt::format("--out '{}/sub': cannot create", file.string())), std::string::npos) << out;
+  std::tie(rc, out) = run(fmt::format("search --gpus 8 --cluster h100 --out {}/sub/r.json", file.string()));
+  EXPECT_EQ(rc, 2) << out;
+  EXPECT_NE(out.find("cannot create"), std::string::npos) << out;
+  // The other flags: --trace-ranks and --memory.
+  std::tie(rc, out) = run(fmt::format("simulate --cluster h100 --trace-ranks abc --out {}/ok", d.string()));
+  EXPECT_EQ(rc, 2) << out;
+  EXPECT_NE(out.find("--trace-ranks 'abc': 'abc' is not a pipeline rank"), std::string::npos) << out;
+  std::tie(rc, out) = run("simulate --cluster h100 --memory 0");
+  EXPECT_EQ(rc, 2) << out;
+  EXPECT_NE(out.find("--memory '0': give a positive size"), std::string::npos) << out;
+}
+
+// ---- 7. progress of a long search ---------------------------------------------------
+
+TEST(SimInputs, SearchReportsProgressWithCandidatesDoneOfTotal) {
+  search::SearchOptions o;
+  o.model = test::small_moe_config(4, 0, 8, true);
+  o.cluster = small_options(1).cluster;
+  o.cluster.gpus_per_node = 4;
+  o.gpus = 4;
+  o.top = 5;
+  o.seq_len = 16;
+  o.global_batch = 16;
+  o.threads = 2;
+  std::vector<std::string> lines;
+  o.progress = [&](const std::string& l) { lines.push_back(l); };  // under the search's lock
+  o.progress_seconds = 0;                                            // every event
+  const search::SearchResult r = search::search(o);
+  std::int64_t enumerating = 0, timing = 0, walks = 0;
+  for (const auto& l : lines) {
+    EXPECT_EQ(l.rfind("search: ", 0), 0u) << l;
+    enumerating += l.find("enumerating: ") != std::string::npos;
+    timing += l.find("timing: ") != std::string::npos;
+    walks += l.find("memory walks: ") != std::string::npos;
+  }
+  EXPECT_EQ(enumerating, r.enumerated);
+  EXPECT_EQ(timing, r.timed);
+  EXPECT_GE(walks, r.walked);
+  const std::string last_timing = fmt::format("timing: {}/{} candidates", r.timed, r.timed);
+  EXPECT_TRUE(std::any_of(lines.begin(), lines.end(), [&](const std::string& l) {
+    return l.find(last_timing) != std::string::npos;
+  })) << last_timing;
+  o.progress_seconds = 3600;  // throttled: nothing within the hour
+  lines.clear();
+  search::search(o);
+  EXPECT_TRUE(lines.empty());
+}

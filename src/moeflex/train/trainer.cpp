@@ -150,14 +150,16 @@ class Progress {
   void update(std::int64_t step, double loss, double val, double tps, Bytes peak, Bytes budget, double recomputed,
               double offloaded) {
     if (!enabled_) return;
+    if (recomputed > 0 || offloaded > 0) ++provisioned_steps_;
     const int width = 24;
     const int filled = int(double(width) * double(step) / double(std::max<std::int64_t>(total_, 1)));
     std::string bar(std::size_t(filled), '=');
     bar.resize(std::size_t(width), ' ');
     std::string line = fmt::format(
-        "step {:>5}/{} [{}] loss {:.4f} | val {} | {:.0f} tok/s | mem {} / {} | recomp {:.0f}% offl {:.0f}%", step,
-        total_, bar, loss, std::isnan(val) ? std::string("-") : fmt::format("{:.4f}", val), tps, format_bytes(peak),
-        format_bytes(budget), 100.0 * recomputed, 100.0 * offloaded);
+        "step {:>5}/{} [{}] loss {:.4f} | val {} | {:.0f} tok/s | mem {} / {} | recomp {:.0f}% offl {:.0f}% "
+        "(on {} step{} so far)", step, total_, bar, loss, std::isnan(val) ? std::string("-") : fmt::format("{:.4f}", val),
+        tps, format_bytes(peak), format_bytes(budget), 100.0 * recomputed, 100.0 * offloaded, provisioned_steps_,
+        provisioned_steps_ == 1 ? "" : "s");
     if (tty_) {
       fmt::print(stderr, "\r{}\x1b[K", line);
       if (step == total_) fmt::print(stderr, "\n");
@@ -175,6 +177,7 @@ class Progress {
   bool enabled_;
   std::int64_t total_;
   bool tty_;
+  std::int64_t provisioned_steps_ = 0;  ///< steps that recomputed or offloaded anything
 };
 
 }  // namespace

@@ -1101,12 +1101,19 @@ void measure_optimizer(HardwareProfile& p, bool full, Seconds budget) {
 /// Bytes to every peer of the all-to-all samples of measure_link.
 const std::vector<Bytes> kLinkBytes = {4 * kKiB, 64 * kKiB, 256 * kKiB, 1 * kMiB, 4 * kMiB};
 constexpr int kLinkRepeats = 15;  ///< timed exchanges per size; the median counts
+/// The ring of exchange buffers measure_link rotates through: larger than the last-level
+/// cache of a current CPU, so that each exchange starts cold.
+constexpr Bytes kLinkRingBytes = 256 * kMiB;
 
 /// Under mpirun with two ranks or more: the link between the ranks as moeflex's
 /// communicator drives it. An all-to-all-v (the expert dispatch's collective) of b
 /// bytes to every peer, for b in kLinkBytes, each timed on the wall clock (waiting
 /// for the peer is the point) right after a barrier lines the ranks up, kLinkRepeats
-/// times in rounds over the sizes; the medians are fitted t = alpha + b / beta
+/// times in rounds over the sizes. The buffers rotate through a ring larger than the
+/// caches (kLinkRingBytes), so that every exchange reads and writes cold memory, as
+/// the expert dispatch does with the fresh [rows, hidden] tensors of a step (warm
+/// buffers measured 75 us for 1 MiB per peer where the step's dispatches took
+/// 130 us). The medians are fitted t = alpha + b / beta
 /// (pairwise exchange, every peer's b at once: Hockney's alpha-beta per message).
 /// Stored as the profile's all_to_all_latency and all_to_all_bandwidth, which the
 /// this-machine cluster takes as its link. One process: nothing to measure, left 0.
@@ -1116,18 +1123,28 @@ void measure_link(HardwareProfile& p) {
   const int n = world->size();
   if (n < 2) return;
   const Bytes max_b = kLinkBytes.back();
-  std::vector<char> send(std::size_t(max_b * n), 1), recv(std::size_t(max_b * n), 0);
+  const Bytes pair_bytes = 2 * max_b * n;
+  const std::size_t ring = std::size_t(std::max<Bytes>(1, (kLinkRingBytes + pair_bytes - 1) / pair_bytes));
+  std::vector<std::vector<char>> sends(ring), recvs(ring);
+  for (std::size_t k = 0; k < ring; ++k) {
+    sends[k].assign(std::size_t(max_b * n), 1);  // touched: no page faults in the timed exchanges
+    recvs[k].assign(std::size_t(max_b * n), 0);
+  }
   std::vector<std::int64_t> counts(static_cast<std::size_t>(n), 0), displs(static_cast<std::size_t>(n), 0);
   std::vector<std::vector<Seconds>> t(kLinkBytes.size());
-  for (int r = 0; r <= kLinkRepeats; ++r) {  // round 0 warms the buffers and the transport up
+  std::size_t next = 0;
+  for (int r = 0; r <= kLinkRepeats; ++r) {  // round 0 warms the transport up
     for (std::size_t i = 0; i < kLinkBytes.size(); ++i) {
       for (int q = 0; q < n; ++q) {
         counts[std::size_t(q)] = q == world->rank() ? 0 : kLinkBytes[i];
         displs[std::size_t(q)] = std::int64_t(q) * max_b;
       }
+      char* send = sends[next].data();
+      char* recv = recvs[next].data();
+      next = (next + 1) % ring;
       world->barrier();
       const auto t0 = Clock::now();
-      world->all_to_all_v(send.data(), counts.data(), displs.data(), recv.data(), counts.data(), displs.data(), 1);
+      world->all_to_all_v(send, counts.data(), displs.data(), recv, counts.data(), displs.data(), 1);
       if (r > 0) t[i].push_back(since(t0));
     }
   }

@@ -8,6 +8,7 @@
 #include <set>
 
 #include "model_fixtures.h"
+#include "profiled_step.h"
 #include "moeflex/comm/layout.h"
 #include "moeflex/model/memory_plan.h"
 #include "moeflex/provision/policies.h"
@@ -64,23 +65,7 @@ struct TinyRun {
   std::int64_t B = 2, S = 8, M = 2;
 
   void run(const std::string& policy, train::TraceWriter* trace) {
-    ScopedBackendOverride over(&profiler);
-    auto world = comm::make_world_communicator();
-    comm::LayoutSpec spec;
-    spec.world_size = 1;
-    spec.num_layers = int(cfg.num_hidden_layers);
-    spec.num_experts = int(cfg.num_experts);
-    comm::ParallelLayout layout(spec);
-    comm::ParallelGroups groups = comm::make_groups(*world, layout);
-    Replica replica(cfg, "1f1b", layout, groups, arena, M, B, S);
-    replica.init_weights(3);
-    for (MoEModel* c : replica.chunks()) c->stash().set_policy(make_static_policy(policy));
-    plan = replica.plan();
-    profiler.begin_step(1, trace);
-    replica.forward_backward([&](int mb, std::int32_t* ids, std::int32_t* tg) {
-      test::skewed_batch(mb, B * S, cfg.vocab_size, ids, tg);
-    });
-    profiler.end_step(1.0, 1.0);
+    plan = test::run_profiled_step(cfg, "1f1b", policy, arena, profiler, M, B, S, trace);
   }
 };
 

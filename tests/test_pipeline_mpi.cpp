@@ -80,7 +80,9 @@ void run_case(const Case& c) {
   ref_total /= double(Mg);
   const std::string where = fmt::format("{} pp{} dp{} ep{} vpp{}{} rank {}", c.schedule, c.pp, c.dp, c.ep, c.vpp,
                                         c.tied ? " tied" : "", g_world->rank());
-  if (c.dp == 1) EXPECT_EQ(loss.ce, ref_ce) << where << ": pipeline-only loss must be bit-identical";
+  if (c.dp == 1) {
+    EXPECT_EQ(loss.ce, ref_ce) << where << ": pipeline-only loss must be bit-identical";
+  }
   EXPECT_NEAR(loss.total, ref_total, 1e-6 * std::abs(ref_total)) << where;
   const std::int64_t El = cfg.num_experts / c.ep, e0 = groups.coords.ep_rank * El;
   int compared = 0;

@@ -83,8 +83,12 @@ TEST(Provision, EveryStaticPolicyGivesBitIdenticalGradients) {
   for (const auto& name : static_policy_names()) {
     const PolicyRun r = run(cfg, make_static_policy(name));
     expect_same_grads(base, r, name);
-    if (name != "none") EXPECT_GT(r.counters.recomputed, 0) << name;
-    if (name != "none") EXPECT_LT(r.activation_peak, base.activation_peak) << name << " must hold fewer activations";
+    if (name != "none") {
+      EXPECT_GT(r.counters.recomputed, 0) << name;
+    }
+    if (name != "none") {
+      EXPECT_LT(r.activation_peak, base.activation_peak) << name << " must hold fewer activations";
+    }
   }
 }
 
@@ -123,7 +127,9 @@ TEST(Provision, ChunkedExpertsGiveBitIdenticalGradientsForEveryMix) {
     for (const auto& name : static_policy_names()) {
       const PolicyRun r = run(cfg, make_static_policy(name), false, Arena::Stress::off, skew);
       expect_same_grads(base, r, name + " chunked, skew " + std::to_string(skew));
-      if (name == "moe-full") EXPECT_LT(r.activation_peak, base.activation_peak) << "chunked moe-full holds less";
+      if (name == "moe-full") {
+        EXPECT_LT(r.activation_peak, base.activation_peak) << "chunked moe-full holds less";
+      }
     }
     for (std::uint64_t seed = 0; seed < 8; ++seed) {
       ProvisionPolicy random = [seed](const LedgerEntry& e) {
@@ -200,7 +206,9 @@ TEST(Provision, ArenaCompactionAndEvictionKeepGradientsBitIdentical) {
       };
       const PolicyRun r = run(cfg, random, /*split_backward=*/seed % 2 == 1, stress);
       expect_same_grads(base, r, what + " stress, random assignment " + std::to_string(seed));
-      if (stress == Arena::Stress::compact) EXPECT_GT(r.compactions, 0);
+      if (stress == Arena::Stress::compact) {
+        EXPECT_GT(r.compactions, 0);
+      }
       if (stress == Arena::Stress::evict) {
         EXPECT_GT(r.evictions, 0);
         EXPECT_GT(r.counters.evicted, 0);

@@ -61,7 +61,9 @@ TEST(Search, ReturnsOnlyValidLayoutsRankedByEffectiveTgs) {
     ls.pad_layers = true;
     EXPECT_NO_THROW(comm::ParallelLayout{ls}) << c.parallel.str();
     EXPECT_LE(c.peak_bytes, o.cluster.usable_memory());
-    if (i > 0) EXPECT_GE(r.top[i - 1].effective_tgs, c.effective_tgs);
+    if (i > 0) {
+      EXPECT_GE(r.top[i - 1].effective_tgs, c.effective_tgs);
+    }
   }
 }
 

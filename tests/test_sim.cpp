@@ -105,7 +105,9 @@ TEST(LayerCost, RecomputeTimesAreTheLineagesOps) {
   EXPECT_DOUBLE_EQ(lc.recompute_seconds("attn_norm.in"), 0);  // a layer input: no lineage
   // Every recomputable activation of the ledger has a time.
   for (const auto& a : layer_activations(cfg, 0, 2, 16, w.rows, false))
-    if (a.recomputable) EXPECT_GT(lc.recompute_seconds(a.name), 0) << a.name;
+    if (a.recomputable) {
+      EXPECT_GT(lc.recompute_seconds(a.name), 0) << a.name;
+    }
   // Twice the rows received: the expert GEMMs cost twice as much.
   LayerWork hot = w;
   hot.ep = 2;
@@ -129,7 +131,7 @@ TEST(Sim, UnitCostBubbleEqualsTheScheduleSimulatorAndClosedForms) {
     const SimResult ref = simulate(plan, Costs{});
     const PlanTimeline tl = run_plan(
         plan,
-        [](int, const Action& a) -> ActionCost { return {a.kind == ActionKind::Backward ? 2.0 : 1.0, 0}; },
+        [](int, const Action& a) -> ActionCost { return {a.kind == ActionKind::Backward ? 2.0 : 1.0, 0, 0, {}}; },
         [](const Action&) { return 0.0; });
     EXPECT_DOUBLE_EQ(tl.makespan, ref.makespan) << c.name;
     for (int r = 0; r < c.p; ++r) EXPECT_DOUBLE_EQ(tl.idle[std::size_t(r)], ref.ranks[std::size_t(r)].idle) << c.name;
@@ -142,7 +144,7 @@ TEST(Sim, MessageLatencyAddsToTheGpipeBubble) {
   const StepPlan plan = make_schedule("gpipe", 4, 6, 1);
   const double c = 0.25;
   const PlanTimeline tl = run_plan(
-      plan, [](int, const Action& a) -> ActionCost { return {a.kind == ActionKind::Backward ? 2.0 : 1.0, 0}; },
+      plan, [](int, const Action& a) -> ActionCost { return {a.kind == ActionKind::Backward ? 2.0 : 1.0, 0, 0, {}}; },
       [&](const Action&) { return c; });
   EXPECT_DOUBLE_EQ(tl.idle[0], 3 * (3 + 2 * c));  // docs/schedules.md: (p-1)(F+B+W+2c)
 }
@@ -152,7 +154,7 @@ TEST(Sim, MessageLatencyAddsToTheGpipeBubble) {
 // can always run, so the makespan is the total work); and a group of processes
 // whose demand is below p x T (imbalanced replicas) takes max(T, D / its cores).
 TEST(Sim, CoreSharingStretchesByTheCoresEachProcessGets) {
-  auto unit = [](int, const Action& a) -> ActionCost { return {a.kind == ActionKind::Backward ? 2.0 : 1.0, 0}; };
+  auto unit = [](int, const Action& a) -> ActionCost { return {a.kind == ActionKind::Backward ? 2.0 : 1.0, 0, 0, {}}; };
   auto instant = [](const Action&) { return 0.0; };
   for (const std::string name : {"gpipe", "1f1b", "zb-h1", "interleaved"}) {
     const StepPlan plan = make_schedule(name, 4, 8, name == "interleaved" ? 2 : 1);
@@ -173,7 +175,7 @@ TEST(Sim, CoreSharingStretchesByTheCoresEachProcessGets) {
   // Imbalanced replicas: the cold one needs half of the hot one's time (D = 1.5 T).
   auto imbalanced = [](int, const Action& a) -> ActionCost {
     const double T = a.kind == ActionKind::Backward ? 2.0 : 1.0;
-    return {T, 0, 1.5 * T};
+    return {T, 0, 1.5 * T, {}};
   };
   EXPECT_NEAR(run_plan(plan, imbalanced, instant, false, CoreSharing{1, 2}).makespan, m * 1.5 * 3.0, 1e-9);
   // With two cores each process has its own: the hot one decides (T).

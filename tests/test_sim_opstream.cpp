@@ -11,6 +11,7 @@
 #include <string>
 
 #include "model_fixtures.h"
+#include "profiled_step.h"
 #include "moeflex/comm/layout.h"
 #include "moeflex/model/layer_cost.h"
 #include "moeflex/provision/policies.h"
@@ -44,24 +45,7 @@ OpBreakdown engine_step(const ModelConfig& cfg, const std::string& schedule, con
   const CostModel cost(stream_profile());
   Arena arena;
   ProfilingBackend profiler{ops::backend_of(arena), cost, 0};
-  {
-    ScopedBackendOverride over(&profiler);
-    auto world = comm::make_world_communicator();
-    comm::LayoutSpec spec;
-    spec.world_size = 1;
-    spec.num_layers = int(cfg.num_hidden_layers);
-    spec.num_experts = int(cfg.num_experts);
-    comm::ParallelLayout layout(spec);
-    comm::ParallelGroups groups = comm::make_groups(*world, layout);
-    Replica replica(cfg, schedule, layout, groups, arena, kM, kB, kS);
-    replica.init_weights(3);
-    for (MoEModel* c : replica.chunks()) c->stash().set_policy(make_static_policy(policy));
-    profiler.begin_step(1, nullptr);
-    replica.forward_backward([&](int mb, std::int32_t* ids, std::int32_t* tg) {
-      test::skewed_batch(mb, kB * kS, cfg.vocab_size, ids, tg);
-    });
-    profiler.end_step(1.0, 1.0);
-  }
+  test::run_profiled_step(cfg, schedule, policy, arena, profiler, kM, kB, kS);
   OpBreakdown out;
   for (const OpRecord& r : profiler.records()) {
     OpTally& t = out[{to_string(r.phase), r.kind}];

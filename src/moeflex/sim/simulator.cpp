@@ -743,7 +743,7 @@ SimReport simulate(const SimOptions& o) {
   for (const auto& s : sim.stages) rep.stage_layers.push_back(s.last_layer - s.first_layer);
   rep.ranks.resize(std::size_t(P));
   const bool adaptive = o.policy == "adaptive";
-  if (!adaptive) recomputes(o.policy, ActivationSpec{"attn.probs", "", 0, true, {}, false}, 1.0);  // validates the name
+  if (!adaptive) recomputes(o.policy, ActivationSpec{"attn.probs", "", 0, true, {}, false, -1, {}}, 1.0);  // validates the name
   if (adaptive) rep.adaptive_level_histogram.assign(adaptive_levels().size(), 0);
   std::vector<Bytes> persist(static_cast<std::size_t>(P));
   for (int r = 0; r < P; ++r) persist[std::size_t(r)] = rep.ranks[std::size_t(r)].persistent_bytes = sim.persistent(r);
@@ -1258,20 +1258,24 @@ std::string SimReport::format() const {
   return s;
 }
 
-Bytes max_persistent_bytes(const SimOptions& o) {
+namespace {
+/// The largest of `per_rank(sim, r)` over the pipeline ranks of `o`'s simulation.
+template <class F>
+Bytes max_over_ranks(const SimOptions& o, F per_rank) {
   Simulation sim(o);
   sim.setup();
   Bytes mx = 0;
-  for (int r = 0; r < sim.P; ++r) mx = std::max(mx, sim.persistent(r));
+  for (int r = 0; r < sim.P; ++r) mx = std::max(mx, per_rank(sim, r));
   return mx;
+}
+}  // namespace
+
+Bytes max_persistent_bytes(const SimOptions& o) {
+  return max_over_ranks(o, [](Simulation& sim, int r) { return sim.persistent(r); });
 }
 
 Bytes adaptive_minimum_budget(const SimOptions& o) {
-  Simulation sim(o);
-  sim.setup();
-  Bytes mx = 0;
-  for (int r = 0; r < sim.P; ++r) mx = std::max(mx, sim.adaptive_minimum(r));
-  return mx;
+  return max_over_ranks(o, [](Simulation& sim, int r) { return sim.adaptive_minimum(r); });
 }
 
 void write_outputs(const SimReport& r, const std::filesystem::path& dir) {

@@ -15,6 +15,10 @@
 # profile hold the measured link between ranks (else the preset's assumed one).
 # The "cpu" column is the median over steps of the busiest rank's CPU seconds per
 # step (loads.jsonl): far below "step meas" means the machine was busy with others.
+# IN_SITU=1 first trains a separate fit run (OUT/in-situ-fit: dp 2, EP 1, policy none,
+# seed 7, 6 steps, --profile-ops; a layout and seed none of the checked runs has), adds
+# its ops to the profile (`moeflex calibrate --from-run`, OUT/in-situ.json) and
+# simulates on the this-machine cluster with that profile (OUT/cluster-in-situ.json).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-build/moeflex}
@@ -24,6 +28,20 @@ mkdir -p "$OUT"
 CFG=bench/sim_check.toml
 [[ -f data/hardware/this-machine.json ]] || OMP_NUM_THREADS=1 "$BIN" calibrate --threads 1 > /dev/null
 echo "sim_check: $STEPS steps per config, $CFG, results in $OUT (load: $(cut -d' ' -f1-3 /proc/loadavg))"
+if [[ "${IN_SITU:-0}" == 1 ]]; then
+  PROFILE=${HARDWARE_PROFILE:-data/hardware/this-machine.json}
+  if [[ "${SIM_ONLY:-0}" != 1 || ! -f "$OUT/in-situ-fit/op_times.json" ]]; then
+    rm -rf "${OUT:?}/in-situ-fit"
+    mpirun --allow-run-as-root --oversubscribe -np 2 -x OMP_NUM_THREADS=1 "$BIN" train --config "$CFG" --steps 6 \
+      --threads 1 --dp 2 --seed 7 --profile-ops --hardware-profile "$PROFILE" --out "$OUT/in-situ-fit" --quiet \
+      > "$OUT/in-situ-fit.train.log" 2>&1
+  fi
+  "$BIN" calibrate --from-run "$OUT/in-situ-fit" --base "$PROFILE" --out "$OUT/in-situ.json" > /dev/null
+  sed "s#\"profile\": *\"[^\"]*\"#\"profile\": \"$(realpath "$OUT/in-situ.json")\"#" \
+    configs/clusters/this-machine.json > "$OUT/cluster-in-situ.json"
+  CLUSTER="$OUT/cluster-in-situ.json"
+  echo "in situ: the profile plus the ops of $OUT/in-situ-fit ($CLUSTER)"
+fi
 # name | ranks | train flags | simulate --parallel | schedule | policy
 CONFIGS=(
   "dp2-ep2-none|2|--ep 2|pp=1,dp=2,ep=2|1f1b|none"

@@ -294,6 +294,8 @@ TEST(Sim, PerRankReplayPeakIsEachRanksOwnWalk) {
   const nlohmann::json line = nlohmann::json::parse(std::ifstream(dir / "loads.jsonl"));  // its one step
   o.loads = LoadModel::from_file(dir);  // a run directory: its loads.jsonl
   ASSERT_TRUE(o.loads.per_rank());
+  EXPECT_EQ(o.loads.recorded_steps(), 1u);  // `simulate --loads` replays that many iterations by default
+  EXPECT_EQ(LoadModel{}.recorded_steps(), 0u);
   EXPECT_DOUBLE_EQ(o.loads.ratio(0, 0, 3, 0), 100.0 / 64.0);  // max / mean of the group
   EXPECT_DOUBLE_EQ(o.loads.ratio(0, 2, 3, 1), 120.0 / 64.0);
   const SimReport r = simulate(o);

@@ -107,7 +107,7 @@ void add_sim_commands(CLI::App& app) {
       ->capture_default_str();
   s->add_option("--micro-batch-size", f.micro_batch_size, "sequences per micro-batch (default 1, or the run config's)")
       ->check(CLI::Range(std::int64_t(1), std::int64_t(1) << 20));
-  s->add_option("--iterations", f.iterations, "iterations to simulate")
+  s->add_option("--iterations", f.iterations, "iterations to simulate (default 1; with --loads, the recorded steps)")
       ->capture_default_str()
       ->check(CLI::Range(1, 1000000));
   s->add_option("--loads", f.loads, "replay expert loads of a `moeflex train` run: its loads.jsonl (every rank's rows: exact "
@@ -157,6 +157,8 @@ bool run_sim_commands() {
     o.global_batch = f.global_batch;
     o.iterations = f.iterations;
     o.loads = sim::LoadModel::from_flags(f.loads, f.imbalance);  // refuses both at once
+    if (o.loads.replay() && f.simulate->count("--iterations") == 0)  // a replay covers the run it replays
+      o.iterations = int(std::min<std::size_t>(o.loads.recorded_steps(), 1000000));
     o.restart_seconds = f.restart_seconds;
     o.checkpoint_interval = f.checkpoint_interval;
     o.overlap_pair_comm = cluster.element_bytes < 4;

@@ -57,6 +57,8 @@ class LoadModel {
 
   /// True when ratios come from a recorded run.
   bool replay() const { return !trace_.empty() || !rows_.empty(); }
+  /// Steps of the recorded run (0 without a replay).
+  std::size_t recorded_steps() const { return per_rank() ? rows_.size() : trace_.size(); }
   /// True when the recorded run gave every rank's rows (loads.jsonl).
   bool per_rank() const { return !rows_.empty(); }
   /// The recording's layout (per_rank() only): data-parallel and expert-parallel

@@ -118,6 +118,11 @@ void abort_job(const std::string& msg, int exit_code) {
     MPI_Comm_size(MPI_COMM_WORLD, &size);
   }
   std::fflush(stdout);
+  // An error every rank meets (a config check, a budget under the minimum) would be
+  // printed once per rank. The other ranks give rank 0 a moment: if it fails too, its
+  // MPI_Abort usually ends them before they print (not always: Open MPI 4 may take
+  // longer to kill them); an error of this rank alone still prints.
+  if (mpi && rank != 0) std::this_thread::sleep_for(std::chrono::milliseconds(300));
   std::fprintf(stderr, "moeflex: rank %d of %d: fatal: %s\n", rank, size, msg.c_str());
   std::fflush(stderr);
   if (mpi) MPI_Abort(MPI_COMM_WORLD, exit_code);

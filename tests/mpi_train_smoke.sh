@@ -19,7 +19,12 @@ rc=$?
 set -e
 [[ $rc -eq 2 ]] && grep -q "trained on 4 ranks, not 1; resume it with mpirun -np 4" "$out/wrong-ranks.log" ||
   { echo "a 4-rank run resumed on 1 process: rc $rc"; cat "$out/wrong-ranks.log"; exit 1; }
-"${mpi[@]}" "$bin" train --resume "$out/run" --quiet
+# Without --threads or OMP_NUM_THREADS, the ranks share the node's cores (4 ranks
+# each taking every core would wait on each other's descheduled threads).
+env -u OMP_NUM_THREADS mpirun --allow-run-as-root --oversubscribe -np 4 "$bin" train --resume "$out/run" \
+  > "$out/resume.log" 2>&1 || { cat "$out/resume.log"; exit 1; }
+grep -q "4 ranks on this node of [0-9]* cores: [0-9]* thread" "$out/resume.log" ||
+  { echo "no thread split note"; cat "$out/resume.log"; exit 1; }
 # generate gathers the stages and expert shards of every rank's checkpoint
 text=$("$bin" generate --run "$out/run" --prompt "The jury" --max-new-tokens 8 --temperature 0)
 [[ $text == "The jury"* ]] || { echo "generate failed: $text"; exit 1; }

@@ -8,12 +8,14 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <fstream>
 #include <optional>
 #include <nlohmann/json.hpp>
 #include <csignal>
 #include <sstream>
+#include <thread>
 
 #include "moeflex/comm/communicator.h"
 #include "moeflex/comm/layout.h"
@@ -223,6 +225,17 @@ extern "C" void on_stop_signal(int sig) {
   g_stop_requested = 1;
 }
 
+// Ranks of this job on this node, from the launcher's environment (Open MPI, MPICH /
+// Hydra, Slurm); `world_size` when none says (one node assumed).
+int ranks_on_this_node(int world_size) {
+  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"})
+    if (const char* v = std::getenv(var)) {
+      const int n = std::atoi(v);
+      if (n >= 1) return n;
+    }
+  return world_size;
+}
+
 // Lists why each checkpoint directory of `root` is unusable (for the resume error).
 std::string describe_checkpoints(const fs::path& root) {
   std::string out;
@@ -349,11 +362,26 @@ TrainResult run_training(const TrainOptions& opts) {
       }
     }
   }
-  if (opts.threads > 0) {
-    omp_set_num_threads(opts.threads);
-    openblas_set_num_threads(opts.threads);
+  // Threads: --threads, else OMP_NUM_THREADS, else the node's cores shared among its
+  // ranks (every rank taking every core would make each OpenMP barrier wait for
+  // threads the other ranks' threads have descheduled: several times slower).
+  int threads = opts.threads;
+  std::string threads_note;
+  if (threads <= 0 && world_size > 1 && std::getenv("OMP_NUM_THREADS") == nullptr) {
+    // The node's cores over its ranks, and no more than this rank may run on (a
+    // launcher that binds ranks to cores narrows omp_get_num_procs already).
+    const int local = ranks_on_this_node(world_size);
+    const int cores = std::max(1, int(std::thread::hardware_concurrency()));
+    threads = std::max(1, std::min(omp_get_num_procs(), cores / local));
+    threads_note = fmt::format("moeflex: {} ranks on this node of {} cores: {} thread{} each (--threads N or "
+                               "OMP_NUM_THREADS to choose)", local, cores, threads, threads == 1 ? "" : "s");
+  }
+  if (threads > 0) {
+    omp_set_num_threads(threads);
+    openblas_set_num_threads(threads);
   }
   Progress progress(opts.progress && rank0, t.steps);
+  if (!threads_note.empty()) progress.note(threads_note);
   if (!progress_note_pending.empty()) fmt::print(stderr, "moeflex: {}\n", progress_note_pending);
   if (world_size > 1) progress.note(fmt::format("moeflex: {} ranks: {}", world_size, layout.describe()));
   // Device state (weights, grads, optimizer moments, then activations per step) lives

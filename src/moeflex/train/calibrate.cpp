@@ -132,7 +132,6 @@ constexpr double kTimeQuantile = 0.5;
 /// Jobs at least this long are not run untimed before each timed run: their own
 /// first touches of the activations cost under 1% of their time.
 constexpr Seconds kRewarmBelow = 5e-3;
-constexpr double kBusyLoadPerCore = 0.5;  ///< load average per core above which calibrate warns
 constexpr double kRecheckShare = 0.1;   ///< of a phase's budget, for measuring dips again
 constexpr double kDipRatio = 0.8;       ///< a rate below this times both neighbours' is a dip
 constexpr Bytes kColdRingBytes = 128 * kMiB;  ///< several times a large last-level cache
@@ -1161,7 +1160,14 @@ std::string host_name() {
   return buf;
 }
 
-/// The 1-minute load average from /proc/loadavg, or -1 where there is none.
+std::string format_seconds(Seconds s) {
+  if (s < 1e-3) return fmt::format("{:.1f} us", s * 1e6);
+  if (s < 1.0) return fmt::format("{:.3f} ms", s * 1e3);
+  return fmt::format("{:.3f} s", s);
+}
+
+}  // namespace
+
 double load_average() {
   std::FILE* f = std::fopen("/proc/loadavg", "r");
   if (!f) return -1;
@@ -1170,14 +1176,6 @@ double load_average() {
   std::fclose(f);
   return load;
 }
-
-std::string format_seconds(Seconds s) {
-  if (s < 1e-3) return fmt::format("{:.1f} us", s * 1e6);
-  if (s < 1.0) return fmt::format("{:.3f} ms", s * 1e3);
-  return fmt::format("{:.3f} s", s);
-}
-
-}  // namespace
 
 void write_profile(const HardwareProfile& profile, const std::filesystem::path& path) {
   std::error_code ec;

@@ -38,6 +38,12 @@ inline constexpr const char* kDefaultHardwareProfilePath = "data/hardware/this-m
 /// about `budget` seconds. Sets the process's OpenMP and BLAS thread counts.
 HardwareProfile calibrate(int threads, Seconds budget = kDefaultCalibrationBudget);
 
+/// The 1-minute load average from /proc/loadavg, or -1 where there is none.
+double load_average();
+/// Load average per core above which calibrate and train warn that multi-threaded
+/// kernels will wait for threads other processes have descheduled.
+inline constexpr double kBusyLoadPerCore = 0.5;
+
 /// Writes `profile` as JSON to `path` (creating its folder); DataError on failure.
 void write_profile(const HardwareProfile& profile, const std::filesystem::path& path);
 

@@ -382,6 +382,12 @@ TrainResult run_training(const TrainOptions& opts) {
   }
   Progress progress(opts.progress && rank0, t.steps);
   if (!threads_note.empty()) progress.note(threads_note);
+  if (const double load = load_average(); world_size == 1 && omp_get_max_threads() > 1 &&
+                                          load > kBusyLoadPerCore * omp_get_num_procs())
+    progress.note(fmt::format("moeflex: warning: the machine is busy (load average {:.1f} on {} cores): each of the "
+                              "{} threads' kernels waits for threads other processes deschedule, which can make "
+                              "steps several times slower; --threads 1 may be faster", load, omp_get_num_procs(),
+                              omp_get_max_threads()));
   if (!progress_note_pending.empty()) fmt::print(stderr, "moeflex: {}\n", progress_note_pending);
   if (world_size > 1) progress.note(fmt::format("moeflex: {} ranks: {}", world_size, layout.describe()));
   // Device state (weights, grads, optimizer moments, then activations per step) lives

@@ -400,8 +400,9 @@ TrainResult run_training(const TrainOptions& opts) {
   // Data: tokenize (or reuse) the corpus.
   const fs::path corpus = cfg.data.path.empty() ? default_corpus_path() : fs::path(cfg.data.path);
   if (cfg.data.path.empty() && !fs::exists(corpus))
-    throw DataError(fmt::format("the default corpus '{}' is missing: run `make data` first, or pass --data PATH",
-                                corpus.string()));
+    throw DataError(fmt::format("the default corpus '{}' is missing (a path relative to the current directory, {}): "
+                                "run from the repository root after `make data`, or pass --data PATH",
+                                corpus.string(), fs::current_path().string()));
   if (!fs::exists(corpus)) throw DataError(fmt::format("Corpus path '{}' does not exist.", corpus.string()));
   const fs::path data_dir =
       opts.data_cache / fmt::format("{}-v{}", fs::absolute(corpus).lexically_normal().filename().string(),

@@ -4,9 +4,12 @@
 // absent from its grids, and a held-out error within a loose bound.
 #include <gtest/gtest.h>
 
+#include <fmt/format.h>
+
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <set>
 
 #include "moeflex/core/error.h"
@@ -389,6 +392,189 @@ TEST(Calibrate, InSituProfileTakesARunsMediansAndGroupedRatios) {
   // A run without op_times.json is refused by name.
   std::filesystem::remove(dir / "op_times.json");
   EXPECT_NE(message_of([&] { in_situ_profile(base, dir); }).find("--profile-ops"), std::string::npos);
+}
+
+namespace {
+
+/// The message of the moeflex::Error `fn` throws, prefixed by its type ("" when none).
+std::string typed_message_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const ConfigError& e) {
+    return std::string("ConfigError: ") + e.what();
+  } catch (const DataError& e) {
+    return std::string("DataError: ") + e.what();
+  }
+  return "";
+}
+
+/// A profile with in-situ entries, as JSON, for hand edits.
+nlohmann::json in_situ_json() {
+  HardwareProfile p = hand_profile();
+  p.in_situ_ops = {{"linear_forward", {100, 300, 200}, 7e-3}, {"rmsnorm_forward", {10, 50}, 9e-6}};
+  p.in_situ_scales = {{"grouped_linear_forward", 300, 200, 1.5}};
+  p.in_situ_source = "/runs/a";
+  return p.to_json();
+}
+
+}  // namespace
+
+TEST(HardwareProfile, InSituSectionRefusesUnknownKindsKeysOutOfRangeValuesAndDuplicates) {
+  const nlohmann::json good = in_situ_json();
+  ASSERT_EQ(HardwareProfile::from_json(good, "g.json").in_situ_ops.size(), 2u);
+  auto refused = [&](const std::function<void(nlohmann::json&)>& edit) {
+    nlohmann::json j = good;
+    edit(j);
+    return message_of([&] { HardwareProfile::from_json(j, "h.json"); });
+  };
+  // Unknown kinds, with the closest known one suggested when near.
+  std::string m = refused([](nlohmann::json& j) { j["in_situ"]["ops"][1]["kind"] = "linear_fwd_typo"; });
+  EXPECT_NE(m.find("'h.json': field 'in_situ.ops[1].kind' 'linear_fwd_typo' is not an in-situ op kind"),
+            std::string::npos) << m;
+  m = refused([](nlohmann::json& j) { j["in_situ"]["ops"][0]["kind"] = "linear_froward"; });
+  EXPECT_NE(m.find("did you mean 'linear_forward'?"), std::string::npos) << m;
+  m = refused([](nlohmann::json& j) { j["in_situ"]["scales"][0]["kind"] = "linear_forward"; });  // not a scaled kind
+  EXPECT_NE(m.find("in_situ.scales[0].kind' 'linear_forward' is not a scaled in-situ kind"), std::string::npos) << m;
+  // Unknown keys: in in_situ, in its entries, and at the top level.
+  m = refused([](nlohmann::json& j) { j["in_situ"]["opps"] = nlohmann::json::array(); });
+  EXPECT_NE(m.find("field 'in_situ.opps' is not a known key (did you mean 'ops'?)"), std::string::npos) << m;
+  m = refused([](nlohmann::json& j) { j["in_situ"]["ops"][0]["secs"] = 1; });
+  EXPECT_NE(m.find("field 'in_situ.ops[0].secs' is not a known key"), std::string::npos) << m;
+  m = refused([](nlohmann::json& j) { j["in_situ"]["scales"][0]["scael"] = 1; });
+  EXPECT_NE(m.find("field 'in_situ.scales[0].scael' is not a known key (did you mean 'scale'?)"), std::string::npos)
+      << m;
+  m = refused([](nlohmann::json& j) { j["gemms"] = nlohmann::json::array(); });
+  EXPECT_NE(m.find("field 'gemms' is not a known key (did you mean 'gemm'?)"), std::string::npos) << m;
+  // Seconds in (0, 3600], scales in [1e-3, 1e3].
+  for (const double bad : {0.0, -1e-3, 1e300, 3600.5}) {
+    m = refused([&](nlohmann::json& j) { j["in_situ"]["ops"][1]["seconds"] = bad; });
+    EXPECT_NE(m.find(fmt::format("field 'in_situ.ops[1].seconds' must be in (0, 3600] (got {})", bad)),
+              std::string::npos) << m;
+  }
+  for (const double bad : {0.0, 5e-4, 1001.0, 1e300}) {
+    m = refused([&](nlohmann::json& j) { j["in_situ"]["scales"][0]["scale"] = bad; });
+    EXPECT_NE(m.find(fmt::format("field 'in_situ.scales[0].scale' must be in [0.001, 1000] (got {})", bad)),
+              std::string::npos) << m;
+  }
+  // Shapes: positive integers, as many as the kind has.
+  m = refused([](nlohmann::json& j) { j["in_situ"]["ops"][0]["shape"][1] = 0; });
+  EXPECT_NE(m.find("field 'in_situ.ops[0].shape[1]' must be >= 1 (got 0)"), std::string::npos) << m;
+  m = refused([](nlohmann::json& j) { j["in_situ"]["ops"][0]["shape"][2] = 18446744073709551615ull; });
+  EXPECT_NE(m.find("field 'in_situ.ops[0].shape[2]' is out of range (got 18446744073709551615)"), std::string::npos)
+      << m;
+  m = refused([](nlohmann::json& j) { j["in_situ"]["ops"][1]["shape"] = {10, 50, 2}; });
+  EXPECT_NE(m.find("field 'in_situ.ops[1].shape' must be an array of 2 integers for rmsnorm_forward"),
+            std::string::npos) << m;
+  m = refused([](nlohmann::json& j) { j["in_situ"]["scales"][0]["in"] = -300; });
+  EXPECT_NE(m.find("field 'in_situ.scales[0].in' must be >= 1 (got -300)"), std::string::npos) << m;
+  // Duplicates name both entries (last-wins would hide one measurement).
+  m = refused([](nlohmann::json& j) {
+    j["in_situ"]["ops"].push_back(j["in_situ"]["ops"][0]);
+    j["in_situ"]["ops"].back()["seconds"] = 1e-3;
+  });
+  EXPECT_NE(m.find("field 'in_situ.ops[2]' repeats in_situ.ops[0] (linear_forward at [100,300,200])"),
+            std::string::npos) << m;
+  m = refused([](nlohmann::json& j) { j["in_situ"]["scales"].push_back(j["in_situ"]["scales"][0]); });
+  EXPECT_NE(m.find("field 'in_situ.scales[1]' repeats in_situ.scales[0] (grouped_linear_forward [300, 200])"),
+            std::string::npos) << m;
+  // Every exact kind has a shape rank; the shipped profile still loads.
+  for (const char* kind : kInSituExactKinds) EXPECT_GT(in_situ_shape_rank(kind), 0u) << kind;
+  EXPECT_EQ(in_situ_shape_rank("grouped_linear_forward"), 0u);
+  const auto shipped = std::filesystem::path(MOEFLEX_SOURCE_DIR) / "data" / "hardware" / "this-machine.json";
+  if (std::filesystem::exists(shipped)) EXPECT_NO_THROW(HardwareProfile::load(shipped));
+}
+
+TEST(Calibrate, InSituProfileRefusesBadShapeEntriesNamingIndexKindAndField) {
+  const auto dir = std::filesystem::path(MOEFLEX_BINARY_DIR) / "test_cost_model.d" / "run-bad";
+  std::filesystem::create_directories(dir);
+  const HardwareProfile base = hand_profile();
+  const double fwd = CostModel(base).grouped_linear_forward({64, 0, 192}, 300, 200);
+  const nlohmann::json ok_exact = {{"kind", "linear_forward"}, {"shape", {100, 300, 200}}, {"count", 4},
+                                   {"measured_median_s", 5e-3}, {"measured_total_s", 2.1e-2}};
+  const nlohmann::json ok_grouped = {{"kind", "grouped_linear_forward"}, {"shape", {64, 0, 192, 300, 200}},
+                                     {"count", 3}, {"measured_median_s", 2 * fwd}, {"measured_total_s", 6 * fwd}};
+  // op_times.json with ok_exact, ok_grouped and `extra` after them (at index 2).
+  auto run_with = [&](const nlohmann::json& extra) {
+    nlohmann::json shapes = {ok_exact, ok_grouped};
+    if (!extra.is_null()) shapes.push_back(extra);
+    std::ofstream(dir / "op_times.json") << nlohmann::json{{"shapes", shapes}}.dump();
+    return message_of([&] { in_situ_profile(base, dir); });
+  };
+  auto with = [](nlohmann::json e, const char* key, const nlohmann::json& v) {
+    e[key] = v;
+    return e;
+  };
+  EXPECT_EQ(run_with(nullptr), "(no DataError)");
+  const std::string file = (dir / "op_times.json").string();
+  const std::string at = fmt::format("'{}': shapes[2] (linear_forward): ", file);
+  const std::string gat = fmt::format("'{}': shapes[2] (grouped_linear_forward): ", file);
+  std::string m = run_with(with(ok_exact, "shape", {-5, 300, 200}));
+  EXPECT_NE(m.find(at + "'shape[0]' must be >= 0 (got -5)"), std::string::npos) << m;
+  m = run_with(with(ok_exact, "shape", {100, 1e30, 200}));
+  EXPECT_NE(m.find(at + "'shape[1]' must be an integer (got 1e+30)"), std::string::npos) << m;
+  m = run_with(with(ok_exact, "shape", {100, 300, 18446744073709551615ull}));
+  EXPECT_NE(m.find(at + "'shape[2]' is out of range (got 18446744073709551615)"), std::string::npos) << m;
+  m = run_with(with(ok_exact, "shape", {64.5, 300, 200}));
+  EXPECT_NE(m.find(at + "'shape[0]' must be an integer (got 64.5)"), std::string::npos) << m;
+  m = run_with(with(ok_exact, "shape", nlohmann::json::array()));
+  EXPECT_NE(m.find(at + "'shape' must hold 3 extents (got [])"), std::string::npos) << m;
+  m = run_with(with(ok_exact, "count", 0));
+  EXPECT_NE(m.find(at + "'count' must be >= 1 (got 0)"), std::string::npos) << m;
+  m = run_with(with(ok_exact, "count", 2.5));
+  EXPECT_NE(m.find(at + "'count' must be an integer (got 2.5)"), std::string::npos) << m;
+  m = run_with(with(ok_exact, "measured_median_s", 0));
+  EXPECT_NE(m.find(at + "'measured_median_s' must be in (0, 3600] seconds (got 0)"), std::string::npos) << m;
+  m = run_with(with(ok_exact, "measured_median_s", 1e300));
+  EXPECT_NE(m.find(at + "'measured_median_s' must be in (0, 3600] seconds (got 1e+300)"), std::string::npos) << m;
+  m = run_with(with(ok_exact, "shape", {100, 300, 200}));  // the same (kind, shape) as shapes[0]
+  EXPECT_NE(m.find(at + "'shape' [100,300,200] repeats shapes[0]'s"), std::string::npos) << m;
+  m = run_with(with(ok_grouped, "shape", {64, 0, -300, 200}));
+  EXPECT_NE(m.find(gat + "'shape[-2] (in)' must be >= 1 (got -300)"), std::string::npos) << m;
+  m = run_with(with(ok_grouped, "shape", {-1, 300, 200}));
+  EXPECT_NE(m.find(gat + "'shape[0]' must be >= 0 (got -1)"), std::string::npos) << m;
+  m = run_with(with(ok_grouped, "shape", {300, 200}));
+  EXPECT_NE(m.find(gat + "'shape' must be [rows of each group..., in, out]"), std::string::npos) << m;
+  m = run_with(with(ok_grouped, "measured_total_s", -1));
+  EXPECT_NE(m.find(gat + "'measured_total_s' must be in (0, 10800] seconds (got -1)"), std::string::npos) << m;
+  // Rows far beyond the measured time: a ratio no machine has, refused naming the weight.
+  m = run_with(with(ok_grouped, "shape", {1000000000000, 0, 192, 300, 200}));
+  EXPECT_NE(m.find(fmt::format("'{}': grouped_linear_forward with weight [in 300, out 200] measured", file)),
+            std::string::npos) << m;
+  EXPECT_NE(m.find("outside [0.001, 1000]"), std::string::npos) << m;
+  m = run_with({{"kind", 7}});
+  EXPECT_NE(m.find(fmt::format("'{}': shapes[2]: 'kind' must be a string (got 7)", file)), std::string::npos) << m;
+  // A zero-sized call is left out (the model prices it 0), counted, and the result loads.
+  run_with(with(ok_exact, "shape", {0, 300, 200}));
+  std::size_t zero = 0;
+  const HardwareProfile p = in_situ_profile(base, dir, &zero);
+  EXPECT_EQ(zero, 1u);
+  ASSERT_EQ(p.in_situ_ops.size(), 1u);
+  EXPECT_EQ(p.in_situ_ops[0].shape, (std::vector<std::int64_t>{100, 300, 200}));
+  EXPECT_EQ(HardwareProfile::from_json(p.to_json(), "p.json").to_json(), p.to_json());
+}
+
+TEST(Calibrate, InSituCommandRefusesEmptyPathsAndAnOutThatIsTheBase) {
+  const auto dir = std::filesystem::path(MOEFLEX_BINARY_DIR) / "test_cost_model.d" / "run-cmd";
+  std::filesystem::create_directories(dir / "sub");
+  const std::string base = (dir / "base.json").string();
+  hand_profile().save(base);
+  std::ofstream(dir / "op_times.json") << R"({"shapes": []})";
+  // The same file under other names: relative through a folder, and an absolute one.
+  for (const std::string& out : {(dir / "sub" / ".." / "base.json").string(), base}) {
+    const std::string m = typed_message_of([&] { run_in_situ_calibrate_command(dir.string(), base, out); });
+    EXPECT_NE(m.find(fmt::format("ConfigError: calibrate --out '{}' is the base profile", out)), std::string::npos) << m;
+    EXPECT_NE(m.find("would replace the base profile; choose another --out"), std::string::npos) << m;
+  }
+  EXPECT_EQ(HardwareProfile::load(base).to_json(), hand_profile().to_json());  // untouched
+  EXPECT_NE(typed_message_of([&] { run_in_situ_calibrate_command("", base, (dir / "o.json").string()); })
+                .find("ConfigError: calibrate --from-run ''"),
+            std::string::npos);
+  EXPECT_NE(typed_message_of([&] { run_in_situ_calibrate_command(dir.string(), "", (dir / "o.json").string()); })
+                .find("ConfigError: calibrate --base ''"),
+            std::string::npos);
+  // Another --out is written and loads.
+  EXPECT_EQ(run_in_situ_calibrate_command(dir.string(), base, (dir / "o.json").string()), 0);
+  EXPECT_EQ(HardwareProfile::load(dir / "o.json").gemm.size(), hand_profile().gemm.size());
 }
 
 TEST(CostModel, OverlapCostsOnlyTheExposedPart) {

@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -382,6 +383,64 @@ TEST(SimInputs, OutIsCheckedBeforeTheWork) {
   std::tie(rc, out) = run("simulate --cluster h100 --memory 0");
   EXPECT_EQ(rc, 2) << out;
   EXPECT_NE(out.find("--memory '0': give a positive size"), std::string::npos) << out;
+}
+
+TEST(SimInputs, OutNeverOverwritesATrainingRunAndEmptyValuesAreRefused) {
+  const fs::path bin = fs::path(MOEFLEX_BINARY_DIR) / "moeflex";
+  if (!fs::exists(bin)) GTEST_SKIP() << bin << " is not built";
+  const fs::path d = scratch("run-out");
+  auto run = [&](const std::string& args) {
+    const std::string cmd = fmt::format("cd {} && {} {} 2>&1", MOEFLEX_SOURCE_DIR, bin.string(), args);
+    FILE* p = popen(cmd.c_str(), "r");
+    std::string out;
+    std::array<char, 4096> buf{};
+    while (std::size_t n = std::fread(buf.data(), 1, buf.size(), p)) out.append(buf.data(), n);
+    const int status = pclose(p);
+    return std::make_pair(WEXITSTATUS(status), out);
+  };
+  // A training run's folder, by each of its marks: refused, its files untouched.
+  fs::create_directories(d / "a");
+  write(d / "a" / "metrics.jsonl", "{}\n");
+  write(d / "a" / "summary.json", "run's own");
+  fs::create_directories(d / "b" / "checkpoints");
+  fs::create_directories(d / "c" / "rank1" / "checkpoints");
+  const std::pair<const char*, const char*> runs[] = {{"a", "metrics.jsonl"}, {"b", "checkpoints/"},
+                                                      {"c", "rank1/checkpoints/"}};
+  for (const auto& [run_dir, mark] : runs) {
+    const fs::path dir = d / run_dir;
+    auto [rc, out] = run(fmt::format("simulate --out {}", dir.string()));
+    EXPECT_EQ(rc, 2) << out;
+    EXPECT_NE(out.find(fmt::format("--out '{}' holds a `moeflex train` run ({} is there)", dir.string(),
+                                   (dir / mark).string())),
+              std::string::npos)
+        << out;
+  }
+  std::ifstream kept(d / "a" / "summary.json");
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(kept), {}), "run's own");
+  // A simulation without a trace removes the trace.json an earlier one left in --out.
+  const fs::path sim = d / "sim";
+  auto [rc, out] = run(fmt::format("simulate --out {}", sim.string()));
+  ASSERT_EQ(rc, 0) << out;
+  ASSERT_TRUE(fs::exists(sim / "trace.json"));
+  std::tie(rc, out) = run(fmt::format("simulate --trace-ranks '' --out {}", sim.string()));
+  ASSERT_EQ(rc, 0) << out;
+  EXPECT_TRUE(fs::exists(sim / "summary.json"));
+  EXPECT_FALSE(fs::exists(sim / "trace.json")) << out;
+  // Given-but-empty values are refused, not read as "use the default".
+  std::tie(rc, out) = run("simulate --memory ''");
+  EXPECT_EQ(rc, 2) << out;
+  EXPECT_NE(out.find("simulate --memory '': give a value"), std::string::npos) << out;
+  std::tie(rc, out) = run("search --gpus 8 --cluster h100 --out ''");
+  EXPECT_EQ(rc, 2) << out;
+  EXPECT_NE(out.find("search --out '': give a value"), std::string::npos) << out;
+  EXPECT_EQ(out.find("combinations"), std::string::npos) << out;  // refused before the search
+  // calibrate: an empty --from-run, or --base without --from-run, is refused before any timing.
+  std::tie(rc, out) = run("calibrate --from-run ''");
+  EXPECT_EQ(rc, 2) << out;
+  EXPECT_NE(out.find("calibrate --from-run '': give the folder of a run"), std::string::npos) << out;
+  std::tie(rc, out) = run(fmt::format("calibrate --base {}/x.json --out {}/y.json", d.string(), d.string()));
+  EXPECT_EQ(rc, 2) << out;
+  EXPECT_NE(out.find("is used only with --from-run"), std::string::npos) << out;
 }
 
 // ---- 7. progress of a long search ---------------------------------------------------

@@ -6,6 +6,8 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 #include <nlohmann/json.hpp>
 
@@ -244,7 +246,7 @@ TEST(Train, RunFoldersAreNeverTakenOverOrRewritten) {
   const fs::path killed = fresh_dir("killed");
   fs::create_directories(killed);
   std::ofstream(killed / "metrics.jsonl") << "{\"step\": 1, \"loss\": 8.0}\n";
-  EXPECT_NE(message_of([&] { run_training(options(small_run(2), killed)); }).find("before its first checkpoint"),
+  EXPECT_NE(message_of([&] { run_training(options(small_run(2), killed)); }).find("before its first complete checkpoint"),
             std::string::npos);
   EXPECT_EQ(losses(killed).size(), 1u);
   // A folder a refused run left (config.toml only) is taken over.
@@ -267,12 +269,40 @@ TEST(Train, RunFoldersAreNeverTakenOverOrRewritten) {
   EXPECT_EQ(run_training(plain).steps, 6);
   // A run whose tokenizer differs from the corpus's (the corpus changed): refused,
   // and the run's tokenizer.model is not replaced.
+  const std::string tok_bytes = [&] {
+    std::ifstream in(refused / "tokenizer.model", std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  }();
   std::ofstream(refused / "tokenizer.model", std::ios::binary) << "not the corpus's tokenizer";
   TrainOptions again = options(small_run(8), refused);
   again.resume = refused;
   EXPECT_NE(message_of([&] { run_training(again); }).find("has changed since the run began"), std::string::npos);
   std::ifstream tok(refused / "tokenizer.model");
   EXPECT_EQ(std::string(std::istreambuf_iterator<char>(tok), {}), "not the corpus's tokenizer");
+  // A resume with nothing left to train leaves the run's trace.json as it was.
+  std::ofstream(refused / "tokenizer.model", std::ios::binary) << tok_bytes;
+  std::ofstream(refused / "trace.json") << "{\"traceEvents\": [\"kept\"]}";
+  TrainOptions done = options(small_run(1), refused);
+  done.config.train.steps = -1;
+  done.resume = refused;
+  EXPECT_EQ(run_training(done).steps, 6);
+  std::ifstream trace_in(refused / "trace.json");
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(trace_in), {}), "{\"traceEvents\": [\"kept\"]}");
+  // Without its tokenizer.model the corpus cannot be checked: refused.
+  fs::remove(refused / "tokenizer.model");
+  EXPECT_NE(message_of([&] { run_training(again); }).find("has no tokenizer.model"), std::string::npos);
+  EXPECT_FALSE(fs::exists(refused / "tokenizer.model"));
+  // One process at a time: while another holds the folder's lock, a run is refused.
+  const fs::path locked = fresh_dir("locked");
+  fs::create_directories(locked);
+  const int fd = ::open((locked / ".moeflex.lock").c_str(), O_RDWR | O_CREAT, 0644);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::flock(fd, LOCK_EX | LOCK_NB), 0);
+  EXPECT_NE(message_of([&] { run_training(options(small_run(2), locked)); }).find("another moeflex process"),
+            std::string::npos);
+  EXPECT_FALSE(fs::exists(locked / "config.toml"));
+  ::close(fd);
+  fs::remove_all(locked);
   // The schedules' micro-batch requirements are named in the config's terms.
   RunConfig il = small_run(2);
   il.parallel.pp = 2;

@@ -68,7 +68,8 @@ int main(int argc, char** argv) {
   train->add_flag("--profile-ops", profile_ops,
                   "time every op of each step against the cost model: op events in trace.json, op_times.json");
   train->add_option("--hardware-profile", hardware_profile,
-                    "--profile-ops: the profile that prices the ops (default data/hardware/this-machine.json)");
+                    "the profile that prices ops for --profile-ops and the adaptive planner (default "
+                    "data/hardware/this-machine.json)");
   std::string policy, inject;
   train->add_option("--inject-imbalance", inject, "routing spikes: every=N:ratio=R or prob=P:ratio=R:seed=S");
   train->add_option("--policy", policy,
@@ -92,7 +93,7 @@ int main(int argc, char** argv) {
   std::string schedule;
   std::int64_t grad_accum = 0;
   train->add_option("--grad-accum", grad_accum, "micro-batches per optimizer step (train.grad_accum)")
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::Range(std::int64_t(1), kMaxGradAccum));
   train->add_option("--pp", pp, "pipeline-parallel size (parallel.pp)");
   train->add_option("--dp", dp, "data-parallel size (parallel.dp; default world size / pp)");
   train->add_option("--ep", ep, "expert-parallel size, within dp (parallel.ep)");
@@ -144,7 +145,9 @@ int main(int argc, char** argv) {
     if (*train) {
       TrainOptions o;
       o.config = config_path.empty() ? RunConfig::defaults() : RunConfig::from_file(config_path);
-      if (steps >= 0) o.config.train.steps = steps;
+      if (train->count("--steps") && steps < 1)
+        throw ConfigError(fmt::format("--steps must be at least 1 (got {})", steps));
+      if (steps >= 1) o.config.train.steps = steps;
       if (seed >= 0) o.config.train.seed = std::uint64_t(seed);
       if (!device_memory.empty()) o.config.device_memory = parse_size(device_memory);
       if (!device.empty()) o.config.device = device;
@@ -174,7 +177,7 @@ int main(int argc, char** argv) {
           fmt::print(stderr, "moeflex: --resume continues the run in its own folder with its own config.toml; other "
                              "flags than --steps (--out, the config's) are ignored\n");
         o.resume = fs::path(resume_dir);
-        if (steps < 0) o.config.train.steps = -1;  // keep the run's own step count
+        if (steps < 1) o.config.train.steps = -1;  // keep the run's own step count
       }
       o.data_cache = data_cache;
       o.threads = threads;
@@ -204,6 +207,12 @@ int main(int argc, char** argv) {
                    r.tokens, val, r.tokens_per_second, format_bytes(r.peak_device_bytes), planner);
     } else if (run_sim_commands()) {
       return 0;
+    } else if (*cal && cal->count("--from-run") > 0 && cal_from_run.empty()) {
+      throw ConfigError("calibrate --from-run '': give the folder of a run trained with --profile-ops (without "
+                        "--from-run, calibrate times this machine)");
+    } else if (*cal && cal->count("--base") > 0 && cal_from_run.empty()) {
+      throw ConfigError(fmt::format("calibrate --base '{}' is used only with --from-run RUN (a full calibration "
+                                    "starts from no profile)", cal_base));
     } else if (*cal && !cal_from_run.empty()) {
       std::string out = cal_out;
       if (cal->count("--out") == 0) {  // keep the base: name the result after it

@@ -76,6 +76,30 @@ void check_writable_dir(const fs::path& dir, const std::string& flag, const std:
   fs::remove(probe, ec);
 }
 
+/// Refuses an --out folder of `moeflex simulate` that holds a training run (its
+/// metrics.jsonl, checkpoints/ or rankN/checkpoints/), whose summary.json and
+/// trace.json the simulation would overwrite: ConfigError naming the folder and what
+/// marks it as a run.
+void check_not_a_run_dir(const fs::path& dir, const std::string& given) {
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return;
+  std::string found;
+  if (fs::exists(dir / "metrics.jsonl", ec)) found = "metrics.jsonl";
+  else if (fs::is_directory(dir / "checkpoints", ec)) found = "checkpoints/";
+  else
+    for (const auto& entry : fs::directory_iterator(dir, ec)) {
+      const std::string name = entry.path().filename().string();
+      if (name.rfind("rank", 0) == 0 && fs::is_directory(entry.path() / "checkpoints", ec)) {
+        found = name + "/checkpoints/";
+        break;
+      }
+    }
+  if (!found.empty())
+    throw ConfigError(fmt::format("--out '{}' holds a `moeflex train` run ({} is there): the simulation would "
+                                  "overwrite its files; choose another --out",
+                                  given, (dir / found).string()));
+}
+
 }  // namespace
 
 void add_sim_commands(CLI::App& app) {
@@ -136,6 +160,11 @@ bool run_sim_commands() {
   const ModelConfig model = model_of(f.model, B, S, root);
   if (S <= 0) S = 4096;
   if (B <= 0) B = 1;
+  CLI::App* const cmd = *f.simulate ? f.simulate : f.search;
+  // Given but empty: a mistake (an unset shell variable), not "use the default".
+  for (const auto& [flag, value] : {std::pair<const char*, const std::string*>{"--memory", &f.memory}, {"--out", &f.out}})
+    if (cmd->count(flag) > 0 && value->empty())
+      throw ConfigError(fmt::format("{} {} '': give a value, or leave the flag out", cmd->get_name(), flag));
   sim::ClusterSpec cluster = sim::load_cluster(f.cluster, root);
   if (!f.memory.empty()) {
     const Bytes limit = size_of(f.memory);
@@ -165,11 +194,18 @@ bool run_sim_commands() {
     o.breakdown = f.breakdown;
     o.trace_ranks = sim::parse_trace_ranks(f.trace_ranks);
     if (f.out.empty()) o.trace_ranks.clear();
-    else check_writable_dir(f.out, "--out", f.out);  // before the simulation, not after it
+    else {  // before the simulation, not after it
+      check_not_a_run_dir(f.out, f.out);
+      check_writable_dir(f.out, "--out", f.out);
+    }
     const sim::SimReport r = sim::simulate(o);
     fmt::print("{}", r.format());
     if (!f.out.empty()) {
       sim::write_outputs(r, f.out);
+      if (o.trace_ranks.empty()) {  // an earlier simulation's trace would read as this one's
+        std::error_code ec;
+        if (fs::remove(fs::path(f.out) / "trace.json", ec)) fmt::print("removed the earlier {}/trace.json\n", f.out);
+      }
       fmt::print("wrote {}/summary.json{}\n", f.out, o.trace_ranks.empty() ? "" : " and trace.json");
     }
   } else {

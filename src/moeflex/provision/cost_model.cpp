@@ -105,7 +105,143 @@ std::int64_t positive_int(const json& obj, const char* key, const std::string& s
   return x;
 }
 
+/// Levenshtein distance, for "did you mean" suggestions on misspelt names.
+std::size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<std::size_t> row(b.size() + 1);
+  for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (std::size_t i = 1; i <= a.size(); ++i) {
+    std::size_t diag = row[0];
+    row[0] = i;
+    for (std::size_t j = 1; j <= b.size(); ++j) {
+      const std::size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+/// " (did you mean 'x'?)" for the known name closest to `name` when it is within 3
+/// edits, else "" ; followed by the list of known names.
+std::string suggest(const std::string& name, const std::vector<std::string>& known) {
+  std::string best, list;
+  std::size_t best_d = std::numeric_limits<std::size_t>::max();
+  for (const std::string& k : known) {
+    const std::size_t d = edit_distance(name, k);
+    if (d < best_d) best_d = d, best = k;
+    list += (list.empty() ? "" : ", ") + k;
+  }
+  return (best_d <= 3 ? fmt::format(" (did you mean '{}'?)", best) : std::string()) + fmt::format("; known: {}", list);
+}
+
+/// Refuses a key of `obj` outside `known`, naming `field` (the object's path).
+void only_known_keys(const json& obj, const std::vector<std::string>& known, const std::string& source,
+                     const std::string& field) {
+  for (const auto& [key, value] : obj.items())
+    if (std::find(known.begin(), known.end(), key) == known.end())
+      bad_field(source, field.empty() ? key : field + "." + key, "is not a known key" + suggest(key, known));
+}
+
+/// An extent of an in-situ shape: a JSON integer within int64 and >= `min`.
+std::int64_t shape_extent(const json& d, std::int64_t min, const std::string& source, const std::string& field) {
+  if (!d.is_number_integer()) bad_field(source, field, fmt::format("must be an integer (got {})", d.dump()));
+  if (d.is_number_unsigned() && d.get<std::uint64_t>() > std::uint64_t(std::numeric_limits<std::int64_t>::max()))
+    bad_field(source, field, fmt::format("is out of range (got {})", d.dump()));
+  const std::int64_t x = d.get<std::int64_t>();
+  if (x < min) bad_field(source, field, fmt::format("must be >= {} (got {})", min, x));
+  return x;
+}
+
+std::vector<std::string> names_of(const char* const* begin, const char* const* end) {
+  return std::vector<std::string>(begin, end);
+}
+
+/// The "in_situ" section of a profile: {source, ops: [{kind, shape, seconds}],
+/// scales: [{kind, in, out, scale}]}, every key, kind and bound checked (see
+/// cost_model.h, kInSitu*), duplicates refused naming both entries.
+void parse_in_situ(const json& s, const std::string& source, HardwareProfile& p) {
+  if (!s.is_object()) bad_field(source, "in_situ", "must be an object {source, ops, scales}");
+  only_known_keys(s, {"source", "ops", "scales"}, source, "in_situ");
+  if (auto src = s.find("source"); src != s.end()) {
+    if (!src->is_string()) bad_field(source, "in_situ.source", "must be a string");
+    p.in_situ_source = src->get<std::string>();
+  }
+  const std::vector<std::string> exact = names_of(std::begin(kInSituExactKinds), std::end(kInSituExactKinds));
+  const std::vector<std::string> scaled = names_of(std::begin(kInSituScaledKinds), std::end(kInSituScaledKinds));
+  if (auto ops = s.find("ops"); ops != s.end()) {
+    if (!ops->is_array()) bad_field(source, "in_situ.ops", "must be an array of {kind, shape, seconds}");
+    std::map<std::pair<std::string, std::vector<std::int64_t>>, std::size_t> seen;
+    for (std::size_t i = 0; i < ops->size(); ++i) {
+      const json& e = (*ops)[i];
+      const std::string f = fmt::format("in_situ.ops[{}]", i);
+      if (!e.is_object()) bad_field(source, f, "must be an object {kind, shape, seconds}");
+      only_known_keys(e, {"kind", "shape", "seconds"}, source, f);
+      const json& kind = member(e, "kind", source, f + ".kind");
+      if (!kind.is_string()) bad_field(source, f + ".kind", fmt::format("must be a string (got {})", kind.dump()));
+      InSituOp op;
+      op.kind = kind.get<std::string>();
+      if (std::find(exact.begin(), exact.end(), op.kind) == exact.end())
+        bad_field(source, f + ".kind", fmt::format("'{}' is not an in-situ op kind{}", op.kind, suggest(op.kind, exact)));
+      const json& shape = member(e, "shape", source, f + ".shape");
+      const std::size_t rank = in_situ_shape_rank(op.kind);
+      if (!shape.is_array() || shape.size() != rank)
+        bad_field(source, f + ".shape",
+                  fmt::format("must be an array of {} integers for {} (got {})", rank, op.kind, shape.dump()));
+      for (std::size_t d = 0; d < shape.size(); ++d)
+        op.shape.push_back(shape_extent(shape[d], 1, source, fmt::format("{}.shape[{}]", f, d)));
+      op.seconds = number(e, "seconds", source, f + ".seconds");
+      if (!(op.seconds > 0) || op.seconds > kInSituMaxSeconds)
+        bad_field(source, f + ".seconds", fmt::format("must be in (0, {}] (got {})", kInSituMaxSeconds, op.seconds));
+      const auto [at, fresh] = seen.emplace(std::make_pair(op.kind, op.shape), i);
+      if (!fresh)
+        bad_field(source, f, fmt::format("repeats in_situ.ops[{}] ({} at {}); keep one", at->second, op.kind,
+                                         shape.dump()));
+      p.in_situ_ops.push_back(std::move(op));
+    }
+  }
+  if (auto sc = s.find("scales"); sc != s.end()) {
+    if (!sc->is_array()) bad_field(source, "in_situ.scales", "must be an array of {kind, in, out, scale}");
+    std::map<std::tuple<std::string, std::int64_t, std::int64_t>, std::size_t> seen;
+    for (std::size_t i = 0; i < sc->size(); ++i) {
+      const json& e = (*sc)[i];
+      const std::string f = fmt::format("in_situ.scales[{}]", i);
+      if (!e.is_object()) bad_field(source, f, "must be an object {kind, in, out, scale}");
+      only_known_keys(e, {"kind", "in", "out", "scale"}, source, f);
+      const json& kind = member(e, "kind", source, f + ".kind");
+      if (!kind.is_string()) bad_field(source, f + ".kind", fmt::format("must be a string (got {})", kind.dump()));
+      InSituScale x;
+      x.kind = kind.get<std::string>();
+      if (std::find(scaled.begin(), scaled.end(), x.kind) == scaled.end())
+        bad_field(source, f + ".kind",
+                  fmt::format("'{}' is not a scaled in-situ kind{}", x.kind, suggest(x.kind, scaled)));
+      x.in = shape_extent(member(e, "in", source, f + ".in"), 1, source, f + ".in");
+      x.out = shape_extent(member(e, "out", source, f + ".out"), 1, source, f + ".out");
+      x.scale = number(e, "scale", source, f + ".scale");
+      if (!(x.scale >= kInSituMinScale && x.scale <= kInSituMaxScale))
+        bad_field(source, f + ".scale",
+                  fmt::format("must be in [{}, {}] (got {})", kInSituMinScale, kInSituMaxScale, x.scale));
+      const auto [at, fresh] = seen.emplace(std::make_tuple(x.kind, x.in, x.out), i);
+      if (!fresh)
+        bad_field(source, f, fmt::format("repeats in_situ.scales[{}] ({} [{}, {}]); keep one", at->second, x.kind,
+                                         x.in, x.out));
+      p.in_situ_scales.push_back(std::move(x));
+    }
+  }
+}
+
 }  // namespace
+
+std::size_t in_situ_shape_rank(const std::string& kind) {
+  static const std::map<std::string, std::size_t> rank = {
+      {"linear_forward", 3},         {"linear_backward", 3},        {"linear_backward_dx", 3},
+      {"linear_backward_dw", 3},     {"attention_forward", 4},      {"attention_backward", 4},
+      {"rmsnorm_forward", 2},        {"rmsnorm_backward", 2},       {"swiglu_forward", 1},
+      {"swiglu_backward", 1},        {"router_forward", 3},         {"router_backward", 3},
+      {"permute_forward", 3},        {"permute_backward", 3},       {"unpermute_forward", 3},
+      {"unpermute_backward", 3},     {"cross_entropy_forward", 2},  {"cross_entropy_backward", 2}};
+  auto it = rank.find(kind);
+  return it == rank.end() ? 0 : it->second;
+}
 
 nlohmann::json HardwareProfile::to_json() const {
   json j;
@@ -159,6 +295,13 @@ HardwareProfile HardwareProfile::from_json(const nlohmann::json& j, const std::s
                           v > kHardwareProfileVersion ? " (written by a newer moeflex?)"
                                                       : " (run `moeflex calibrate` again)"));
 
+  // Every key save() writes; another is a typo or a field this moeflex would ignore.
+  only_known_keys(j,
+                  {"format", "version", "name", "threads", "launch_overhead_s", "memory_bandwidth_Bps",
+                   "h2d_bandwidth_Bps", "d2h_bandwidth_Bps", "copy_latency_s", "all_to_all_bandwidth_Bps",
+                   "all_to_all_latency_s", "gemm", "op_tables", "in_situ"},
+                  source, "");
+
   HardwareProfile p;
   const json& name = member(j, "name", source, "name");
   if (!name.is_string()) bad_field(source, "name", "must be a string");
@@ -211,48 +354,7 @@ HardwareProfile HardwareProfile::from_json(const nlohmann::json& j, const std::s
       p.op_tables[op] = std::move(points);
     }
   }
-  if (auto it = j.find("in_situ"); it != j.end()) {
-    if (!it->is_object()) bad_field(source, "in_situ", "must be an object {source, ops, scales}");
-    if (auto src = it->find("source"); src != it->end()) {
-      if (!src->is_string()) bad_field(source, "in_situ.source", "must be a string");
-      p.in_situ_source = src->get<std::string>();
-    }
-    if (auto ops = it->find("ops"); ops != it->end()) {
-      if (!ops->is_array()) bad_field(source, "in_situ.ops", "must be an array of {kind, shape, seconds}");
-      for (std::size_t i = 0; i < ops->size(); ++i) {
-        const json& e = (*ops)[i];
-        const std::string f = fmt::format("in_situ.ops[{}]", i);
-        if (!e.is_object() || !e.contains("kind") || !e["kind"].is_string() || !e.contains("shape") ||
-            !e["shape"].is_array())
-          bad_field(source, f, "must be an object {kind: string, shape: [integers], seconds}");
-        InSituOp op;
-        op.kind = e["kind"].get<std::string>();
-        for (const json& d : e["shape"]) {
-          if (!d.is_number_integer() || d.get<std::int64_t>() < 0)
-            bad_field(source, f + ".shape", "must hold non-negative integers");
-          op.shape.push_back(d.get<std::int64_t>());
-        }
-        op.seconds = non_negative(e, "seconds", source, f + ".seconds");
-        p.in_situ_ops.push_back(std::move(op));
-      }
-    }
-    if (auto sc = it->find("scales"); sc != it->end()) {
-      if (!sc->is_array()) bad_field(source, "in_situ.scales", "must be an array of {kind, in, out, scale}");
-      for (std::size_t i = 0; i < sc->size(); ++i) {
-        const json& e = (*sc)[i];
-        const std::string f = fmt::format("in_situ.scales[{}]", i);
-        if (!e.is_object() || !e.contains("kind") || !e["kind"].is_string())
-          bad_field(source, f, "must be an object {kind: string, in, out, scale}");
-        InSituScale x;
-        x.kind = e["kind"].get<std::string>();
-        x.in = positive_int(e, "in", source, f + ".in");
-        x.out = positive_int(e, "out", source, f + ".out");
-        x.scale = non_negative(e, "scale", source, f + ".scale");
-        if (!(x.scale > 0)) bad_field(source, f + ".scale", "must be > 0");
-        p.in_situ_scales.push_back(std::move(x));
-      }
-    }
-  }
+  if (auto it = j.find("in_situ"); it != j.end()) parse_in_situ(*it, source, p);
   return p;
 }
 

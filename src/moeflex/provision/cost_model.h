@@ -23,6 +23,7 @@
 // Bytes are fp32 activations (kActivationBytes); a zero-sized op costs 0 (the
 // kernels return before launching anything).
 #pragma once
+#include <cstddef>
 #include <cstdint>
 #include <filesystem>
 #include <map>
@@ -150,6 +151,32 @@ struct OpSample {
   Bytes bytes = 0;
   Seconds seconds = 0;
 };
+
+/// The op kinds HardwareProfile::in_situ_ops may hold, timed at their exact shapes
+/// (op_times.json's names; `moeflex calibrate --from-run` takes these kinds).
+inline constexpr const char* kInSituExactKinds[] = {
+    "linear_forward",        "linear_backward",        "linear_backward_dx",     "linear_backward_dw",
+    "attention_forward",     "attention_backward",     "rmsnorm_forward",        "rmsnorm_backward",
+    "swiglu_forward",        "swiglu_backward",        "router_forward",         "router_backward",
+    "permute_forward",       "permute_backward",       "unpermute_forward",      "unpermute_backward",
+    "cross_entropy_forward", "cross_entropy_backward"};
+/// The grouped kinds HardwareProfile::in_situ_scales may hold, one scale per weight
+/// shape [in, out].
+inline constexpr const char* kInSituScaledKinds[] = {"grouped_linear_forward", "grouped_linear_backward_dx",
+                                                     "grouped_linear_backward_dw"};
+
+/// The number of extents an exact in-situ kind's shape has, as the cost model looks
+/// it up (linear_* [n, in, out], attention_* [B, S, H, hd], rmsnorm_* [n, d],
+/// swiglu_* [n], router_* [n, E, k], (un)permute_* [n, k, d], cross_entropy_* [n, V]);
+/// 0 for a kind outside kInSituExactKinds.
+std::size_t in_situ_shape_rank(const std::string& kind);
+
+/// Bounds a profile's in-situ entries must respect (HardwareProfile::from_json
+/// refuses others, `moeflex calibrate --from-run` refuses to write them): an op's
+/// seconds in (0, kInSituMaxSeconds], a grouped scale in [kInSituMinScale, kInSituMaxScale].
+inline constexpr double kInSituMaxSeconds = 3600;
+inline constexpr double kInSituMinScale = 1e-3;
+inline constexpr double kInSituMaxScale = 1e3;
 
 /// One op timed inside real training steps (`moeflex calibrate --from-run`): the
 /// median of its measured times at exactly this shape, the shape in the order

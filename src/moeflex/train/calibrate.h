@@ -93,17 +93,8 @@ CalibrationResult calibrate_and_validate(int threads, Seconds budget = kDefaultC
 int run_calibrate_command(const std::string& out_path = kDefaultHardwareProfilePath, int threads = 0,
                           double budget_seconds = kDefaultCalibrationBudget, bool report_and_write = true);
 
-/// The op kinds `in_situ_profile` takes at their exact shapes (op_times.json's
-/// names; the cost model answers them from HardwareProfile::in_situ_ops).
-inline constexpr const char* kInSituExactKinds[] = {
-    "linear_forward",        "linear_backward",        "linear_backward_dx",     "linear_backward_dw",
-    "attention_forward",     "attention_backward",     "rmsnorm_forward",        "rmsnorm_backward",
-    "swiglu_forward",        "swiglu_backward",        "router_forward",         "router_backward",
-    "permute_forward",       "permute_backward",       "unpermute_forward",      "unpermute_backward",
-    "cross_entropy_forward", "cross_entropy_backward"};
-/// The grouped kinds it scales per weight shape (HardwareProfile::in_situ_scales).
-inline constexpr const char* kInSituScaledKinds[] = {"grouped_linear_forward", "grouped_linear_backward_dx",
-                                                     "grouped_linear_backward_dw"};
+// The kinds in_situ_profile takes (kInSituExactKinds, kInSituScaledKinds) are
+// declared in provision/cost_model.h, beside the profile that holds them.
 
 /// `base` plus the ops of real training steps: reads `run_dir`/op_times.json (a run
 /// trained with --profile-ops) and sets base.in_situ_* (replacing any there):
@@ -112,12 +103,20 @@ inline constexpr const char* kInSituScaledKinds[] = {"grouped_linear_forward", "
 ///   - each kind of kInSituScaledKinds per weight [in, out]: sum of measured times /
 ///     sum of `base`'s predictions for the same row splits (the ratio carries over to
 ///     other routings, whose exact shapes a run rarely repeats).
-/// Throws DataError naming the file when it is missing or lacks "shapes".
-HardwareProfile in_situ_profile(HardwareProfile base, const std::filesystem::path& run_dir);
+/// Every entry of a taken kind is checked: integer extents (exact kinds: as many as
+/// in_situ_shape_rank, each >= 0; grouped: rows >= 0, in and out >= 1), a count >= 1,
+/// times finite in (0, kInSituMaxSeconds] (grouped totals: per call), no exact
+/// (kind, shape) listed twice, grouped ratios in [kInSituMinScale, kInSituMaxScale].
+/// Exact entries with a zero extent (calls that ran no kernel, priced 0 by the cost
+/// model) are left out and counted in `*zero_sized` when given.
+/// Throws DataError naming the file, and the entry's index, kind and field.
+HardwareProfile in_situ_profile(HardwareProfile base, const std::filesystem::path& run_dir,
+                                std::size_t* zero_sized = nullptr);
 
 /// `moeflex calibrate --from-run RUN [--base FILE] [--out FILE]`: in_situ_profile
-/// of the profile at `base_path`, written to `out_path` (atomically; the base is
-/// left as it was unless it is the same file); prints what it took. Returns 0.
+/// of the profile at `base_path`, written to `out_path` (atomically); prints what it
+/// took. Returns 0. Throws ConfigError for an empty path, or an `out_path` that is
+/// the base's file (compared as files, not as strings): the base is never replaced.
 int run_in_situ_calibrate_command(const std::string& run_dir, const std::string& base_path,
                                   const std::string& out_path);
 

@@ -86,7 +86,8 @@ void RunConfig::validate() const {
   rule(t.seq_len >= 2 && t.seq_len <= model.max_position_embeddings,
        fmt::format("train.seq_len: must be in [2, model.max_position_embeddings={}] (got {})",
                    model.max_position_embeddings, t.seq_len));
-  rule(t.grad_accum >= 1, fmt::format("train.grad_accum: must be at least 1 (got {})", t.grad_accum));
+  rule(t.grad_accum >= 1 && t.grad_accum <= kMaxGradAccum,
+       fmt::format("train.grad_accum: must be in [1, {}] (got {})", kMaxGradAccum, t.grad_accum));
   rule(t.lr > 0, "train.lr: must be positive");
   rule(t.min_lr >= 0 && t.min_lr <= t.lr, "train.min_lr: must be in [0, train.lr]");
   rule(t.warmup_steps >= 0, "train.warmup_steps: must not be negative");

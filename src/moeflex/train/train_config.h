@@ -10,6 +10,10 @@
 
 namespace moeflex {
 
+/// The most micro-batches per step train.grad_accum / --grad-accum take (every one is
+/// an action of the step plan, held in memory).
+inline constexpr std::int64_t kMaxGradAccum = 65536;
+
 struct TrainConfig {
   std::int64_t steps = 300;            ///< optimizer steps
   std::int64_t micro_batch_size = 8;   ///< sequences per micro-batch (B)

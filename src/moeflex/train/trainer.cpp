@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 #include <omp.h>
+#include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -149,10 +151,10 @@ void truncate_metrics(const fs::path& path, std::int64_t step) {
 class Progress {
  public:
   Progress(bool enabled, std::int64_t total) : enabled_(enabled), total_(total), tty_(isatty(fileno(stderr))) {}
+  /// `provisioned_steps`: steps of the run so far that recomputed or offloaded anything.
   void update(std::int64_t step, double loss, double val, double tps, Bytes peak, Bytes budget, double recomputed,
-              double offloaded) {
+              double offloaded, std::int64_t provisioned_steps) {
     if (!enabled_) return;
-    if (recomputed > 0 || offloaded > 0) ++provisioned_steps_;
     const int width = 24;
     const int filled = int(double(width) * double(step) / double(std::max<std::int64_t>(total_, 1)));
     std::string bar(std::size_t(filled), '=');
@@ -160,8 +162,8 @@ class Progress {
     std::string line = fmt::format(
         "step {:>5}/{} [{}] loss {:.4f} | val {} | {:.0f} tok/s | mem {} / {} | recomp {:.0f}% offl {:.0f}% "
         "(on {} step{} so far)", step, total_, bar, loss, std::isnan(val) ? std::string("-") : fmt::format("{:.4f}", val),
-        tps, format_bytes(peak), format_bytes(budget), 100.0 * recomputed, 100.0 * offloaded, provisioned_steps_,
-        provisioned_steps_ == 1 ? "" : "s");
+        tps, format_bytes(peak), format_bytes(budget), 100.0 * recomputed, 100.0 * offloaded, provisioned_steps,
+        provisioned_steps == 1 ? "" : "s");
     if (tty_) {
       fmt::print(stderr, "\r{}\x1b[K", line);
       if (step == total_) fmt::print(stderr, "\n");
@@ -179,7 +181,6 @@ class Progress {
   bool enabled_;
   std::int64_t total_;
   bool tty_;
-  std::int64_t provisioned_steps_ = 0;  ///< steps that recomputed or offloaded anything
 };
 
 }  // namespace
@@ -295,6 +296,9 @@ TrainResult run_training(const TrainOptions& opts) {
   }
   // "auto": adaptive provisioning whenever a budget is set, else save everything.
   if (cfg.train.policy == "auto") cfg.train.policy = cfg.device_memory > 0 ? "adaptive" : "none";
+  if (!opts.hardware_profile.empty() && !fs::is_regular_file(opts.hardware_profile))
+    throw DataError(fmt::format("--hardware-profile '{}' is not a file (run `moeflex calibrate --out {}`?)",
+                                opts.hardware_profile.string(), opts.hardware_profile.string()));
   cfg.validate();
   const TrainConfig& t = cfg.train;
 
@@ -416,36 +420,63 @@ TrainResult run_training(const TrainOptions& opts) {
 
   if (!opts.resume && holds_a_run(run_dir)) {
     if (!holds_a_checkpoint(run_dir))  // it ended before its first checkpoint: nothing to resume
-      throw ConfigError(fmt::format("run directory '{}' holds a run that ended before its first checkpoint (its "
-                                    "metrics.jsonl or summary.json); it cannot be resumed: use another --out, or "
-                                    "delete it to start over there", run_dir.string()));
+      throw ConfigError(fmt::format("run directory '{}' holds a run that ended before its first complete checkpoint "
+                                    "(it has metrics, a summary or a checkpoints folder); it cannot be resumed: use "
+                                    "another --out, or delete it to start over there", run_dir.string()));
     throw ConfigError(fmt::format("run directory '{}' already holds a run; use --resume {} or another --out",
                                   run_dir.string(), run_dir.string()));
   }
   world->barrier();
-  std::string resume_error;
+  std::string folder_error;
+  // One process trains in a run folder at a time: rank 0 holds an advisory lock on
+  // RUN/.moeflex.lock for the whole run (released by the kernel when the process ends,
+  // however it ends).
+  struct RunLock {
+    int fd = -1;
+    ~RunLock() {
+      if (fd >= 0) ::close(fd);
+    }
+  } run_lock;
   if (rank0) {
     fs::create_directories(run_dir);
+    run_lock.fd = ::open((run_dir / ".moeflex.lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (run_lock.fd < 0 || ::flock(run_lock.fd, LOCK_EX | LOCK_NB) != 0)
+      folder_error = fmt::format("another moeflex process is training in '{}' (it holds {}); wait for it to end or "
+                                 "use another --out", run_dir.string(), (run_dir / ".moeflex.lock").string());
+    else if (!opts.resume && holds_a_run(run_dir))  // a run that began and ended since the check above
+      folder_error = fmt::format("run directory '{}' already holds a run; use --resume {} or another --out",
+                                 run_dir.string(), run_dir.string());
+    else  // the lock is ours: temporary files of an atomic write a killed process left are garbage
+      for (const auto& e : fs::directory_iterator(run_dir))
+        if (e.is_regular_file() && e.path().filename().string().find(".tmp-") != std::string::npos) fs::remove(e.path());
+  }
+  if (rank0 && folder_error.empty()) {
     if (!opts.resume) {
+      // Both written to a temporary file and renamed: a symlink in their place is
+      // replaced, never followed (its target stays as it was).
       train::write_file_atomically(run_dir / "config.toml", cfg.to_toml());
-      fs::copy_file(data_dir / "tokenizer.model", run_dir / "tokenizer.model", fs::copy_options::overwrite_existing);
+      const std::vector<char> tok = train::read_file_bytes(data_dir / "tokenizer.model");
+      train::write_file_atomically(run_dir / "tokenizer.model", std::string_view(tok.data(), tok.size()));
     } else if (!fs::exists(run_dir / "tokenizer.model")) {
-      fs::copy_file(data_dir / "tokenizer.model", run_dir / "tokenizer.model");
+      folder_error = fmt::format(
+          "--resume: the run '{}' has no tokenizer.model, so its corpus cannot be checked against the one at '{}' "
+          "(a changed corpus would give the model token ids it never learned). Restore the run's tokenizer.model",
+          run_dir.string(), corpus.string());
     } else if (train::read_file_bytes(run_dir / "tokenizer.model") != train::read_file_bytes(data_dir / "tokenizer.model")) {
       // The corpus changed since the run began (its tokenizer was retrained): the
       // model's embeddings belong to the run's own tokenizer, which stays as it is.
-      resume_error = fmt::format(
+      folder_error = fmt::format(
           "--resume: the corpus '{}' has changed since the run began: its tokenizer now differs from the run's "
           "tokenizer.model, so its token ids would not mean what the model learned. Resume with the corpus the run "
           "was trained on", corpus.string());
     }
   }
   if (world_size > 1) {  // every rank refuses together
-    double bad = resume_error.empty() ? 0.0 : 1.0;
+    double bad = folder_error.empty() ? 0.0 : 1.0;
     world->all_reduce_max(&bad, 1);
-    if (bad > 0 && resume_error.empty()) resume_error = "--resume: refused on rank 0 (see its message)";
+    if (bad > 0 && folder_error.empty()) folder_error = "the run folder was refused on rank 0 (see its message)";
   }
-  if (!resume_error.empty()) throw DataError(resume_error);
+  if (!folder_error.empty()) throw DataError(folder_error);
   world->barrier();
 
   TrainResult res;
@@ -478,6 +509,7 @@ TrainResult run_training(const TrainOptions& opts) {
     s["bytes_compacted"] = res.bytes_compacted;
     s["bytes_evicted"] = res.bytes_evicted;
     s["decisions"] = res.decisions;
+    s["provisioned_steps"] = res.provisioned_steps;
     s["decision_seconds_p99"] = res.decision_seconds_p99;
     s["max_load_ratio"] = res.max_load_ratio;
     s["predicted_peak_bytes"] = res.predicted_peak_bytes;
@@ -565,10 +597,12 @@ TrainResult run_training(const TrainOptions& opts) {
         imbalance.ratio = cap;
       }
     }
-    // trace.json: the first trace_steps steps of this run, one file per rank, merged by rank 0.
+    // trace.json: the first trace_steps steps of this run, one file per rank, merged by
+    // rank 0. A resume keeps the trace the run already has (and a resume with nothing
+    // left to train writes none).
     const fs::path trace_path = run_dir / "trace.json";
-    train::TraceWriter trace(world_size > 1 ? train::rank_trace_path(trace_path, rank) : trace_path, rank,
-                             t.trace_steps > 0);
+    const bool trace_on = t.trace_steps > 0 && !(opts.resume && fs::exists(trace_path));
+    train::TraceWriter trace(world_size > 1 ? train::rank_trace_path(trace_path, rank) : trace_path, rank, trace_on);
     trace.set_process_name(fmt::format("rank {}", rank));
     struct DetachTrace {  // the copy engines' observers point at `trace`: detached before it goes
       Replica& replica;
@@ -582,7 +616,8 @@ TrainResult run_training(const TrainOptions& opts) {
     // `moeflex calibrate` has written one; otherwise it ranks them by op family.
     std::optional<CostModel> cost_model;
     if (planner) {
-      const fs::path profile = kDefaultHardwareProfilePath;
+      const fs::path profile =
+          opts.hardware_profile.empty() ? fs::path(kDefaultHardwareProfilePath) : opts.hardware_profile;
       std::string note = fmt::format("no hardware profile at {} (run `moeflex calibrate`): the planner ranks "
                                      "choices by op family", profile.string());
       res.planner_cost_model = "op family";
@@ -593,6 +628,7 @@ TrainResult run_training(const TrainOptions& opts) {
           note = fmt::format("the planner prices choices with {}", profile.string());
           res.planner_cost_model = profile.string();
         } catch (const Error& e) {
+          if (!opts.hardware_profile.empty()) throw;  // asked for by name: its error is the run's
           note = fmt::format("the hardware profile {} is unusable ({}): the planner ranks choices by op family; "
                              "rerun `moeflex calibrate` to replace it", profile.string(), e.what());
           unusable = true;
@@ -664,6 +700,7 @@ TrainResult run_training(const TrainOptions& opts) {
     };
     std::int64_t start_step = 0;
     double elapsed_before = 0;
+    std::int64_t decisions_before = 0;  // the planner's decisions before a resume
     // The training state a checkpoint holds (weights, AdamW moments and step, tokens,
     // losses); shared by --resume and by the restart after an OOM. Returns its step.
     // On a device, checkpoint files are written from and read into host copies.
@@ -712,6 +749,15 @@ TrainResult run_training(const TrainOptions& opts) {
       res.restart_seconds = st.value("restart_seconds", 0.0);
       res.oom_peak_demand_bytes = st.value("oom_peak_demand_bytes", std::int64_t(0));
       res.first_oom = st.value("first_oom", std::string());
+      res.bytes_recomputed = st.value("bytes_recomputed", std::int64_t(0));
+      res.bytes_offloaded = st.value("bytes_offloaded", std::int64_t(0));
+      res.provisioned_steps = st.value("provisioned_steps", std::int64_t(0));
+      res.arena_compactions = st.value("arena_compactions", std::int64_t(0));
+      res.bytes_compacted = st.value("bytes_compacted", std::int64_t(0));
+      res.bytes_evicted = st.value("bytes_evicted", std::int64_t(0));
+      decisions_before = st.value("decisions", std::int64_t(0));
+      res.max_load_ratio = st.value("max_load_ratio", 1.0);
+      res.predicted_peak_bytes = st.value("predicted_peak_bytes", std::int64_t(0));
       if (rank0) truncate_metrics(run_dir / "metrics.jsonl", start_step);
       if (rank0) truncate_metrics(run_dir / "loads.jsonl", start_step);
       if (start_step >= t.steps) {
@@ -797,7 +843,17 @@ TrainResult run_training(const TrainOptions& opts) {
                  {"steps_run", res.steps_run},
                  {"restart_seconds", res.restart_seconds},
                  {"oom_peak_demand_bytes", res.oom_peak_demand_bytes},
-                 {"first_oom", res.first_oom}};
+                 {"first_oom", res.first_oom},
+                 // The planner's and the arena's counters, so that a resumed run reports the whole run.
+                 {"bytes_recomputed", res.bytes_recomputed},
+                 {"bytes_offloaded", res.bytes_offloaded},
+                 {"provisioned_steps", res.provisioned_steps},
+                 {"arena_compactions", res.arena_compactions},
+                 {"bytes_compacted", res.bytes_compacted},
+                 {"bytes_evicted", res.bytes_evicted},
+                 {"decisions", decisions_before + std::int64_t(all_decision_seconds.size())},
+                 {"max_load_ratio", res.max_load_ratio},
+                 {"predicted_peak_bytes", res.predicted_peak_bytes}};
       train::save_checkpoint(ckpt_root, step, stage(model_bufs(), true), stage(opt_bufs(), true), st,
                              int(t.keep_checkpoints));
       staging.clear();
@@ -912,7 +968,7 @@ TrainResult run_training(const TrainOptions& opts) {
       replica.clear_routing();
       for (MoEModel* c : replica.chunks()) c->stash().reset_counters();
       const bool spike = ops::imbalance_active(imbalance, step + 1);
-      const bool tracing = !trace_finished && step - start_step < t.trace_steps;
+      const bool tracing = trace_on && !trace_finished && step - start_step < t.trace_steps;
       replica.set_trace(tracing ? &trace : nullptr);
       const double thread_cpu0 = op_profiler ? thread_cpu_seconds() : 0.0;
       if (op_profiler) op_profiler->begin_step(step + 1, tracing ? &trace : nullptr);
@@ -975,6 +1031,7 @@ TrainResult run_training(const TrainOptions& opts) {
       for (MoEModel* c : replica.chunks()) offl += double(c->stash().counters().offloaded);
       if (world_size > 1) world->all_reduce_sum(&offl, 1);
       res.bytes_offloaded += std::int64_t(offl);
+      if (provisioned[1] > 0 || offl > 0) res.provisioned_steps += 1;
       const double defrag_now[3] = {double(arena.compactions()), double(arena.bytes_compacted()),
                                     double(arena.bytes_evicted())};
       double defrag[3];
@@ -1094,11 +1151,12 @@ TrainResult run_training(const TrainOptions& opts) {
       if (planner && !all_decision_seconds.empty()) {
         std::vector<double> sorted = all_decision_seconds;
         std::sort(sorted.begin(), sorted.end());
-        res.decisions = std::int64_t(sorted.size());
+        res.decisions = decisions_before + std::int64_t(sorted.size());
         res.decision_seconds_p99 = sorted[std::min(sorted.size() - 1, std::size_t(0.99 * double(sorted.size())))];
       }
       progress.update(step + 1, sum.ce, last_val, double(step_tokens) / dt, std::int64_t(peak), arena.budget(),
-                      all_bytes > 0 ? provisioned[1] / all_bytes : 0.0, all_bytes > 0 ? offl / all_bytes : 0.0);
+                      all_bytes > 0 ? provisioned[1] / all_bytes : 0.0, all_bytes > 0 ? offl / all_bytes : 0.0,
+                      res.provisioned_steps);
       // A stop request must be seen by every rank at the same step.
       double stop_flag = g_stop_requested ? 1.0 : 0.0;
       if (world_size > 1) world->all_reduce_max(&stop_flag, 1);

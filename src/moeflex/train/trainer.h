@@ -43,6 +43,7 @@ struct TrainResult {
   std::int64_t bytes_compacted = 0;    ///< bytes those compactions moved
   std::int64_t bytes_evicted = 0;      ///< activation bytes evicted to the host to make room (Arena::make_room)
   std::int64_t decisions = 0;         ///< adaptive planner layer decisions
+  std::int64_t provisioned_steps = 0;  ///< steps that recomputed or offloaded any activation
   double decision_seconds_p99 = 0;    ///< 99th percentile of one layer decision's time
   double max_load_ratio = 1.0;        ///< largest expert-load imbalance seen (max / mean)
   std::int64_t predicted_peak_bytes = 0;  ///< the adaptive planner's largest projected peak (0 otherwise)

@@ -481,7 +481,9 @@ TEST(HardwareProfile, InSituSectionRefusesUnknownKindsKeysOutOfRangeValuesAndDup
   for (const char* kind : kInSituExactKinds) EXPECT_GT(in_situ_shape_rank(kind), 0u) << kind;
   EXPECT_EQ(in_situ_shape_rank("grouped_linear_forward"), 0u);
   const auto shipped = std::filesystem::path(MOEFLEX_SOURCE_DIR) / "data" / "hardware" / "this-machine.json";
-  if (std::filesystem::exists(shipped)) EXPECT_NO_THROW(HardwareProfile::load(shipped));
+  if (std::filesystem::exists(shipped)) {
+    EXPECT_NO_THROW(HardwareProfile::load(shipped));
+  }
 }
 
 TEST(Calibrate, InSituProfileRefusesBadShapeEntriesNamingIndexKindAndField) {

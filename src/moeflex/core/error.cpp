@@ -1,6 +1,6 @@
 #include "moeflex/core/error.h"
-#include <algorithm>
 
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <fmt/format.h>
@@ -53,6 +53,31 @@ std::string format_bytes(Bytes b) {
     ++u;
   }
   return u == 0 ? fmt::format("{} B", b) : fmt::format("{:.2f} {}", v, units[u]);
+}
+
+namespace {
+std::size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<std::size_t> row(b.size() + 1);
+  for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (std::size_t i = 1; i <= a.size(); ++i) {
+    std::size_t diag = row[0];
+    row[0] = i;
+    for (std::size_t j = 1; j <= b.size(); ++j) {
+      const std::size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+}  // namespace
+
+std::string did_you_mean(const std::string& name, const std::vector<std::string>& known) {
+  const std::string* best = nullptr;
+  std::size_t best_d = 4;  // more than 3 edits away: no suggestion
+  for (const std::string& k : known)
+    if (const std::size_t d = edit_distance(name, k); d < best_d) best_d = d, best = &k;
+  return best ? fmt::format(" (did you mean '{}'?)", *best) : std::string();
 }
 
 std::string format_count(double n) {

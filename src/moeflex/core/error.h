@@ -2,6 +2,7 @@
 #pragma once
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "moeflex/core/units.h"
 
@@ -40,5 +41,9 @@ std::string format_bytes(Bytes bytes);
 
 /// Formats a parameter count for people, in decimal units: "11.5 M", "671.0 B".
 std::string format_count(double n);
+
+/// " (did you mean 'x'?)" for the name of `known` closest to `name` (Levenshtein
+/// distance) when it is within 3 edits, else "": for errors about misspelt keys.
+std::string did_you_mean(const std::string& name, const std::vector<std::string>& known);
 
 }  // namespace moeflex

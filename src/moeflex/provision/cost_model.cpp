@@ -105,33 +105,12 @@ std::int64_t positive_int(const json& obj, const char* key, const std::string& s
   return x;
 }
 
-/// Levenshtein distance, for "did you mean" suggestions on misspelt names.
-std::size_t edit_distance(const std::string& a, const std::string& b) {
-  std::vector<std::size_t> row(b.size() + 1);
-  for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
-  for (std::size_t i = 1; i <= a.size(); ++i) {
-    std::size_t diag = row[0];
-    row[0] = i;
-    for (std::size_t j = 1; j <= b.size(); ++j) {
-      const std::size_t up = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
-      diag = up;
-    }
-  }
-  return row[b.size()];
-}
-
 /// " (did you mean 'x'?)" for the known name closest to `name` when it is within 3
 /// edits, else "" ; followed by the list of known names.
 std::string suggest(const std::string& name, const std::vector<std::string>& known) {
-  std::string best, list;
-  std::size_t best_d = std::numeric_limits<std::size_t>::max();
-  for (const std::string& k : known) {
-    const std::size_t d = edit_distance(name, k);
-    if (d < best_d) best_d = d, best = k;
-    list += (list.empty() ? "" : ", ") + k;
-  }
-  return (best_d <= 3 ? fmt::format(" (did you mean '{}'?)", best) : std::string()) + fmt::format("; known: {}", list);
+  std::string list;
+  for (const std::string& k : known) list += (list.empty() ? "" : ", ") + k;
+  return did_you_mean(name, known) + fmt::format("; known: {}", list);
 }
 
 /// Refuses a key of `obj` outside `known`, naming `field` (the object's path).

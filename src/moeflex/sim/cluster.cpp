@@ -38,32 +38,12 @@ std::int64_t integer(const json& j, const char* key, const std::string& source, 
   return std::int64_t(v);
 }
 
-/// Levenshtein distance (for suggesting the intended key of a typo).
-std::size_t edit_distance(const std::string& a, const std::string& b) {
-  std::vector<std::size_t> row(b.size() + 1);
-  for (std::size_t k = 0; k <= b.size(); ++k) row[k] = k;
-  for (std::size_t i = 1; i <= a.size(); ++i) {
-    std::size_t diag = row[0];
-    row[0] = i;
-    for (std::size_t k = 1; k <= b.size(); ++k) {
-      const std::size_t up = row[k];
-      row[k] = std::min({row[k] + 1, row[k - 1] + 1, diag + (a[i - 1] == b[k - 1] ? 0 : 1)});
-      diag = up;
-    }
-  }
-  return row[b.size()];
-}
-
 /// Refuses a key of object `j` that is not in `known`, naming it and the closest known key.
 void refuse_unknown_keys(const json& j, std::initializer_list<const char*> known, const std::string& source) {
   for (const auto& [key, value] : j.items()) {
     if (std::find_if(known.begin(), known.end(), [&](const char* k) { return key == k; }) != known.end()) continue;
-    const char* best = *known.begin();
-    for (const char* k : known)
-      if (edit_distance(key, k) < edit_distance(key, best)) best = k;
     throw DataError(fmt::format("{}: unknown field '{}'{}", source, key,
-                                edit_distance(key, best) <= 3 ? fmt::format(" (did you mean '{}'?)", best)
-                                                              : std::string()));
+                                did_you_mean(key, std::vector<std::string>(known.begin(), known.end()))));
   }
 }
 

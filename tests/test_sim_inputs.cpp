@@ -408,7 +408,7 @@ TEST(SimInputs, OutNeverOverwritesATrainingRunAndEmptyValuesAreRefused) {
                                                       {"c", "rank1/checkpoints/"}};
   for (const auto& [run_dir, mark] : runs) {
     const fs::path dir = d / run_dir;
-    auto [rc, out] = run(fmt::format("simulate --out {}", dir.string()));
+    auto [rc, out] = run(fmt::format("simulate --cluster h100 --out {}", dir.string()));
     EXPECT_EQ(rc, 2) << out;
     EXPECT_NE(out.find(fmt::format("--out '{}' holds a `moeflex train` run ({} is there)", dir.string(),
                                    (dir / mark).string())),
@@ -419,15 +419,15 @@ TEST(SimInputs, OutNeverOverwritesATrainingRunAndEmptyValuesAreRefused) {
   EXPECT_EQ(std::string(std::istreambuf_iterator<char>(kept), {}), "run's own");
   // A simulation without a trace removes the trace.json an earlier one left in --out.
   const fs::path sim = d / "sim";
-  auto [rc, out] = run(fmt::format("simulate --out {}", sim.string()));
+  auto [rc, out] = run(fmt::format("simulate --cluster h100 --out {}", sim.string()));
   ASSERT_EQ(rc, 0) << out;
   ASSERT_TRUE(fs::exists(sim / "trace.json"));
-  std::tie(rc, out) = run(fmt::format("simulate --trace-ranks '' --out {}", sim.string()));
+  std::tie(rc, out) = run(fmt::format("simulate --cluster h100 --trace-ranks '' --out {}", sim.string()));
   ASSERT_EQ(rc, 0) << out;
   EXPECT_TRUE(fs::exists(sim / "summary.json"));
   EXPECT_FALSE(fs::exists(sim / "trace.json")) << out;
   // Given-but-empty values are refused, not read as "use the default".
-  std::tie(rc, out) = run("simulate --memory ''");
+  std::tie(rc, out) = run("simulate --cluster h100 --memory ''");
   EXPECT_EQ(rc, 2) << out;
   EXPECT_NE(out.find("simulate --memory '': give a value"), std::string::npos) << out;
   std::tie(rc, out) = run("search --gpus 8 --cluster h100 --out ''");

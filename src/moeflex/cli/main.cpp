@@ -59,7 +59,10 @@ int main(int argc, char** argv) {
   train->add_option("--data", data_path, "a UTF-8 text file or folder (default: the Brown corpus from `make data`)");
   train->add_option("--resume", resume_dir, "continue the run in this directory from its newest checkpoint");
   train->add_option("--data-cache", data_cache, "where tokenized corpora are cached")->capture_default_str();
-  train->add_option("--threads", threads, "OpenMP/BLAS threads (default: all cores)")->check(CLI::NonNegativeNumber);
+  train->add_option("--threads", threads,
+                    "OpenMP/BLAS threads per rank (default: OMP_NUM_THREADS, else every core for one process and "
+                    "the node's cores shared among its ranks under MPI)")
+      ->check(CLI::NonNegativeNumber);
   train->add_option("--stop-after", stop_after, "stop after this step with a checkpoint, as if interrupted")
       ->check(CLI::PositiveNumber);
   train->add_flag("--quiet", quiet, "no progress output");

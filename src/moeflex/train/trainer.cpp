@@ -264,6 +264,18 @@ std::vector<fs::path> checkpoint_roots(const fs::path& run_dir) {
   return roots;
 }
 
+// Whether a moeflex process is training in `run_dir` now: it holds the exclusive lock
+// on RUN/.moeflex.lock (probed with a shared one, which probes do not contend for).
+bool folder_in_use(const fs::path& run_dir) {
+  const fs::path lock = run_dir / ".moeflex.lock";
+  if (!fs::exists(lock)) return false;
+  const int fd = ::open(lock.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  const bool busy = ::flock(fd, LOCK_SH | LOCK_NB) != 0;
+  ::close(fd);
+  return busy;
+}
+
 // Whether `run_dir` holds a complete checkpoint, on any number of ranks.
 bool holds_a_checkpoint(const fs::path& run_dir) {
   for (const fs::path& root : checkpoint_roots(run_dir))
@@ -286,6 +298,9 @@ bool holds_a_run(const fs::path& run_dir) {
 TrainResult run_training(const TrainOptions& opts) {
   RunConfig cfg = opts.config;
   const fs::path run_dir = opts.resume ? *opts.resume : opts.out_dir;
+  if (folder_in_use(run_dir))  // before any check that would misread a run still in progress
+    throw ConfigError(fmt::format("another moeflex process is training in '{}' (it holds {}); wait for it to end or "
+                                  "use another --out", run_dir.string(), (run_dir / ".moeflex.lock").string()));
   std::optional<fs::path> ckpt;
   if (opts.resume) {
     if (!fs::is_directory(run_dir))

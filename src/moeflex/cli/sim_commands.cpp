@@ -7,8 +7,6 @@
 #include <fstream>
 #include <sstream>
 
-#include <unistd.h>
-
 #include "moeflex/core/error.h"
 #include "moeflex/search/search.h"
 #include "moeflex/sim/presets.h"
@@ -60,20 +58,6 @@ Bytes size_of(const std::string& s) {
     throw ConfigError(fmt::format("--memory '{}': give a positive size such as 250MiB (without --memory, the "
                                   "cluster's usable memory)", s));
   return b;
-}
-
-/// Makes sure `dir` is (or can be made) a directory we can write files into, before
-/// the long work: ConfigError naming `flag` and the path otherwise.
-void check_writable_dir(const fs::path& dir, const std::string& flag, const std::string& given) {
-  std::error_code ec;
-  if (fs::exists(dir, ec) && !fs::is_directory(dir, ec))
-    throw ConfigError(fmt::format("{} '{}': {} exists and is not a directory", flag, given, dir.string()));
-  fs::create_directories(dir, ec);
-  if (ec) throw ConfigError(fmt::format("{} '{}': cannot create {} ({})", flag, given, dir.string(), ec.message()));
-  const fs::path probe = dir / fmt::format(".moeflex-write-check-{}", ::getpid());
-  if (!std::ofstream(probe))
-    throw ConfigError(fmt::format("{} '{}': cannot write into {}", flag, given, dir.string()));
-  fs::remove(probe, ec);
 }
 
 /// Refuses an --out folder of `moeflex simulate` that holds a training run (its

@@ -4,6 +4,9 @@
 #include <cctype>
 #include <cmath>
 #include <fmt/format.h>
+#include <unistd.h>
+
+#include <fstream>
 
 namespace moeflex {
 
@@ -78,6 +81,18 @@ std::string did_you_mean(const std::string& name, const std::vector<std::string>
   for (const std::string& k : known)
     if (const std::size_t d = edit_distance(name, k); d < best_d) best_d = d, best = &k;
   return best ? fmt::format(" (did you mean '{}'?)", *best) : std::string();
+}
+
+void check_writable_dir(const std::filesystem::path& dir, const std::string& flag, const std::string& given) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::exists(dir, ec) && !fs::is_directory(dir, ec))
+    throw ConfigError(fmt::format("{} '{}': {} exists and is not a directory", flag, given, dir.string()));
+  fs::create_directories(dir, ec);
+  if (ec) throw ConfigError(fmt::format("{} '{}': cannot create {} ({})", flag, given, dir.string(), ec.message()));
+  const fs::path probe = dir / fmt::format(".moeflex-write-check-{}", ::getpid());
+  if (!std::ofstream(probe)) throw ConfigError(fmt::format("{} '{}': cannot write into {}", flag, given, dir.string()));
+  fs::remove(probe, ec);
 }
 
 std::string format_count(double n) {

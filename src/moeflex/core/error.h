@@ -1,5 +1,6 @@
 // Typed errors. Every error carries the numbers that explain it (DESIGN.md, "Errors").
 #pragma once
+#include <filesystem>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -41,6 +42,11 @@ std::string format_bytes(Bytes bytes);
 
 /// Formats a parameter count for people, in decimal units: "11.5 M", "671.0 B".
 std::string format_count(double n);
+
+/// Makes sure `dir` is, or can be made, a directory files can be written into, before
+/// long work that would write there: ConfigError "`flag` '`given`': ..." naming the
+/// folder otherwise (a file in its place, a folder that cannot be created or written).
+void check_writable_dir(const std::filesystem::path& dir, const std::string& flag, const std::string& given);
 
 /// " (did you mean 'x'?)" for the name of `known` closest to `name` (Levenshtein
 /// distance) when it is within 3 edits, else "": for errors about misspelt keys.

@@ -40,7 +40,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <cerrno>
 #include <cstring>
 #include <functional>
 #include <limits>
@@ -1192,17 +1191,7 @@ void check_writable(const std::filesystem::path& out) {
   check_config(!fs::is_directory(out),
                fmt::format("--out '{}' is a directory; give the profile's file name, e.g. {}/this-machine.json",
                            out.string(), out.string()));
-  const fs::path dir = out.has_parent_path() ? out.parent_path() : fs::path(".");
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  const fs::path probe = dir / fmt::format(".moeflex-write-check-{}", ::getpid());
-  {
-    std::ofstream f(probe);
-    if (!f)
-      throw DataError(fmt::format("--out '{}': cannot write in '{}' ({})", out.string(), dir.string(),
-                                  ec ? ec.message() : std::strerror(errno)));
-  }
-  fs::remove(probe, ec);
+  check_writable_dir(out.has_parent_path() ? out.parent_path() : fs::path("."), "--out", out.string());
 }
 
 }  // namespace

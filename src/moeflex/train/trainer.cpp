@@ -253,6 +253,13 @@ std::string describe_checkpoints(const fs::path& root) {
   return out.empty() ? " (checkpoints/ is empty)" : out;
 }
 
+// The refusal of a --resume of `root` (a run folder or a rank's) without a complete checkpoint.
+DataError no_checkpoint_error(const fs::path& root) {
+  return DataError(fmt::format("--resume: '{}' holds no complete checkpoint to resume from:{} (a run that ended before "
+                               "its first checkpoint cannot be resumed: start it again with another --out, or delete "
+                               "the folder)", root.string(), describe_checkpoints(root)));
+}
+
 // The checkpoint roots a run folder may hold: the folder itself (one process) and
 // its rank folders (several).
 std::vector<fs::path> checkpoint_roots(const fs::path& run_dir) {
@@ -274,6 +281,18 @@ bool folder_in_use(const fs::path& run_dir) {
   const bool busy = ::flock(fd, LOCK_SH | LOCK_NB) != 0;
   ::close(fd);
   return busy;
+}
+
+// The refusal of a folder another process trains in (folder_in_use, or a lock not had).
+std::string folder_in_use_message(const fs::path& run_dir) {
+  return fmt::format("another moeflex process is training in '{}' (it holds {}); wait for it to end or use another "
+                     "--out", run_dir.string(), (run_dir / ".moeflex.lock").string());
+}
+
+// The refusal of a new run into a folder that holds one with a checkpoint.
+std::string holds_a_run_message(const fs::path& run_dir) {
+  return fmt::format("run directory '{}' already holds a run; use --resume {} or another --out", run_dir.string(),
+                     run_dir.string());
 }
 
 // Whether `run_dir` holds a complete checkpoint, on any number of ranks.
@@ -299,8 +318,7 @@ TrainResult run_training(const TrainOptions& opts) {
   RunConfig cfg = opts.config;
   const fs::path run_dir = opts.resume ? *opts.resume : opts.out_dir;
   if (folder_in_use(run_dir))  // before any check that would misread a run still in progress
-    throw ConfigError(fmt::format("another moeflex process is training in '{}' (it holds {}); wait for it to end or "
-                                  "use another --out", run_dir.string(), (run_dir / ".moeflex.lock").string()));
+    throw ConfigError(folder_in_use_message(run_dir));
   std::optional<fs::path> ckpt;
   if (opts.resume) {
     if (!fs::is_directory(run_dir))
@@ -326,15 +344,11 @@ TrainResult run_training(const TrainOptions& opts) {
   if (opts.resume) {
     // A run resumes on as many ranks as it trained on: one checkpoint folder per rank
     // (rank00000, ...), or the checkpoints at the top for a single-process run.
-    int ranks = 0;
-    for (const auto& e : fs::directory_iterator(run_dir))
-      if (e.is_directory() && e.path().filename().string().starts_with("rank")) ++ranks;
+    const int ranks = int(checkpoint_roots(run_dir).size()) - 1;  // its rank folders
     // Rank folders appear with the first checkpoint: without them and without a
     // checkpoint of a single process, the rank count is unknown and nothing resumes.
     if (ranks == 0 && !train::latest_checkpoint(run_dir))
-      throw DataError(fmt::format("--resume: '{}' holds no complete checkpoint to resume from:{} (a run that ended "
-                                  "before its first checkpoint cannot be resumed: start it again with another --out, "
-                                  "or delete the folder)", run_dir.string(), describe_checkpoints(run_dir)));
+      throw no_checkpoint_error(run_dir);
     const int trained_on = std::max(ranks, 1);
     if (trained_on != world_size)
       throw ConfigError(fmt::format("--resume: the run in '{}' trained on {} rank{}, not {}; resume it with {}",
@@ -363,9 +377,7 @@ TrainResult run_training(const TrainOptions& opts) {
   if (opts.resume) {
     ckpt = train::latest_checkpoint(ckpt_root);
     if (!ckpt)
-      throw DataError(fmt::format("--resume: '{}' holds no complete checkpoint to resume from:{} (a run that ended "
-                                  "before its first checkpoint cannot be resumed: start it again with another --out, "
-                                  "or delete the folder)", ckpt_root.string(), describe_checkpoints(ckpt_root)));
+      throw no_checkpoint_error(ckpt_root);
     if (world_size > 1) {
       // Every rank must resume from the same step: the newest one all ranks completed
       // (a crash while checkpointing can leave some ranks one checkpoint ahead).
@@ -438,8 +450,7 @@ TrainResult run_training(const TrainOptions& opts) {
       throw ConfigError(fmt::format("run directory '{}' holds a run that ended before its first complete checkpoint "
                                     "(it has metrics, a summary or a checkpoints folder); it cannot be resumed: use "
                                     "another --out, or delete it to start over there", run_dir.string()));
-    throw ConfigError(fmt::format("run directory '{}' already holds a run; use --resume {} or another --out",
-                                  run_dir.string(), run_dir.string()));
+    throw ConfigError(holds_a_run_message(run_dir));
   }
   world->barrier();
   std::string folder_error;
@@ -456,11 +467,9 @@ TrainResult run_training(const TrainOptions& opts) {
     fs::create_directories(run_dir);
     run_lock.fd = ::open((run_dir / ".moeflex.lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
     if (run_lock.fd < 0 || ::flock(run_lock.fd, LOCK_EX | LOCK_NB) != 0)
-      folder_error = fmt::format("another moeflex process is training in '{}' (it holds {}); wait for it to end or "
-                                 "use another --out", run_dir.string(), (run_dir / ".moeflex.lock").string());
+      folder_error = folder_in_use_message(run_dir);
     else if (!opts.resume && holds_a_run(run_dir))  // a run that began and ended since the check above
-      folder_error = fmt::format("run directory '{}' already holds a run; use --resume {} or another --out",
-                                 run_dir.string(), run_dir.string());
+      folder_error = holds_a_run_message(run_dir);
     else  // the lock is ours: temporary files of an atomic write a killed process left are garbage
       for (const auto& e : fs::directory_iterator(run_dir))
         if (e.is_regular_file() && e.path().filename().string().find(".tmp-") != std::string::npos) fs::remove(e.path());
@@ -794,9 +803,7 @@ TrainResult run_training(const TrainOptions& opts) {
       } else {
         progress.note(fmt::format("resuming {} from step {}", run_dir.string(), start_step));
         // --steps sets the run's length from now on: a later plain --resume keeps it.
-        if (rank0 && opts.config.train.steps > 0 &&
-            RunConfig::from_file((run_dir / "config.toml").string()).train.steps != t.steps)
-          train::write_file_atomically(run_dir / "config.toml", cfg.to_toml());
+        if (rank0 && opts.config.train.steps > 0) train::write_file_atomically(run_dir / "config.toml", cfg.to_toml());
       }
     } else {
       if (rank0) std::remove((run_dir / "metrics.jsonl").c_str());

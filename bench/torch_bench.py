@@ -4,7 +4,7 @@ on the CPU with AdamW and report throughput as one JSON line on stdout.
 
     /usr/bin/python3 bench/torch_bench.py [CONFIG.toml] --threads 2 --steps 20 --warmup 3
         [--micro-batch-size B] [--seq-len S] [--set model.num_experts=8 ...]
-        [--data SHARD.bin --data-dtype uint16]
+        [--data SHARD.bin --data-dtype uint16] [--device cuda] [--bf16]
     /usr/bin/python3 bench/torch_bench.py --check     # compare with tests/reference in float64
 
 CONFIG.toml: the `[model]` table of docs/model.md and a `[train]` table with
@@ -14,8 +14,15 @@ grad_clip, grad_accum_steps, seed).  Command-line values override the file.
 The expert computation is the idiomatic efficient eager-PyTorch one (as in HF
 Mixtral / Qwen-MoE): sort the (token, slot) assignments by expert, then loop over
 the experts with index_select / one matmul chain per expert / index_add_.
-Output: {"impl": "pytorch", "tokens_per_second": ..., "step_seconds_median": ...,
-"threads": ..., ...}.  Progress goes to stderr.
+
+--bf16: PyTorch's usual mixed precision, the counterpart of `moeflex train --bf16`:
+torch.autocast(device_type, dtype=torch.bfloat16) around forward and loss (matmuls in
+bf16; the ops on autocast's float32 list in float32: cross-entropy, and on CUDA also
+softmax / logsumexp), backward outside it; the parameters, their gradients and the
+AdamW state stay float32 (no GradScaler: bf16 has float32's exponent range).  Works on
+the CPU too (torch >= 1.10).
+Output: {"impl": "pytorch", "precision": "fp32"|"bf16", "tokens_per_second": ...,
+"step_seconds_median": ..., "threads": ..., ...}.  Progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -181,11 +188,12 @@ class MoE(torch.nn.Module):
             start += c
         y = torch.zeros_like(m)
         if outs:
-            y = y.index_add(0, tokens, torch.cat(outs, 0) * weights.unsqueeze(1))
+            # .to(): under autocast the expert outputs are bf16 while y follows m
+            y = y.index_add(0, tokens, (torch.cat(outs, 0) * weights.unsqueeze(1)).to(y.dtype))
         if self.shared_experts is not None:
             y = y + self.shared_experts(m)
 
-        f_e = (counts.to(m.dtype) / (n * k)).detach()
+        f_e = (counts.to(p.dtype) / (n * k)).detach()
         aux = cfg.router_aux_loss_coef * E * torch.dot(f_e, p.mean(0))
         z = cfg.router_z_loss_coef * torch.logsumexp(logits_r, dim=-1).pow(2).mean()
         return y, aux + z
@@ -369,6 +377,9 @@ def main() -> int:
     ap.add_argument("--data-offset", type=int, default=0, help="header bytes to skip in --data")
     ap.add_argument("--check", action="store_true", help="compare with tests/reference in float64 and exit")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (float32 without TF32, as moeflex --device cuda)")
+    ap.add_argument("--bf16", action="store_true",
+                    help="bf16 mixed precision: torch.autocast around forward and loss, float32 parameters, "
+                         "gradients and AdamW state (as moeflex train --bf16)")
     args = ap.parse_args()
 
     if args.check:
@@ -386,8 +397,16 @@ def main() -> int:
     model.init_weights(gen)
     device = torch.device(args.device)
     if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 GEMMs, as moeflex's CUDA backend
+        # fp32 GEMMs, as moeflex's CUDA backend; under --bf16 autocast sends the matmuls to bf16
+        torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
+    if args.bf16 and device.type not in ("cpu", "cuda"):
+        raise SystemExit(f"--bf16: torch.autocast supports cpu and cuda, not {device.type!r}")
+    precision = "bf16" if args.bf16 else "fp32"
+
+    def autocast():
+        """bf16 autocast for --bf16, else a no-op context (float32 throughout)."""
+        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
     model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
 
@@ -425,7 +444,8 @@ def main() -> int:
         opt.zero_grad(set_to_none=True)
         total = 0.0
         for ids, targets in micro:
-            loss, _, _ = model(ids, targets)
+            with autocast():
+                loss, _, _ = model(ids, targets)
             (loss / M).backward()
             total += loss.item() / M
         if train["grad_clip"] > 0:
@@ -443,6 +463,7 @@ def main() -> int:
     tokens_per_step = B * S * M
     result = {
         "impl": "pytorch",
+        "precision": precision,
         "tokens_per_second": tokens_per_step * len(times) / sum(times) if times else None,
         "step_seconds_median": statistics.median(times) if times else None,
         "threads": args.threads,

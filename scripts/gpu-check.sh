@@ -8,16 +8,18 @@
 #   2. runs the op harness (every CUDA op against the CPU reference, forward and
 #      backward, fp32 and bf16, timed; plus training-size timings) and the runtime
 #      tests (device arena, pinned pool, copy streams, NCCL on one rank);
-#   3./4. trains on the GPU (`moeflex train --device cuda`, fp32, one GPU): the default
-#      model for 300 steps and the ~1.2B MoE of configs/moe-1b.toml for 20 steps, and
-#      the same two configs in this machine's PyTorch when it has CUDA
-#      (bench/torch_bench.py --device cuda); the training test (test_cuda_train:
-#      CUDA against CPU from one seed, every policy, the planner's predicted peak)
-#      runs in step 2;
+#   3./4. trains on the GPU (`moeflex train --device cuda`, one GPU), each model in fp32
+#      and in bf16 mixed precision (--bf16): the default model for 300 steps (runs
+#      default, default-bf16) and the ~1.2B MoE of configs/moe-1b.toml for 20 steps
+#      (moe-1b, moe-1b-bf16), and each run's config in the same precision in this
+#      machine's PyTorch when it has CUDA (bench/torch_bench.py --device cuda [--bf16]:
+#      torch.autocast, fp32 master weights and AdamW); the training test
+#      (test_cuda_train: CUDA against CPU from one seed, every policy, the planner's
+#      predicted peak) runs in step 2;
 #   5. prints the table of per-op error and time, the card's measured bf16 GEMM rate,
 #      the same ops timed in this machine's PyTorch when it has CUDA, and the training
-#      table (tokens/s, MFU against the measured bf16 GEMM rate, PyTorch tokens/s and
-#      the ratio; bench/gpu_train_report.py).
+#      table (precision, tokens/s, MFU against the measured bf16 GEMM rate, PyTorch
+#      tokens/s and the ratio; bench/gpu_train_report.py).
 # The table and the details go to bench/results/gpu-<date>-<card>.txt (or $OUT_DIR).
 # Exit status: 0 only if everything built and every test passed; any failure is
 # printed as "gpu-check: FAILED: ..." and makes the exit status non-zero (the results
@@ -27,7 +29,8 @@
 # (bench/results), PYTHON (a python3 whose torch has CUDA; searched otherwise),
 # PREBUILT=1 uses the bundle without trying to build (saves device time),
 # MOEFLEX_GPU_CHECK_QUICK=1 skips the training-size timings, MOEFLEX_GPU_CHECK_TRAIN=0
-# the training runs of steps 3-4.
+# the training runs of steps 3-4, MOEFLEX_GPU_CHECK_BF16=0 only their bf16 runs;
+# TRAIN_TIMEOUT (600) caps each training run and each PyTorch run, in seconds.
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -151,11 +154,12 @@ if [[ ! -d data/brown ]]; then
     TRAIN_NOTE="no corpus: neither data/brown (make data) nor $BUNDLE/data.tgz"
   fi
 fi
+TRAIN_TIMEOUT=${TRAIN_TIMEOUT:-600}
 train_run() {  # name, steps, moeflex train flags...: one run into $WORK/run-name
   local name=$1 steps=$2 rc=0
   shift 2
   echo "gpu-check: training $name ($steps steps): moeflex train --device cuda $*"
-  timeout 600 "$BIN/moeflex" train --device cuda --steps "$steps" --out "$WORK/run-$name" "${DATA_ARGS[@]}" "$@" \
+  timeout "$TRAIN_TIMEOUT" "$BIN/moeflex" train --device cuda --steps "$steps" --out "$WORK/run-$name" "${DATA_ARGS[@]}" "$@" \
     >"$WORK/train-$name.log" 2>&1 || rc=$?
   tail -n 3 "$WORK/train-$name.log" | sed "s/^/  $name: /"
   if [[ $rc -ne 0 ]]; then
@@ -165,13 +169,14 @@ train_run() {  # name, steps, moeflex train flags...: one run into $WORK/run-nam
   local torch_json=""
   if [[ -n $PY ]]; then
     torch_json=$WORK/torch-$name.json
-    local cfg=configs/default.toml prev="" a
+    local cfg=configs/default.toml prev="" a torch_flags=()
     for a in "$@"; do
       [[ $prev == --config ]] && cfg=$a
+      [[ $a == --bf16 ]] && torch_flags+=(--bf16)  # the same precision: autocast, fp32 weights
       prev=$a
     done
-    timeout 600 "$PY" bench/torch_bench.py "$cfg" --device cuda --steps "$(( steps < 30 ? steps : 30 ))" --warmup 3 \
-      >"$torch_json" 2>"$WORK/torch-$name.err" || fail "bench/torch_bench.py on $name failed (log: $WORK/torch-$name.err)"
+    timeout "$TRAIN_TIMEOUT" "$PY" bench/torch_bench.py "$cfg" --device cuda --steps "$(( steps < 30 ? steps : 30 ))" \
+      --warmup 3 "${torch_flags[@]}" >"$torch_json" 2>"$WORK/torch-$name.err" || fail "bench/torch_bench.py on $name failed (log: $WORK/torch-$name.err)"
     tail -n 1 "$torch_json" | sed "s/^/  $name (PyTorch): /"
   fi
   TRAIN_RUNS+=(--run "$name" "$WORK/run-$name" $torch_json)
@@ -179,8 +184,13 @@ train_run() {  # name, steps, moeflex train flags...: one run into $WORK/run-nam
 if [[ ${MOEFLEX_GPU_CHECK_TRAIN:-1} == 0 ]]; then
   TRAIN_NOTE="skipped (MOEFLEX_GPU_CHECK_TRAIN=0)"
 elif [[ -z $TRAIN_NOTE ]]; then
+  # bf16 next to fp32 at the same step count, so their loss columns compare directly; the
+  # default model (12M parameters, 1k tokens a step) should take seconds on the GPU.
+  bf16=${MOEFLEX_GPU_CHECK_BF16:-1}
   train_run default 300
+  [[ $bf16 == 0 ]] || train_run default-bf16 300 --bf16
   train_run moe-1b 20 --config configs/moe-1b.toml
+  [[ $bf16 == 0 ]] || train_run moe-1b-bf16 20 --config configs/moe-1b.toml --bf16
   [[ -n $PY ]] || echo "gpu-check: no python3 with a CUDA-enabled torch: the PyTorch training comparison is skipped"
 fi
 [[ -z $TRAIN_NOTE ]] || echo "gpu-check: steps 3 and 4 (training on the GPU): $TRAIN_NOTE"

@@ -2,14 +2,20 @@
 // backward, in fp32 and bf16, with "=" outputs NaN-prefilled, "+=" outputs
 // pre-filled, fp32 gradients also checked by directional finite differences, and
 // bit-for-bit determinism of the backward kernels; each op timed and reported
-// (cuda_harness.h). Training-size timings: test_cuda_bench.cpp. Without a GPU every
-// test skips: "skipped: no GPU".
+// (cuda_harness.h). Then every ops::Backend op through the interface, the CUDA
+// backend against the CPU backend in f32 and bf16 (CudaBackend.*). Training-size
+// timings: test_cuda_bench.cpp. Without a GPU every test skips: "skipped: no GPU".
+#include <array>
 #include <numeric>
+#include <tuple>
 
 #include "cuda_harness.h"
+#include "moeflex/core/tensor.h"
 #include "moeflex/ops/attention.h"
+#include "moeflex/ops/backend.h"
 #include "moeflex/ops/blas.h"
 #include "moeflex/ops/cuda/attention.h"
+#include "moeflex/ops/cuda/backend.h"
 #include "moeflex/ops/cuda/grouped_linear.h"
 #include "moeflex/ops/cuda/linear.h"
 #include "moeflex/ops/cuda/moe_dispatch.h"
@@ -771,6 +777,443 @@ TEST(CudaOps, FlashAttentionFp32GradientsMatchFiniteDifferences) {
                            dDV.get(), ws.get(), B, S, H, hd, gpu().s());
   const double analytic = dot(dDQ.download(), uq) + dot(dDK.download(), uk) + dot(dDV.download(), uv);
   expect_directional_derivative("attention (dq, dk, dv)", analytic, lp, lm, eps);
+}
+
+// ---------------------------------------------------------------------------------
+// Every Backend op through the interface: the CUDA backend (ops/cuda/backend.h)
+// against the CPU backend (ops/backend.cpp) on the same inputs, in f32 and in bf16.
+// The CPU's bf16 path (widen, fp32 reference op, round each output once) is the
+// reference the CUDA bf16 path is held to (1e-2 relative error in norm; f32: 1e-5).
+// Each backend runs its own forward before its backward (the CUDA attention keeps
+// only the logsumexp in `probs`, the CPU the probabilities).
+
+/// The CUDA backend and its arena (256 MiB), made once per process.
+ops::DeviceContext& cuda_context() {
+  static ops::DeviceContext ctx = [] {
+    ops::cuda::CudaContextOptions options;
+    options.budget = Bytes(256) << 20;
+    return ops::cuda::make_cuda_context(options);
+  }();
+  return ctx;
+}
+ops::Backend& cuda_be() { return *cuda_context().backend; }
+ops::Backend& cpu_be() { return ops::cpu_backend(); }
+
+constexpr DType kDtypes[] = {DType::f32, DType::bf16};
+
+double tol_of(DType t) { return t == DType::bf16 ? kTolBf16 : kTolF32; }
+
+/// One tensor argument on both backends: host memory for the CPU backend and the
+/// CUDA arena's memory for the CUDA one, of one dtype, set to the same bytes.
+class Both {
+ public:
+  Both(DType t, std::int64_t n, const char* name)
+      : t_(t), n_(n), host_(sz((std::max<std::int64_t>(n, 1) * dtype_size(t) + 3) / 4)),
+        dev_(*cuda_context().arena, {std::max<std::int64_t>(n, 1)}, MemCategory::activations, name, t) {}
+  Both(DType t, const Vec& values, const char* name) : Both(t, std::int64_t(values.size()), name) { set(values); }
+
+  View h() { return View(host_.data(), t_); }
+  View d() { return dev_.view(); }
+  float* hf() { return h().f32(); }
+  float* df() { return d().f32(); }
+  std::int32_t* hi() { return reinterpret_cast<std::int32_t*>(host_.data()); }
+  std::int32_t* di() { return dev_.i32(); }
+
+  /// Both sides = `v` rounded to the dtype (i32: truncated).
+  void set(const Vec& v) {
+    ASSERT_EQ(std::int64_t(v.size()), n_);
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      if (t_ == DType::f32) reinterpret_cast<float*>(host_.data())[i] = float(v[i]);
+      else if (t_ == DType::bf16) reinterpret_cast<bf16*>(host_.data())[i] = to_bf16(float(v[i]));
+      else hi()[i] = std::int32_t(v[i]);
+    }
+    upload();
+  }
+  /// Every byte 0xff on both sides: NaN for f32 and bf16 ("=" outputs).
+  void fill_nan() {
+    std::memset(host_.data(), 0xff, host_.size() * 4);
+    upload();
+  }
+  /// Values of each side, widened to double.
+  Vec host() const { return widen_words(host_); }
+  Vec dev() const {
+    std::vector<std::uint32_t> w(host_.size());
+    cuda_be().copy_to_host(w.data(), dev_.raw(), bytes());
+    return widen_words(w);
+  }
+  std::vector<std::int32_t> host_ints() const { return {host_.begin(), host_.begin() + n_}; }
+  std::vector<std::int32_t> dev_ints() const {
+    std::vector<std::int32_t> v(sz(n_));
+    cuda_be().copy_to_host(v.data(), dev_.raw(), bytes());
+    return v;
+  }
+  /// Whether both sides hold the same bytes.
+  bool bits_equal() const {
+    std::vector<std::uint32_t> w(host_.size());
+    cuda_be().copy_to_host(w.data(), dev_.raw(), bytes());
+    return std::memcmp(w.data(), host_.data(), std::size_t(bytes())) == 0;
+  }
+
+ private:
+  Bytes bytes() const { return n_ * dtype_size(t_); }
+  void upload() { cuda_be().copy_from_host(dev_.raw(), host_.data(), bytes()); }
+  Vec widen_words(const std::vector<std::uint32_t>& w) const {
+    Vec out(sz(n_));
+    for (std::size_t i = 0; i < out.size(); ++i) {
+      if (t_ == DType::f32) out[i] = reinterpret_cast<const float*>(w.data())[i];
+      else if (t_ == DType::bf16) out[i] = to_float(reinterpret_cast<const bf16*>(w.data())[i]);
+      else out[i] = reinterpret_cast<const std::int32_t*>(w.data())[i];
+    }
+    return out;
+  }
+
+  DType t_;
+  std::int64_t n_;
+  std::vector<std::uint32_t> host_;  // 4-byte words: aligned for every dtype
+  Tensor dev_;
+};
+
+/// Compares outputs of both backends with the tolerance of `t` and reports one
+/// harness row (op "be.<op>") with the largest error.
+void compare(const std::string& op, DType t, const std::string& shape,
+             std::initializer_list<std::pair<const char*, const Both*>> outputs) {
+  const double tol = tol_of(t);
+  double worst = 0;
+  for (const auto& [name, b] : outputs) {
+    const double err = rel_err(b->dev(), b->host());
+    expect_close("backend " + op + " " + to_string(t) + " " + shape + ": " + name, err, tol);
+    if (!std::isnan(worst) && (std::isnan(err) || err > worst)) worst = err;
+  }
+  report(OpRow{"be." + op, to_string(t), shape, worst, tol});
+}
+
+/// |a - b| / |b| within the tolerance of `t`, for scalar results (losses).
+void compare_scalar(const std::string& what, DType t, double gpu, double cpu) {
+  expect_close("backend " + what + " " + to_string(t), std::abs(gpu - cpu) / std::max(std::abs(cpu), 1e-30), tol_of(t));
+}
+
+TEST(CudaBackend, LinearAndGemmMatchTheCpuBackend) {
+  MOEFLEX_REQUIRE_GPU();
+  const std::int64_t n = 33, in = 70, out = 50;
+  const std::string shape = shape_str({{"n", n}, {"in", in}, {"out", out}});
+  for (DType t : kDtypes) {
+    Both x(t, random_vec(sz(n * in), 200), "x"), w(t, random_vec(sz(out * in), 201), "w"), y(t, n * out, "y");
+    Both dy(t, random_vec(sz(n * out), 202), "dy"), dx(t, n * in, "dx");
+    Both dw(DType::f32, random_vec(sz(out * in), 203), "dw");
+    y.fill_nan();
+    dx.fill_nan();
+    cpu_be().linear_forward(x.h(), w.h(), y.h(), n, in, out);
+    cuda_be().linear_forward(x.d(), w.d(), y.d(), n, in, out);
+    compare("linear_forward", t, shape, {{"y", &y}});
+    cpu_be().linear_backward(dy.h(), x.h(), w.h(), dx.h(), dw.hf(), n, in, out, false);
+    cuda_be().linear_backward(dy.d(), x.d(), w.d(), dx.d(), dw.df(), n, in, out, false);
+    compare("linear_backward", t, shape, {{"dx", &dx}, {"dw (fp32 +=)", &dw}});
+    // dx += with dw skipped, then dw alone (dx skipped: w is not read).
+    dx.set(random_vec(sz(n * in), 204));
+    cpu_be().linear_backward(dy.h(), x.h(), w.h(), dx.h(), nullptr, n, in, out, true);
+    cuda_be().linear_backward(dy.d(), x.d(), w.d(), dx.d(), nullptr, n, in, out, true);
+    cpu_be().linear_backward(dy.h(), x.h(), nullptr, nullptr, dw.hf(), n, in, out, false);
+    cuda_be().linear_backward(dy.d(), x.d(), nullptr, nullptr, dw.df(), n, in, out, false);
+    compare("linear_backward_acc", t, shape, {{"dx +=", &dx}, {"dw only", &dw}});
+    // gemm: every transpose, padded strides, beta != 0.
+    for (bool ta : {false, true}) {
+      for (bool tb : {false, true}) {
+        const std::int64_t M = 37, N = 45, K = 61;
+        const std::int64_t lda = (ta ? M : K) + 3, ldb = (tb ? K : N) + 2, ldc = N + 5;
+        Both A(t, random_vec(sz((ta ? K : M) * lda), 205), "A"), B(t, random_vec(sz((tb ? N : K) * ldb), 206), "B");
+        Both C(t, random_vec(sz(M * ldc), 207), "C");
+        cpu_be().gemm(ta, tb, M, N, K, 0.75f, A.h(), lda, B.h(), ldb, 0.5f, C.h(), ldc);
+        cuda_be().gemm(ta, tb, M, N, K, 0.75f, A.d(), lda, B.d(), ldb, 0.5f, C.d(), ldc);
+        compare("gemm", t, shape_str({{"M", M}, {"N", N}, {"K", K}, {"ta", ta}, {"tb", tb}}), {{"C (beta 0.5)", &C}});
+      }
+    }
+  }
+}
+
+TEST(CudaBackend, NormRopeSwigluAddAndCastMatchTheCpuBackend) {
+  MOEFLEX_REQUIRE_GPU();
+  for (DType t : kDtypes) {
+    {  // RMSNorm
+      const std::int64_t n = 37, d = 300;
+      const std::string shape = shape_str({{"n", n}, {"d", d}});
+      Both x(t, random_vec(sz(n * d), 210, 2.0), "x"), w(t, random_vec(sz(d), 211), "w"), y(t, n * d, "y");
+      Both rstd(DType::f32, n, "rstd"), dy(t, random_vec(sz(n * d), 212), "dy"), dx(t, n * d, "dx");
+      Both dw(DType::f32, random_vec(sz(d), 213), "dw");
+      y.fill_nan();
+      rstd.fill_nan();
+      dx.fill_nan();
+      cpu_be().rmsnorm_forward(x.h(), w.h(), y.h(), rstd.hf(), n, d, 1e-6f);
+      cuda_be().rmsnorm_forward(x.d(), w.d(), y.d(), rstd.df(), n, d, 1e-6f);
+      compare("rmsnorm_forward", t, shape, {{"y", &y}, {"rstd (fp32)", &rstd}});
+      cpu_be().rmsnorm_backward(dy.h(), x.h(), w.h(), rstd.hf(), dx.h(), dw.hf(), n, d);
+      cuda_be().rmsnorm_backward(dy.d(), x.d(), w.d(), rstd.df(), dx.d(), dw.df(), n, d);
+      compare("rmsnorm_backward", t, shape, {{"dx", &dx}, {"dw (fp32 +=)", &dw}});
+    }
+    {  // RoPE, in place
+      const std::int64_t B = 2, S = 13, H = 3, hd = 64;
+      const std::string shape = shape_str({{"B", B}, {"S", S}, {"H", H}, {"hd", hd}});
+      Both x(t, random_vec(sz(B * S * H * hd), 214), "x"), g(t, random_vec(sz(B * S * H * hd), 215), "g");
+      cpu_be().rope_forward(x.h(), B, S, H, hd, 10000.0);
+      cuda_be().rope_forward(x.d(), B, S, H, hd, 10000.0);
+      cpu_be().rope_backward(g.h(), B, S, H, hd, 10000.0);
+      cuda_be().rope_backward(g.d(), B, S, H, hd, 10000.0);
+      compare("rope", t, shape, {{"x (forward)", &x}, {"dx (backward)", &g}});
+    }
+    {  // SwiGLU
+      const std::int64_t n = 1000;
+      Both gate(t, random_vec(sz(n), 216, 4.0), "gate"), up(t, random_vec(sz(n), 217), "up"), out(t, n, "out");
+      Both dout(t, random_vec(sz(n), 218), "dout"), dgate(t, n, "dgate"), dup(t, n, "dup");
+      out.fill_nan();
+      dgate.fill_nan();
+      dup.fill_nan();
+      cpu_be().swiglu_forward(gate.h(), up.h(), out.h(), n);
+      cuda_be().swiglu_forward(gate.d(), up.d(), out.d(), n);
+      cpu_be().swiglu_backward(dout.h(), gate.h(), up.h(), dgate.h(), dup.h(), n);
+      cuda_be().swiglu_backward(dout.d(), gate.d(), up.d(), dgate.d(), dup.d(), n);
+      compare("swiglu", t, shape_str({{"n", n}}), {{"out", &out}, {"dgate", &dgate}, {"dup", &dup}});
+    }
+    {  // y += x
+      const std::int64_t n = 1001;
+      Both y(t, random_vec(sz(n), 219), "y"), x(t, random_vec(sz(n), 220), "x");
+      cpu_be().add_inplace(y.h(), x.h(), n);
+      cuda_be().add_inplace(y.d(), x.d(), n);
+      compare("add_inplace", t, shape_str({{"n", n}}), {{"y", &y}});
+    }
+  }
+  // cast: every pair, bit for bit (f32 -> bf16 rounds to nearest even on both).
+  const std::int64_t n = 4099;
+  Vec v = random_vec(sz(n), 222, 1e3);
+  v[0] = 1.0 + std::ldexp(1.0, -8);  // a tie: rounds to even
+  v[1] = 3.0e38;                     // rounds past the largest bf16: infinity
+  for (DType from : kDtypes) {
+    for (DType to : kDtypes) {
+      Both src(from, v, "src"), dst(to, n, "dst");
+      dst.fill_nan();
+      cpu_be().cast(src.h(), dst.h(), n);
+      cuda_be().cast(src.d(), dst.d(), n);
+      EXPECT_TRUE(dst.bits_equal()) << "cast " << to_string(from) << " -> " << to_string(to);
+    }
+  }
+}
+
+TEST(CudaBackend, AttentionMatchesTheCpuBackend) {
+  MOEFLEX_REQUIRE_GPU();
+  for (DType t : kDtypes) {
+    for (auto [B, S, H, hd] : {std::array<std::int64_t, 4>{2, 37, 3, 64}, {1, 2, 2, 32}}) {
+      const std::int64_t N = B * S * H * hd, P = B * H * S * S;
+      const std::string shape = shape_str({{"B", B}, {"S", S}, {"H", H}, {"hd", hd}});
+      Both q(t, random_vec(sz(N), 230, 1.5), "q"), k(t, random_vec(sz(N), 231, 1.5), "k"), v(t, random_vec(sz(N), 232), "v");
+      Both dout(t, random_vec(sz(N), 233), "dout"), out(t, N, "out"), probs(t, P, "probs"), ws(t, P, "dprobs_ws");
+      Both dq(t, N, "dq"), dk(t, N, "dk"), dv(t, N, "dv");
+      for (Both* b : {&out, &probs, &ws, &dq, &dk, &dv}) b->fill_nan();
+      cpu_be().attention_forward(q.h(), k.h(), v.h(), out.h(), probs.h(), B, S, H, hd);
+      cuda_be().attention_forward(q.d(), k.d(), v.d(), out.d(), probs.d(), B, S, H, hd);
+      compare("attention_forward", t, shape, {{"out", &out}});
+      cpu_be().attention_backward(dout.h(), q.h(), k.h(), v.h(), out.h(), probs.h(), dq.h(), dk.h(), dv.h(), ws.h(), B,
+                                  S, H, hd);
+      cuda_be().attention_backward(dout.d(), q.d(), k.d(), v.d(), out.d(), probs.d(), dq.d(), dk.d(), dv.d(), ws.d(),
+                                   B, S, H, hd);
+      compare("attention_backward", t, shape, {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}});
+    }
+  }
+  // One token with a bf16 probs buffer: 2 bytes cannot hold the fp32 logsumexp.
+  Both x(DType::bf16, Vec(32, 0.5), "x"), o(DType::bf16, 32, "o"), p(DType::bf16, 1, "p");
+  EXPECT_THROW(cuda_be().attention_forward(x.d(), x.d(), x.d(), o.d(), p.d(), 1, 1, 1, 32), Error);
+}
+
+TEST(CudaBackend, EmbeddingAndCrossEntropyMatchTheCpuBackend) {
+  MOEFLEX_REQUIRE_GPU();
+  for (DType t : kDtypes) {
+    {  // Embedding: a gather (exact), and the fp32 scatter-add with repeated ids.
+      const std::int64_t V = 50, d = 24, n = 40;
+      std::vector<std::int32_t> ids(sz(n));
+      for (std::int64_t i = 0; i < n; ++i) ids[sz(i)] = std::int32_t((i * 7) % 13);  // repeats
+      const std::string shape = shape_str({{"V", V}, {"d", d}, {"n", n}});
+      Both table(t, random_vec(sz(V * d), 240), "table"), out(t, n * d, "out");
+      Both dout(t, random_vec(sz(n * d), 241), "dout"), dtable(DType::f32, random_vec(sz(V * d), 242), "dtable");
+      out.fill_nan();
+      cpu_be().embedding_forward(ids.data(), table.h(), out.h(), n, d);
+      cuda_be().embedding_forward(ids.data(), table.d(), out.d(), n, d);
+      EXPECT_TRUE(out.bits_equal()) << "embedding_forward " << to_string(t);
+      cpu_be().embedding_backward(ids.data(), dout.h(), dtable.hf(), n, d);
+      cuda_be().embedding_backward(ids.data(), dout.d(), dtable.df(), n, d);
+      compare("embedding_backward", t, shape, {{"dtable (fp32 +=)", &dtable}});
+    }
+    {  // Cross-entropy: separate outputs, then in place as the model calls it.
+      const std::int64_t n = 19, V = 300;
+      std::vector<std::int32_t> targets(sz(n));
+      for (std::int64_t i = 0; i < n; ++i) targets[sz(i)] = std::int32_t((i * 37 + 5) % V);
+      const std::string shape = shape_str({{"n", n}, {"V", V}});
+      const Vec values = random_vec(sz(n * V), 243, 4.0);
+      Both logits(t, values, "logits"), probs(t, n * V, "probs"), losses(DType::f32, n, "losses");
+      Both dlogits(t, n * V, "dlogits");
+      probs.fill_nan();
+      losses.fill_nan();
+      dlogits.fill_nan();
+      const double lc = cpu_be().cross_entropy_forward(logits.h(), targets.data(), probs.h(), losses.hf(), n, V);
+      const double lg = cuda_be().cross_entropy_forward(logits.d(), targets.data(), probs.d(), losses.df(), n, V);
+      compare_scalar("cross_entropy mean loss", t, lg, lc);
+      compare("cross_entropy_forward", t, shape, {{"probs", &probs}, {"losses (fp32)", &losses}});
+      cpu_be().cross_entropy_backward(probs.h(), targets.data(), dlogits.h(), n, V, 1.0f / float(n));
+      cuda_be().cross_entropy_backward(probs.d(), targets.data(), dlogits.d(), n, V, 1.0f / float(n));
+      compare("cross_entropy_backward", t, shape, {{"dlogits", &dlogits}});
+      // probs over the logits, dlogits over probs.
+      Both inplace(t, values, "inplace");
+      losses.fill_nan();
+      cpu_be().cross_entropy_forward(inplace.h(), targets.data(), inplace.h(), losses.hf(), n, V);
+      cuda_be().cross_entropy_forward(inplace.d(), targets.data(), inplace.d(), losses.df(), n, V);
+      compare("cross_entropy_forward_inplace", t, shape, {{"probs", &inplace}, {"losses (fp32)", &losses}});
+      cpu_be().cross_entropy_backward(inplace.h(), targets.data(), inplace.h(), n, V, 0.5f);
+      cuda_be().cross_entropy_backward(inplace.d(), targets.data(), inplace.d(), n, V, 0.5f);
+      compare("cross_entropy_backward_inplace", t, shape, {{"dlogits", &inplace}});
+    }
+  }
+}
+
+TEST(CudaBackend, RouterAndRouterLossesMatchTheCpuBackend) {
+  MOEFLEX_REQUIRE_GPU();
+  for (DType t : kDtypes) {
+    for (auto [n, E, k, norm] : {std::tuple<std::int64_t, std::int64_t, std::int64_t, bool>{70, 8, 2, true},
+                                 {70, 64, 6, false}}) {
+      const std::string shape = shape_str({{"n", n}, {"E", E}, {"k", k}, {"norm", norm}});
+      Both logits(t, random_vec(sz(n * E), 250, 3.0), "logits"), probs(DType::f32, n * E, "probs");
+      Both idx(DType::i32, n * k, "topk_idx"), w(DType::f32, n * k, "topk_w");
+      Both dw(DType::f32, random_vec(sz(n * k), 251), "dtopk_w"), dex(DType::f32, random_vec(sz(n * E), 252), "dprobs");
+      Both dlogits(t, n * E, "dlogits");
+      probs.fill_nan();
+      w.fill_nan();
+      dlogits.fill_nan();
+      cpu_be().router_forward(logits.h(), probs.hf(), idx.hi(), w.hf(), n, E, k, norm);
+      cuda_be().router_forward(logits.d(), probs.df(), idx.di(), w.df(), n, E, k, norm);
+      EXPECT_EQ(idx.dev_ints(), idx.host_ints()) << "router top-k " << to_string(t) << " " << shape;
+      compare("router_forward", t, shape, {{"probs (fp32)", &probs}, {"topk_w (fp32)", &w}});
+      cpu_be().router_backward(dw.hf(), dex.hf(), probs.hf(), idx.hi(), dlogits.h(), n, E, k, norm);
+      cuda_be().router_backward(dw.df(), dex.df(), probs.df(), idx.di(), dlogits.d(), n, E, k, norm);
+      compare("router_backward", t, shape, {{"dlogits", &dlogits}});
+      // Load-balancing loss (fp32 only: probs and its gradient).
+      const double ac = cpu_be().aux_loss_forward(probs.hf(), idx.hi(), n, E, k, 0.01);
+      const double ag = cuda_be().aux_loss_forward(probs.df(), idx.di(), n, E, k, 0.01);
+      compare_scalar("aux_loss_forward", DType::f32, ag, ac);
+      cpu_be().aux_loss_backward(idx.hi(), dex.hf(), n, E, k, 0.01);
+      cuda_be().aux_loss_backward(idx.di(), dex.df(), n, E, k, 0.01);
+      compare("aux_loss_backward", DType::f32, shape, {{"dprobs (fp32 +=)", &dex}});
+      // z-loss: the gradient adds into dlogits (small values, so the sum shows it).
+      const double zc = cpu_be().z_loss_forward(logits.h(), n, E, 1.0);
+      const double zg = cuda_be().z_loss_forward(logits.d(), n, E, 1.0);
+      compare_scalar("z_loss_forward", t, zg, zc);
+      Both dz(t, random_vec(sz(n * E), 253, 1e-3), "dz");
+      cpu_be().z_loss_backward(logits.h(), dz.h(), n, E, 1.0);
+      cuda_be().z_loss_backward(logits.d(), dz.d(), n, E, 1.0);
+      compare("z_loss_backward", t, shape, {{"dlogits +=", &dz}});
+      // Spike injection, in place on the logits.
+      cpu_be().skew_router_logits(logits.h(), n, E, k, 2, 1.5);
+      cuda_be().skew_router_logits(logits.d(), n, E, k, 2, 1.5);
+      compare("skew_router_logits", t, shape, {{"logits", &logits}});
+    }
+  }
+}
+
+TEST(CudaBackend, MoeDispatchAndGroupedGemmMatchTheCpuBackend) {
+  MOEFLEX_REQUIRE_GPU();
+  const std::int64_t n = 61, E = 8, k = 2, d = 40, out_dim = 24;
+  const std::vector<std::int32_t> routing = skewed_routing(n, E, k, 5);
+  for (double cf : {-1.0, 1.0}) {
+    const std::int64_t cap = ops::expert_capacity(cf, n, E, k);
+    Both idx(DType::i32, n * k, "topk_idx"), counts(DType::i32, E, "counts"), offsets(DType::i32, E + 1, "offsets");
+    Both slot(DType::i32, n * k, "slot_of");
+    idx.set(Vec(routing.begin(), routing.end()));
+    std::vector<std::int32_t> host_offsets_cpu(sz(E + 1)), host_offsets_gpu(sz(E + 1), -5);
+    const std::int64_t dc = cpu_be().moe_plan_dispatch(idx.hi(), n, E, k, cap, counts.hi(), offsets.hi(), slot.hi(),
+                                                       host_offsets_cpu.data());
+    const std::int64_t dg = cuda_be().moe_plan_dispatch(idx.di(), n, E, k, cap, counts.di(), offsets.di(), slot.di(),
+                                                        host_offsets_gpu.data());
+    EXPECT_EQ(dg, dc);
+    EXPECT_EQ(counts.dev_ints(), counts.host_ints());
+    EXPECT_EQ(offsets.dev_ints(), offsets.host_ints());
+    EXPECT_EQ(slot.dev_ints(), slot.host_ints());
+    ASSERT_EQ(host_offsets_gpu, host_offsets_cpu);
+    const std::int64_t rows = host_offsets_cpu.back();
+    for (DType t : kDtypes) {
+      const std::string shape = shape_str({{"n", n}, {"E", E}, {"k", k}, {"d", d}, {"rows", rows}});
+      Both x(t, random_vec(sz(n * d), 260), "x"), xp(t, rows * d, "xp"), dx(t, n * d, "dx");
+      Both w(DType::f32, random_vec(sz(n * k), 261), "topk_w"), y(t, n * d, "y"), dy(t, random_vec(sz(n * d), 262), "dy");
+      Both dyp(t, random_vec(sz(rows * d), 263), "dyp"), dtw(DType::f32, n * k, "dtopk_w");
+      for (Both* b : {&xp, &dx, &y, &dtw}) b->fill_nan();
+      cpu_be().permute_forward(x.h(), slot.hi(), xp.h(), n, k, d);
+      cuda_be().permute_forward(x.d(), slot.di(), xp.d(), n, k, d);
+      cpu_be().permute_backward(xp.h(), slot.hi(), dx.h(), n, k, d);
+      cuda_be().permute_backward(xp.d(), slot.di(), dx.d(), n, k, d);
+      compare("permute", t, shape, {{"xp", &xp}, {"dx", &dx}});
+      // The permuted rows through the grouped expert GEMM and back.
+      Both ew(t, random_vec(sz(E * out_dim * d), 264), "expert_w"), yp(t, rows * out_dim, "yp");
+      Both dyp2(t, random_vec(sz(rows * out_dim), 265), "dyp2"), dxp(t, rows * d, "dxp");
+      Both dew(DType::f32, random_vec(sz(E * out_dim * d), 266), "dexpert_w");
+      yp.fill_nan();
+      dxp.fill_nan();
+      const std::string gshape = shape_str({{"E", E}, {"rows", rows}, {"in", d}, {"out", out_dim}});
+      cpu_be().grouped_linear_forward(xp.h(), ew.h(), yp.h(), host_offsets_cpu.data(), E, d, out_dim);
+      cuda_be().grouped_linear_forward(xp.d(), ew.d(), yp.d(), host_offsets_cpu.data(), E, d, out_dim);
+      compare("grouped_linear_forward", t, gshape, {{"y", &yp}});
+      cpu_be().grouped_linear_backward(dyp2.h(), xp.h(), ew.h(), dxp.h(), dew.hf(), host_offsets_cpu.data(), E, d,
+                                       out_dim);
+      cuda_be().grouped_linear_backward(dyp2.d(), xp.d(), ew.d(), dxp.d(), dew.df(), host_offsets_cpu.data(), E, d,
+                                        out_dim);
+      compare("grouped_linear_backward", t, gshape, {{"dx", &dxp}, {"dw (fp32 +=)", &dew}});
+      // Combine: unpermute of xp (d columns) with the top-k weights.
+      cpu_be().unpermute_forward(xp.h(), slot.hi(), w.hf(), y.h(), n, k, d);
+      cuda_be().unpermute_forward(xp.d(), slot.di(), w.df(), y.d(), n, k, d);
+      cpu_be().unpermute_backward(dy.h(), xp.h(), slot.hi(), w.hf(), dyp.h(), dtw.hf(), n, k, d);
+      cuda_be().unpermute_backward(dy.d(), xp.d(), slot.di(), w.df(), dyp.d(), dtw.df(), n, k, d);
+      compare("unpermute", t, shape, {{"y", &y}, {"dyp", &dyp}, {"dtopk_w (fp32)", &dtw}});
+    }
+  }
+}
+
+TEST(CudaBackend, OptimizerOpsMatchTheCpuBackend) {
+  MOEFLEX_REQUIRE_GPU();
+  const std::int64_t n = 10007;  // not a multiple of the 4096 chunk
+  Both g(DType::f32, random_vec(sz(n), 270), "g"), w(DType::f32, random_vec(sz(n), 271), "w");
+  Both m(DType::f32, random_vec(sz(n), 272, 0.1), "m"), v(DType::f32, random_vec(sz(n), 273, 0.01), "v");
+  Vec vv = v.host();  // the second moment is >= 0
+  for (double& x : vv) x = x * x;
+  v.set(vv);
+  compare_scalar("square_sum", DType::f32, cuda_be().square_sum(g.df(), n), cpu_be().square_sum(g.hf(), n));
+  cpu_be().scale(g.hf(), n, 0.37f);
+  cuda_be().scale(g.df(), n, 0.37f);
+  cpu_be().adamw(w.hf(), g.hf(), m.hf(), v.hf(), n, 0.9f, 0.95f, 1e-8f, 0.999f, 1e-3f, 1.2f);
+  cuda_be().adamw(w.df(), g.df(), m.df(), v.df(), n, 0.9f, 0.95f, 1e-8f, 0.999f, 1e-3f, 1.2f);
+  compare("optimizer", DType::f32, shape_str({{"n", n}}), {{"g (scaled)", &g}, {"w", &w}, {"m", &m}, {"v", &v}});
+}
+
+TEST(CudaBackend, MixedDtypesAreErrorsNamingTheOpAndDtypes) {
+  MOEFLEX_REQUIRE_GPU();
+  // The views of one call share one dtype (ops/backend.h), on both backends.
+  Both x16(DType::bf16, Vec(64, 0.5), "x16"), x32(DType::f32, Vec(64, 0.5), "x32"), y16(DType::bf16, 64, "y16");
+  Both y32(DType::f32, 64, "y32");
+  try {
+    cuda_be().linear_forward(x16.d(), x32.d(), y16.d(), 8, 8, 8);
+    ADD_FAILURE() << "linear_forward with a bf16 input and an f32 weight did not throw";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("linear_forward"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("x bf16, w f32, y bf16"), std::string::npos) << msg;
+  }
+  EXPECT_THROW(cpu_be().linear_forward(x16.h(), x32.h(), y16.h(), 8, 8, 8), Error);
+  EXPECT_THROW(cuda_be().linear_forward(x16.d(), x16.d(), y32.d(), 8, 8, 8), Error);  // fp32 output
+  EXPECT_THROW(cuda_be().gemm(false, false, 8, 8, 8, 1.0f, x16.d(), 8, x16.d(), 8, 0.0f, y32.d(), 8), Error);
+  EXPECT_THROW(cuda_be().rmsnorm_forward(x32.d(), x16.d(), y16.d(), y32.df(), 8, 8, 1e-6f), Error);
+  EXPECT_THROW(cuda_be().swiglu_forward(x16.d(), x32.d(), y16.d(), 64), Error);
+  EXPECT_THROW(cuda_be().add_inplace(y32.d(), x16.d(), 64), Error);
+  EXPECT_THROW(cuda_be().embedding_forward(std::vector<std::int32_t>(2, 1).data(), x32.d(), y16.d(), 2, 8), Error);
+  const std::vector<std::int32_t> targets(4, 1);
+  EXPECT_THROW(cuda_be().cross_entropy_forward(x16.d(), targets.data(), y32.d(), y32.df(), 4, 16), Error);
+  EXPECT_THROW(cuda_be().z_loss_backward(x16.d(), y32.d(), 4, 16, 1.0), Error);
+  // Attention's probs buffer too: it shares q's dtype.
+  EXPECT_THROW(cuda_be().attention_forward(x16.d(), x16.d(), x16.d(), y16.d(), y32.d(), 1, 2, 1, 16), Error);
+  // Integer views are not activations.
+  Both ints(DType::i32, 64, "ints");
+  EXPECT_THROW(cuda_be().swiglu_forward(ints.d(), ints.d(), ints.d(), 64), Error);
+  EXPECT_THROW(cuda_be().cast(ints.d(), y16.d(), 64), Error);
 }
 
 }  // namespace

@@ -83,11 +83,22 @@ StepResult run_step(const ModelConfig& cfg, const ProvisionPolicy& policy, int M
   return {arena.peak(), walk.peak()};
 }
 
-ModelConfig config_with_dense_and_shared() { return test::small_moe_config(3, 1, 4, true); }
+/// bf16: the mixed-precision engine (activations of 2 bytes, fp32 rstd, router
+/// tensors and master weights), whose program the walk must replay as exactly.
+ModelConfig config_with_dense_and_shared(bool bf16) {
+  ModelConfig cfg = test::small_moe_config(3, 1, 4, true);
+  cfg.bf16 = bf16;
+  return cfg;
+}
 
-TEST(MemoryPlan, ActivationsMatchTheStashLedger) {
+/// The memory program's tests run on the fp32 and the bf16 engine alike.
+class MemoryPlanPrecision : public ::testing::TestWithParam<bool> {};
+INSTANTIATE_TEST_SUITE_P(MemoryPlan, MemoryPlanPrecision, ::testing::Values(false, true),
+                         [](const auto& info) { return info.param ? "bf16" : "fp32"; });
+
+TEST_P(MemoryPlanPrecision, ActivationsMatchTheStashLedger) {
   for (bool shared : {false, true}) {
-    ModelConfig cfg = config_with_dense_and_shared();
+    ModelConfig cfg = config_with_dense_and_shared(GetParam());
     if (!shared) cfg.n_shared_experts = 0;
     cfg.capacity_factor = shared ? 1.0 : 0.0;  // dropping changes the permuted rows
     Arena arena;
@@ -121,8 +132,8 @@ TEST(MemoryPlan, ActivationsMatchTheStashLedger) {
   }
 }
 
-TEST(MemoryPlan, PeakEqualsTheArenaForEveryStaticPolicy) {
-  const ModelConfig cfg = config_with_dense_and_shared();
+TEST_P(MemoryPlanPrecision, PeakEqualsTheArenaForEveryStaticPolicy) {
+  const ModelConfig cfg = config_with_dense_and_shared(GetParam());
   for (const std::string& name : static_policy_names()) {
     for (double skew : {0.0, 2.5}) {
       const StepResult r = run_step(cfg, make_static_policy(name), 2, skew, 7);
@@ -135,8 +146,8 @@ TEST(MemoryPlan, PeakEqualsTheArenaForEveryStaticPolicy) {
 }
 
 // The zero-bubble split: what the deferred weight gradients read stays until W.
-TEST(MemoryPlan, PeakEqualsTheArenaWithTheZeroBubbleSplit) {
-  const ModelConfig cfg = config_with_dense_and_shared();
+TEST_P(MemoryPlanPrecision, PeakEqualsTheArenaWithTheZeroBubbleSplit) {
+  const ModelConfig cfg = config_with_dense_and_shared(GetParam());
   for (const char* name : {"none", "full", "moe-medium", "selective"}) {
     const StepResult r = run_step(cfg, make_static_policy(name), 2, 2.5, 9, true);
     EXPECT_EQ(r.predicted, r.measured) << "policy " << name;
@@ -147,8 +158,8 @@ TEST(MemoryPlan, PeakEqualsTheArenaWithTheZeroBubbleSplit) {
   EXPECT_EQ(r.predicted, r.measured) << "no shared expert";
 }
 
-TEST(MemoryPlan, PeakEqualsTheArenaForRandomMixes) {
-  ModelConfig cfg = config_with_dense_and_shared();
+TEST_P(MemoryPlanPrecision, PeakEqualsTheArenaForRandomMixes) {
+  ModelConfig cfg = config_with_dense_and_shared(GetParam());
   cfg.capacity_factor = 1.25;
   for (std::uint64_t trial = 0; trial < 12; ++trial) {
     auto policy = [trial](const LedgerEntry& e) {
@@ -166,8 +177,8 @@ TEST(MemoryPlan, PeakEqualsTheArenaForRandomMixes) {
 // walk's peak is the arena's for every static policy, random save/recompute mixes,
 // and the zero-bubble split (whose expert weight gradients run in B over several
 // chunks, and wait for W when the rows make one chunk).
-TEST(MemoryPlan, PeakEqualsTheArenaWithChunkedExperts) {
-  ModelConfig cfg = config_with_dense_and_shared();
+TEST_P(MemoryPlanPrecision, PeakEqualsTheArenaWithChunkedExperts) {
+  ModelConfig cfg = config_with_dense_and_shared(GetParam());
   cfg.expert_chunk_rows = 5;
   for (const std::string& name : static_policy_names()) {
     const StepResult r = run_step(cfg, make_static_policy(name), 2, 3.0, 7);
@@ -198,8 +209,9 @@ TEST(MemoryPlan, PeakEqualsTheArenaWithChunkedExperts) {
 // The smallest feasible budget (the floor with worst-case routing) with the experts
 // chunked is lower than without, when the worst case dominates: 4 EP ranks, 8
 // experts, top-2 (worst case 16 x the balanced rows of a rank).
-TEST(MemoryPlan, ChunkedExpertsLowerTheMinimumBudget) {
+TEST_P(MemoryPlanPrecision, ChunkedExpertsLowerTheMinimumBudget) {
   ModelConfig cfg = test::small_moe_config(3, 1, 8, true);
+  cfg.bf16 = GetParam();
   cfg.moe_intermediate_size = 64;
   const std::int64_t B = 4, S = 16;
   auto minimum = [&](std::int64_t chunk) {
@@ -223,8 +235,9 @@ TEST(MemoryPlan, ChunkedExpertsLowerTheMinimumBudget) {
   // Each of the six f-wide transients ([rows, f]: three rebuilt, three gradients) of
   // the floor's backward shrinks from the worst case's rows to a chunk's; the rest of
   // the walk is the same.
-  const Bytes fwide = Arena::round_up(worst.received * cfg.moe_intermediate_size * 4) -
-                      Arena::round_up(16 * cfg.moe_intermediate_size * 4);
+  const Bytes a = cfg.activation_bytes();
+  const Bytes fwide = Arena::round_up(worst.received * cfg.moe_intermediate_size * a) -
+                      Arena::round_up(16 * cfg.moe_intermediate_size * a);
   EXPECT_GE(off - chunked, 3 * fwide);
   EXPECT_EQ(minimum(worst.received), off) << "a chunk of all the rows is no chunking";
 }
@@ -271,8 +284,8 @@ AdaptiveRun run_adaptive(const ModelConfig& cfg, Bytes budget, int M, int steps)
 // saving everything needs: it never runs out of memory, keeps every decision
 // feasible, predicts each step's peak exactly, drops something, and gives the
 // gradients of the unbudgeted run bit for bit.
-TEST(MemoryPlan, AdaptivePlannerFitsPredictsAndKeepsGradients) {
-  const ModelConfig cfg = config_with_dense_and_shared();
+TEST_P(MemoryPlanPrecision, AdaptivePlannerFitsPredictsAndKeepsGradients) {
+  const ModelConfig cfg = config_with_dense_and_shared(GetParam());
   const int M = 2, steps = 3;
   const AdaptiveRun free_run = run_adaptive(cfg, 0, M, steps);
   // The smallest feasible budget, from the same walk the trainer uses.
@@ -296,8 +309,8 @@ TEST(MemoryPlan, AdaptivePlannerFitsPredictsAndKeepsGradients) {
   for (std::size_t i = 0; i < r.grads.size(); ++i) EXPECT_EQ(r.grads[i], free_run.grads[i]) << "param " << i;
 }
 
-TEST(MemoryPlan, WorstCaseRowsBoundTheReceivedRows) {
-  ModelConfig cfg = config_with_dense_and_shared();  // 4 experts, top-2
+TEST_P(MemoryPlanPrecision, WorstCaseRowsBoundTheReceivedRows) {
+  ModelConfig cfg = config_with_dense_and_shared(GetParam());  // 4 experts, top-2
   const std::int64_t n = 100;
   EXPECT_EQ(MoERows::worst_case(cfg, n, 1).received, n * 2);
   // EP 2: 2 local experts, each sender can put both of a token's picks here.
@@ -392,8 +405,8 @@ std::vector<SaveCandidate> candidates_of(const ModelConfig& cfg, const BlockCont
 // of the step: each phase's peak is the exact walk's, and together they are its
 // peak, for blocks kept whole and random choices, fused and zero-bubble backwards,
 // with and without EP.
-TEST(MemoryPlan, ProjectionEqualsAnExactWalkOfTheRestOfTheStep) {
-  ModelConfig cfg = config_with_dense_and_shared();  // layer 0 dense, 1-2 MoE
+TEST_P(MemoryPlanPrecision, ProjectionEqualsAnExactWalkOfTheRestOfTheStep) {
+  ModelConfig cfg = config_with_dense_and_shared(GetParam());  // layer 0 dense, 1-2 MoE
   std::mt19937_64 rng(5);
   int cases = 0;
   for (const std::int64_t chunk : {std::int64_t(0), std::int64_t(3)})  // the experts whole, or in chunks of 3 rows

@@ -37,11 +37,17 @@ struct Case {
   int layers = 4;
   bool pad = false;
   std::vector<int> split = {};
+  bool bf16 = false;  // the bf16 engine: stage boundaries carry bf16 activations and gradients
 };
 
 void run_case(const Case& c) {
   ModelConfig cfg = test::small_moe_config(4, 1, 4, c.tied);
   cfg.num_hidden_layers = c.layers;
+  cfg.bf16 = c.bf16;
+  // Pipeline stages alone compute the reference's ops on the same inputs; data and
+  // expert parallelism regroup rows and sums, which in bf16 may round an output to
+  // the neighbouring bf16 value.
+  const double tol = c.bf16 && (c.dp > 1 || c.ep > 1) ? 2e-2 : 1e-6;
   comm::LayoutSpec spec;
   spec.world_size = c.world;
   spec.pp = c.pp;
@@ -78,25 +84,25 @@ void run_case(const Case& c) {
   }
   ref_ce /= double(Mg);
   ref_total /= double(Mg);
-  const std::string where = fmt::format("{} pp{} dp{} ep{} vpp{}{} rank {}", c.schedule, c.pp, c.dp, c.ep, c.vpp,
-                                        c.tied ? " tied" : "", g_world->rank());
+  const std::string where = fmt::format("{} pp{} dp{} ep{} vpp{}{}{} rank {}", c.schedule, c.pp, c.dp, c.ep, c.vpp,
+                                        c.tied ? " tied" : "", c.bf16 ? " bf16" : "", g_world->rank());
   if (c.dp == 1) {
     EXPECT_EQ(loss.ce, ref_ce) << where << ": pipeline-only loss must be bit-identical";
   }
-  EXPECT_NEAR(loss.total, ref_total, 1e-6 * std::abs(ref_total)) << where;
+  EXPECT_NEAR(loss.total, ref_total, (tol > 1e-6 ? 1e-3 : 1e-6) * std::abs(ref_total)) << where;
   const std::int64_t El = cfg.num_experts / c.ep, e0 = groups.coords.ep_rank * El;
   int compared = 0;
   for (Param* p : replica.params()) {
     Param& r = ref.param(p->name);
     const std::int64_t offset = p->expert ? e0 * (p->g.numel() / El) : 0;
-    EXPECT_LT(test::rel_norm_err(p->g.f32(), r.g.f32() + offset, p->g.numel()), 1e-6) << p->name << " " << where;
+    EXPECT_LT(test::rel_norm_err(p->g.f32(), r.g.f32() + offset, p->g.numel()), tol) << p->name << " " << where;
     ++compared;
   }
   EXPECT_GT(compared, 0) << where;
   double ref_sq = 0;
   for (auto& p : ref.params())
     for (std::int64_t i = 0; i < p.g.numel(); ++i) ref_sq += double(p.g.f32()[i]) * p.g.f32()[i];
-  EXPECT_NEAR(norm, std::sqrt(ref_sq), 1e-6 * std::sqrt(ref_sq)) << where;
+  EXPECT_NEAR(norm, std::sqrt(ref_sq), tol * std::sqrt(ref_sq)) << where;
 }
 
 const Case kCases[] = {
@@ -111,6 +117,7 @@ const Case kCases[] = {
     {2, 2, 1, 1, 1, "1f1b", false, 3, 3, true},          // 3 layers padded to 4
     {2, 2, 1, 1, 1, "1f1b", true, 3, 5, false, {1, 4}},  // uneven split
     {2, 2, 1, 1, 2, "interleaved", false, 2, 7, true},   // 7 layers padded to 8
+    {2, 2, 1, 1, 1, "1f1b", true, 3, 4, false, {}, true},  // bf16
     // world 4
     {4, 4, 1, 1, 1, "1f1b", false, 4},
     {4, 4, 1, 1, 1, "zb-h1", true, 5},
@@ -118,6 +125,7 @@ const Case kCases[] = {
     {4, 2, 2, 2, 1, "1f1b", false, 2},
     {4, 2, 2, 2, 1, "zb-h1", true, 3},
     {4, 2, 2, 2, 2, "dualpipev", false, 4},
+    {4, 2, 2, 2, 1, "zb-h1", false, 3, 4, false, {}, true},  // bf16
     {4, 2, 2, 1, 2, "interleaved", true, 2},
 };
 

@@ -73,10 +73,17 @@ void expect_same_grads(const PolicyRun& a, const PolicyRun& b, const std::string
         << what << ": gradient " << i << " differs";
 }
 
+/// The provisioning tests that run on the fp32 and the bf16 engine alike: a bf16
+/// recompute rounds exactly as the forward did, so gradients stay bit-identical.
+class ProvisionPrecision : public ::testing::TestWithParam<bool> {};
+INSTANTIATE_TEST_SUITE_P(Provision, ProvisionPrecision, ::testing::Values(false, true),
+                         [](const auto& info) { return info.param ? "bf16" : "fp32"; });
+
 }  // namespace
 
-TEST(Provision, EveryStaticPolicyGivesBitIdenticalGradients) {
-  const ModelConfig cfg = test::small_moe_config(3, 1, 4, true);
+TEST_P(ProvisionPrecision, EveryStaticPolicyGivesBitIdenticalGradients) {
+  ModelConfig cfg = test::small_moe_config(3, 1, 4, true);
+  cfg.bf16 = GetParam();
   const PolicyRun base = run(cfg, {});
   EXPECT_GT(base.counters.saved, 0);
   EXPECT_EQ(base.counters.recomputed, 0);
@@ -99,8 +106,9 @@ TEST(Provision, FullRecomputeHoldsLessThanMoeFullThanNone) {
   EXPECT_LT(moe.activation_peak, none.activation_peak);
 }
 
-TEST(Provision, RandomAssignmentsGiveBitIdenticalGradients) {
+TEST_P(ProvisionPrecision, RandomAssignmentsGiveBitIdenticalGradients) {
   ModelConfig cfg = test::small_moe_config(3, 1, 4, true);
+  cfg.bf16 = GetParam();
   const PolicyRun base = run(cfg, {});
   for (std::uint64_t seed = 0; seed < 16; ++seed) {
     // Each (micro-batch, layer, activation) independently saved or recomputed.
@@ -119,8 +127,9 @@ TEST(Provision, RandomAssignmentsGiveBitIdenticalGradients) {
 // every static policy and random save/recompute/offload mixes, fused and split
 // backwards, give the gradients of saving everything bit for bit; and chunking
 // changes only the order of the weight gradients' sums (close to unchunked).
-TEST(Provision, ChunkedExpertsGiveBitIdenticalGradientsForEveryMix) {
+TEST_P(ProvisionPrecision, ChunkedExpertsGiveBitIdenticalGradientsForEveryMix) {
   ModelConfig cfg = test::small_moe_config(3, 1, 4, true);
+  cfg.bf16 = GetParam();
   cfg.expert_chunk_rows = 5;
   for (const double skew : {0.0, 3.0}) {
     const PolicyRun base = run(cfg, {}, false, Arena::Stress::off, skew);
@@ -192,8 +201,9 @@ TEST(Provision, RunsFitABudgetOfExactlyTheirPeak) {
 // to the host and back (eviction) behind the model's back: with either done before
 // every allocation, every policy mix still gives bit-identical gradients, so no
 // operator holds a pointer into a relocatable tensor across an allocation.
-TEST(Provision, ArenaCompactionAndEvictionKeepGradientsBitIdentical) {
-  const ModelConfig cfg = test::small_moe_config(3, 1, 4, true);
+TEST_P(ProvisionPrecision, ArenaCompactionAndEvictionKeepGradientsBitIdentical) {
+  ModelConfig cfg = test::small_moe_config(3, 1, 4, true);
+  cfg.bf16 = GetParam();
   const PolicyRun base = run(cfg, {});
   for (Arena::Stress stress : {Arena::Stress::compact, Arena::Stress::evict}) {
     const std::string what = stress == Arena::Stress::compact ? "compact" : "evict";
@@ -225,8 +235,9 @@ TEST(Provision, CapacityDroppingAndSplitBackward) {
   expect_same_grads(base, run(cfg, make_static_policy("moe-medium")), "moe-medium + capacity");
 }
 
-TEST(Provision, OffloadEverythingFreesTheDeviceAndGivesTheSameGradients) {
-  const ModelConfig cfg = test::small_moe_config(3, 1, 4, true);
+TEST_P(ProvisionPrecision, OffloadEverythingFreesTheDeviceAndGivesTheSameGradients) {
+  ModelConfig cfg = test::small_moe_config(3, 1, 4, true);
+  cfg.bf16 = GetParam();
   const PolicyRun base = run(cfg, {});
   ProvisionPolicy offload_all = [](const LedgerEntry&) { return Provision::offload; };
   const PolicyRun off = run(cfg, offload_all);

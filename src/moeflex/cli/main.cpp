@@ -108,6 +108,10 @@ int main(int argc, char** argv) {
   train->add_option("--expert-chunk-rows", expert_chunk_rows,
                     "received rows the routed experts process at a time, 0 = off (model.expert_chunk_rows)")
       ->check(CLI::NonNegativeNumber);
+  bool bf16 = false;
+  train->add_flag("--bf16", bf16,
+                  "mixed precision: bf16 activations and working weights, fp32 master weights, gradients and "
+                  "optimizer state (model.bf16; on the CPU an emulation for tests, slower than fp32)");
 
   // --- generate
   auto* gen = app.add_subcommand("generate", "sample text from a trained run");
@@ -170,12 +174,13 @@ int main(int argc, char** argv) {
       if (!schedule.empty()) o.config.parallel.schedule = schedule;
       if (pad_layers) o.config.parallel.pad_layers = true;
       if (expert_chunk_rows >= 0) o.config.model.expert_chunk_rows = expert_chunk_rows;
+      if (bf16) o.config.model.bf16 = true;
       o.out_dir = out_dir.empty() ? fs::path(timestamp_dir()) : fs::path(out_dir);
       if (!resume_dir.empty()) {
         const bool others = !config_path.empty() || !device_memory.empty() || !data_path.empty() || !policy.empty() ||
                             !inject.empty() || pp > 0 || dp >= 0 || ep > 0 || vpp > 0 || !schedule.empty() || seed >= 0 ||
                             !on_oom.empty() || max_restarts >= 0 || restart_seconds >= 0 || checkpoint_every >= 0 ||
-                            !device.empty() || expert_chunk_rows >= 0 || !out_dir.empty() || grad_accum > 0;
+                            !device.empty() || expert_chunk_rows >= 0 || !out_dir.empty() || grad_accum > 0 || bf16;
         if (others && (!comm::MpiSession::active() || mpi.world_rank() == 0))
           fmt::print(stderr, "moeflex: --resume continues the run in its own folder with its own config.toml; other "
                              "flags than --steps (--out, the config's) are ignored\n");

@@ -2,9 +2,44 @@
 
 #include <cstring>
 
+#include <fmt/format.h>
+
 #include "moeflex/core/device.h"
+#include "moeflex/core/error.h"
 
 namespace moeflex {
+
+const char* to_string(DType t) {
+  switch (t) {
+    case DType::f32: return "f32";
+    case DType::i32: return "i32";
+    case DType::bf16: return "bf16";
+  }
+  return "?";
+}
+
+namespace {
+[[noreturn]] void wrong_dtype(DType have, DType want) {
+  throw Error(fmt::format("a {} tensor was passed where an op expects {}", to_string(have), to_string(want)));
+}
+}  // namespace
+
+float* View::f32() const {
+  if (data && dtype != DType::f32) wrong_dtype(dtype, DType::f32);
+  return static_cast<float*>(data);
+}
+bf16* View::bf() const {
+  if (data && dtype != DType::bf16) wrong_dtype(dtype, DType::bf16);
+  return static_cast<bf16*>(data);
+}
+const float* CView::f32() const {
+  if (data && dtype != DType::f32) wrong_dtype(dtype, DType::f32);
+  return static_cast<const float*>(data);
+}
+const bf16* CView::bf() const {
+  if (data && dtype != DType::bf16) wrong_dtype(dtype, DType::bf16);
+  return static_cast<const bf16*>(data);
+}
 
 std::int64_t shape_numel(const std::vector<std::int64_t>& shape) {
   std::int64_t n = 1;

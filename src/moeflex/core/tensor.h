@@ -7,13 +7,60 @@
 #include <vector>
 
 #include "moeflex/core/arena.h"
+#include "moeflex/core/bf16.h"
 
 namespace moeflex {
 
-enum class DType : int { f32, i32 };
+/// Element types: f32 (fp32 activations, master weights, gradients), i32 (token
+/// ids, routing indices) and bf16 (the mixed-precision engine's activations and
+/// working weights, core/bf16.h).
+enum class DType : int { f32, i32, bf16 };
 
 /// Size of one element in bytes.
-constexpr Bytes dtype_size(DType t) { return 4; }
+constexpr Bytes dtype_size(DType t) { return t == DType::bf16 ? 2 : 4; }
+/// "f32", "i32" or "bf16".
+const char* to_string(DType t);
+
+/// A pointer to tensor elements together with their type: what the backend's
+/// activation and weight arguments take (ops/backend.h), so that one op serves the
+/// fp32 and the bf16 engine and a wrong type is an error rather than garbage.
+/// Converts implicitly from float* and bf16*; offsets (+) count elements and keep
+/// a null view null.
+struct View {
+  void* data = nullptr;
+  DType dtype = DType::f32;
+  View() = default;
+  View(std::nullptr_t) {}
+  View(float* p) : data(p), dtype(DType::f32) {}
+  View(bf16* p) : data(p), dtype(DType::bf16) {}
+  View(void* p, DType t) : data(p), dtype(t) {}
+  View operator+(std::int64_t elements) const {
+    return data ? View(static_cast<char*>(data) + elements * dtype_size(dtype), dtype) : *this;
+  }
+  explicit operator bool() const { return data != nullptr; }
+  /// The data as float* (null stays null); throws Error when the view is not f32.
+  float* f32() const;
+  /// The data as bf16* (null stays null); throws Error when the view is not bf16.
+  bf16* bf() const;
+};
+
+/// The read-only View.
+struct CView {
+  const void* data = nullptr;
+  DType dtype = DType::f32;
+  CView() = default;
+  CView(std::nullptr_t) {}
+  CView(const float* p) : data(p), dtype(DType::f32) {}
+  CView(const bf16* p) : data(p), dtype(DType::bf16) {}
+  CView(const void* p, DType t) : data(p), dtype(t) {}
+  CView(View v) : data(v.data), dtype(v.dtype) {}
+  CView operator+(std::int64_t elements) const {
+    return data ? CView(static_cast<const char*>(data) + elements * dtype_size(dtype), dtype) : *this;
+  }
+  explicit operator bool() const { return data != nullptr; }
+  const float* f32() const;
+  const bf16* bf() const;
+};
 
 /// A dense row-major tensor. Owning tensors return their block to the arena on
 /// destruction; a default-constructed tensor is empty (no data).
@@ -39,12 +86,19 @@ class Tensor {
   DType dtype() const { return dtype_; }
   MemCategory category() const { return category_; }
 
-  float* f32() { return static_cast<float*>(data_); }
-  const float* f32() const { return static_cast<const float*>(data_); }
+  /// The data as float*; throws Error when the tensor is not f32.
+  float* f32() { return view().f32(); }
+  const float* f32() const { return view().f32(); }
+  /// The data as bf16*; throws Error when the tensor is not bf16.
+  bf16* bf() { return view().bf(); }
+  const bf16* bf() const { return view().bf(); }
   std::int32_t* i32() { return static_cast<std::int32_t*>(data_); }
   const std::int32_t* i32() const { return static_cast<const std::int32_t*>(data_); }
   void* raw() { return data_; }
   const void* raw() const { return data_; }
+  /// The data with its dtype (for the backend's ops).
+  View view() { return View(data_, dtype_); }
+  CView view() const { return CView(data_, dtype_); }
   /// Sets every byte to zero (through the arena's device, in stream order, when it
   /// has one).
   void zero();

@@ -39,6 +39,7 @@ void for_each_field(ModelConfig& c, F&& f) {
   f("capacity_factor", c.capacity_factor);
   f("initializer_range", c.initializer_range);
   f("expert_chunk_rows", c.expert_chunk_rows);
+  f("bf16", c.bf16);
 }
 
 void rule(bool ok, const char* field, const std::string& msg) {

@@ -48,6 +48,14 @@ struct ModelConfig {
   /// rows). Chunk boundaries are a function of the rows alone (never of the
   /// provisioning), so every provision gives the same bits.
   std::int64_t expert_chunk_rows = 2048;
+  /// Mixed precision (moeflex, not Hugging Face; Megatron's --bf16): activations and
+  /// the working copy of the weights in bf16, with fp32 master weights, fp32
+  /// gradients, fp32 optimizer state and fp32 accumulation in every op
+  /// (ops/backend.h). RMSNorm's rstd, the router's probabilities and top-k weights
+  /// and the per-token losses stay fp32. false: everything fp32.
+  bool bf16 = false;
+  /// Bytes of one activation element: 2 with bf16, else 4.
+  std::int64_t activation_bytes() const { return bf16 ? 2 : 4; }
   /// Rows per chunk for `rows` received rows: the fewest chunks of at most
   /// expert_chunk_rows, as even as can be (ceil(rows / ceil(rows / expert_chunk_rows))
   /// each, the last one the rest), so no chunk is a sliver; all rows when off.

@@ -32,9 +32,22 @@ namespace {
     return ids_;                                                                    \
   }())
 
-constexpr Bytes kF32 = 4;  // f32 and i32 elements alike
+/// Arena bytes of a tensor of `numel` elements of `elem` bytes each (f32 and i32: 4;
+/// activations: ModelConfig::activation_bytes(), 2 in the bf16 engine).
+Bytes rounded(std::int64_t numel, Bytes elem) { return Arena::round_up(std::max<Bytes>(1, numel * elem)); }
 
-Bytes rounded(std::int64_t numel) { return Arena::round_up(std::max<Bytes>(1, numel * kF32)); }
+}  // namespace
+
+Bytes activation_element_bytes(const ModelConfig& cfg, std::string_view name) {
+  // model.cpp's fp32 and i32 tensors; everything else is of the activation dtype.
+  if (name.ends_with(".rstd") || name.starts_with("router.probs") || name.starts_with("router.topk_") ||
+      name == "router.dtopk_w" || name == "router.dprobs" || name.starts_with("moe.offsets") ||
+      name.starts_with("moe.slot_of") || name == "moe.counts" || name == "cross_entropy.losses")
+    return 4;
+  return cfg.activation_bytes();
+}
+
+namespace {
 
 /// activation_id without the registry's lock or a full hash, for names this thread
 /// has seen (a ledger's few names, over and over): an open-addressed table keyed by
@@ -96,7 +109,8 @@ std::vector<ActivationSpec> layer_activations(const ModelConfig& cfg, int layer,
     const int id = activation_id(name);
     std::vector<int> in_ids;
     for (const auto& x : in) in_ids.push_back(activation_id(x));
-    v.push_back({std::move(name), std::move(op), numel * kF32, rec, std::move(in), routed, id, std::move(in_ids)});
+    const Bytes elem = activation_element_bytes(cfg, name);
+    v.push_back({std::move(name), std::move(op), numel * elem, rec, std::move(in), routed, id, std::move(in_ids)});
   };
   add("attn_norm.in", "residual", n * d, false, {});
   add("attn_norm.out", "rmsnorm", n * d, true, {"attn_norm.in"});
@@ -137,10 +151,11 @@ std::vector<ActivationSpec> layer_activations(const ModelConfig& cfg, int layer,
 
 std::vector<ActivationSpec> head_activations(const ModelConfig& cfg, std::int64_t B, std::int64_t S) {
   const std::int64_t n = B * S, d = cfg.hidden_size, V = cfg.vocab_size;
-  std::vector<ActivationSpec> v = {{"final_norm.in", "residual", n * d * kF32, false, {}, false, -1, {}},
-                                   {"final_norm.out", "rmsnorm", n * d * kF32, true, {"final_norm.in"}, false, -1, {}},
-                                   {"final_norm.rstd", "rmsnorm", n * kF32, true, {"final_norm.in"}, false, -1, {}},
-                                   {"lm_head.probs", "cross_entropy", n * V * kF32, true, {"final_norm.out"}, false, -1, {}}};
+  const Bytes a = cfg.activation_bytes();
+  std::vector<ActivationSpec> v = {{"final_norm.in", "residual", n * d * a, false, {}, false, -1, {}},
+                                   {"final_norm.out", "rmsnorm", n * d * a, true, {"final_norm.in"}, false, -1, {}},
+                                   {"final_norm.rstd", "rmsnorm", n * 4, true, {"final_norm.in"}, false, -1, {}},
+                                   {"lm_head.probs", "cross_entropy", n * V * a, true, {"final_norm.out"}, false, -1, {}}};
   for (auto& a : v) {
     a.id = activation_id(a.name);
     for (const auto& x : a.inputs) a.input_ids.push_back(activation_id(x));
@@ -172,14 +187,15 @@ Bytes minimum_budget(const ModelConfig& cfg, std::int64_t B, std::int64_t S, con
 
 Bytes rebuild_extra_bytes(const ModelConfig& cfg, std::int64_t B, std::int64_t S, const std::string& name) {
   const std::int64_t n = B * S, d = cfg.hidden_size;
-  const Bytes probs = rounded(B * cfg.num_attention_heads * S * S);
-  if (name.ends_with("norm.rstd")) return rounded(n * d);
-  if (name.ends_with("norm.out")) return rounded(n);
-  if (name == "attn.probs") return rounded(n * d);
+  const Bytes ab = cfg.activation_bytes();
+  const Bytes probs = rounded(B * cfg.num_attention_heads * S * S, ab);
+  if (name.ends_with("norm.rstd")) return rounded(n * d, ab);
+  if (name.ends_with("norm.out")) return rounded(n, 4);
+  if (name == "attn.probs") return rounded(n * d, ab);
   if (name == "attn.out") return probs;
-  if (name == "router.probs") return 2 * rounded(n * cfg.num_experts_per_tok);
-  if (name == "router.topk_w") return rounded(n * cfg.num_experts) + rounded(n * cfg.num_experts_per_tok);
-  if (name == "lm_head.probs") return rounded(n);
+  if (name == "router.probs") return 2 * rounded(n * cfg.num_experts_per_tok, 4);
+  if (name == "router.topk_w") return rounded(n * cfg.num_experts, 4) + rounded(n * cfg.num_experts_per_tok, 4);
+  if (name == "lm_head.probs") return rounded(n, 4);
   return 0;
 }
 
@@ -208,7 +224,7 @@ int activation_id(std::string_view name) {
 // by allocation (a Tensor's constructor is alloc, its destruction or reset is free).
 
 MemoryWalk::MemoryWalk(const ModelConfig& cfg, std::int64_t B, std::int64_t S, Bytes persistent)
-    : cfg_(cfg), B_(B), S_(S), in_use_(persistent), peak_(persistent) {}
+    : cfg_(cfg), B_(B), S_(S), ab_(cfg.activation_bytes()), in_use_(persistent), peak_(persistent) {}
 
 const MemoryWalk::LayerSpecs& MemoryWalk::specs_of(int layer, const MoERows& rows, bool ep) {
   // Layers of one kind with the same rows list the same activations: build once
@@ -218,12 +234,12 @@ const MemoryWalk::LayerSpecs& MemoryWalk::specs_of(int layer, const MoERows& row
   for (const auto& [k, v] : specs_)
     if (k == key) return *v;
   const bool shared = cfg_.n_shared_experts > 0 || cfg_.shared_expert_intermediate_size > 0;
-  const std::array<std::int64_t, 14> full{cfg_.hidden_size, cfg_.num_attention_heads, cfg_.num_experts,
+  const std::array<std::int64_t, 15> full{cfg_.hidden_size, cfg_.num_attention_heads, cfg_.num_experts,
                                           cfg_.num_experts_per_tok, cfg_.moe_intermediate_size, cfg_.intermediate_size,
                                           shared ? cfg_.shared_width() : -1, cfg_.vocab_size, B_, S_, kind,
-                                          std::get<1>(key), std::get<2>(key), ep};
+                                          std::get<1>(key), std::get<2>(key), ep, ab_};
   constexpr std::size_t kMemo = 256;
-  thread_local std::deque<std::pair<std::array<std::int64_t, 14>, std::unique_ptr<LayerSpecs>>> memo;
+  thread_local std::deque<std::pair<std::array<std::int64_t, 15>, std::unique_ptr<LayerSpecs>>> memo;
   for (const auto& [k, v] : memo)
     if (k == full) {
       specs_.emplace_back(key, v.get());
@@ -316,7 +332,7 @@ void MemoryWalk::enter(Phase phase, int mb, int layer) {
 void MemoryWalk::free(Bytes bytes) { in_use_ -= bytes; }
 
 void MemoryWalk::buffer(int count) {
-  const Bytes b = rounded(B_ * S_ * cfg_.hidden_size);
+  const Bytes b = rounded(B_ * S_ * cfg_.hidden_size, ab_);
   if (count > 0) {
     for (int i = 0; i < count; ++i) alloc(b);
   } else {
@@ -405,7 +421,7 @@ void MemoryWalk::get(int mb, int layer, int id) {
   const std::size_t pos = std::size_t(s->specs->pos[std::size_t(id)]);
   if (s->specs->rebuild[pos] == Rebuild::expert_out) {  // [Rr, d], then the down projection chunk by chunk
     alloc(size);
-    expert_chunks(mb, layer, e->bytes / (kF32 * d), false, false, false);
+    expert_chunks(mb, layer, e->bytes / (ab_ * d), false, false, false);
     e->on_device = true;
     return;
   }
@@ -413,13 +429,13 @@ void MemoryWalk::get(int mb, int layer, int id) {
   switch (s->specs->rebuild[pos]) {
     case Rebuild::norm_out:  // y [n, d] and rstd [n], one returned
     case Rebuild::norm_rstd:
-      alloc(rounded(n * d));
-      alloc(rounded(n));
-      free(s->specs->rebuild[pos] == Rebuild::norm_rstd ? rounded(n * d) : rounded(n));
+      alloc(rounded(n * d, ab_));
+      alloc(rounded(n, 4));
+      free(s->specs->rebuild[pos] == Rebuild::norm_rstd ? rounded(n * d, ab_) : rounded(n, 4));
       break;
     case Rebuild::attn_probs:  // o and probs, one returned
     case Rebuild::attn_out: {
-      const Bytes o = rounded(n * d), p = rounded(B_ * cfg_.num_attention_heads * S_ * S_);
+      const Bytes o = rounded(n * d, ab_), p = rounded(B_ * cfg_.num_attention_heads * S_ * S_, ab_);
       alloc(o);
       alloc(p);
       free(s->specs->rebuild[pos] == Rebuild::attn_probs ? o : p);
@@ -427,7 +443,7 @@ void MemoryWalk::get(int mb, int layer, int id) {
     }
     case Rebuild::router_probs:  // probs, topk_w, topk_idx
     case Rebuild::router_topk_w: {
-      const Bytes pr = rounded(n * cfg_.num_experts), wt = rounded(n * cfg_.num_experts_per_tok);
+      const Bytes pr = rounded(n * cfg_.num_experts, 4), wt = rounded(n * cfg_.num_experts_per_tok, 4);
       alloc(pr);
       alloc(wt);
       alloc(wt);
@@ -436,8 +452,8 @@ void MemoryWalk::get(int mb, int layer, int id) {
     }
     case Rebuild::lm_head:  // logits [n, V], then the losses [n] for a moment
       alloc(size);
-      alloc(rounded(n));
-      free(rounded(n));
+      alloc(rounded(n, 4));
+      free(rounded(n, 4));
       break;
     case Rebuild::plain:  // a linear, rope, swiglu, permute or grouped GEMM output: just itself
     case Rebuild::expert_out:
@@ -481,7 +497,7 @@ void MemoryWalk::release_layer(int mb, int layer) {
 }
 
 void MemoryWalk::forward(int mb, const StageSpec& st, const std::vector<MoERows>& rows, const ProvisionFn& provision) {
-  alloc(rounded(B_ * S_ * cfg_.hidden_size));  // stage.input
+  alloc(rounded(B_ * S_ * cfg_.hidden_size, ab_));  // stage.input
   forward_layers(mb, st, st.first_layer, rows, provision);
 }
 
@@ -504,11 +520,11 @@ void MemoryWalk::forward_layers(int mb, const StageSpec& st, int from, const std
   }
   if (!st.head) return;  // the output stays allocated until it is sent
   const std::int64_t n = B_ * S_, d = cfg_.hidden_size, V = cfg_.vocab_size;
-  alloc(rounded(n * d));  // final_norm.out
-  alloc(rounded(n));      // final_norm.rstd
-  alloc(rounded(n * V));  // lm_head.logits
-  alloc(rounded(n));      // cross_entropy.losses
-  free(rounded(n));
+  alloc(rounded(n * d, ab_));  // final_norm.out
+  alloc(rounded(n, 4));      // final_norm.rstd
+  alloc(rounded(n * V, ab_));  // lm_head.logits
+  alloc(rounded(n, 4));      // cross_entropy.losses
+  free(rounded(n, 4));
   land();  // a decision point
   save_head(mb, provision);
 }
@@ -561,8 +577,8 @@ void MemoryWalk::adopt(const LedgerEntry& e, bool on_device, int ep_size) {
   // The backward needs the layer's rows: read them off the routed entries' sizes.
   s.has_rows = true;
   s.ep_size = ep_size;
-  if (id == ID("experts.gate_out")) s.rows.received = e.bytes / (kF32 * cfg_.moe_intermediate_size);
-  if (id == ID("moe.combined")) s.rows.permuted = e.bytes / (kF32 * cfg_.hidden_size);
+  if (id == ID("experts.gate_out")) s.rows.received = e.bytes / (ab_ * cfg_.moe_intermediate_size);
+  if (id == ID("moe.combined")) s.rows.permuted = e.bytes / (ab_ * cfg_.hidden_size);
   if (ep_size <= 1 && id == ID("experts.gate_out")) s.rows.permuted = s.rows.received;
 }
 
@@ -608,12 +624,12 @@ void MemoryWalk::run(const std::vector<WalkAction>& actions, std::size_t from, c
 
 void MemoryWalk::attention_forward(int mb, int l, const LayerSpecs& specs, const ProvisionFn& provision) {
   const std::int64_t n = B_ * S_, d = cfg_.hidden_size;
-  alloc(rounded(n * d));  // a
-  alloc(rounded(n));      // rstd
-  for (int i = 0; i < 3; ++i) alloc(rounded(n * d));  // q, k, v
-  alloc(rounded(n * d));  // o
-  alloc(rounded(B_ * cfg_.num_attention_heads * S_ * S_));  // probs
-  alloc(rounded(n * d));  // h, the next residual
+  alloc(rounded(n * d, ab_));  // a
+  alloc(rounded(n, 4));      // rstd
+  for (int i = 0; i < 3; ++i) alloc(rounded(n * d, ab_));  // q, k, v
+  alloc(rounded(n * d, ab_));  // o
+  alloc(rounded(B_ * cfg_.num_attention_heads * S_ * S_, ab_));  // probs
+  alloc(rounded(n * d, ab_));  // h, the next residual
   land();  // a decision point
   save(mb, l, specs, IDS("attn_norm.in", "attn_norm.out", "attn_norm.rstd", "attn.q", "attn.k", "attn.v", "attn.probs", "attn.out"), provision);
 }
@@ -621,7 +637,7 @@ void MemoryWalk::attention_forward(int mb, int l, const LayerSpecs& specs, const
 void MemoryWalk::mlp_forward(int mb, int l, const LayerSpecs& specs, bool shared, std::int64_t w,
                              const ProvisionFn& provision) {
   const std::int64_t n = B_ * S_;
-  for (int i = 0; i < 3; ++i) alloc(rounded(n * w));  // h1, h3, a
+  for (int i = 0; i < 3; ++i) alloc(rounded(n * w, ab_));  // h1, h3, a
   if (!shared) land();                                 // a decision point
   save(mb, l, specs,
        shared ? IDS("shared.gate_out", "shared.up_out", "shared.act") : IDS("dense.gate_out", "dense.up_out", "dense.act"),
@@ -632,9 +648,9 @@ void MemoryWalk::ffn_forward(int mb, int l, const LayerSpecs& specs, const MoERo
                              const ProvisionFn& provision) {
   const bool ep = ep_size > 1;
   const std::int64_t n = B_ * S_, d = cfg_.hidden_size;
-  alloc(rounded(n * d));  // m
-  alloc(rounded(n));      // rstd
-  alloc(rounded(n * d));  // out
+  alloc(rounded(n * d, ab_));  // m
+  alloc(rounded(n, 4));      // rstd
+  alloc(rounded(n * d, ab_));  // out
   if (!cfg_.is_moe_layer(l)) {
     mlp_forward(mb, l, specs, false, cfg_.intermediate_size, provision);
   } else {
@@ -644,19 +660,19 @@ void MemoryWalk::ffn_forward(int mb, int l, const LayerSpecs& specs, const MoERo
     s.has_rows = true;
     s.rows = rows;
     s.ep_size = ep_size;
-    alloc(rounded(n * E));  // logits
-    alloc(rounded(n * E));  // probs
-    alloc(rounded(n * k));  // topk_idx
-    alloc(rounded(n * k));  // topk_w
-    alloc(rounded(E));      // counts
-    alloc(rounded(E + 1));  // offsets
-    alloc(rounded(n * k));  // slot_of
-    alloc(rounded(R * d));  // moe.permuted
+    alloc(rounded(n * E, ab_));  // logits
+    alloc(rounded(n * E, 4));  // probs
+    alloc(rounded(n * k, 4));  // topk_idx
+    alloc(rounded(n * k, 4));  // topk_w
+    alloc(rounded(E, 4));      // counts
+    alloc(rounded(E + 1, 4));  // offsets
+    alloc(rounded(n * k, 4));  // slot_of
+    alloc(rounded(R * d, ab_));  // moe.permuted
     if (ep) {
-      alloc(rounded(Rr * d));  // moe.dispatched
-      alloc(rounded(Rr * d));  // all-to-all scratch
-      free(rounded(Rr * d));
-      free(rounded(R * d));  // moe.permuted
+      alloc(rounded(Rr * d, ab_));  // moe.dispatched
+      alloc(rounded(Rr * d, ab_));  // all-to-all scratch
+      free(rounded(Rr * d, ab_));
+      free(rounded(R * d, ab_));  // moe.permuted
     }
     land();  // a decision point: after the dispatch, before the experts run
     moe_experts(mb, l, specs, provision);
@@ -676,16 +692,16 @@ void MemoryWalk::moe_experts(int mb, int l, const LayerSpecs& specs, const Provi
   const std::int64_t R = s.rows.permuted, Rr = ep ? s.rows.received : s.rows.permuted;
   Bytes chunk_bytes = 0;  // the chunk's own FC1 outputs and activation
   for (const int id : IDS("experts.gate_out", "experts.up_out", "experts.act")) {
-    if (decide(mb, l, specs, id, provision) != Provision::recompute) alloc(rounded(Rr * f));  // kept whole
-    else if (Rr > 0) chunk_bytes += rounded(cfg_.expert_chunk(Rr) * f);
+    if (decide(mb, l, specs, id, provision) != Provision::recompute) alloc(rounded(Rr * f, ab_));  // kept whole
+    else if (Rr > 0) chunk_bytes += rounded(cfg_.expert_chunk(Rr) * f, ab_);
   }
-  alloc(rounded(Rr * d));  // experts.out
+  alloc(rounded(Rr * d, ab_));  // experts.out
   touch(chunk_bytes);      // the first (largest) chunk's transients
   if (ep) {
-    alloc(rounded(R * d));   // moe.combined
-    alloc(rounded(Rr * d));  // all-to-all scratch
-    free(rounded(Rr * d));
-    free(rounded(Rr * d));  // experts.out
+    alloc(rounded(R * d, ab_));   // moe.combined
+    alloc(rounded(Rr * d, ab_));  // all-to-all scratch
+    free(rounded(Rr * d, ab_));
+    free(rounded(Rr * d, ab_));  // experts.out
   }
   has_ctx_ = false;
 }
@@ -701,14 +717,14 @@ void MemoryWalk::ffn_moe_tail(int mb, int l, const LayerSpecs& specs, const Prov
     // counted here for save(), which frees a recomputed entry at once.
     const std::int64_t Rr = s.ep_size > 1 ? s.rows.received : s.rows.permuted;
     for (const int id : IDS("experts.gate_out", "experts.up_out", "experts.act"))
-      if (decide(mb, l, specs, id, provision) == Provision::recompute) in_use_ += rounded(Rr * cfg_.moe_intermediate_size);
+      if (decide(mb, l, specs, id, provision) == Provision::recompute) in_use_ += rounded(Rr * cfg_.moe_intermediate_size, ab_);
   }
   save(mb, l, specs, IDS("experts.in", "experts.gate_out", "experts.up_out", "experts.act", "moe.combined"), provision);
   if (cfg_.n_shared_experts > 0 || cfg_.shared_expert_intermediate_size > 0)
     mlp_forward(mb, l, specs, true, cfg_.shared_width(), provision);
   save(mb, l, specs, IDS("router.logits", "router.probs", "router.topk_idx", "router.topk_w", "moe.offsets", "moe.slot_of"),
        provision);
-  free(rounded(cfg_.num_experts));  // counts
+  free(rounded(cfg_.num_experts, 4));  // counts
   save(mb, l, specs, IDS("ffn_norm.in", "ffn_norm.out", "ffn_norm.rstd"), provision);
   has_ctx_ = false;
 }
@@ -730,7 +746,7 @@ void MemoryWalk::expert_chunks(int mb, int l, std::int64_t Rr, bool need_fc1, bo
   }
   if (Rr <= 0) return;
   const std::int64_t rows = cfg_.expert_chunk(Rr);  // the first chunk: every later one is no larger
-  const Bytes cf = rounded(rows * cfg_.moe_intermediate_size), cd = rounded(rows * cfg_.hidden_size);
+  const Bytes cf = rounded(rows * cfg_.moe_intermediate_size, ab_), cd = rounded(rows * cfg_.hidden_size, ab_);
   if (!backward) {  // the rebuilt FC1 outputs and activation of the chunk, for a moment
     Bytes own = 0;
     for (const bool rebuilt : {fc1 && !keep1, fc1 && !keep3, !keepa})
@@ -745,7 +761,7 @@ void MemoryWalk::expert_chunks(int mb, int l, std::int64_t Rr, bool need_fc1, bo
   touch(own);
   if (defer && !keepa) keep(mb, cf);  // dact's block holds the activation W2's dW reads
   else free(cf);                      // experts.dact
-  if (defer) alloc(rounded(Rr * cfg_.hidden_size));  // experts.din of its own (one chunk: rows == Rr)
+  if (defer) alloc(rounded(Rr * cfg_.hidden_size, ab_));  // experts.din of its own (one chunk: rows == Rr)
   touch(cd);                                         // experts.din_up
   if (defer) keep(mb, 2 * cf);  // dgate and dup wait for W1's and W3's dW
   else free(2 * cf);
@@ -773,12 +789,12 @@ void MemoryWalk::weight(int mb, const StageSpec& st) {
 
 const MemoryWalk::LayerSummary& MemoryWalk::summary_of(int l, const MoERows& rows, int ep_size) {
   // Everything a layer's replay depends on: the sizes, its kind and rows, whether
-  // an EP group dispatches (the floor follows from these).
+  // an EP group dispatches, the activation element size (the floor follows from these).
   const bool moe = cfg_.is_moe_layer(l), shared = cfg_.n_shared_experts > 0 || cfg_.shared_expert_intermediate_size > 0;
   const SummaryKey key{cfg_.hidden_size, cfg_.num_attention_heads, cfg_.num_experts, cfg_.num_experts_per_tok,
                        cfg_.moe_intermediate_size, cfg_.intermediate_size, shared ? cfg_.shared_width() : -1, B_, S_,
                        moe, moe ? rows.permuted : 0, moe ? rows.received : 0, ep_size > 1,
-                       moe ? cfg_.expert_chunk_rows : 0};
+                       moe ? cfg_.expert_chunk_rows : 0, ab_};
   // Per thread, kept for the process (a few kinds and worst-case rows in practice);
   // beyond kMemo, further summaries live as long as this walk.
   constexpr std::size_t kMemo = 256;
@@ -846,17 +862,17 @@ void MemoryWalk::backward(int mb, const StageSpec& st, bool split) {
     enter(kPrefetched, mb, st.last_layer - 1);
     prefetch(mb, st.last_layer - 1);
   }
-  alloc(rounded(n * d));  // grad.residual
+  alloc(rounded(n * d, ab_));  // grad.residual
   if (st.head) {
     enter(kBackward, mb, kHeadLayer);
     get(mb, kHeadLayer, ID("lm_head.probs"));
-    alloc(rounded(n * d));  // lm_head.dx
+    alloc(rounded(n * d, ab_));  // lm_head.dx
     get(mb, kHeadLayer, ID("final_norm.out"));
     pin(mb, kHeadLayer, ID("lm_head.probs"));  // the LM head's dW reads both
     pin(mb, kHeadLayer, ID("final_norm.out"));
     get(mb, kHeadLayer, ID("final_norm.in"));
     get(mb, kHeadLayer, ID("final_norm.rstd"));
-    free(rounded(n * d));  // lm_head.dx
+    free(rounded(n * d, ab_));  // lm_head.dx
   }
   release_layer(mb, kHeadLayer);
   enter(kAfter, mb, kHeadLayer);
@@ -879,8 +895,8 @@ void MemoryWalk::backward(int mb, const StageSpec& st, bool split) {
     }
     enter(kAfter, mb, l);
   }
-  if (split && st.embedding) keep(mb, rounded(n * d));  // the embedding's W scatters it
-  else free(rounded(n * d));                            // grad.residual
+  if (split && st.embedding) keep(mb, rounded(n * d, ab_));  // the embedding's W scatters it
+  else free(rounded(n * d, ab_));                            // grad.residual
   split_ = false;
   for (int l = st.first_layer; l < st.last_layer; ++l)
     if (Slot* s = find_slot(mb, l)) s->has_rows = false;
@@ -897,29 +913,29 @@ void MemoryWalk::mlp_backward(int mb, int l, bool shared, std::int64_t w) {
   const std::int64_t n = B_ * S_;
   const std::vector<int>& ids =
       shared ? IDS("shared.act", "shared.gate_out", "shared.up_out") : IDS("dense.act", "dense.gate_out", "dense.up_out");
-  alloc(rounded(n * w));  // da
+  alloc(rounded(n * w, ab_));  // da
   get(mb, l, ids[0]);
   pin(mb, l, ids[0]);  // W: down projection
   get(mb, l, ids[1]);
   get(mb, l, ids[2]);
-  alloc(rounded(n * w));  // dh1
-  alloc(rounded(n * w));  // dh3
-  free(rounded(n * w));   // da
+  alloc(rounded(n * w, ab_));  // dh1
+  alloc(rounded(n * w, ab_));  // dh3
+  free(rounded(n * w, ab_));   // da
   if (split_) {  // dh1 and dh3 wait for the W of the up and gate projections, with the norm's output
-    keep(mb, 2 * rounded(n * w));
+    keep(mb, 2 * rounded(n * w, ab_));
     pin(mb, l, ID("ffn_norm.out"));
   } else {
-    free(2 * rounded(n * w));
+    free(2 * rounded(n * w, ab_));
   }
 }
 
 void MemoryWalk::ffn_backward(int mb, int l) {
   const std::int64_t n = B_ * S_, d = cfg_.hidden_size;
   get(mb, l, ID("ffn_norm.out"));
-  alloc(rounded(n * d));  // dm
+  alloc(rounded(n * d, ab_));  // dm
   const bool shared = cfg_.n_shared_experts > 0 || cfg_.shared_expert_intermediate_size > 0;
   const bool dy_read_by_w = !cfg_.is_moe_layer(l) || shared;  // the down projections' dW read dy
-  if (split_) alloc(rounded(n * d));  // ffn.dy, a copy of the residual gradient
+  if (split_) alloc(rounded(n * d, ab_));  // ffn.dy, a copy of the residual gradient
   if (!cfg_.is_moe_layer(l)) {
     mlp_backward(mb, l, false, cfg_.intermediate_size);
   } else {
@@ -932,79 +948,79 @@ void MemoryWalk::ffn_backward(int mb, int l) {
     const bool ep = ep_size > 1;
     const std::int64_t R = rows.permuted, Rr = ep ? rows.received : rows.permuted;
     for (const int id : IDS("moe.offsets", "moe.slot_of", "router.topk_idx", "router.topk_w")) get(mb, l, id);
-    alloc(rounded(n * k));  // router.dtopk_w
-    if (ep) alloc(rounded(Rr * d));  // experts.dout (before moe.dcombined, which it outlives)
-    alloc(rounded(R * d));           // moe.dcombined
+    alloc(rounded(n * k, 4));  // router.dtopk_w
+    if (ep) alloc(rounded(Rr * d, ab_));  // experts.dout (before moe.dcombined, which it outlives)
+    alloc(rounded(R * d, ab_));           // moe.dcombined
     get(mb, l, ID("moe.combined"));
     if (ep) {
-      alloc(rounded(Rr * d));  // all-to-all scratch
-      free(rounded(Rr * d));
-      free(rounded(R * d));  // moe.dcombined
+      alloc(rounded(Rr * d, ab_));  // all-to-all scratch
+      free(rounded(Rr * d, ab_));
+      free(rounded(R * d, ab_));  // moe.dcombined
     }
     // The expert weight gradients wait for W only when the rows make one chunk (model.cpp).
     const bool defer = split_ && Rr > 0 && cfg_.expert_chunk(Rr) >= Rr;  // (no rows: no chunk, no dW)
     get(mb, l, ID("experts.in"));
     if (defer) pin(mb, l, ID("experts.in"));  // W1's and W3's dW read it
     expert_chunks(mb, l, Rr, true, true, defer);  // (experts.din: written over experts.dout, or see there)
-    if (defer) keep(mb, rounded(Rr * d));  // experts.dout waits for W2's dW
+    if (defer) keep(mb, rounded(Rr * d, ab_));  // experts.dout waits for W2's dW
     if (ep) {
-      alloc(rounded(R * d));   // moe.dpermuted
-      alloc(rounded(Rr * d));  // all-to-all scratch
-      free(rounded(Rr * d));
-      free(rounded(R * d));
+      alloc(rounded(R * d, ab_));   // moe.dpermuted
+      alloc(rounded(Rr * d, ab_));  // all-to-all scratch
+      free(rounded(Rr * d, ab_));
+      free(rounded(R * d, ab_));
     }
-    free(rounded(Rr * d));  // experts.din (experts.dout, or moe.dcombined without EP, when not deferred)
+    free(rounded(Rr * d, ab_));  // experts.din (experts.dout, or moe.dcombined without EP, when not deferred)
     if (shared) mlp_backward(mb, l, true, cfg_.shared_width());
     get(mb, l, ID("router.probs"));
     get(mb, l, ID("router.logits"));
-    alloc(rounded(n * E));  // dprobs
-    alloc(rounded(n * E));  // dlogits
+    alloc(rounded(n * E, 4));  // dprobs
+    alloc(rounded(n * E, ab_));  // dlogits
     if (split_) {           // waits for the router GEMM's dW, with the norm's output
-      keep(mb, rounded(n * E));
+      keep(mb, rounded(n * E, ab_));
       pin(mb, l, ID("ffn_norm.out"));
     } else {
-      free(rounded(n * E));  // dlogits, after the router GEMM's backward
+      free(rounded(n * E, ab_));  // dlogits, after the router GEMM's backward
     }
-    free(rounded(n * E));   // dprobs
-    free(rounded(n * k));   // router.dtopk_w
+    free(rounded(n * E, 4));   // dprobs
+    free(rounded(n * k, 4));   // router.dtopk_w
   }
   if (split_) {  // ffn.dy: held by the down projections' W, else gone here
-    if (dy_read_by_w) keep(mb, rounded(n * d));
-    else free(rounded(n * d));
+    if (dy_read_by_w) keep(mb, rounded(n * d, ab_));
+    else free(rounded(n * d, ab_));
   }
   get(mb, l, ID("ffn_norm.in"));
   get(mb, l, ID("ffn_norm.rstd"));
-  alloc(rounded(n * d));  // dtmp
-  free(2 * rounded(n * d));  // dtmp, dm
+  alloc(rounded(n * d, ab_));  // dtmp
+  free(2 * rounded(n * d, ab_));  // dtmp, dm
 }
 
 void MemoryWalk::attention_backward(int mb, int l) {
   const std::int64_t n = B_ * S_, d = cfg_.hidden_size;
-  const Bytes probs = rounded(B_ * cfg_.num_attention_heads * S_ * S_);
-  for (int i = 0; i < 3; ++i) alloc(rounded(n * d));  // dq, dk, dv
-  alloc(rounded(n * d));                              // dout
+  const Bytes probs = rounded(B_ * cfg_.num_attention_heads * S_ * S_, ab_);
+  for (int i = 0; i < 3; ++i) alloc(rounded(n * d, ab_));  // dq, dk, dv
+  alloc(rounded(n * d, ab_));                              // dout
   if (split_) {  // attn.o_proj.dy, a copy of the residual gradient kept for o_proj's dW
-    alloc(rounded(n * d));
-    keep(mb, rounded(n * d));
+    alloc(rounded(n * d, ab_));
+    keep(mb, rounded(n * d, ab_));
   }
   get(mb, l, ID("attn.out"));
   pin(mb, l, ID("attn.out"));
   for (const int id : IDS("attn.q", "attn.k", "attn.v", "attn.probs")) get(mb, l, id);
   alloc(probs);  // dprobs
   free(probs);
-  free(rounded(n * d));  // dout
+  free(rounded(n * d, ab_));  // dout
   get(mb, l, ID("attn_norm.out"));
-  alloc(rounded(n * d));  // da
+  alloc(rounded(n * d, ab_));  // da
   if (split_) {  // dq, dk, dv wait for the W of q, k, v, with the norm's output
-    keep(mb, 3 * rounded(n * d));
+    keep(mb, 3 * rounded(n * d, ab_));
     pin(mb, l, ID("attn_norm.out"));
   } else {
-    free(3 * rounded(n * d));  // dq, dk, dv after their GEMMs
+    free(3 * rounded(n * d, ab_));  // dq, dk, dv after their GEMMs
   }
   get(mb, l, ID("attn_norm.in"));
   get(mb, l, ID("attn_norm.rstd"));
-  alloc(rounded(n * d));  // dtmp
-  free(2 * rounded(n * d));  // dtmp, da
+  alloc(rounded(n * d, ab_));  // dtmp
+  free(2 * rounded(n * d, ab_));  // dtmp, da
 }
 
 std::vector<WalkAction> walk_actions(const StepPlan& plan, int rank, std::vector<std::size_t>* walk_at) {

@@ -64,6 +64,11 @@ struct ActivationSpec {
 /// (then the all-to-all outputs have no lineage).
 std::vector<ActivationSpec> layer_activations(const ModelConfig& cfg, int layer, std::int64_t B, std::int64_t S,
                                               const MoERows& rows, bool ep);
+/// Bytes per element of the model tensor `name` (model.cpp's names): 4 for the
+/// fp32 and i32 ones (RMSNorm rstd, router probabilities, top-k indices and
+/// weights, dispatch offsets and slots, losses), else ModelConfig::activation_bytes().
+Bytes activation_element_bytes(const ModelConfig& cfg, std::string_view name);
+
 /// The activations of the final norm and LM head (stash layer kHeadLayer).
 std::vector<ActivationSpec> head_activations(const ModelConfig& cfg, std::int64_t B, std::int64_t S);
 
@@ -357,6 +362,7 @@ class MemoryWalk {
 
   ModelConfig cfg_;
   std::int64_t B_, S_;
+  Bytes ab_ = 4;  // bytes of an activation element (cfg_.activation_bytes())
   Bytes in_use_ = 0, peak_ = 0;
   std::vector<int> slot_index_;  // by mb * (layers + 1) + layer (the head last): index into slots_, -1
   std::deque<Slot> slots_;       // never erased (a slot's address is stable)
@@ -377,7 +383,7 @@ class MemoryWalk {
   bool probe_ = false, probe_landed_ = false;
   Bytes probe_pre_peak_ = 0, probe_pre_end_ = 0;
   /// What a LayerSummary depends on (see summary_of).
-  using SummaryKey = std::array<std::int64_t, 14>;
+  using SummaryKey = std::array<std::int64_t, 15>;
   std::deque<std::pair<SummaryKey, LayerSummary>> local_summaries_;  // beyond the per-thread memo
   void land();
 };

@@ -38,6 +38,7 @@ void chunk_offsets(const std::int32_t* eoff, std::int64_t El, std::int64_t r0, s
 MoEModel::MoEModel(const ModelConfig& cfg, Arena& arena, const ModelParallel& par)
     : cfg_(cfg), arena_(arena), be_(ops::backend_of(arena)), par_(par), dispatcher_(par.ep_group, cfg.num_experts) {
   cfg_.validate();
+  adt_ = cfg_.bf16 ? DType::bf16 : DType::f32;
   if (!be_.host_memory()) {
     if (dispatcher_.active())
       throw ConfigError(fmt::format("expert parallelism (ep {}) on the {} backend needs the NCCL token dispatcher, "
@@ -57,9 +58,11 @@ MoEModel::MoEModel(const ModelConfig& cfg, Arena& arena, const ModelParallel& pa
   params_.reserve(static_cast<std::size_t>(4 + (par_.last_layer - par_.first_layer) * 13));
   auto add = [&](std::string name, std::vector<std::int64_t> shape, bool no_decay = false) -> Param* {
     Tensor w(arena, shape, MemCategory::weights, name);
+    Tensor wc = adt_ == DType::f32 ? Tensor() : Tensor(arena, shape, MemCategory::weights, name + ".working", adt_);
     Tensor g(arena, shape, MemCategory::grads, name);
     g.zero();
     params_.push_back(Param{std::move(name), std::move(w), std::move(g), no_decay});
+    params_.back().wc = std::move(wc);
     return &params_.back();
   };
   auto add_expert = [&](std::string name, std::vector<std::int64_t> shape) -> Param* {
@@ -144,6 +147,12 @@ void MoEModel::init_weights(std::uint64_t seed) {
     for (std::int64_t i = 0; i < n; ++i) w[i] = static_cast<float>(std * normal01(seed, stream, off + std::uint64_t(i)));
     upload();
   }
+  sync_working_weights();
+}
+
+void MoEModel::sync_working_weights() {
+  for (auto& p : params_)
+    if (p.wc.defined()) be_.cast(p.w.view(), p.wc.view(), p.w.numel());
 }
 
 void MoEModel::zero_grads() {
@@ -173,11 +182,11 @@ std::size_t MoEModel::pending_weight_grads(int mb) const {
   return it == wgrad_queue_.end() ? 0 : it->second.size();
 }
 
-void MoEModel::linear_bw(int mb, const Shared& dy, const Shared& x, Param* w, float* dx, std::int64_t n,
+void MoEModel::linear_bw(int mb, const Shared& dy, const Shared& x, Param* w, View dx, std::int64_t n,
                          std::int64_t in, std::int64_t out, bool accumulate_dx) {
-  if (dx) be_.linear_backward(dy->f32(), x->f32(), w->w.f32(), dx, nullptr, n, in, out, accumulate_dx);
+  if (dx) be_.linear_backward(dy->view(), x->view(), w->working(), dx, nullptr, n, in, out, accumulate_dx);
   weight_grad(mb, [this, dy, x, w, n, in, out] {
-    be_.linear_backward(dy->f32(), x->f32(), w->w.f32(), nullptr, w->g.f32(), n, in, out, false);
+    be_.linear_backward(dy->view(), x->view(), w->working(), nullptr, w->g.f32(), n, in, out, false);
   });
 }
 
@@ -196,10 +205,10 @@ RecomputeFn MoEModel::rmsnorm_lineage(int mb, int l, const char* input, const Pa
     // The one returned first: the other, freed at once, then leaves no hole under it
     // (a hole under a block its backward holds could not be compacted away).
     Tensor y, r;
-    if (want_rstd) r = act({n}, "rmsnorm.rstd");
+    if (want_rstd) r = act({n}, "rmsnorm.rstd", DType::f32);
     y = act({n, d}, "rmsnorm.out");
-    if (!want_rstd) r = act({n}, "rmsnorm.rstd");
-    be_.rmsnorm_forward(x->f32(), w->w.f32(), y.f32(), r.f32(), n, d, eps);
+    if (!want_rstd) r = act({n}, "rmsnorm.rstd", DType::f32);
+    be_.rmsnorm_forward(x->view(), w->working(), y.view(), r.f32(), n, d, eps);
     return want_rstd ? std::move(r) : std::move(y);
   };
 }
@@ -209,8 +218,8 @@ RecomputeFn MoEModel::linear_lineage(int mb, int l, std::string input, const Par
   return [this, mb, l, input = std::move(input), w, n, in, out, rope] {
     auto x = stash_.get(mb, l, input);
     Tensor y = act({n, out}, "linear.out");
-    be_.linear_forward(x->f32(), w->w.f32(), y.f32(), n, in, out);
-    if (rope) be_.rope_forward(y.f32(), n / rope_seq_, rope_seq_, cfg_.num_attention_heads, cfg_.head_dim(),
+    be_.linear_forward(x->view(), w->working(), y.view(), n, in, out);
+    if (rope) be_.rope_forward(y.view(), n / rope_seq_, rope_seq_, cfg_.num_attention_heads, cfg_.head_dim(),
                                cfg_.rope_theta);
     return y;
   };
@@ -219,8 +228,8 @@ RecomputeFn MoEModel::linear_lineage(int mb, int l, std::string input, const Par
 RecomputeFn MoEModel::swiglu_lineage(int mb, int l, std::string gate, std::string up) {
   return [this, mb, l, gate = std::move(gate), up = std::move(up)] {
     auto g = stash_.get(mb, l, gate), u = stash_.get(mb, l, up);
-    Tensor a(arena_, g->shape(), MemCategory::activations, "swiglu.out");
-    be_.swiglu_forward(g->f32(), u->f32(), a.f32(), a.numel());
+    Tensor a(arena_, g->shape(), MemCategory::activations, "swiglu.out", g->dtype());
+    be_.swiglu_forward(g->view(), u->view(), a.view(), a.numel());
     return a;
   };
 }
@@ -252,14 +261,14 @@ void MoEModel::for_each_expert_chunk(int mb, int l, std::int64_t Rr, const std::
         c.h1_row = r0;
       } else {
         c.h1 = share(act({c.rows, f}, "experts.gate_out"));
-        be_.grouped_linear_forward(xe->f32() + r0 * d, P.w1->w.f32(), c.h1->f32(), c.offsets, El, d, f);
+        be_.grouped_linear_forward(xe->view() + r0 * d, P.w1->working(), c.h1->view(), c.offsets, El, d, f);
       }
       if (keep3) {
         c.h3 = h3;
         c.h3_row = r0;
       } else {
         c.h3 = share(act({c.rows, f}, "experts.up_out"));
-        be_.grouped_linear_forward(xe->f32() + r0 * d, P.w3->w.f32(), c.h3->f32(), c.offsets, El, d, f);
+        be_.grouped_linear_forward(xe->view() + r0 * d, P.w3->working(), c.h3->view(), c.offsets, El, d, f);
       }
     }
     if (keepa) {
@@ -267,7 +276,7 @@ void MoEModel::for_each_expert_chunk(int mb, int l, std::int64_t Rr, const std::
       c.a_row = r0;
     } else {
       c.a = share(act({c.rows, f}, "experts.act"));
-      be_.swiglu_forward(c.gate_rows(), c.up_rows(), c.a->f32(), c.rows * f);
+      be_.swiglu_forward(c.gate_rows(), c.up_rows(), c.a->view(), c.rows * f);
     }
     fn(c);
   }  // the chunk's own tensors go here (unless fn kept them)
@@ -361,7 +370,7 @@ LossParts MoEModel::forward(const std::int32_t* ids, const std::int32_t* targets
   return loss;
 }
 
-Tensor MoEModel::forward_stage(const std::int32_t* ids, const std::int32_t* targets, const float* x_in,
+Tensor MoEModel::forward_stage(const std::int32_t* ids, const std::int32_t* targets, CView x_in,
                                std::int64_t B, std::int64_t S, int mb, LossParts* loss, bool train) {
   LossParts local;
   Tensor out = forward_impl(ids, targets, x_in, B, S, mb, train, local, nullptr);
@@ -372,7 +381,7 @@ Tensor MoEModel::forward_stage(const std::int32_t* ids, const std::int32_t* targ
 // ---------------------------------------------------------------------------------------------
 // Whole stage
 
-Tensor MoEModel::forward_impl(const std::int32_t* ids, const std::int32_t* targets, const float* x_in,
+Tensor MoEModel::forward_impl(const std::int32_t* ids, const std::int32_t* targets, CView x_in,
                               std::int64_t B, std::int64_t S, int mb, bool train, LossParts& loss,
                               float* last_logits) {
   if (train && expert_impl_ != ExpertImpl::grouped_gemm)
@@ -387,9 +396,11 @@ Tensor MoEModel::forward_impl(const std::int32_t* ids, const std::int32_t* targe
   if (par_.embedding) {
     for (std::int64_t i = 0; i < n; ++i)
       if (ids[i] < 0 || ids[i] >= V) throw DataError(fmt::format("token id {} out of range [0, {}) at position {}", ids[i], V, i));
-    be_.embedding_forward(ids, embed_->w.f32(), x.f32(), n, d);
+    be_.embedding_forward(ids, embed_->working(), x.view(), n, d);
   } else {
-    be_.copy(x.f32(), x_in, Bytes(sizeof(float)) * n * d);
+    if (x_in.dtype != adt_)
+      throw Error(fmt::format("stage input is {} but the model runs in {}", to_string(x_in.dtype), to_string(adt_)));
+    be_.copy(x.raw(), x_in.data, x.nbytes());
   }
   for (int l = par_.first_layer; l < par_.last_layer; ++l) {
     op_context().layer = l;
@@ -402,13 +413,23 @@ Tensor MoEModel::forward_impl(const std::int32_t* ids, const std::int32_t* targe
   }
   op_context().layer = kHeadLayer;
   Tensor hn = act({n, d}, "final_norm.out");
-  Tensor rstd = act({n}, "final_norm.rstd");
-  be_.rmsnorm_forward(x.f32(), final_norm_->w.f32(), hn.f32(), rstd.f32(), n, d, float(cfg_.rms_norm_eps));
+  Tensor rstd = act({n}, "final_norm.rstd", DType::f32);
+  be_.rmsnorm_forward(x.view(), final_norm_->working(), hn.view(), rstd.f32(), n, d, float(cfg_.rms_norm_eps));
   Tensor logits = act({n, V}, "lm_head.logits");
-  be_.linear_forward(hn.f32(), lm_head_->w.f32(), logits.f32(), n, d, V);
-  if (last_logits)
-    for (std::int64_t b = 0; b < B; ++b)
-      be_.copy_to_host(last_logits + b * V, logits.f32() + ((b + 1) * S - 1) * V, Bytes(sizeof(float)) * V);
+  be_.linear_forward(hn.view(), lm_head_->working(), logits.view(), n, d, V);
+  if (last_logits) {
+    // Each sequence's last row, widened to fp32 on the host (bf16 -> f32 is exact).
+    std::vector<bf16> row(adt_ == DType::bf16 ? std::size_t(V) : 0);
+    for (std::int64_t b = 0; b < B; ++b) {
+      const CView src = logits.view() + ((b + 1) * S - 1) * V;
+      if (adt_ == DType::f32) {
+        be_.copy_to_host(last_logits + b * V, src.data, Bytes(sizeof(float)) * V);
+      } else {
+        be_.copy_to_host(row.data(), src.data, Bytes(sizeof(bf16)) * V);
+        for (std::int64_t v = 0; v < V; ++v) last_logits[b * V + v] = to_float(row[std::size_t(v)]);
+      }
+    }
+  }
   if (!targets) {
     if (train) throw Error("training needs targets");
     return Tensor();
@@ -416,8 +437,8 @@ Tensor MoEModel::forward_impl(const std::int32_t* ids, const std::int32_t* targe
   for (std::int64_t i = 0; i < n; ++i)
     if (targets[i] < 0 || targets[i] >= V) throw DataError(fmt::format("target id {} out of range [0, {}) at position {}", targets[i], V, i));
   {
-    Tensor losses = work({n}, "cross_entropy.losses");
-    loss.ce = be_.cross_entropy_forward(logits.f32(), targets, logits.f32(), losses.f32(), n, V);
+    Tensor losses = work({n}, "cross_entropy.losses", DType::f32);
+    loss.ce = be_.cross_entropy_forward(logits.view(), targets, logits.view(), losses.f32(), n, V);
   }
   loss.total = loss.ce + loss.aux + loss.z;
   if (train) {
@@ -432,16 +453,16 @@ Tensor MoEModel::forward_impl(const std::int32_t* ids, const std::int32_t* targe
     stash_.save(mb, kHeadLayer, "lm_head.probs", "cross_entropy", std::move(logits), [this, mb, targets, n, d, V] {
       auto hn = stash_.get(mb, kHeadLayer, "final_norm.out");
       Tensor probs = act({n, V}, "lm_head.logits");
-      be_.linear_forward(hn->f32(), lm_head_->w.f32(), probs.f32(), n, d, V);
-      Tensor losses = work({n}, "cross_entropy.losses");
-      be_.cross_entropy_forward(probs.f32(), targets, probs.f32(), losses.f32(), n, V);
+      be_.linear_forward(hn->view(), lm_head_->working(), probs.view(), n, d, V);
+      Tensor losses = work({n}, "cross_entropy.losses", DType::f32);
+      be_.cross_entropy_forward(probs.view(), targets, probs.view(), losses.f32(), n, V);
       return probs;
     });
   }
   return Tensor();
 }
 
-void MoEModel::backward_stage(const std::int32_t* ids, const std::int32_t* targets, const float* dy, float* dx_in,
+void MoEModel::backward_stage(const std::int32_t* ids, const std::int32_t* targets, CView dy, View dx_in,
                               std::int64_t B, std::int64_t S, int mb, double grad_scale) {
   const std::int64_t n = B * S, d = cfg_.hidden_size, V = cfg_.vocab_size;
   if (defer_wgrad_ && program_) {
@@ -463,15 +484,16 @@ void MoEModel::backward_stage(const std::int32_t* ids, const std::int32_t* targe
   op_context().layer = kHeadLayer;
   if (par_.head) {
     Shared probs = stash_.get(mb, kHeadLayer, "lm_head.probs");
-    be_.cross_entropy_backward(probs->f32(), targets, probs->f32(), n, V, float(grad_scale / double(n)));
+    be_.cross_entropy_backward(probs->view(), targets, probs->view(), n, V, float(grad_scale / double(n)));
     Tensor dhn = work({n, d}, "lm_head.dx");
-    linear_bw(mb, probs, stash_.get(mb, kHeadLayer, "final_norm.out"), lm_head_, dhn.f32(),
+    linear_bw(mb, probs, stash_.get(mb, kHeadLayer, "final_norm.out"), lm_head_, dhn.view(),
               n, d, V, false);
     Shared x = stash_.get(mb, kHeadLayer, "final_norm.in"), rstd = stash_.get(mb, kHeadLayer, "final_norm.rstd");
-    be_.rmsnorm_backward(dhn.f32(), x->f32(), final_norm_->w.f32(), rstd->f32(), dx.f32(), final_norm_->g.f32(), n,
+    be_.rmsnorm_backward(dhn.view(), x->view(), final_norm_->working(), rstd->f32(), dx.view(), final_norm_->g.f32(), n,
                          d);
   } else {
-    be_.copy(dx.f32(), dy, Bytes(sizeof(float)) * n * d);
+    if (dy.dtype != adt_) throw Error(fmt::format("stage output gradient is {} but the model runs in {}", to_string(dy.dtype), to_string(adt_)));
+    be_.copy(dx.raw(), dy.data, dx.nbytes());
   }
   stash_.release_layer(mb, kHeadLayer);
   for (int l = par_.last_layer - 1; l >= par_.first_layer; --l) {
@@ -486,9 +508,10 @@ void MoEModel::backward_stage(const std::int32_t* ids, const std::int32_t* targe
     // Part of W when the backward is split: with tied embeddings, the LM head's dW
     // (queued first) and this scatter then add up in the same order either way.
     Shared g = share(std::move(dx));
-    weight_grad(mb, [g, ids, n, d, this] { be_.embedding_backward(ids, g->f32(), embed_->g.f32(), n, d); });
+    weight_grad(mb, [g, ids, n, d, this] { be_.embedding_backward(ids, g->view(), embed_->g.f32(), n, d); });
   } else {
-    be_.copy(dx_in, dx.f32(), Bytes(sizeof(float)) * n * d);
+    if (dx_in.dtype != adt_) throw Error(fmt::format("stage input gradient is {} but the model runs in {}", to_string(dx_in.dtype), to_string(adt_)));
+    be_.copy(dx_in.data, dx.raw(), dx.nbytes());
   }
   stash_.release_microbatch(mb);
 }
@@ -499,19 +522,19 @@ void MoEModel::backward_stage(const std::int32_t* ids, const std::int32_t* targe
 void MoEModel::attention_forward(int l, Tensor& x, std::int64_t B, std::int64_t S, int mb, bool train) {
   const LayerParams& P = layer(l);
   const std::int64_t n = B * S, d = cfg_.hidden_size, H = cfg_.num_attention_heads, hd = cfg_.head_dim();
-  Tensor a = act({n, d}, "attn_norm.out"), rstd = act({n}, "attn_norm.rstd");
-  be_.rmsnorm_forward(x.f32(), P.in_norm->w.f32(), a.f32(), rstd.f32(), n, d, float(cfg_.rms_norm_eps));
+  Tensor a = act({n, d}, "attn_norm.out"), rstd = act({n}, "attn_norm.rstd", DType::f32);
+  be_.rmsnorm_forward(x.view(), P.in_norm->working(), a.view(), rstd.f32(), n, d, float(cfg_.rms_norm_eps));
   Tensor q = act({n, d}, "attn.q"), k = act({n, d}, "attn.k"), v = act({n, d}, "attn.v");
-  be_.linear_forward(a.f32(), P.q->w.f32(), q.f32(), n, d, d);
-  be_.linear_forward(a.f32(), P.k->w.f32(), k.f32(), n, d, d);
-  be_.linear_forward(a.f32(), P.v->w.f32(), v.f32(), n, d, d);
-  be_.rope_forward(q.f32(), B, S, H, hd, cfg_.rope_theta);
-  be_.rope_forward(k.f32(), B, S, H, hd, cfg_.rope_theta);
+  be_.linear_forward(a.view(), P.q->working(), q.view(), n, d, d);
+  be_.linear_forward(a.view(), P.k->working(), k.view(), n, d, d);
+  be_.linear_forward(a.view(), P.v->working(), v.view(), n, d, d);
+  be_.rope_forward(q.view(), B, S, H, hd, cfg_.rope_theta);
+  be_.rope_forward(k.view(), B, S, H, hd, cfg_.rope_theta);
   Tensor o = act({n, d}, "attn.out"), probs = act({B, H, S, S}, "attn.probs");
-  be_.attention_forward(q.f32(), k.f32(), v.f32(), o.f32(), probs.f32(), B, S, H, hd);
+  be_.attention_forward(q.view(), k.view(), v.view(), o.view(), probs.view(), B, S, H, hd);
   Tensor h = act({n, d}, "attn.residual");
-  be_.linear_forward(o.f32(), P.o->w.f32(), h.f32(), n, d, d);
-  be_.add_inplace(h.f32(), x.f32(), n * d);
+  be_.linear_forward(o.view(), P.o->working(), h.view(), n, d, d);
+  be_.add_inplace(h.view(), x.view(), n * d);
   if (train) {
     rope_seq_ = S;
     batch_ = B;
@@ -533,7 +556,7 @@ void MoEModel::attention_forward(int l, Tensor& x, std::int64_t B, std::int64_t 
         if (!want_probs) o = act({n, d}, "attn.out");
         probs = act({B, H, S, S}, "attn.probs");
         if (want_probs) o = act({n, d}, "attn.out");
-        be_.attention_forward(q->f32(), k->f32(), v->f32(), o.f32(), probs.f32(), B, S, H, hd);
+        be_.attention_forward(q->view(), k->view(), v->view(), o.view(), probs.view(), B, S, H, hd);
         return want_probs ? std::move(probs) : std::move(o);
       };
     };
@@ -551,38 +574,38 @@ void MoEModel::attention_backward(int l, Tensor& dx, std::int64_t B, std::int64_
     // dx keeps changing (the residual stream), so a deferred o_proj dW gets a copy.
     Tensor dout = work({n, d}, "attn.dout");
     Shared o = stash_.get(mb, l, "attn.out");  // o_proj's input; the flash backward reads it too
-    linear_bw(mb, defer_wgrad_ ? copy_of(dx, "attn.o_proj.dy") : borrow(dx), o, P.o, dout.f32(), n, d, d, false);
+    linear_bw(mb, defer_wgrad_ ? copy_of(dx, "attn.o_proj.dy") : borrow(dx), o, P.o, dout.view(), n, d, d, false);
     Shared q = stash_.get(mb, l, "attn.q"), k = stash_.get(mb, l, "attn.k"), v = stash_.get(mb, l, "attn.v");
     Shared probs = stash_.get(mb, l, "attn.probs");
     Tensor dprobs = work({B, H, S, S}, "attn.dprobs");
-    be_.attention_backward(dout.f32(), q->f32(), k->f32(), v->f32(), o->f32(), probs->f32(), dq.f32(), dk.f32(),
-                           dv.f32(), dprobs.f32(), B, S, H, hd);
+    be_.attention_backward(dout.view(), q->view(), k->view(), v->view(), o->view(), probs->view(), dq.view(), dk.view(),
+                           dv.view(), dprobs.view(), B, S, H, hd);
   }
-  be_.rope_backward(dq.f32(), B, S, H, hd, cfg_.rope_theta);
-  be_.rope_backward(dk.f32(), B, S, H, hd, cfg_.rope_theta);
+  be_.rope_backward(dq.view(), B, S, H, hd, cfg_.rope_theta);
+  be_.rope_backward(dk.view(), B, S, H, hd, cfg_.rope_theta);
   Shared a = stash_.get(mb, l, "attn_norm.out");
   Tensor da = work({n, d}, "attn_norm.dout");
-  linear_bw(mb, share(std::move(dq)), a, P.q, da.f32(), n, d, d, false);
-  linear_bw(mb, share(std::move(dk)), a, P.k, da.f32(), n, d, d, true);
-  linear_bw(mb, share(std::move(dv)), a, P.v, da.f32(), n, d, d, true);
+  linear_bw(mb, share(std::move(dq)), a, P.q, da.view(), n, d, d, false);
+  linear_bw(mb, share(std::move(dk)), a, P.k, da.view(), n, d, d, true);
+  linear_bw(mb, share(std::move(dv)), a, P.v, da.view(), n, d, d, true);
   a.reset();
   Shared x = stash_.get(mb, l, "attn_norm.in"), rstd = stash_.get(mb, l, "attn_norm.rstd");
   Tensor dtmp = work({n, d}, "attn_norm.dx");
-  be_.rmsnorm_backward(da.f32(), x->f32(), P.in_norm->w.f32(), rstd->f32(), dtmp.f32(), P.in_norm->g.f32(), n, d);
-  be_.add_inplace(dx.f32(), dtmp.f32(), n * d);
+  be_.rmsnorm_backward(da.view(), x->view(), P.in_norm->working(), rstd->f32(), dtmp.view(), P.in_norm->g.f32(), n, d);
+  be_.add_inplace(dx.view(), dtmp.view(), n * d);
 }
 
 // ---------------------------------------------------------------------------------------------
 // FFN block: x <- x + FFN(RMSNorm(x)), FFN = dense SwiGLU or MoE (+ shared experts)
 
-void MoEModel::swiglu_mlp_forward(const float* m, Param* w1, Param* w3, Param* w2, float* y, std::int64_t n, int l,
+void MoEModel::swiglu_mlp_forward(CView m, Param* w1, Param* w3, Param* w2, View y, std::int64_t n, int l,
                                   int mb, bool train, const char* prefix, bool accumulate) {
   const std::int64_t d = cfg_.hidden_size, w = w1->w.dim(0);
   Tensor h1 = act({n, w}, "mlp.gate_out"), h3 = act({n, w}, "mlp.up_out"), a = act({n, w}, "mlp.act");
-  be_.linear_forward(m, w1->w.f32(), h1.f32(), n, d, w);
-  be_.linear_forward(m, w3->w.f32(), h3.f32(), n, d, w);
-  be_.swiglu_forward(h1.f32(), h3.f32(), a.f32(), n * w);
-  be_.gemm(false, true, n, d, w, 1.0f, a.f32(), w, w2->w.f32(), w, accumulate ? 1.0f : 0.0f, y, d);
+  be_.linear_forward(m, w1->working(), h1.view(), n, d, w);
+  be_.linear_forward(m, w3->working(), h3.view(), n, d, w);
+  be_.swiglu_forward(h1.view(), h3.view(), a.view(), n * w);
+  be_.gemm(false, true, n, d, w, 1.0f, a.view(), w, w2->working(), w, accumulate ? 1.0f : 0.0f, y, d);
   if (train && std::string_view(prefix) == "dense")
     plan_saves(mb, l, SavePoint::dense_ffn,
                {{"dense.gate_out", "linear", &h1, true}, {"dense.up_out", "linear", &h3, true},
@@ -595,15 +618,15 @@ void MoEModel::swiglu_mlp_forward(const float* m, Param* w1, Param* w3, Param* w
   }
 }
 
-void MoEModel::swiglu_mlp_backward(const Shared& dy, const Shared& m, Param* w1, Param* w3, Param* w2, float* dm,
+void MoEModel::swiglu_mlp_backward(const Shared& dy, const Shared& m, Param* w1, Param* w3, Param* w2, View dm,
                                    std::int64_t n, int l, int mb, const char* prefix) {
   const std::int64_t d = cfg_.hidden_size, w = w1->w.dim(0);
   Tensor da = work({n, w}, "mlp.dact");
-  linear_bw(mb, dy, stash_.get(mb, l, fmt::format("{}.act", prefix)), w2, da.f32(), n, w, d, false);
+  linear_bw(mb, dy, stash_.get(mb, l, fmt::format("{}.act", prefix)), w2, da.view(), n, w, d, false);
   Shared h1 = stash_.get(mb, l, fmt::format("{}.gate_out", prefix));
   Shared h3 = stash_.get(mb, l, fmt::format("{}.up_out", prefix));
   Tensor dh1 = work({n, w}, "mlp.dgate"), dh3 = work({n, w}, "mlp.dup");
-  be_.swiglu_backward(da.f32(), h1->f32(), h3->f32(), dh1.f32(), dh3.f32(), n * w);
+  be_.swiglu_backward(da.view(), h1->view(), h3->view(), dh1.view(), dh3.view(), n * w);
   h1.reset();
   h3.reset();
   da.reset();
@@ -614,22 +637,22 @@ void MoEModel::swiglu_mlp_backward(const Shared& dy, const Shared& m, Param* w1,
 void MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train, LossParts& loss) {
   const LayerParams& P = layer(l);
   const std::int64_t d = cfg_.hidden_size;
-  Tensor m = act({n, d}, "ffn_norm.out"), rstd = act({n}, "ffn_norm.rstd");
-  be_.rmsnorm_forward(x.f32(), P.post_norm->w.f32(), m.f32(), rstd.f32(), n, d, float(cfg_.rms_norm_eps));
+  Tensor m = act({n, d}, "ffn_norm.out"), rstd = act({n}, "ffn_norm.rstd", DType::f32);
+  be_.rmsnorm_forward(x.view(), P.post_norm->working(), m.view(), rstd.f32(), n, d, float(cfg_.rms_norm_eps));
   Tensor out = act({n, d}, "ffn.residual");
   if (!cfg_.is_moe_layer(l)) {
-    swiglu_mlp_forward(m.f32(), P.s1, P.s3, P.s2, out.f32(), n, l, mb, train, "dense", false);
+    swiglu_mlp_forward(m.view(), P.s1, P.s3, P.s2, out.view(), n, l, mb, train, "dense", false);
   } else {
     const std::int64_t E = cfg_.num_experts, k = cfg_.num_experts_per_tok, f = cfg_.moe_intermediate_size;
-    Tensor logits = act({n, E}, "router.logits"), probs = act({n, E}, "router.probs");
-    Tensor idx = act({n, k}, "router.topk_idx", DType::i32), w = act({n, k}, "router.topk_w");
-    be_.linear_forward(m.f32(), P.gate->w.f32(), logits.f32(), n, d, E);
+    Tensor logits = act({n, E}, "router.logits"), probs = act({n, E}, "router.probs", DType::f32);
+    Tensor idx = act({n, k}, "router.topk_idx", DType::i32), w = act({n, k}, "router.topk_w", DType::f32);
+    be_.linear_forward(m.view(), P.gate->working(), logits.view(), n, d, E);
     const double skew = router_skew_;
     const int skew_groups = dispatcher_.active() ? dispatcher_.ep_size() : int(E);
-    if (skew > 1) be_.skew_router_logits(logits.f32(), n, E, k, skew_groups, skew);
-    be_.router_forward(logits.f32(), probs.f32(), idx.i32(), w.f32(), n, E, k, cfg_.norm_topk_prob);
+    if (skew > 1) be_.skew_router_logits(logits.view(), n, E, k, skew_groups, skew);
+    be_.router_forward(logits.view(), probs.f32(), idx.i32(), w.f32(), n, E, k, cfg_.norm_topk_prob);
     loss.aux += be_.aux_loss_forward(probs.f32(), idx.i32(), n, E, k, cfg_.router_aux_loss_coef);
-    if (cfg_.router_z_loss_coef > 0) loss.z += be_.z_loss_forward(logits.f32(), n, E, cfg_.router_z_loss_coef);
+    if (cfg_.router_z_loss_coef > 0) loss.z += be_.z_loss_forward(logits.view(), n, E, cfg_.router_z_loss_coef);
 
     Tensor counts = act({E}, "moe.counts", DType::i32), offsets = act({E + 1}, "moe.offsets", DType::i32);
     Tensor slot_of = act({n * k}, "moe.slot_of", DType::i32);
@@ -657,13 +680,14 @@ void MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train,
 
     if (expert_impl_ == ExpertImpl::sequential_reference) {
       if (dispatcher_.active()) throw Error("the sequential-experts reference path needs all experts on one rank");
-      if (!be_.host_memory()) throw Error("the sequential-experts reference path runs on the CPU only");
+      if (!be_.host_memory() || adt_ != DType::f32)
+        throw Error("the sequential-experts reference path runs on the CPU in fp32 only");
       ops::moe_experts_reference(m.f32(), idx.i32(), w.f32(), slot_of.i32(), P.w1->w.f32(), P.w3->w.f32(),
                                  P.w2->w.f32(), out.f32(), n, d, f, k);
     } else {
       // route -> permute -> dispatch -> grouped-GEMM experts -> combine -> unpermute
       Tensor xp = act({R, d}, "moe.permuted");
-      be_.permute_forward(m.f32(), slot_of.i32(), xp.f32(), n, k, d);
+      be_.permute_forward(m.view(), slot_of.i32(), xp.view(), n, k, d);
       DispatchLayout L = dispatcher_.plan(host_counts.data());
       routing_.back().received_rows = L.rows_received;
       const std::int64_t El = dispatcher_.local_experts(), Rr = L.rows_received;
@@ -672,7 +696,7 @@ void MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train,
       if (dispatcher_.active()) {
         xe = act({Rr, d}, "moe.dispatched");
         Tensor scratch = work({Rr, d}, "moe.a2a_scratch");
-        dispatcher_.dispatch(L, xp.f32(), xe.f32(), d, scratch.f32());
+        dispatcher_.dispatch(L, xp.view(), xe.view(), d, scratch.view());
         xp.reset();
       } else {
         xe = std::move(xp);
@@ -683,8 +707,8 @@ void MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train,
       // FC1 outputs and activation are the chunk's own unless kept.
       const bool ep = dispatcher_.active();
       const std::int64_t chunk = cfg_.expert_chunk(Rr);
-      const Bytes fc_bytes = Bytes(sizeof(float)) * Rr * f;
-      const Bytes fc_chunk = Rr > 0 ? Arena::round_up(Bytes(sizeof(float)) * chunk * f) : 0;
+      const Bytes fc_bytes = dtype_size(adt_) * Rr * f;
+      const Bytes fc_chunk = Rr > 0 ? Arena::round_up(dtype_size(adt_) * chunk * f) : 0;
       bool keep1 = false, keep3 = false, keepa = false;  // held whole: saved or offloaded
       if (train) {
         stash_.set_routing_context(Rr, n * k / dispatcher_.ep_size());
@@ -693,7 +717,7 @@ void MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train,
                     {"experts.gate_out", "grouped_gemm", nullptr, true, fc_bytes, fc_chunk},
                     {"experts.up_out", "grouped_gemm", nullptr, true, fc_bytes, fc_chunk},
                     {"experts.act", "swiglu", nullptr, true, fc_bytes, fc_chunk},
-                    {"moe.combined", "grouped_gemm", nullptr, !ep, Bytes(sizeof(float)) * R * d},
+                    {"moe.combined", "grouped_gemm", nullptr, !ep, dtype_size(adt_) * R * d},
                     {"router.logits", "linear", &logits, true}, {"router.probs", "router", &probs, true},
                     {"router.topk_idx", "router", &idx, false}, {"router.topk_w", "router", &w, true},
                     {"moe.offsets", "dispatch", &offsets, false}, {"moe.slot_of", "dispatch", &slot_of, false},
@@ -716,26 +740,26 @@ void MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train,
           Tensor t1 = keep1 ? Tensor() : act({cr, f}, "experts.gate_out");
           Tensor t3 = keep3 ? Tensor() : act({cr, f}, "experts.up_out");
           Tensor ta = keepa ? Tensor() : act({cr, f}, "experts.act");
-          float* g = keep1 ? h1.f32() + r0 * f : t1.f32();
-          float* u = keep3 ? h3.f32() + r0 * f : t3.f32();
-          float* av = keepa ? a.f32() + r0 * f : ta.f32();
-          const float* xc = xe.f32() + r0 * d;
-          be_.grouped_linear_forward(xc, P.w1->w.f32(), g, loc.data(), El, d, f);
-          be_.grouped_linear_forward(xc, P.w3->w.f32(), u, loc.data(), El, d, f);
+          const View g = keep1 ? h1.view() + r0 * f : t1.view();
+          const View u = keep3 ? h3.view() + r0 * f : t3.view();
+          const View av = keepa ? a.view() + r0 * f : ta.view();
+          const CView xc = xe.view() + r0 * d;
+          be_.grouped_linear_forward(xc, P.w1->working(), g, loc.data(), El, d, f);
+          be_.grouped_linear_forward(xc, P.w3->working(), u, loc.data(), El, d, f);
           be_.swiglu_forward(g, u, av, cr * f);
-          be_.grouped_linear_forward(av, P.w2->w.f32(), ye.f32() + r0 * d, loc.data(), El, f, d);
+          be_.grouped_linear_forward(av, P.w2->working(), ye.view() + r0 * d, loc.data(), El, f, d);
         }
       }
       Tensor yp;
       if (dispatcher_.active()) {
         yp = act({R, d}, "moe.combined");
         Tensor scratch = work({Rr, d}, "moe.a2a_scratch");
-        dispatcher_.combine(L, ye.f32(), yp.f32(), d, scratch.f32());
+        dispatcher_.combine(L, ye.view(), yp.view(), d, scratch.view());
         ye.reset();
       } else {
         yp = std::move(ye);
       }
-      be_.unpermute_forward(yp.f32(), slot_of.i32(), w.f32(), out.f32(), n, k, d);
+      be_.unpermute_forward(yp.view(), slot_of.i32(), w.f32(), out.view(), n, k, d);
       if (train) {
         // Lineage: the permutation is local without EP; with EP, dispatch and combine
         // are all-to-alls, which a backward cannot replay alone, so they have none.
@@ -745,13 +769,13 @@ void MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train,
           xe_fn = [this, mb, l, n, k, d, R] {
             auto m = stash_.get(mb, l, "ffn_norm.out"), slot = stash_.get(mb, l, "moe.slot_of");
             Tensor t = act({R, d}, "moe.permuted");
-            be_.permute_forward(m->f32(), slot->i32(), t.f32(), n, k, d);
+            be_.permute_forward(m->view(), slot->i32(), t.view(), n, k, d);
             return t;
           };
           yp_fn = [this, mb, l, offs, El, Rr, f, d, W2 = P.w2] {  // the down projection, chunk by chunk
             Tensor t = act({Rr, d}, "experts.out");
             for_each_expert_chunk(mb, l, Rr, *offs, false, [&](ExpertChunk& c) {
-              be_.grouped_linear_forward(c.act_rows(), W2->w.f32(), t.f32() + c.r0 * d, c.offsets, El, f, d);
+              be_.grouped_linear_forward(c.act_rows(), W2->working(), t.view() + c.r0 * d, c.offsets, El, f, d);
             });
             return t;
           };
@@ -760,7 +784,7 @@ void MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train,
           return [this, mb, l, offs, El, Rr, d, f, W] {
             auto x = stash_.get(mb, l, "experts.in");
             Tensor t = act({Rr, f}, "experts.fc1");
-            be_.grouped_linear_forward(x->f32(), W->w.f32(), t.f32(), offs->data(), El, d, f);
+            be_.grouped_linear_forward(x->view(), W->working(), t.view(), offs->data(), El, d, f);
             return t;
           };
         };
@@ -778,7 +802,7 @@ void MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train,
         dispatch_layouts_[{mb, l}] = std::move(L);
       }
     }
-    if (P.s1) swiglu_mlp_forward(m.f32(), P.s1, P.s3, P.s2, out.f32(), n, l, mb, train, "shared", true);
+    if (P.s1) swiglu_mlp_forward(m.view(), P.s1, P.s3, P.s2, out.view(), n, l, mb, train, "shared", true);
     if (train) {
       auto route = [this, mb, l, n, E, k](bool want_probs) -> RecomputeFn {
         return [this, mb, l, n, E, k, want_probs] {
@@ -786,11 +810,11 @@ void MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train,
           // The one returned first: the other is freed at once and, allocated above it,
           // leaves no hole under the returned block (which its backward then holds).
           Tensor pr, wt;
-          if (want_probs) pr = act({n, E}, "router.probs");
-          wt = act({n, k}, "router.topk_w");
-          if (!want_probs) pr = act({n, E}, "router.probs");
+          if (want_probs) pr = act({n, E}, "router.probs", DType::f32);
+          wt = act({n, k}, "router.topk_w", DType::f32);
+          if (!want_probs) pr = act({n, E}, "router.probs", DType::f32);
           Tensor ix = work({n, k}, "router.topk_idx", DType::i32);
-          be_.router_forward(lg->f32(), pr.f32(), ix.i32(), wt.f32(), n, E, k, cfg_.norm_topk_prob);
+          be_.router_forward(lg->view(), pr.f32(), ix.i32(), wt.f32(), n, E, k, cfg_.norm_topk_prob);
           return want_probs ? std::move(pr) : std::move(wt);
         };
       };
@@ -798,7 +822,7 @@ void MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train,
       if (skew > 1)  // the injected skew is a pure function of the logits: replay it
         logits_fn = [this, inner = std::move(logits_fn), n, E, k, skew_groups, skew] {
           Tensor t = inner();
-          be_.skew_router_logits(t.f32(), n, E, k, skew_groups, skew);
+          be_.skew_router_logits(t.view(), n, E, k, skew_groups, skew);
           return t;
         };
       stash_.save(mb, l, "router.logits", "router", std::move(logits), std::move(logits_fn));
@@ -809,7 +833,7 @@ void MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train,
       stash_.save(mb, l, "moe.slot_of", "dispatch", std::move(slot_of));
     }
   }
-  be_.add_inplace(out.f32(), x.f32(), n * d);
+  be_.add_inplace(out.view(), x.view(), n * d);
   if (train) {
     if (!cfg_.is_moe_layer(l)) stash_.set_routing_context(0, 0);
     stash_.save(mb, l, "ffn_norm.in", "residual", std::move(x));
@@ -830,7 +854,7 @@ void MoEModel::ffn_backward(int l, Tensor& dx, std::int64_t n, int mb, double gr
   Shared dy = defer_wgrad_ ? copy_of(dx, "ffn.dy") : borrow(dx);
   if (!cfg_.is_moe_layer(l)) {
     dm.zero();
-    swiglu_mlp_backward(dy, m, P.s1, P.s3, P.s2, dm.f32(), n, l, mb, "dense");
+    swiglu_mlp_backward(dy, m, P.s1, P.s3, P.s2, dm.view(), n, l, mb, "dense");
   } else {
     const std::int64_t E = cfg_.num_experts, k = cfg_.num_experts_per_tok, f = cfg_.moe_intermediate_size;
     Shared offsets = stash_.get(mb, l, "moe.offsets"), slot_of = stash_.get(mb, l, "moe.slot_of");
@@ -843,7 +867,7 @@ void MoEModel::ffn_backward(int l, Tensor& dx, std::int64_t n, int mb, double gr
     const std::int64_t El = dispatcher_.local_experts(), Rr = L.rows_received;
     // Without EP the layout's offsets are the dispatch offsets (plan() sums the same counts).
     const std::int64_t R = L.rows_sent;
-    Tensor dw = work({n, k}, "router.dtopk_w");
+    Tensor dw = work({n, k}, "router.dtopk_w", DType::f32);
     {
       // The backward of combine is dispatch, and the backward of dispatch is combine.
       // With EP, experts.dout outlives moe.dcombined: allocated first (workspace grows
@@ -853,11 +877,11 @@ void MoEModel::ffn_backward(int l, Tensor& dx, std::int64_t n, int mb, double gr
       {
         Tensor dyp = work({R, d}, "moe.dcombined");
         Shared yp = stash_.get(mb, l, "moe.combined");
-        be_.unpermute_backward(dx.f32(), yp->f32(), slot_of->i32(), w->f32(), dyp.f32(), dw.f32(), n, k, d);
+        be_.unpermute_backward(dx.view(), yp->view(), slot_of->i32(), w->f32(), dyp.view(), dw.f32(), n, k, d);
         yp.reset();
         if (dispatcher_.active()) {
           Tensor scratch = work({Rr, d}, "moe.a2a_scratch");
-          dispatcher_.dispatch(L, dyp.f32(), dye.f32(), d, scratch.f32());
+          dispatcher_.dispatch(L, dyp.view(), dye.view(), d, scratch.view());
         } else {
           dye = std::move(dyp);
         }
@@ -873,7 +897,7 @@ void MoEModel::ffn_backward(int l, Tensor& dx, std::int64_t n, int mb, double gr
                             std::int64_t in, std::int64_t out, const std::int32_t* loc) {
         auto run = [this, dyy, dy_row, xx, x_row, W, El, in, out,
                     offs = std::vector<std::int32_t>(loc, loc + El + 1)] {
-          be_.grouped_linear_backward(dyy->f32() + dy_row * out, xx->f32() + x_row * in, W->w.f32(), nullptr,
+          be_.grouped_linear_backward(dyy->view() + dy_row * out, xx->view() + x_row * in, W->working(), nullptr,
                                       W->g.f32(), offs.data(), El, in, out);
         };
         if (defer_experts) weight_grad(mb, std::move(run));
@@ -885,7 +909,7 @@ void MoEModel::ffn_backward(int l, Tensor& dx, std::int64_t n, int mb, double gr
       // (dye and dxe are both [Rr, d]), unless W2's dW waits for dye: then their own,
       // allocated once the chunk's gradients are (the rows make one chunk then).
       Tensor dxe_own;
-      float* dxe = defer_experts ? nullptr : dyes->f32();
+      View dxe = defer_experts ? View() : dyes->view();
       // Per chunk, the gradients' blocks come before the rebuilt FC1 outputs, which go
       // first (a stack, so that the chunk leaves no holes between held blocks); a
       // rebuilt activation is only read by W2's dW and is rebuilt into dact's block
@@ -901,25 +925,25 @@ void MoEModel::ffn_backward(int l, Tensor& dx, std::int64_t n, int mb, double gr
       for (std::int64_t r0 = 0; r0 < Rr; r0 += chunk) {
         const std::int64_t cr = std::min(chunk, Rr - r0);
         chunk_offsets(L.local_offsets.data(), El, r0, cr, loc.data());
-        const float* dyc = dyes->f32() + r0 * d;
-        const float* xc = xe->f32() + r0 * d;
+        const CView dyc = dyes->view() + r0 * d;
+        const CView xc = xe->view() + r0 * d;
         // dgate and dup outlive dact: allocated first, so that dact's block, freed
         // first, is the lowest of the workspace stack (no hole above the later ones).
         Shared dh1 = share(work({cr, f}, "experts.dgate")), dh3 = share(work({cr, f}, "experts.dup"));
         Shared dac = share(work({cr, f}, "experts.dact"));
-        be_.grouped_linear_backward(dyc, keepa ? aw->f32() + r0 * f : dac->f32(), P.w2->w.f32(), dac->f32(), nullptr,
+        be_.grouped_linear_backward(dyc, keepa ? aw->view() + r0 * f : dac->view(), P.w2->working(), dac->view(), nullptr,
                                     loc.data(), El, f, d);  // (dx only: the activation is not read)
         Tensor t1 = keep1 ? Tensor() : act({cr, f}, "experts.gate_out");
         Tensor t3 = keep3 ? Tensor() : act({cr, f}, "experts.up_out");
-        if (!keep1) be_.grouped_linear_forward(xc, P.w1->w.f32(), t1.f32(), loc.data(), El, d, f);
-        if (!keep3) be_.grouped_linear_forward(xc, P.w3->w.f32(), t3.f32(), loc.data(), El, d, f);
-        const float* g = keep1 ? h1w->f32() + r0 * f : t1.f32();
-        const float* u = keep3 ? h3w->f32() + r0 * f : t3.f32();
-        be_.swiglu_backward(dac->f32(), g, u, dh1->f32(), dh3->f32(), cr * f);
+        if (!keep1) be_.grouped_linear_forward(xc, P.w1->working(), t1.view(), loc.data(), El, d, f);
+        if (!keep3) be_.grouped_linear_forward(xc, P.w3->working(), t3.view(), loc.data(), El, d, f);
+        const CView g = keep1 ? CView(h1w->view() + r0 * f) : CView(t1.view());
+        const CView u = keep3 ? CView(h3w->view() + r0 * f) : CView(t3.view());
+        be_.swiglu_backward(dac->view(), g, u, dh1->view(), dh3->view(), cr * f);
         if (keepa) {
           grouped_dw(dyes, r0, aw, r0, P.w2, f, d, loc.data());
         } else {
-          be_.swiglu_forward(g, u, dac->f32(), cr * f);  // the activation, in dact's block
+          be_.swiglu_forward(g, u, dac->view(), cr * f);  // the activation, in dact's block
           grouped_dw(dyes, r0, dac, 0, P.w2, f, d, loc.data());
         }
         t3.reset();
@@ -927,15 +951,15 @@ void MoEModel::ffn_backward(int l, Tensor& dx, std::int64_t n, int mb, double gr
         dac.reset();  // (W2's dW may still hold the activation in it)
         if (!dxe) {
           dxe_own = work({Rr, d}, "experts.din");
-          dxe = dxe_own.f32();
+          dxe = dxe_own.view();
         }
-        float* dxc = dxe + r0 * d;
-        be_.grouped_linear_backward(dh1->f32(), xc, P.w1->w.f32(), dxc, nullptr, loc.data(), El, d, f);
+        const View dxc = dxe + r0 * d;
+        be_.grouped_linear_backward(dh1->view(), xc, P.w1->working(), dxc, nullptr, loc.data(), El, d, f);
         grouped_dw(dh1, 0, xe, r0, P.w1, d, f, loc.data());
         Tensor dx3 = work({cr, d}, "experts.din_up");
-        be_.grouped_linear_backward(dh3->f32(), xc, P.w3->w.f32(), dx3.f32(), nullptr, loc.data(), El, d, f);
+        be_.grouped_linear_backward(dh3->view(), xc, P.w3->working(), dx3.view(), nullptr, loc.data(), El, d, f);
         grouped_dw(dh3, 0, xe, r0, P.w3, d, f, loc.data());
-        be_.add_inplace(dxc, dx3.f32(), cr * d);
+        be_.add_inplace(dxc, dx3.view(), cr * d);
       }
       h1w.reset();
       h3w.reset();
@@ -943,35 +967,35 @@ void MoEModel::ffn_backward(int l, Tensor& dx, std::int64_t n, int mb, double gr
       xe.reset();
       if (!dxe) {  // (defensive: with defer_experts there are rows, and the first chunk allocated it)
         dxe_own = work({Rr, d}, "experts.din");
-        dxe = dxe_own.f32();
+        dxe = dxe_own.view();
       }
       if (dispatcher_.active()) {
         Tensor dxp = work({R, d}, "moe.dpermuted");
         Tensor scratch = work({Rr, d}, "moe.a2a_scratch");
-        dispatcher_.combine(L, dxe, dxp.f32(), d, scratch.f32());
-        be_.permute_backward(dxp.f32(), slot_of->i32(), dm.f32(), n, k, d);
+        dispatcher_.combine(L, dxe, dxp.view(), d, scratch.view());
+        be_.permute_backward(dxp.view(), slot_of->i32(), dm.view(), n, k, d);
       } else {
-        be_.permute_backward(dxe, slot_of->i32(), dm.f32(), n, k, d);
+        be_.permute_backward(dxe, slot_of->i32(), dm.view(), n, k, d);
       }
     }
-    if (P.s1) swiglu_mlp_backward(dy, m, P.s1, P.s3, P.s2, dm.f32(), n, l, mb, "shared");
+    if (P.s1) swiglu_mlp_backward(dy, m, P.s1, P.s3, P.s2, dm.view(), n, l, mb, "shared");
     Shared probs = stash_.get(mb, l, "router.probs"), logits = stash_.get(mb, l, "router.logits");
-    Tensor dprobs = work({n, E}, "router.dprobs");
+    Tensor dprobs = work({n, E}, "router.dprobs", DType::f32);
     dprobs.zero();
     be_.aux_loss_backward(idx->i32(), dprobs.f32(), n, E, k, cfg_.router_aux_loss_coef * grad_scale);
     Tensor dlogits = work({n, E}, "router.dlogits");
-    be_.router_backward(dw.f32(), dprobs.f32(), probs->f32(), idx->i32(), dlogits.f32(), n, E, k,
+    be_.router_backward(dw.f32(), dprobs.f32(), probs->f32(), idx->i32(), dlogits.view(), n, E, k,
                         cfg_.norm_topk_prob);
     if (cfg_.router_z_loss_coef > 0)
-      be_.z_loss_backward(logits->f32(), dlogits.f32(), n, E, cfg_.router_z_loss_coef * grad_scale);
-    linear_bw(mb, share(std::move(dlogits)), m, P.gate, dm.f32(), n, d, E, true);
+      be_.z_loss_backward(logits->view(), dlogits.view(), n, E, cfg_.router_z_loss_coef * grad_scale);
+    linear_bw(mb, share(std::move(dlogits)), m, P.gate, dm.view(), n, d, E, true);
   }
   m.reset();
   dy.reset();
   Shared h = stash_.get(mb, l, "ffn_norm.in"), rstd = stash_.get(mb, l, "ffn_norm.rstd");
   Tensor dtmp = work({n, d}, "ffn_norm.dx");
-  be_.rmsnorm_backward(dm.f32(), h->f32(), P.post_norm->w.f32(), rstd->f32(), dtmp.f32(), P.post_norm->g.f32(), n, d);
-  be_.add_inplace(dx.f32(), dtmp.f32(), n * d);
+  be_.rmsnorm_backward(dm.view(), h->view(), P.post_norm->working(), rstd->f32(), dtmp.view(), P.post_norm->g.f32(), n, d);
+  be_.add_inplace(dx.view(), dtmp.view(), n * d);
 }
 
 }  // namespace moeflex

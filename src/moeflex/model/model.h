@@ -20,17 +20,22 @@
 
 namespace moeflex {
 
-/// One trainable tensor with its gradient (both in the arena).
+/// One trainable tensor with its gradient (all in the arena).
 struct Param {
   std::string name;   ///< safetensors key (docs/model.md)
-  Tensor w;           ///< weights (category weights)
-  Tensor g;           ///< gradient, accumulated over micro-batches (category grads)
+  Tensor w;           ///< weights, fp32: the master weights the optimizer updates (category weights)
+  Tensor g;           ///< fp32 gradient (main grad), accumulated over micro-batches (category grads)
   bool no_decay;      ///< excluded from weight decay (norm weights)
   bool expert = false;            ///< routed-expert weights: sharded over EP, reduced over expert-DP
   std::int64_t init_offset = 0;   ///< element offset of this shard in the full tensor (for init)
   /// The last pipeline stage's copy of a tied embedding (the first stage holds the
   /// original): its gradient is summed with the original's and it is left out of norms.
   bool tied_copy = false;
+  /// The bf16 working copy of `w` that the ops read in the bf16 engine (category
+  /// weights; empty in the fp32 engine). MoEModel::sync_working_weights() refreshes it.
+  Tensor wc;
+  /// The weights the ops read: the working copy when there is one, else `w`.
+  CView working() const { return wc.defined() ? wc.view() : w.view(); }
 };
 
 /// Which part of the model this rank holds, and its expert-parallel group.
@@ -72,6 +77,12 @@ class MoEModel {
 
   /// Deterministic init from `seed` (docs/model.md, "Initialisation").
   void init_weights(std::uint64_t seed);
+  /// Rounds every parameter's fp32 master weights into its bf16 working copy (no-op
+  /// in the fp32 engine). Call after anything writes the master weights: init_weights
+  /// and the optimizer do; a checkpoint load must.
+  void sync_working_weights();
+  /// dtype of the activations and working weights (model.bf16: bf16, else f32).
+  DType activation_dtype() const { return adt_; }
   void zero_grads();
 
   /// Forward and backward of one micro-batch: ids, targets [B, S]. Gradients are
@@ -89,16 +100,16 @@ class MoEModel {
                 int microbatch, double grad_scale);
 
   /// One pipeline stage's forward: the input is `ids` on the first stage, else the
-  /// activations x_in [B*S, d] received from the previous stage. Returns the output
+  /// activations x_in [B*S, d] (of activation_dtype()) received from the previous stage. Returns the output
   /// activations [B*S, d] to send on, or an empty tensor on the last stage, whose
   /// losses go to `loss`. Activations of `microbatch` stay in the stash.
   /// With train = false nothing is kept (evaluation).
-  Tensor forward_stage(const std::int32_t* ids, const std::int32_t* targets, const float* x_in, std::int64_t B,
+  Tensor forward_stage(const std::int32_t* ids, const std::int32_t* targets, CView x_in, std::int64_t B,
                        std::int64_t S, int microbatch, LossParts* loss, bool train = true);
   /// One pipeline stage's backward: dy [B*S, d] is the gradient of the stage's output
   /// (ignored on the last stage); dx_in [B*S, d] receives the gradient of its input
   /// (not written on the first stage). Parameter gradients accumulate.
-  void backward_stage(const std::int32_t* ids, const std::int32_t* targets, const float* dy, float* dx_in,
+  void backward_stage(const std::int32_t* ids, const std::int32_t* targets, CView dy, View dx_in,
                       std::int64_t B, std::int64_t S, int microbatch, double grad_scale);
   const ModelParallel& parallel() const { return par_; }
   /// Ranks of the expert-parallel group dispatching this chunk's tokens (1: none).
@@ -157,26 +168,29 @@ class MoEModel {
     Param *gate = nullptr, *w1 = nullptr, *w3 = nullptr, *w2 = nullptr;  // routed experts (stacked)
     Param *s1 = nullptr, *s3 = nullptr, *s2 = nullptr;                   // shared expert or dense MLP
   };
-  Tensor act(std::vector<std::int64_t> shape, const char* name, DType dt = DType::f32);
-  Tensor work(std::vector<std::int64_t> shape, const char* name, DType dt = DType::f32);
+  /// An activation / workspace tensor of the activation dtype, or of `dt`.
+  Tensor act(std::vector<std::int64_t> shape, const char* name) { return act(std::move(shape), name, adt_); }
+  Tensor act(std::vector<std::int64_t> shape, const char* name, DType dt);
+  Tensor work(std::vector<std::int64_t> shape, const char* name) { return work(std::move(shape), name, adt_); }
+  Tensor work(std::vector<std::int64_t> shape, const char* name, DType dt);
   LossParts forward(const std::int32_t* ids, const std::int32_t* targets, std::int64_t B, std::int64_t S, int mb,
                     bool train, float* last_logits);
-  Tensor forward_impl(const std::int32_t* ids, const std::int32_t* targets, const float* x_in, std::int64_t B,
+  Tensor forward_impl(const std::int32_t* ids, const std::int32_t* targets, CView x_in, std::int64_t B,
                       std::int64_t S, int mb, bool train, LossParts& loss, float* last_logits);
   LayerParams& layer(int l) { return layers_[std::size_t(l - par_.first_layer)]; }
   void attention_forward(int l, Tensor& x, std::int64_t B, std::int64_t S, int mb, bool train);
   void attention_backward(int l, Tensor& dx, std::int64_t B, std::int64_t S, int mb);
   void ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train, LossParts& loss);
   void ffn_backward(int l, Tensor& dx, std::int64_t n, int mb, double grad_scale);
-  void swiglu_mlp_forward(const float* m, Param* w1, Param* w3, Param* w2, float* y, std::int64_t n, int l, int mb,
+  void swiglu_mlp_forward(CView m, Param* w1, Param* w3, Param* w2, View y, std::int64_t n, int l, int mb,
                           bool train, const char* prefix, bool accumulate);
-  void swiglu_mlp_backward(const Shared& dy, const Shared& m, Param* w1, Param* w3, Param* w2, float* dm,
+  void swiglu_mlp_backward(const Shared& dy, const Shared& m, Param* w1, Param* w3, Param* w2, View dm,
                            std::int64_t n, int l, int mb, const char* prefix);
 
   /// Runs `fn` now, or queues it for backward_weight(mb) when deferring.
   void weight_grad(int mb, std::function<void()> fn);
   /// dx (= or +=) now; dW += dy^T x now or deferred. dy and x are kept alive by the closure.
-  void linear_bw(int mb, const Shared& dy, const Shared& x, Param* w, float* dx, std::int64_t n, std::int64_t in,
+  void linear_bw(int mb, const Shared& dy, const Shared& x, Param* w, View dx, std::int64_t n, std::int64_t in,
                  std::int64_t out, bool accumulate_dx);
   Shared share(Tensor t) { return std::make_shared<Tensor>(std::move(t)); }
   // Lineages: functions rebuilding a saved activation from earlier stash entries.
@@ -191,6 +205,7 @@ class MoEModel {
   ModelConfig cfg_;
   Arena& arena_;
   ops::Backend& be_;  // runs every op and every touch of tensor data (CPU or device)
+  DType adt_ = DType::f32;  // activations and working weights (bf16 engine: bf16)
   ModelParallel par_;
   bool defer_wgrad_ = false;
   double router_skew_ = 0;
@@ -214,9 +229,9 @@ class MoEModel {
     const std::int32_t* offsets = nullptr;  ///< [El + 1], host memory
     Shared h1, h3, a;                       ///< the tensors holding them
     std::int64_t h1_row = 0, h3_row = 0, a_row = 0;  ///< this chunk's first row in each
-    float* gate_rows() const { return h1->f32() + h1_row * h1->shape().back(); }
-    float* up_rows() const { return h3->f32() + h3_row * h3->shape().back(); }
-    float* act_rows() const { return a->f32() + a_row * a->shape().back(); }
+    View gate_rows() const { return h1->view() + h1_row * h1->shape().back(); }
+    View up_rows() const { return h3->view() + h3_row * h3->shape().back(); }
+    View act_rows() const { return a->view() + a_row * a->shape().back(); }
   };
   /// Runs `fn` on each chunk of MoE layer l's Rr received rows (offsets eoff [El+1])
   /// of micro-batch mb, in order, with the FC1 outputs (when `need_fc1`) and the

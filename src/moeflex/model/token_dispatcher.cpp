@@ -48,8 +48,11 @@ DispatchLayout TokenDispatcher::plan(const std::int32_t* counts) const {
 namespace {
 
 // Moves row blocks between source-major ([q][le]) and expert-major ([le][q]) order.
-void reorder(const DispatchLayout& L, int P, std::int64_t E_local, const float* in, float* out, std::int64_t d,
+// Rows are `row` bytes.
+void reorder(const DispatchLayout& L, int P, std::int64_t E_local, const void* in_rows, void* out_rows, Bytes row,
              bool to_expert_major) {
+  const char* in = static_cast<const char*>(in_rows);
+  char* out = static_cast<char*>(out_rows);
   std::vector<std::int64_t> src_off(std::size_t(P * E_local)), exp_off(std::size_t(P * E_local));
   std::int64_t o = 0;
   for (int q = 0; q < P; ++q)
@@ -69,7 +72,7 @@ void reorder(const DispatchLayout& L, int P, std::int64_t E_local, const float* 
     const std::int64_t rows = L.recv_counts[std::size_t(b)];
     const std::int64_t from = to_expert_major ? src_off[std::size_t(b)] : exp_off[std::size_t(b)];
     const std::int64_t to = to_expert_major ? exp_off[std::size_t(b)] : src_off[std::size_t(b)];
-    std::memcpy(out + to * d, in + from * d, sizeof(float) * std::size_t(rows * d));
+    std::memcpy(out + to * row, in + from * row, std::size_t(rows * row));
   }
 }
 
@@ -81,32 +84,40 @@ std::vector<std::int64_t> displs(const std::vector<std::int64_t>& counts) {
 
 }  // namespace
 
-void TokenDispatcher::dispatch(const DispatchLayout& L, const float* xp, float* xe, std::int64_t d,
-                               float* scratch) const {
+/// The common element type of a dispatch's or combine's tensors (their element size).
+static Bytes element_size(CView in, View out, View scratch) {
+  if (in.dtype != out.dtype || (scratch && scratch.dtype != in.dtype))
+    throw Error(fmt::format("token dispatcher: tensors of mixed dtypes ({}, {}, {})", to_string(in.dtype),
+                            to_string(out.dtype), to_string(scratch.dtype)));
+  return dtype_size(in.dtype);
+}
+
+void TokenDispatcher::dispatch(const DispatchLayout& L, CView xp, View xe, std::int64_t d, View scratch) const {
+  const Bytes es = element_size(xp, xe, scratch);
   if (!active()) {
-    std::memcpy(xe, xp, sizeof(float) * std::size_t(L.rows_sent * d));
+    std::memcpy(xe.data, xp.data, std::size_t(es * L.rows_sent * d));
     return;
   }
   std::vector<std::int64_t> sc(L.send_rows), rc(L.recv_rows);
   for (auto& c : sc) c *= d;
   for (auto& c : rc) c *= d;
   const auto sd = displs(sc), rd = displs(rc);
-  group_->all_to_all_v(xp, sc.data(), sd.data(), scratch, rc.data(), rd.data(), sizeof(float));
-  reorder(L, ep_size_, e_local_, scratch, xe, d, /*to_expert_major=*/true);
+  group_->all_to_all_v(xp.data, sc.data(), sd.data(), scratch.data, rc.data(), rd.data(), std::size_t(es));
+  reorder(L, ep_size_, e_local_, scratch.data, xe.data, es * d, /*to_expert_major=*/true);
 }
 
-void TokenDispatcher::combine(const DispatchLayout& L, const float* ye, float* yp, std::int64_t d,
-                              float* scratch) const {
+void TokenDispatcher::combine(const DispatchLayout& L, CView ye, View yp, std::int64_t d, View scratch) const {
+  const Bytes es = element_size(ye, yp, scratch);
   if (!active()) {
-    std::memcpy(yp, ye, sizeof(float) * std::size_t(L.rows_received * d));
+    std::memcpy(yp.data, ye.data, std::size_t(es * L.rows_received * d));
     return;
   }
-  reorder(L, ep_size_, e_local_, ye, scratch, d, /*to_expert_major=*/false);
+  reorder(L, ep_size_, e_local_, ye.data, scratch.data, es * d, /*to_expert_major=*/false);
   std::vector<std::int64_t> sc(L.recv_rows), rc(L.send_rows);
   for (auto& c : sc) c *= d;
   for (auto& c : rc) c *= d;
   const auto sd = displs(sc), rd = displs(rc);
-  group_->all_to_all_v(scratch, sc.data(), sd.data(), yp, rc.data(), rd.data(), sizeof(float));
+  group_->all_to_all_v(scratch.data, sc.data(), sd.data(), yp.data, rc.data(), rd.data(), std::size_t(es));
 }
 
 }  // namespace moeflex

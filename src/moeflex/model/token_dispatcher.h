@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "moeflex/comm/communicator.h"
+#include "moeflex/core/tensor.h"
 
 namespace moeflex {
 
@@ -41,11 +42,12 @@ class TokenDispatcher {
   /// Exchanges counts. counts: [E] rows kept per global expert on this rank.
   DispatchLayout plan(const std::int32_t* counts) const;
   /// xp [rows_sent, d] in global-expert order -> xe [rows_received, d] expert-major.
-  /// scratch: [rows_received, d].
-  void dispatch(const DispatchLayout& L, const float* xp, float* xe, std::int64_t d, float* scratch) const;
+  /// scratch: [rows_received, d]. Host memory; all three of one dtype (f32 or bf16:
+  /// rows travel as they are), else Error.
+  void dispatch(const DispatchLayout& L, CView xp, View xe, std::int64_t d, View scratch) const;
   /// ye [rows_received, d] expert-major -> yp [rows_sent, d] in global-expert order.
-  /// scratch: [rows_received, d].
-  void combine(const DispatchLayout& L, const float* ye, float* yp, std::int64_t d, float* scratch) const;
+  /// scratch: [rows_received, d]; dtypes as for dispatch.
+  void combine(const DispatchLayout& L, CView ye, View yp, std::int64_t d, View scratch) const;
 
  private:
   comm::Communicator* group_;

@@ -29,6 +29,86 @@ namespace moeflex::ops {
 
 namespace {
 
+// bf16 on the CPU: an op's bf16 inputs are widened into fp32 temporaries, the fp32
+// reference op runs, and its bf16 outputs are rounded once (backend.h). f32 views
+// pass straight through, so the fp32 engine calls the reference ops unchanged.
+
+/// An input of `n` elements as const float* (null view: null).
+class In {
+ public:
+  In(CView v, std::int64_t n) {
+    if (v.dtype != DType::bf16 || !v.data) {
+      p = v.f32();
+      return;
+    }
+    tmp_.reset(new float[std::size_t(std::max<std::int64_t>(n, 1))]);
+    const bf16* src = v.bf();
+    float* dst = tmp_.get();
+#pragma omp parallel for schedule(static)
+    for (std::int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+    p = dst;
+  }
+  const float* p = nullptr;
+
+ private:
+  std::unique_ptr<float[]> tmp_;
+};
+
+/// An output of `n` elements as float*; a bf16 output is computed in an fp32
+/// temporary (holding the current values when `read`: accumulating and in-place
+/// ops) and rounded into the view when the Out goes out of scope.
+class Out {
+ public:
+  Out(View v, std::int64_t n, bool read = false) : view_(v), n_(n) {
+    if (v.dtype != DType::bf16 || !v.data) {
+      p = v.f32();
+      return;
+    }
+    tmp_.reset(new float[std::size_t(std::max<std::int64_t>(n, 1))]);
+    p = tmp_.get();
+    if (read) {
+      const bf16* src = v.bf();
+      float* dst = p;
+#pragma omp parallel for schedule(static)
+      for (std::int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+    }
+  }
+  ~Out() {
+    if (!tmp_) return;
+    bf16* dst = static_cast<bf16*>(view_.data);
+    const float* src = p;
+#pragma omp parallel for schedule(static)
+    for (std::int64_t i = 0; i < n_; ++i) dst[i] = to_bf16(src[i]);
+  }
+  Out(const Out&) = delete;
+  Out& operator=(const Out&) = delete;
+  float* p = nullptr;
+
+ private:
+  View view_;
+  std::int64_t n_;
+  std::unique_ptr<float[]> tmp_;
+};
+
+/// The views of one op share one dtype (ops/backend.h); null views do not count.
+void same_dtype(const char* op, std::initializer_list<CView> views) {
+  const CView* first = nullptr;
+  for (const CView& v : views) {
+    if (!v) continue;
+    if (!first) first = &v;
+    else if (v.dtype != first->dtype)
+      throw Error(fmt::format("{}: tensors of mixed dtypes ({} and {}); an op's activations and weights share one",
+                              op, to_string(first->dtype), to_string(v.dtype)));
+  }
+}
+
+/// Rows of a permuted [R, d] tensor: one past the largest slot of slot_of [nk].
+std::int64_t permuted_rows(const std::int32_t* slot_of, std::int64_t nk) {
+  std::int64_t r = 0;
+  for (std::int64_t i = 0; i < nk; ++i) r = std::max<std::int64_t>(r, std::int64_t(slot_of[i]) + 1);
+  return r;
+}
+
 class CpuBackend final : public Backend {
  public:
   DeviceKind kind() const override { return DeviceKind::cpu; }
@@ -48,77 +128,134 @@ class CpuBackend final : public Backend {
   }
   void host_free(void* p, Bytes) override { std::free(p); }
 
-  void linear_forward(const float* x, const float* w, float* y, std::int64_t n, std::int64_t in,
-                      std::int64_t out) override {
-    ops::linear_forward(x, w, y, n, in, out);
+  void linear_forward(CView x, CView w, View y, std::int64_t n, std::int64_t in, std::int64_t out) override {
+    same_dtype("linear_forward", {x, w, y});
+    In X(x, n * in), W(w, out * in);
+    Out Y(y, n * out);
+    ops::linear_forward(X.p, W.p, Y.p, n, in, out);
   }
-  void linear_backward(const float* dy, const float* x, const float* w, float* dx, float* dw, std::int64_t n,
-                       std::int64_t in, std::int64_t out, bool accumulate_dx) override {
-    ops::linear_backward(dy, x, w, dx, dw, n, in, out, accumulate_dx);
+  void linear_backward(CView dy, CView x, CView w, View dx, float* dw, std::int64_t n, std::int64_t in,
+                       std::int64_t out, bool accumulate_dx) override {
+    same_dtype("linear_backward", {dy, x, w, dx});
+    In DY(dy, n * out), X(dw ? x : CView(), n * in), W(dx ? w : CView(), out * in);
+    Out DX(dx, n * in, accumulate_dx);
+    ops::linear_backward(DY.p, X.p, W.p, DX.p, dw, n, in, out, accumulate_dx);
   }
-  void gemm(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, float alpha, const float* A,
-            std::int64_t lda, const float* B, std::int64_t ldb, float beta, float* C, std::int64_t ldc) override {
-    ops::gemm<float>(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  void gemm(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, float alpha, CView A,
+            std::int64_t lda, CView B, std::int64_t ldb, float beta, View C, std::int64_t ldc) override {
+    same_dtype("gemm", {A, B, C});
+    // Elements spanned by a row-major [rows, cols] operand with leading dimension ld.
+    auto span = [](std::int64_t rows, std::int64_t cols, std::int64_t ld) { return rows > 0 ? (rows - 1) * ld + cols : 0; };
+    In a(A, ta ? span(K, M, lda) : span(M, K, lda)), b(B, tb ? span(N, K, ldb) : span(K, N, ldb));
+    Out c(C, span(M, N, ldc), beta != 0.0f);
+    ops::gemm<float>(ta, tb, M, N, K, alpha, a.p, lda, b.p, ldb, beta, c.p, ldc);
   }
-  void rmsnorm_forward(const float* x, const float* w, float* y, float* rstd, std::int64_t n, std::int64_t d,
-                       float eps) override {
-    ops::rmsnorm_forward(x, w, y, rstd, n, d, eps);
+  void rmsnorm_forward(CView x, CView w, View y, float* rstd, std::int64_t n, std::int64_t d, float eps) override {
+    same_dtype("rmsnorm_forward", {x, w, y});
+    In X(x, n * d), W(w, d);
+    Out Y(y, n * d);
+    ops::rmsnorm_forward(X.p, W.p, Y.p, rstd, n, d, eps);
   }
-  void rmsnorm_backward(const float* dy, const float* x, const float* w, const float* rstd, float* dx, float* dw,
-                        std::int64_t n, std::int64_t d) override {
-    ops::rmsnorm_backward(dy, x, w, rstd, dx, dw, n, d);
+  void rmsnorm_backward(CView dy, CView x, CView w, const float* rstd, View dx, float* dw, std::int64_t n,
+                        std::int64_t d) override {
+    same_dtype("rmsnorm_backward", {dy, x, w, dx});
+    In DY(dy, n * d), X(x, n * d), W(w, d);
+    Out DX(dx, n * d);
+    ops::rmsnorm_backward(DY.p, X.p, W.p, rstd, DX.p, dw, n, d);
   }
-  void rope_forward(float* x, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd,
-                    double theta) override {
-    ops::rope_forward(x, B, S, H, hd, theta);
+  void rope_forward(View x, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd, double theta) override {
+    Out X(x, B * S * H * hd, true);
+    ops::rope_forward(X.p, B, S, H, hd, theta);
   }
-  void rope_backward(float* dx, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd,
+  void rope_backward(View dx, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd,
                      double theta) override {
-    ops::rope_backward(dx, B, S, H, hd, theta);
+    Out DX(dx, B * S * H * hd, true);
+    ops::rope_backward(DX.p, B, S, H, hd, theta);
   }
-  void attention_forward(const float* q, const float* k, const float* v, float* out, float* probs, std::int64_t B,
-                         std::int64_t S, std::int64_t H, std::int64_t hd) override {
-    ops::attention_forward(q, k, v, out, probs, B, S, H, hd);
+  void attention_forward(CView q, CView k, CView v, View out, View probs, std::int64_t B, std::int64_t S,
+                         std::int64_t H, std::int64_t hd) override {
+    same_dtype("attention_forward", {q, k, v, out, probs});
+    const std::int64_t t = B * S * H * hd;
+    In Q(q, t), K(k, t), V(v, t);
+    Out O(out, t), P(probs, B * H * S * S);
+    ops::attention_forward(Q.p, K.p, V.p, O.p, P.p, B, S, H, hd);
   }
-  void attention_backward(const float* dout, const float* q, const float* k, const float* v, const float*,
-                          const float* probs, float* dq, float* dk, float* dv, float* dprobs_ws, std::int64_t B,
-                          std::int64_t S, std::int64_t H, std::int64_t hd) override {
-    ops::attention_backward(dout, q, k, v, probs, dq, dk, dv, dprobs_ws, B, S, H, hd);
+  void attention_backward(CView dout, CView q, CView k, CView v, CView out, CView probs, View dq, View dk, View dv,
+                          View dprobs_ws, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd) override {
+    same_dtype("attention_backward", {dout, q, k, v, out, probs, dq, dk, dv, dprobs_ws});  // (out: read on CUDA)
+    const std::int64_t t = B * S * H * hd;
+    In DO(dout, t), Q(q, t), K(k, t), V(v, t), P(probs, B * H * S * S);
+    Out DQ(dq, t), DK(dk, t), DV(dv, t), WS(dprobs_ws, B * H * S * S);
+    ops::attention_backward(DO.p, Q.p, K.p, V.p, P.p, DQ.p, DK.p, DV.p, WS.p, B, S, H, hd);
   }
-  void swiglu_forward(const float* gate, const float* up, float* out, std::int64_t n) override {
-    ops::swiglu_forward(gate, up, out, n);
+  void swiglu_forward(CView gate, CView up, View out, std::int64_t n) override {
+    same_dtype("swiglu_forward", {gate, up, out});
+    In G(gate, n), U(up, n);
+    Out O(out, n);
+    ops::swiglu_forward(G.p, U.p, O.p, n);
   }
-  void swiglu_backward(const float* dout, const float* gate, const float* up, float* dgate, float* dup,
-                       std::int64_t n) override {
-    ops::swiglu_backward(dout, gate, up, dgate, dup, n);
+  void swiglu_backward(CView dout, CView gate, CView up, View dgate, View dup, std::int64_t n) override {
+    same_dtype("swiglu_backward", {dout, gate, up, dgate, dup});
+    In DO(dout, n), G(gate, n), U(up, n);
+    Out DG(dgate, n), DU(dup, n);
+    ops::swiglu_backward(DO.p, G.p, U.p, DG.p, DU.p, n);
   }
-  void add_inplace(float* y, const float* x, std::int64_t n) override {
+  void add_inplace(View y, CView x, std::int64_t n) override {
+    same_dtype("add_inplace", {y, x});
+    In X(x, n);
+    Out Y(y, n, true);
+    float* yp = Y.p;
+    const float* xp = X.p;
 #pragma omp parallel for schedule(static)
-    for (std::int64_t i = 0; i < n; ++i) y[i] += x[i];
+    for (std::int64_t i = 0; i < n; ++i) yp[i] += xp[i];
   }
-  void embedding_forward(const std::int32_t* ids, const float* table, float* out, std::int64_t n,
-                         std::int64_t d) override {
-    ops::embedding_forward(ids, table, out, n, d);
+  void cast(CView src, View dst, std::int64_t n) override {
+    if (src.dtype == dst.dtype) {
+      std::memcpy(dst.data, src.data, std::size_t(n * dtype_size(src.dtype)));
+      return;
+    }
+    In S(src, n);
+    Out D(dst, n);
+    std::memcpy(D.p, S.p, sizeof(float) * std::size_t(n));
   }
-  void embedding_backward(const std::int32_t* ids, const float* dout, float* dtable, std::int64_t n,
+  void embedding_forward(const std::int32_t* ids, CView table, View out, std::int64_t n, std::int64_t d) override {
+    same_dtype("embedding_forward", {table, out});
+    if (table.dtype == DType::f32) return ops::embedding_forward(ids, table.f32(), out.f32(), n, d);
+    // bf16: a gather of whole rows, exact.
+    const Bytes row = d * dtype_size(out.dtype);
+    const char* src = static_cast<const char*>(table.data);
+    char* dst = static_cast<char*>(out.data);
+#pragma omp parallel for schedule(static)
+    for (std::int64_t i = 0; i < n; ++i) std::memcpy(dst + i * row, src + std::int64_t(ids[i]) * row, std::size_t(row));
+  }
+  void embedding_backward(const std::int32_t* ids, CView dout, float* dtable, std::int64_t n,
                           std::int64_t d) override {
-    ops::embedding_backward(ids, dout, dtable, n, d);
+    In DO(dout, n * d);
+    ops::embedding_backward(ids, DO.p, dtable, n, d);
   }
-  double cross_entropy_forward(const float* logits, const std::int32_t* targets, float* probs, float* losses,
-                               std::int64_t n, std::int64_t V) override {
-    return ops::cross_entropy_forward(logits, targets, probs, losses, n, V);
+  double cross_entropy_forward(CView logits, const std::int32_t* targets, View probs, float* losses, std::int64_t n,
+                               std::int64_t V) override {
+    same_dtype("cross_entropy_forward", {logits, probs});
+    In L(logits, n * V);
+    Out P(probs, n * V);
+    return ops::cross_entropy_forward(L.p, targets, P.p, losses, n, V);
   }
-  void cross_entropy_backward(const float* probs, const std::int32_t* targets, float* dlogits, std::int64_t n,
-                              std::int64_t V, float scale) override {
-    ops::cross_entropy_backward(probs, targets, dlogits, n, V, scale);
+  void cross_entropy_backward(CView probs, const std::int32_t* targets, View dlogits, std::int64_t n, std::int64_t V,
+                              float scale) override {
+    same_dtype("cross_entropy_backward", {probs, dlogits});
+    In P(probs, n * V);
+    Out D(dlogits, n * V);
+    ops::cross_entropy_backward(P.p, targets, D.p, n, V, scale);
   }
-  void router_forward(const float* logits, float* probs, std::int32_t* idx, float* w, std::int64_t n,
-                      std::int64_t E, std::int64_t k, bool norm) override {
-    ops::router_forward(logits, probs, idx, w, n, E, k, norm);
+  void router_forward(CView logits, float* probs, std::int32_t* idx, float* w, std::int64_t n, std::int64_t E,
+                      std::int64_t k, bool norm) override {
+    In L(logits, n * E);
+    ops::router_forward(L.p, probs, idx, w, n, E, k, norm);
   }
   void router_backward(const float* dw, const float* dprobs, const float* probs, const std::int32_t* idx,
-                       float* dlogits, std::int64_t n, std::int64_t E, std::int64_t k, bool norm) override {
-    ops::router_backward(dw, dprobs, probs, idx, dlogits, n, E, k, norm);
+                       View dlogits, std::int64_t n, std::int64_t E, std::int64_t k, bool norm) override {
+    Out D(dlogits, n * E);
+    ops::router_backward(dw, dprobs, probs, idx, D.p, n, E, k, norm);
   }
   double aux_loss_forward(const float* probs, const std::int32_t* idx, std::int64_t n, std::int64_t E,
                           std::int64_t k, double coef) override {
@@ -128,15 +265,20 @@ class CpuBackend final : public Backend {
                          double coef) override {
     ops::aux_loss_backward(idx, dprobs, n, E, k, coef);
   }
-  double z_loss_forward(const float* logits, std::int64_t n, std::int64_t E, double coef) override {
-    return ops::z_loss_forward(logits, n, E, coef);
+  double z_loss_forward(CView logits, std::int64_t n, std::int64_t E, double coef) override {
+    In L(logits, n * E);
+    return ops::z_loss_forward(L.p, n, E, coef);
   }
-  void z_loss_backward(const float* logits, float* dlogits, std::int64_t n, std::int64_t E, double coef) override {
-    ops::z_loss_backward(logits, dlogits, n, E, coef);
+  void z_loss_backward(CView logits, View dlogits, std::int64_t n, std::int64_t E, double coef) override {
+    same_dtype("z_loss_backward", {logits, dlogits});
+    In L(logits, n * E);
+    Out D(dlogits, n * E, true);
+    ops::z_loss_backward(L.p, D.p, n, E, coef);
   }
-  void skew_router_logits(float* logits, std::int64_t n, std::int64_t E, std::int64_t k, int groups,
+  void skew_router_logits(View logits, std::int64_t n, std::int64_t E, std::int64_t k, int groups,
                           double ratio) override {
-    ops::skew_router_logits(logits, n, E, k, groups, ratio);
+    Out L(logits, n * E, true);
+    ops::skew_router_logits(L.p, n, E, k, groups, ratio);
   }
   std::int64_t moe_plan_dispatch(const std::int32_t* idx, std::int64_t n, std::int64_t E, std::int64_t k,
                                  std::int64_t cap, std::int32_t* counts, std::int32_t* offsets, std::int32_t* slot_of,
@@ -145,30 +287,50 @@ class CpuBackend final : public Backend {
     std::memcpy(host_offsets, offsets, sizeof(std::int32_t) * std::size_t(E + 1));
     return dropped;
   }
-  void permute_forward(const float* x, const std::int32_t* slot_of, float* xp, std::int64_t n, std::int64_t k,
+  void permute_forward(CView x, const std::int32_t* slot_of, View xp, std::int64_t n, std::int64_t k,
                        std::int64_t d) override {
-    ops::permute_forward(x, slot_of, xp, n, k, d);
+    same_dtype("permute_forward", {x, xp});
+    In X(x, n * d);
+    Out XP(xp, permuted_rows(slot_of, n * k) * d);
+    ops::permute_forward(X.p, slot_of, XP.p, n, k, d);
   }
-  void permute_backward(const float* dxp, const std::int32_t* slot_of, float* dx, std::int64_t n, std::int64_t k,
+  void permute_backward(CView dxp, const std::int32_t* slot_of, View dx, std::int64_t n, std::int64_t k,
                         std::int64_t d) override {
-    ops::permute_backward(dxp, slot_of, dx, n, k, d);
+    same_dtype("permute_backward", {dxp, dx});
+    In DXP(dxp, permuted_rows(slot_of, n * k) * d);
+    Out DX(dx, n * d);
+    ops::permute_backward(DXP.p, slot_of, DX.p, n, k, d);
   }
-  void unpermute_forward(const float* yp, const std::int32_t* slot_of, const float* w, float* y, std::int64_t n,
+  void unpermute_forward(CView yp, const std::int32_t* slot_of, const float* w, View y, std::int64_t n,
                          std::int64_t k, std::int64_t d) override {
-    ops::unpermute_forward(yp, slot_of, w, y, n, k, d);
+    same_dtype("unpermute_forward", {yp, y});
+    In YP(yp, permuted_rows(slot_of, n * k) * d);
+    Out Y(y, n * d);
+    ops::unpermute_forward(YP.p, slot_of, w, Y.p, n, k, d);
   }
-  void unpermute_backward(const float* dy, const float* yp, const std::int32_t* slot_of, const float* w,
-                          float* dyp, float* dw, std::int64_t n, std::int64_t k, std::int64_t d) override {
-    ops::unpermute_backward(dy, yp, slot_of, w, dyp, dw, n, k, d);
+  void unpermute_backward(CView dy, CView yp, const std::int32_t* slot_of, const float* w, View dyp, float* dw,
+                          std::int64_t n, std::int64_t k, std::int64_t d) override {
+    same_dtype("unpermute_backward", {dy, yp, dyp});
+    const std::int64_t R = permuted_rows(slot_of, n * k);
+    In DY(dy, n * d), YP(yp, R * d);
+    Out DYP(dyp, R * d);
+    ops::unpermute_backward(DY.p, YP.p, slot_of, w, DYP.p, dw, n, k, d);
   }
-  void grouped_linear_forward(const float* x, const float* w, float* y, const std::int32_t* offsets, std::int64_t E,
-                              std::int64_t in, std::int64_t out) override {
-    ops::grouped_linear_forward(x, w, y, offsets, E, in, out);
+  void grouped_linear_forward(CView x, CView w, View y, const std::int32_t* offsets, std::int64_t E, std::int64_t in,
+                              std::int64_t out) override {
+    same_dtype("grouped_linear_forward", {x, w, y});
+    const std::int64_t rows = offsets[E];
+    In X(x, rows * in), W(w, E * out * in);
+    Out Y(y, rows * out);
+    ops::grouped_linear_forward(X.p, W.p, Y.p, offsets, E, in, out);
   }
-  void grouped_linear_backward(const float* dy, const float* x, const float* w, float* dx, float* dw,
-                               const std::int32_t* offsets, std::int64_t E, std::int64_t in,
-                               std::int64_t out) override {
-    ops::grouped_linear_backward(dy, x, w, dx, dw, offsets, E, in, out);
+  void grouped_linear_backward(CView dy, CView x, CView w, View dx, float* dw, const std::int32_t* offsets,
+                               std::int64_t E, std::int64_t in, std::int64_t out) override {
+    same_dtype("grouped_linear_backward", {dy, x, w, dx});
+    const std::int64_t rows = offsets[E];
+    In DY(dy, rows * out), X(dw ? x : CView(), rows * in), W(dx ? w : CView(), E * out * in);
+    Out DX(dx, rows * in);
+    ops::grouped_linear_backward(DY.p, X.p, W.p, DX.p, dw, offsets, E, in, out);
   }
 
   double square_sum(const float* g, std::int64_t n) override {

@@ -39,8 +39,8 @@ struct ClusterSpec {
   Link intra_node;                   ///< NVLink-class
   Link inter_node;                   ///< InfiniBand/RoCE-class, per GPU (one NIC each)
   /// Bytes per element on the wire and of activations in memory (2 for bf16
-  /// training; 4 for the fp32 engine). Activation sizes from MemoryWalk (fp32)
-  /// scale by element_bytes / 4.
+  /// training; 4 for the fp32 engine). With 2 the simulator's memory walk replays
+  /// the bf16 engine's program (model.bf16: fp32 rstd and router tensors).
   Bytes element_bytes = 4;
   /// Bytes per parameter held by every rank that holds it: weights and gradients
   /// (fp32 engine: 4 + 4; bf16 mixed precision: 2 + 4 with fp32 main grads).

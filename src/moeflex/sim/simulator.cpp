@@ -446,13 +446,16 @@ struct Simulation {
   std::vector<int> moe_index;  // layer -> index among MoE layers, -1 for dense
   bool split = false;
   Bytes limit = 0;
-  double act_scale = 1;
   LayerCost head, embed;
   std::vector<LayerCost> stage_copies;  // per global stage: its boundary copies (stage_copy_cost)
 
   explicit Simulation(const SimOptions& opt)
       : o(opt), cfg(opt.model), cache(opt.cache ? opt.cache : std::make_shared<SimCache>(opt.cluster.profile)),
-        cost(cache->cost) {}
+        cost(cache->cost) {
+    // A cluster of bf16 elements runs the bf16 engine: the memory walk replays its
+    // program (2-byte activations, fp32 rstd and router tensors) exactly.
+    cfg.bf16 = opt.cluster.element_bytes == 2;
+  }
 
   MoERows rows_at(double ratio) const {
     MoERows r = MoERows::balanced(cfg, n_rank);
@@ -572,7 +575,6 @@ struct Simulation {
     int k = 0;
     for (int l = 0; l < cfg.num_hidden_layers; ++l) moe_index.push_back(cfg.is_moe_layer(l) ? k++ : -1);
     limit = o.memory_limit > 0 ? o.memory_limit : o.cluster.usable_memory();
-    act_scale = double(o.cluster.element_bytes) / double(kActivationBytes);
     LayerWork w{o.micro_batch_size, o.seq_len, {}, p.ep, p.tp, split, o.cluster.element_bytes};
     w.breakdown = o.breakdown;
     head = head_cost(cost, cfg, w);
@@ -608,7 +610,7 @@ struct Simulation {
       program.stages.push_back({si.first_layer, si.last_layer, si.embedding, si.head, o.parallel.ep});
     }
     program.actions = walk_actions(memory_plan, r);
-    return scaled(persistent(r), minimum_budget(cfg, o.micro_batch_size, o.seq_len / o.parallel.tp, program, 0, 0.0));
+    return rank_bytes(persistent(r), minimum_budget(cfg, o.micro_batch_size, o.seq_len / o.parallel.tp, program, 0, 0.0));
   }
 
   /// Peak bytes of pipeline rank r's activations and buffers (MemoryWalk, fp32,
@@ -725,7 +727,8 @@ struct Simulation {
     return out;
   }
 
-  Bytes scaled(Bytes persistent_b, Bytes act) const { return persistent_b + Bytes(std::llround(double(act) * act_scale)); }
+  /// A rank's bytes: its persistent state plus a walk's activation peak.
+  Bytes rank_bytes(Bytes persistent_b, Bytes act) const { return persistent_b + act; }
 };
 
 }  // namespace
@@ -866,7 +869,7 @@ SimReport simulate(const SimOptions& o) {
           for (std::size_t s = u; s < L.size() && !fit; ++s) {
             for (int mb = 0; mb < m; ++mb)
               pol[std::size_t(mb)] = L[mb_ratio[std::size_t(mb)] > o.loads.calm_max ? s : u];
-            hot = sim.scaled(persist[std::size_t(r)], sim.walk_peak(r, it, mb_ratio, pol, &dp_walks));
+            hot = sim.rank_bytes(persist[std::size_t(r)], sim.walk_peak(r, it, mb_ratio, pol, &dp_walks));
             fit = hot <= sim.limit;
             if (!fit && s + 1 < L.size()) {
               bool any_spike = false;
@@ -878,19 +881,19 @@ SimReport simulate(const SimOptions& o) {
           ++rep.adaptive_level_histogram[std::size_t(
               std::find(L.begin(), L.end(), pol[std::size_t(mb)]) - L.begin())];
       } else {
-        hot = sim.scaled(persist[std::size_t(r)], sim.walk_peak(r, it, mb_ratio, pol, &dp_walks));
+        hot = sim.rank_bytes(persist[std::size_t(r)], sim.walk_peak(r, it, mb_ratio, pol, &dp_walks));
       }
       if (!dp_walks.empty()) {
         rr.dp_rank_peak_bytes.resize(dp_walks.size(), 0);
         for (std::size_t q = 0; q < dp_walks.size(); ++q)
           rr.dp_rank_peak_bytes[q] =
-              std::max(rr.dp_rank_peak_bytes[q], sim.scaled(persist[std::size_t(r)], dp_walks[q]));
+              std::max(rr.dp_rank_peak_bytes[q], sim.rank_bytes(persist[std::size_t(r)], dp_walks[q]));
       }
       rr.peak_bytes = std::max(rr.peak_bytes, hot);
       if (it == 0) {
         std::vector<std::string> pol_calm = pol;
         if (adaptive) std::fill(pol_calm.begin(), pol_calm.end(), adaptive_levels()[0]);
-        Bytes bal = sim.scaled(persist[std::size_t(r)], sim.walk(r, -1, calm, pol_calm));
+        Bytes bal = sim.rank_bytes(persist[std::size_t(r)], sim.walk(r, -1, calm, pol_calm));
         if (adaptive && bal > sim.limit) bal = std::min(bal, hot);
         rr.peak_balanced_bytes = bal;
       }
@@ -901,7 +904,7 @@ SimReport simulate(const SimOptions& o) {
         std::vector<std::string> pol_spiked = pol;
         if (adaptive) pol_spiked[0] = adaptive_levels().back();  // the spike gets the most-saving level
         rep.spike_peak_bytes =
-            std::max(rep.spike_peak_bytes, sim.scaled(persist[std::size_t(r)], sim.walk(r, -1, spiked, pol_spiked)));
+            std::max(rep.spike_peak_bytes, sim.rank_bytes(persist[std::size_t(r)], sim.walk(r, -1, spiked, pol_spiked)));
       }
     }
     if (!o.walk_memory)

@@ -91,6 +91,7 @@ std::string generate_text(const GenerateOptions& opts) {
     for (auto& p : model.params()) bufs.push_back({p.name, p.w.shape(), p.w.f32()});
     train::load_model_weights(*ckpt, bufs);
   }
+  model.sync_working_weights();  // a bf16 run's working copies, from the fp32 master weights
 
   std::vector<std::int32_t> ids = tok.encode(opts.prompt);
   if (ids.empty()) ids.push_back(0);

@@ -33,8 +33,10 @@ void AdamW::step(double lr) {
   for (std::size_t i = 0; i < params_.size(); ++i) {
     auto& p = params_[i];
     const float decay = p.no_decay ? 1.0f : float(1.0 - lr * cfg_.weight_decay);
-    backend_of(p.w).adamw(p.w.f32(), p.g.f32(), m_[i].f32(), v_[i].f32(), p.w.numel(), b1, b2, eps, decay, step_size,
-                          inv_sqrt_bc2);
+    ops::Backend& be = backend_of(p.w);
+    be.adamw(p.w.f32(), p.g.f32(), m_[i].f32(), v_[i].f32(), p.w.numel(), b1, b2, eps, decay, step_size,
+             inv_sqrt_bc2);
+    if (p.wc.defined()) be.cast(p.w.view(), p.wc.view(), p.w.numel());  // the bf16 working copy follows
   }
 }
 

@@ -21,7 +21,9 @@ class AdamW {
   /// Allocates the two moments of every parameter (category optimizer).
   AdamW(std::vector<Param>& params, Arena& arena, AdamWConfig cfg);
   /// One update with learning rate `lr`: m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
-  /// w -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * w), bias-corrected at step t (1-based).
+  /// w -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * w), bias-corrected at step t (1-based),
+  /// on the fp32 master weights, which are then rounded into the bf16 working copy
+  /// (Param::wc) when there is one.
   void step(double lr);
   std::int64_t steps_taken() const { return t_; }
   void set_steps_taken(std::int64_t t) { t_ = t; }

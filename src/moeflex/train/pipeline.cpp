@@ -25,12 +25,13 @@ PipelineExecutor::PipelineExecutor(const StepPlan& plan, int pp_rank, std::map<i
 }
 
 Tensor PipelineExecutor::buffer(const char* name) {
-  return Tensor(arena_, {B_ * S_, d_}, MemCategory::activations, name);
+  // Of the stages' activation dtype (every chunk of a run has the same).
+  return Tensor(arena_, {B_ * S_, d_}, MemCategory::activations, name, stages_.begin()->second->activation_dtype());
 }
 
 LossParts PipelineExecutor::run_step(const BatchFn& batch, double grad_scale) {
   const int last = plan_.num_stages - 1;
-  const Bytes bytes = B_ * S_ * d_ * Bytes(sizeof(float));
+  const Bytes bytes = B_ * S_ * d_ * dtype_size(stages_.begin()->second->activation_dtype());
   std::map<Key, Tensor> act_in, act_out, grad_out, grad_in;
   std::map<int, std::pair<std::vector<std::int32_t>, std::vector<std::int32_t>>> batches;
   auto data = [&](int mb) -> std::pair<std::vector<std::int32_t>, std::vector<std::int32_t>>& {
@@ -104,7 +105,7 @@ LossParts PipelineExecutor::run_step(const BatchFn& batch, double grad_scale) {
         if (s > 0) x_in = act_in.count({mb, s}) ? take(act_in, {mb, s}, "input activation")
                                                 : take(act_out, {mb, s - 1}, "local input activation");
         LossParts lp;
-        Tensor out = stages_.at(s)->forward_stage(ids.data(), tg.data(), s > 0 ? x_in.f32() : nullptr, B_, S_, mb, &lp);
+        Tensor out = stages_.at(s)->forward_stage(ids.data(), tg.data(), s > 0 ? x_in.view() : CView(), B_, S_, mb, &lp);
         loss.ce += lp.ce;
         loss.aux += lp.aux;
         loss.z += lp.z;
@@ -132,7 +133,7 @@ LossParts PipelineExecutor::run_step(const BatchFn& batch, double grad_scale) {
         if (s > 0) dx = buffer("pipeline.input_grad");
         MoEModel& m = *stages_.at(s);
         m.set_defer_weight_grads(a.kind == ActionKind::BackwardInput);
-        m.backward_stage(ids.data(), tg.data(), s != last ? dy.f32() : nullptr, s > 0 ? dx.f32() : nullptr, B_, S_, mb,
+        m.backward_stage(ids.data(), tg.data(), s != last ? dy.view() : CView(), s > 0 ? dx.view() : View(), B_, S_, mb,
                          grad_scale);
         m.set_defer_weight_grads(false);
         if (s > 0) grad_in[{mb, s}] = std::move(dx);
@@ -158,7 +159,7 @@ LossParts PipelineExecutor::run_step(const BatchFn& batch, double grad_scale) {
 
 LossParts PipelineExecutor::forward_eval(const std::int32_t* ids, const std::int32_t* targets) {
   const int last = plan_.num_stages - 1;
-  const Bytes bytes = B_ * S_ * d_ * Bytes(sizeof(float));
+  const Bytes bytes = B_ * S_ * d_ * dtype_size(stages_.begin()->second->activation_dtype());
   LossParts loss;
   Tensor carry;  // output of the previous stage when it is local
   for (int s = 0; s <= last; ++s) {
@@ -173,7 +174,7 @@ LossParts PipelineExecutor::forward_eval(const std::int32_t* ids, const std::int
       }
     }
     LossParts lp;
-    Tensor out = stages_.at(s)->forward_stage(ids, targets, s > 0 ? x_in.f32() : nullptr, B_, S_, 0, &lp, false);
+    Tensor out = stages_.at(s)->forward_stage(ids, targets, s > 0 ? x_in.view() : CView(), B_, S_, 0, &lp, false);
     loss.ce += lp.ce;
     loss.aux += lp.aux;
     loss.z += lp.z;

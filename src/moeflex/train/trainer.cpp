@@ -526,6 +526,7 @@ TrainResult run_training(const TrainOptions& opts) {
     s["device_budget_bytes"] = arena.unlimited() ? json(nullptr) : json(arena.budget());
     s["oom_count"] = res.oom_count;
     s["policy"] = cfg.train.policy;
+    s["precision"] = cfg.model.bf16 ? "bf16" : "fp32";
     if (!res.planner_cost_model.empty()) s["planner_cost_model"] = res.planner_cost_model;
     s["bytes_recomputed"] = res.bytes_recomputed;
     s["bytes_offloaded"] = res.bytes_offloaded;
@@ -751,6 +752,7 @@ TrainResult run_training(const TrainOptions& opts) {
       unstage(mb, host_mb);
       unstage(ob, host_ob);
       staging.clear();
+      for (MoEModel* c : replica.chunks()) c->sync_working_weights();  // the bf16 working copies follow
       for (auto& o : opts_) o->set_steps_taken(st.at("adam_steps").get<std::int64_t>());
       res.tokens = st.at("tokens").get<std::int64_t>();
       res.initial_val_loss = st.at("initial_val_loss").get<double>();
@@ -809,9 +811,10 @@ TrainResult run_training(const TrainOptions& opts) {
       if (rank0) std::remove((run_dir / "metrics.jsonl").c_str());
       if (rank0) std::remove((run_dir / "loads.jsonl").c_str());
       progress.note(fmt::format(
-          "moeflex: {:.2f} M params ({:.2f} M active), {} train / {} val tokens, {} tokens per step, budget {}",
-          double(cfg.model.num_params()) / 1e6, double(cfg.model.num_active_params()) / 1e6, info.train_tokens,
-          info.val_tokens, B * S * M * dp, format_bytes(arena.budget())));
+          "moeflex: {:.2f} M params ({:.2f} M active), {}, {} train / {} val tokens, {} tokens per step, budget {}",
+          double(cfg.model.num_params()) / 1e6, double(cfg.model.num_active_params()) / 1e6,
+          cfg.model.bf16 ? "bf16 mixed precision" : "fp32", info.train_tokens, info.val_tokens, B * S * M * dp,
+          format_bytes(arena.budget())));
       res.initial_val_loss = evaluate();
       res.final_val_loss = res.initial_val_loss;
       history.push_back({{"step", 0}, {"val_loss", res.initial_val_loss}});

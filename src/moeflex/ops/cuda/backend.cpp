@@ -3,9 +3,12 @@
 
 #include <fmt/format.h>
 
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <set>
+#include <string>
 #include <vector>
 
 #include "moeflex/core/cuda/buffer.h"
@@ -71,6 +74,73 @@ class Scratch {
   void* ptr_ = nullptr;
   Bytes size_ = 0;
 };
+
+/// One view argument of an op, named for errors. Null views (an output the caller
+/// skips, an input only that output reads) take no part in the dtype dispatch.
+struct Arg {
+  const char* name;
+  CView view;
+};
+
+/// Throws Error: the CUDA backend has no kernel for this op with these dtypes.
+[[noreturn]] void no_kernel(const char* op, std::initializer_list<Arg> args, const char* supported) {
+  std::string got;
+  for (const Arg& a : args) {
+    if (!a.view) continue;
+    if (!got.empty()) got += ", ";
+    got += fmt::format("{} {}", a.name, to_string(a.view.dtype));
+  }
+  throw Error(fmt::format("CUDA backend: {} has no kernel for {} (supported: {})", op, got, supported));
+}
+
+/// The dtype every non-null view of `args` has (f32 when all are null); throws Error
+/// (no_kernel) when they differ (ops/backend.h: the views of one call share one
+/// dtype) or it is neither f32 nor bf16.
+DType uniform_dtype(const char* op, std::initializer_list<Arg> args) {
+  bool seen = false, ok = true;
+  DType t = DType::f32;
+  for (const Arg& a : args) {
+    if (!a.view) continue;
+    if (a.view.dtype != DType::f32 && a.view.dtype != DType::bf16) ok = false;
+    if (seen && a.view.dtype != t) ok = false;
+    if (!seen) t = a.view.dtype, seen = true;
+  }
+  if (!ok) no_kernel(op, args, "every view f32, or every view bf16");
+  return t;
+}
+
+/// Calls f(T()) with T = float for f32, bf16 for bf16 (t already checked).
+template <class F>
+decltype(auto) with_type(DType t, F&& f) {
+  if (t == DType::bf16) return f(bf16{});
+  return f(0.0f);
+}
+
+/// The view's data as T (its dtype already checked).
+template <class T>
+const T* ptr(CView v) {
+  return static_cast<const T*>(v.data);
+}
+template <class T>
+T* ptr(View v) {
+  return static_cast<T*>(v.data);
+}
+
+bool float_aligned(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % alignof(float) == 0; }
+
+/// Where the flash kernels keep the fp32 logsumexp [B, H, S]: the head of the probs
+/// buffer (backend.h). Throws Error when the buffer is too small or misaligned for
+/// it (a bf16 probs buffer holds it from S >= 2).
+const void* lse_in(const char* op, CView probs, std::int64_t B, std::int64_t S, std::int64_t H) {
+  const Bytes need = Bytes(sizeof(float)) * B * H * S;
+  const Bytes have = probs ? dtype_size(probs.dtype) * B * H * S * S : 0;
+  if (need > 0 && (have < need || !float_aligned(probs.data)))
+    throw Error(fmt::format("CUDA backend: {}: the probs buffer ({}, {} bytes for [B={}, H={}, S={}, S={}]) cannot "
+                            "hold the fp32 logsumexp [B, H, S] of {} bytes that the flash kernels keep in it{}",
+                            op, to_string(probs.dtype), have, B, H, S, S, need,
+                            float_aligned(probs.data) ? "" : " (not 4-byte aligned)"));
+  return probs.data;
+}
 
 class CudaBackend final : public Backend {
  public:
@@ -168,91 +238,179 @@ class CudaBackend final : public Backend {
   }
 
   // --- compute --------------------------------------------------------------------------
-  void linear_forward(const float* x, const float* w, float* y, std::int64_t n, std::int64_t in,
-                      std::int64_t out) override {
-    cuda::linear_forward<float>(blas_, x, w, y, n, in, out);
+  // Each op checks that its views share one dtype (uniform_dtype, as the CPU backend
+  // does) and calls the kernel instantiated for it; anything else is an Error naming
+  // the op and every view's dtype. Weight gradients (float*) are fp32 in both.
+  void linear_forward(CView x, CView w, View y, std::int64_t n, std::int64_t in, std::int64_t out) override {
+    const DType t = uniform_dtype("linear_forward", {{"x", x}, {"w", w}, {"y", y}});
+    with_type(t, [&](auto tag) {
+      using T = decltype(tag);
+      cuda::linear_forward<T>(blas_, ptr<T>(x), ptr<T>(w), ptr<T>(y), n, in, out);
+    });
   }
-  void linear_backward(const float* dy, const float* x, const float* w, float* dx, float* dw, std::int64_t n,
-                       std::int64_t in, std::int64_t out, bool accumulate_dx) override {
-    cuda::linear_backward<float>(blas_, dy, x, w, dx, dw, n, in, out, accumulate_dx);
+  void linear_backward(CView dy, CView x, CView w, View dx, float* dw, std::int64_t n, std::int64_t in,
+                       std::int64_t out, bool accumulate_dx) override {
+    const DType t = uniform_dtype("linear_backward", {{"dy", dy}, {"x", x}, {"w", w}, {"dx", dx}});
+    with_type(t, [&](auto tag) {
+      using T = decltype(tag);
+      cuda::linear_backward<T>(blas_, ptr<T>(dy), ptr<T>(x), ptr<T>(w), ptr<T>(dx), dw, n, in, out, accumulate_dx);
+    });
   }
-  void gemm(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, float alpha, const float* A,
-            std::int64_t lda, const float* B, std::int64_t ldb, float beta, float* C, std::int64_t ldc) override {
-    cuda::gemm<float, float>(blas_, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  void gemm(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, float alpha, CView A,
+            std::int64_t lda, CView B, std::int64_t ldb, float beta, View C, std::int64_t ldc) override {
+    with_type(uniform_dtype("gemm", {{"A", A}, {"B", B}, {"C", C}}), [&](auto tag) {
+      using T = decltype(tag);
+      cuda::gemm<T, T>(blas_, ta, tb, M, N, K, alpha, ptr<T>(A), lda, ptr<T>(B), ldb, beta, ptr<T>(C), ldc);
+    });
   }
-  void rmsnorm_forward(const float* x, const float* w, float* y, float* rstd, std::int64_t n, std::int64_t d,
-                       float eps) override {
-    cuda::rmsnorm_forward<float>(x, w, y, rstd, n, d, eps, stream());
+  void rmsnorm_forward(CView x, CView w, View y, float* rstd, std::int64_t n, std::int64_t d, float eps) override {
+    const DType t = uniform_dtype("rmsnorm_forward", {{"x", x}, {"w", w}, {"y", y}});
+    with_type(t, [&](auto tag) {
+      using T = decltype(tag);
+      cuda::rmsnorm_forward<T>(ptr<T>(x), ptr<T>(w), ptr<T>(y), rstd, n, d, eps, stream());
+    });
   }
-  void rmsnorm_backward(const float* dy, const float* x, const float* w, const float* rstd, float* dx, float* dw,
-                        std::int64_t n, std::int64_t d) override {
+  void rmsnorm_backward(CView dy, CView x, CView w, const float* rstd, View dx, float* dw, std::int64_t n,
+                        std::int64_t d) override {
+    const DType t = uniform_dtype("rmsnorm_backward", {{"dy", dy}, {"x", x}, {"w", w}, {"dx", dx}});
     auto* ws = static_cast<float*>(scratch_.get(rmsnorm_backward_workspace_bytes(n, d), compute_));
-    cuda::rmsnorm_backward<float>(dy, x, w, rstd, dx, dw, ws, n, d, stream());
+    with_type(t, [&](auto tag) {
+      using T = decltype(tag);
+      cuda::rmsnorm_backward<T>(ptr<T>(dy), ptr<T>(x), ptr<T>(w), rstd, ptr<T>(dx), dw, ws, n, d, stream());
+    });
   }
-  void rope_forward(float* x, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd,
-                    double theta) override {
-    cuda::rope_forward<float>(x, B, S, H, hd, theta, stream());
+  void rope_forward(View x, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd, double theta) override {
+    with_type(uniform_dtype("rope_forward", {{"x", x}}), [&](auto tag) {
+      using T = decltype(tag);
+      cuda::rope_forward<T>(ptr<T>(x), B, S, H, hd, theta, stream());
+    });
   }
-  void rope_backward(float* dx, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd,
+  void rope_backward(View dx, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd,
                      double theta) override {
-    cuda::rope_backward<float>(dx, B, S, H, hd, theta, stream());
+    with_type(uniform_dtype("rope_backward", {{"dx", dx}}), [&](auto tag) {
+      using T = decltype(tag);
+      cuda::rope_backward<T>(ptr<T>(dx), B, S, H, hd, theta, stream());
+    });
   }
-  void attention_forward(const float* q, const float* k, const float* v, float* out, float* probs, std::int64_t B,
-                         std::int64_t S, std::int64_t H, std::int64_t hd) override {
+  void attention_forward(CView q, CView k, CView v, View out, View probs, std::int64_t B, std::int64_t S,
+                         std::int64_t H, std::int64_t hd) override {
+    const DType t = uniform_dtype("attention_forward", {{"q", q}, {"k", k}, {"v", v}, {"out", out}, {"probs", probs}});
     // Flash attention: only the logsumexp [B, H, S] is kept, in the head of `probs`.
-    cuda::attention_forward<float>(q, k, v, out, probs, B, S, H, hd, stream());
+    float* lse = static_cast<float*>(const_cast<void*>(lse_in("attention_forward", probs, B, S, H)));
+    with_type(t, [&](auto tag) {
+      using T = decltype(tag);
+      cuda::attention_forward<T>(ptr<T>(q), ptr<T>(k), ptr<T>(v), ptr<T>(out), lse, B, S, H, hd, stream());
+    });
   }
-  void attention_backward(const float* dout, const float* q, const float* k, const float* v, const float* out,
-                          const float* probs, float* dq, float* dk, float* dv, float* dprobs_ws, std::int64_t B,
-                          std::int64_t S, std::int64_t H, std::int64_t hd) override {
+  void attention_backward(CView dout, CView q, CView k, CView v, CView out, CView probs, View dq, View dk, View dv,
+                          View dprobs_ws, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd) override {
+    const DType t = uniform_dtype("attention_backward", {{"dout", dout}, {"q", q}, {"k", k}, {"v", v}, {"out", out},
+                                                         {"probs", probs}, {"dq", dq}, {"dk", dk}, {"dv", dv},
+                                                         {"dprobs_ws", dprobs_ws}});
+    const auto* lse = static_cast<const float*>(lse_in("attention_backward", probs, B, S, H));
+    // The workspace (fp32 rows) goes in dprobs_ws when it fits there.
     const Bytes need = attention_backward_workspace_bytes(B, S, H);
-    float* ws = need <= Bytes(sizeof(float)) * B * H * S * S ? dprobs_ws
+    const Bytes have = dprobs_ws ? dtype_size(dprobs_ws.dtype) * B * H * S * S : 0;
+    float* ws = have >= need && float_aligned(dprobs_ws.data) ? static_cast<float*>(dprobs_ws.data)
                                                               : static_cast<float*>(scratch_.get(need, compute_));
-    cuda::attention_backward<float>(dout, q, k, v, out, probs, dq, dk, dv, ws, B, S, H, hd, stream());
+    with_type(t, [&](auto tag) {
+      using T = decltype(tag);
+      cuda::attention_backward<T>(ptr<T>(dout), ptr<T>(q), ptr<T>(k), ptr<T>(v), ptr<T>(out), lse, ptr<T>(dq),
+                                  ptr<T>(dk), ptr<T>(dv), ws, B, S, H, hd, stream());
+    });
   }
-  void swiglu_forward(const float* gate, const float* up, float* out, std::int64_t n) override {
-    cuda::swiglu_forward<float>(gate, up, out, n, stream());
+  void swiglu_forward(CView gate, CView up, View out, std::int64_t n) override {
+    const DType t = uniform_dtype("swiglu_forward", {{"gate", gate}, {"up", up}, {"out", out}});
+    with_type(t, [&](auto tag) {
+      using T = decltype(tag);
+      cuda::swiglu_forward<T>(ptr<T>(gate), ptr<T>(up), ptr<T>(out), n, stream());
+    });
   }
-  void swiglu_backward(const float* dout, const float* gate, const float* up, float* dgate, float* dup,
-                       std::int64_t n) override {
-    cuda::swiglu_backward<float>(dout, gate, up, dgate, dup, n, stream());
+  void swiglu_backward(CView dout, CView gate, CView up, View dgate, View dup, std::int64_t n) override {
+    const DType t = uniform_dtype("swiglu_backward",
+                                  {{"dout", dout}, {"gate", gate}, {"up", up}, {"dgate", dgate}, {"dup", dup}});
+    with_type(t, [&](auto tag) {
+      using T = decltype(tag);
+      cuda::swiglu_backward<T>(ptr<T>(dout), ptr<T>(gate), ptr<T>(up), ptr<T>(dgate), ptr<T>(dup), n, stream());
+    });
   }
-  void add_inplace(float* y, const float* x, std::int64_t n) override {
-    cuda::residual_add<float>(y, x, y, n, stream());
+  void add_inplace(View y, CView x, std::int64_t n) override {
+    const DType t = uniform_dtype("add_inplace", {{"y", y}, {"x", x}});
+    with_type(t, [&](auto tag) {
+      using T = decltype(tag);
+      cuda::residual_add<T>(ptr<T>(y), ptr<T>(x), ptr<T>(y), n, stream());
+    });
   }
-  void embedding_forward(const std::int32_t* ids, const float* table, float* out, std::int64_t n,
-                         std::int64_t d) override {
-    cuda::embedding_forward(upload_ids(ids, n), table, out, n, d, stream());
+  void cast(CView src, View dst, std::int64_t n) override {
+    if (src.dtype == dst.dtype) {
+      copy(dst.data, src.data, dtype_size(src.dtype) * n);
+    } else if (src.dtype == DType::f32 && dst.dtype == DType::bf16) {
+      cuda::cast(ptr<float>(src), ptr<bf16>(dst), n, stream());
+    } else if (src.dtype == DType::bf16 && dst.dtype == DType::f32) {
+      cuda::cast(ptr<bf16>(src), ptr<float>(dst), n, stream());
+    } else {
+      no_kernel("cast", {{"src", src}, {"dst", dst}}, "f32 <-> bf16, or equal dtypes");
+    }
   }
-  void embedding_backward(const std::int32_t* ids, const float* dout, float* dtable, std::int64_t n,
+  void embedding_forward(const std::int32_t* ids, CView table, View out, std::int64_t n, std::int64_t d) override {
+    const DType t = uniform_dtype("embedding_forward", {{"table", table}, {"out", out}});
+    const std::int32_t* dev_ids = upload_ids(ids, n);
+    with_type(t, [&](auto tag) {
+      using T = decltype(tag);
+      cuda::embedding_forward<T>(dev_ids, ptr<T>(table), ptr<T>(out), n, d, stream());
+    });
+  }
+  void embedding_backward(const std::int32_t* ids, CView dout, float* dtable, std::int64_t n,
                           std::int64_t d) override {
-    cuda::embedding_backward(upload_ids(ids, n), dout, dtable, n, d, stream());
+    const DType t = uniform_dtype("embedding_backward", {{"dout", dout}});
+    const std::int32_t* dev_ids = upload_ids(ids, n);
+    with_type(t, [&](auto tag) {
+      using T = decltype(tag);
+      cuda::embedding_backward<T>(dev_ids, ptr<T>(dout), dtable, n, d, stream());
+    });
   }
-  double cross_entropy_forward(const float* logits, const std::int32_t* targets, float* probs, float* losses,
-                               std::int64_t n, std::int64_t V) override {
+  double cross_entropy_forward(CView logits, const std::int32_t* targets, View probs, float* losses, std::int64_t n,
+                               std::int64_t V) override {
+    const DType t = uniform_dtype("cross_entropy_forward", {{"logits", logits}, {"probs", probs}});
     check_targets(targets, n, V);
-    cuda::cross_entropy_forward(logits, upload_ids(targets, n), probs, losses, n, V, stream());
-    std::vector<float> host(static_cast<std::size_t>(n));
-    copy_to_host(host.data(), losses, Bytes(sizeof(float)) * n);
+    const std::int32_t* dev_targets = upload_ids(targets, n);
+    with_type(t, [&](auto tag) {
+      using T = decltype(tag);
+      cuda::cross_entropy_forward<T>(ptr<T>(logits), dev_targets, ptr<T>(probs), losses, n, V, stream());
+    });
+    std::vector<float> host = to_host_vector(static_cast<const float*>(losses), n);
     double total = 0;
     for (float x : host) total += double(x);  // token order, as the CPU op
     return n > 0 ? total / double(n) : 0.0;
   }
-  void cross_entropy_backward(const float* probs, const std::int32_t* targets, float* dlogits, std::int64_t n,
-                              std::int64_t V, float scale) override {
+  void cross_entropy_backward(CView probs, const std::int32_t* targets, View dlogits, std::int64_t n, std::int64_t V,
+                              float scale) override {
+    const DType t = uniform_dtype("cross_entropy_backward", {{"probs", probs}, {"dlogits", dlogits}});
     check_targets(targets, n, V);
-    cuda::cross_entropy_backward(probs, upload_ids(targets, n), dlogits, n, V, scale, stream());
+    const std::int32_t* dev_targets = upload_ids(targets, n);
+    with_type(t, [&](auto tag) {
+      using T = decltype(tag);
+      cuda::cross_entropy_backward<T>(ptr<T>(probs), dev_targets, ptr<T>(dlogits), n, V, scale, stream());
+    });
   }
-  void router_forward(const float* logits, float* probs, std::int32_t* idx, float* w, std::int64_t n,
-                      std::int64_t E, std::int64_t k, bool norm) override {
-    cuda::router_forward(logits, probs, idx, w, n, E, k, norm, stream());
+  void router_forward(CView logits, float* probs, std::int32_t* idx, float* w, std::int64_t n, std::int64_t E,
+                      std::int64_t k, bool norm) override {
+    with_type(uniform_dtype("router_forward", {{"logits", logits}}), [&](auto tag) {
+      using T = decltype(tag);
+      cuda::router_forward<T>(ptr<T>(logits), probs, idx, w, n, E, k, norm, stream());
+    });
   }
   void router_backward(const float* dw, const float* dprobs, const float* probs, const std::int32_t* idx,
-                       float* dlogits, std::int64_t n, std::int64_t E, std::int64_t k, bool norm) override {
-    cuda::router_backward(dw, dprobs, probs, idx, dlogits, n, E, k, norm, stream());
+                       View dlogits, std::int64_t n, std::int64_t E, std::int64_t k, bool norm) override {
+    with_type(uniform_dtype("router_backward", {{"dlogits", dlogits}}), [&](auto tag) {
+      using T = decltype(tag);
+      cuda::router_backward<T>(dw, dprobs, probs, idx, ptr<T>(dlogits), n, E, k, norm, stream());
+    });
   }
   // The router losses and the spike injection work on [n, E] and [n, k] arrays that
-  // are small next to the layer's activations: they run on the host, on copies.
+  // are small next to the layer's activations: they run on the host, on fp32 copies
+  // (bf16 views widened on the way in and rounded once on the way out, as the CPU
+  // backend does).
   double aux_loss_forward(const float* probs, const std::int32_t* idx, std::int64_t n, std::int64_t E,
                           std::int64_t k, double coef) override {
     std::vector<float> p = to_host_vector(probs, n * E);
@@ -266,21 +424,24 @@ class CudaBackend final : public Backend {
     ops::aux_loss_backward(ix.data(), dp.data(), n, E, k, coef);
     copy_from_host(dprobs, dp.data(), Bytes(sizeof(float)) * n * E);
   }
-  double z_loss_forward(const float* logits, std::int64_t n, std::int64_t E, double coef) override {
-    std::vector<float> lg = to_host_vector(logits, n * E);
+  double z_loss_forward(CView logits, std::int64_t n, std::int64_t E, double coef) override {
+    uniform_dtype("z_loss_forward", {{"logits", logits}});
+    std::vector<float> lg = to_host_floats(logits, n * E);
     return ops::z_loss_forward(lg.data(), n, E, coef);
   }
-  void z_loss_backward(const float* logits, float* dlogits, std::int64_t n, std::int64_t E, double coef) override {
-    std::vector<float> lg = to_host_vector(logits, n * E);
-    std::vector<float> dl = to_host_vector(static_cast<const float*>(dlogits), n * E);
+  void z_loss_backward(CView logits, View dlogits, std::int64_t n, std::int64_t E, double coef) override {
+    uniform_dtype("z_loss_backward", {{"logits", logits}, {"dlogits", dlogits}});
+    std::vector<float> lg = to_host_floats(logits, n * E);
+    std::vector<float> dl = to_host_floats(dlogits, n * E);
     ops::z_loss_backward(lg.data(), dl.data(), n, E, coef);
-    copy_from_host(dlogits, dl.data(), Bytes(sizeof(float)) * n * E);
+    from_host_floats(dl, dlogits);
   }
-  void skew_router_logits(float* logits, std::int64_t n, std::int64_t E, std::int64_t k, int groups,
+  void skew_router_logits(View logits, std::int64_t n, std::int64_t E, std::int64_t k, int groups,
                           double ratio) override {
-    std::vector<float> lg = to_host_vector(static_cast<const float*>(logits), n * E);
+    uniform_dtype("skew_router_logits", {{"logits", logits}});
+    std::vector<float> lg = to_host_floats(logits, n * E);
     ops::skew_router_logits(lg.data(), n, E, k, groups, ratio);
-    copy_from_host(logits, lg.data(), Bytes(sizeof(float)) * n * E);
+    from_host_floats(lg, logits);
   }
   std::int64_t moe_plan_dispatch(const std::int32_t* idx, std::int64_t n, std::int64_t E, std::int64_t k,
                                  std::int64_t cap, std::int32_t* counts, std::int32_t* offsets, std::int32_t* slot_of,
@@ -288,30 +449,48 @@ class CudaBackend final : public Backend {
     void* ws = scratch_.get(moe_plan_workspace_bytes(), compute_);
     return cuda::moe_plan_dispatch(idx, n, E, k, cap, counts, offsets, slot_of, host_offsets, ws, stream());
   }
-  void permute_forward(const float* x, const std::int32_t* slot_of, float* xp, std::int64_t n, std::int64_t k,
+  void permute_forward(CView x, const std::int32_t* slot_of, View xp, std::int64_t n, std::int64_t k,
                        std::int64_t d) override {
-    cuda::permute_forward<float>(x, slot_of, xp, n, k, d, stream());
+    with_type(uniform_dtype("permute_forward", {{"x", x}, {"xp", xp}}), [&](auto tag) {
+      using T = decltype(tag);
+      cuda::permute_forward<T>(ptr<T>(x), slot_of, ptr<T>(xp), n, k, d, stream());
+    });
   }
-  void permute_backward(const float* dxp, const std::int32_t* slot_of, float* dx, std::int64_t n, std::int64_t k,
+  void permute_backward(CView dxp, const std::int32_t* slot_of, View dx, std::int64_t n, std::int64_t k,
                         std::int64_t d) override {
-    cuda::permute_backward<float>(dxp, slot_of, dx, n, k, d, stream());
+    with_type(uniform_dtype("permute_backward", {{"dxp", dxp}, {"dx", dx}}), [&](auto tag) {
+      using T = decltype(tag);
+      cuda::permute_backward<T>(ptr<T>(dxp), slot_of, ptr<T>(dx), n, k, d, stream());
+    });
   }
-  void unpermute_forward(const float* yp, const std::int32_t* slot_of, const float* w, float* y, std::int64_t n,
+  void unpermute_forward(CView yp, const std::int32_t* slot_of, const float* w, View y, std::int64_t n,
                          std::int64_t k, std::int64_t d) override {
-    cuda::unpermute_forward<float>(yp, slot_of, w, y, n, k, d, stream());
+    with_type(uniform_dtype("unpermute_forward", {{"yp", yp}, {"y", y}}), [&](auto tag) {
+      using T = decltype(tag);
+      cuda::unpermute_forward<T>(ptr<T>(yp), slot_of, w, ptr<T>(y), n, k, d, stream());
+    });
   }
-  void unpermute_backward(const float* dy, const float* yp, const std::int32_t* slot_of, const float* w,
-                          float* dyp, float* dw, std::int64_t n, std::int64_t k, std::int64_t d) override {
-    cuda::unpermute_backward<float>(dy, yp, slot_of, w, dyp, dw, n, k, d, stream());
+  void unpermute_backward(CView dy, CView yp, const std::int32_t* slot_of, const float* w, View dyp, float* dw,
+                          std::int64_t n, std::int64_t k, std::int64_t d) override {
+    with_type(uniform_dtype("unpermute_backward", {{"dy", dy}, {"yp", yp}, {"dyp", dyp}}), [&](auto tag) {
+      using T = decltype(tag);
+      cuda::unpermute_backward<T>(ptr<T>(dy), ptr<T>(yp), slot_of, w, ptr<T>(dyp), dw, n, k, d, stream());
+    });
   }
-  void grouped_linear_forward(const float* x, const float* w, float* y, const std::int32_t* offsets, std::int64_t E,
-                              std::int64_t in, std::int64_t out) override {
-    cuda::grouped_linear_forward<float>(blas_, x, w, y, offsets, E, in, out);
+  void grouped_linear_forward(CView x, CView w, View y, const std::int32_t* offsets, std::int64_t E, std::int64_t in,
+                              std::int64_t out) override {
+    with_type(uniform_dtype("grouped_linear_forward", {{"x", x}, {"w", w}, {"y", y}}), [&](auto tag) {
+      using T = decltype(tag);
+      cuda::grouped_linear_forward<T>(blas_, ptr<T>(x), ptr<T>(w), ptr<T>(y), offsets, E, in, out);
+    });
   }
-  void grouped_linear_backward(const float* dy, const float* x, const float* w, float* dx, float* dw,
-                               const std::int32_t* offsets, std::int64_t E, std::int64_t in,
-                               std::int64_t out) override {
-    cuda::grouped_linear_backward<float>(blas_, dy, x, w, dx, dw, offsets, E, in, out);
+  void grouped_linear_backward(CView dy, CView x, CView w, View dx, float* dw, const std::int32_t* offsets,
+                               std::int64_t E, std::int64_t in, std::int64_t out) override {
+    const DType t = uniform_dtype("grouped_linear_backward", {{"dy", dy}, {"x", x}, {"w", w}, {"dx", dx}});
+    with_type(t, [&](auto tag) {
+      using T = decltype(tag);
+      cuda::grouped_linear_backward<T>(blas_, ptr<T>(dy), ptr<T>(x), ptr<T>(w), ptr<T>(dx), dw, offsets, E, in, out);
+    });
   }
   double square_sum(const float* g, std::int64_t n) override {
     if (n <= 0) return 0.0;
@@ -349,6 +528,26 @@ class CudaBackend final : public Backend {
     std::vector<T> out(static_cast<std::size_t>(n));
     copy_to_host(out.data(), src, Bytes(sizeof(T)) * n);
     return out;
+  }
+  /// The n elements of `v` (f32 or bf16, checked) on the host as floats (bf16
+  /// widened exactly).
+  std::vector<float> to_host_floats(CView v, std::int64_t n) {
+    if (v.dtype == DType::f32) return to_host_vector(static_cast<const float*>(v.data), n);
+    const std::vector<bf16> b = to_host_vector(static_cast<const bf16*>(v.data), n);
+    std::vector<float> out(b.size());
+    for (std::size_t i = 0; i < b.size(); ++i) out[i] = to_float(b[i]);
+    return out;
+  }
+  /// Writes `host` into `v` (rounded once to nearest even when bf16).
+  void from_host_floats(const std::vector<float>& host, View v) {
+    const auto n = static_cast<std::int64_t>(host.size());
+    if (v.dtype == DType::f32) {
+      copy_from_host(v.data, host.data(), Bytes(sizeof(float)) * n);
+      return;
+    }
+    std::vector<bf16> b(host.size());
+    for (std::size_t i = 0; i < host.size(); ++i) b[i] = to_bf16(host[i]);
+    copy_from_host(v.data, b.data(), Bytes(sizeof(bf16)) * n);
   }
   static void check_targets(const std::int32_t* targets, std::int64_t n, std::int64_t V) {
     for (std::int64_t i = 0; i < n; ++i)

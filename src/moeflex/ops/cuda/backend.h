@@ -1,6 +1,17 @@
-// The CUDA backend of the training engine (ops/backend.h on one GPU, fp32): the
-// device arena over one cudaMalloc region, one compute stream with one cuBLAS
-// handle, the d2h/h2d copy streams of offload and prefetch, and a pinned host pool.
+// The CUDA backend of the training engine (ops/backend.h on one GPU): the device
+// arena over one cudaMalloc region, one compute stream with one cuBLAS handle, the
+// d2h/h2d copy streams of offload and prefetch, and a pinned host pool.
+//
+// Precision (ops/backend.h's contract): the views of one call share one dtype, f32
+// (the fp32 engine) or bf16 (the bf16 engine); each op dispatches on it to the
+// kernel instantiated for that type, which computes in fp32 and rounds each bf16
+// output once, and a mix is an Error naming the op and every view's dtype (null
+// views do not count). The float* arguments are fp32 in both. `cast` converts
+// f32 <-> bf16. Attention keeps its fp32 logsumexp [B, H, S] in the head of `probs`
+// and its fp32 workspace in `dprobs_ws` (raw memory of the call's dtype), so a bf16
+// `probs` needs S >= 2. The z-loss, the aux loss and the spike injection run on the host on
+// fp32 copies (small [n, E] arrays; bf16 widened in, rounded once on the way out,
+// as the CPU backend does); every other op runs on the device.
 //
 // Memory outside the arena (so the memory program's exact accounting holds for
 // what the model allocates): the cuBLAS workspace and grouped-GEMM pointer arrays

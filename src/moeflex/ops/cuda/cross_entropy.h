@@ -1,5 +1,7 @@
-// Softmax cross-entropy on the GPU (CPU reference: ops/cross_entropy.h), fp32.
-//   logits, probs, dlogits: [n, V]; targets: [n] int32 (device memory); losses: [n].
+// Softmax cross-entropy on the GPU (CPU reference: ops/cross_entropy.h), computed in
+// fp32 whatever the storage types.
+//   logits, probs, dlogits: [n, V] of T (float or bf16: read widened, written rounded
+//   once); targets: [n] int32 (device memory); losses: [n] float.
 //   forward:  probs (=) = softmax(logits) (may alias logits);
 //             losses[i] (=) = log(sum_j exp(x_j - max)) - (x_t - max), as the CPU op
 //             (precise when p_t underflows). The mean is taken by the caller on the
@@ -12,14 +14,18 @@
 
 #include <cstdint>
 
+#include "moeflex/core/bf16.h"
+
 namespace moeflex::ops::cuda {
 
 /// probs (=) and losses (=) for n rows of V logits.
-void cross_entropy_forward(const float* logits, const std::int32_t* targets, float* probs, float* losses,
-                           std::int64_t n, std::int64_t V, cudaStream_t stream);
+template <typename T>
+void cross_entropy_forward(const T* logits, const std::int32_t* targets, T* probs, float* losses, std::int64_t n,
+                           std::int64_t V, cudaStream_t stream);
 
 /// dlogits (=) = (probs - onehot(targets)) * scale.
-void cross_entropy_backward(const float* probs, const std::int32_t* targets, float* dlogits, std::int64_t n,
+template <typename T>
+void cross_entropy_backward(const T* probs, const std::int32_t* targets, T* dlogits, std::int64_t n,
                             std::int64_t V, float scale, cudaStream_t stream);
 
 }  // namespace moeflex::ops::cuda

@@ -14,22 +14,26 @@
 namespace moeflex::ops::cuda {
 namespace {
 
+using detail::from_f;
+using detail::to_f;
+
 constexpr int kRowsPerBlock = 4;  // warps per block
 
-__global__ void router_forward_kernel(const float* __restrict__ logits, float* __restrict__ probs,
+template <typename T>
+__global__ void router_forward_kernel(const T* __restrict__ logits, float* __restrict__ probs,
                                       std::int32_t* __restrict__ topk_idx, float* __restrict__ topk_w,
                                       std::int64_t n, int E, int k, bool norm) {
   const std::int64_t row = std::int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / detail::kWarp;
   const int lane = threadIdx.x % detail::kWarp;
   if (row >= n) return;
-  const float* l = logits + row * E;
+  const T* l = logits + row * E;
   float* p = probs + row * E;
   float m = -INFINITY;
-  for (int e = lane; e < E; e += detail::kWarp) m = fmaxf(m, l[e]);
+  for (int e = lane; e < E; e += detail::kWarp) m = fmaxf(m, to_f(l[e]));
   m = detail::warp_max(m);
   float s = 0.0f;
   for (int e = lane; e < E; e += detail::kWarp) {
-    const float v = expf(l[e] - m);
+    const float v = expf(to_f(l[e]) - m);
     p[e] = v;
     s += v;
   }
@@ -68,9 +72,10 @@ __global__ void router_forward_kernel(const float* __restrict__ logits, float* _
   }
 }
 
+template <typename T>
 __global__ void router_backward_kernel(const float* __restrict__ dtopk_w, const float* __restrict__ dprobs_extra,
                                        const float* __restrict__ probs, const std::int32_t* __restrict__ topk_idx,
-                                       float* __restrict__ dlogits, std::int64_t n, int E, int k, bool norm) {
+                                       T* __restrict__ dlogits, std::int64_t n, int E, int k, bool norm) {
   const std::int64_t row = std::int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / detail::kWarp;
   const int lane = threadIdx.x % detail::kWarp;
   if (row >= n) return;
@@ -94,8 +99,8 @@ __global__ void router_backward_kernel(const float* __restrict__ dtopk_w, const 
   float pg = 0.0f;
   for (int e = lane; e < E; e += detail::kWarp) pg += p[e] * g_of(e);
   pg = detail::warp_sum(pg);
-  float* d = dlogits + row * E;
-  for (int e = lane; e < E; e += detail::kWarp) d[e] = p[e] * (g_of(e) - pg);
+  T* d = dlogits + row * E;
+  for (int e = lane; e < E; e += detail::kWarp) d[e] = from_f<T>(p[e] * (g_of(e) - pg));
 }
 
 void check_router_shape(std::int64_t E, std::int64_t k) {
@@ -109,25 +114,36 @@ void check_router_shape(std::int64_t E, std::int64_t k) {
 
 }  // namespace
 
-void router_forward(const float* logits, float* probs, std::int32_t* topk_idx, float* topk_w, std::int64_t n,
+template <typename T>
+void router_forward(const T* logits, float* probs, std::int32_t* topk_idx, float* topk_w, std::int64_t n,
                     std::int64_t E, std::int64_t k, bool norm_topk_prob, cudaStream_t stream) {
   check_router_shape(E, k);
   if (n <= 0) return;
   const unsigned blocks = static_cast<unsigned>((n + kRowsPerBlock - 1) / kRowsPerBlock);
-  router_forward_kernel<<<blocks, kRowsPerBlock * detail::kWarp, 0, stream>>>(logits, probs, topk_idx, topk_w, n,
-                                                                             int(E), int(k), norm_topk_prob);
+  router_forward_kernel<T><<<blocks, kRowsPerBlock * detail::kWarp, 0, stream>>>(logits, probs, topk_idx, topk_w, n,
+                                                                                int(E), int(k), norm_topk_prob);
   MOEFLEX_CHECK_LAUNCH("router_forward");
 }
 
+template <typename T>
 void router_backward(const float* dtopk_w, const float* dprobs_extra, const float* probs,
-                     const std::int32_t* topk_idx, float* dlogits, std::int64_t n, std::int64_t E, std::int64_t k,
+                     const std::int32_t* topk_idx, T* dlogits, std::int64_t n, std::int64_t E, std::int64_t k,
                      bool norm_topk_prob, cudaStream_t stream) {
   check_router_shape(E, k);
   if (n <= 0) return;
   const unsigned blocks = static_cast<unsigned>((n + kRowsPerBlock - 1) / kRowsPerBlock);
-  router_backward_kernel<<<blocks, kRowsPerBlock * detail::kWarp, 0, stream>>>(
+  router_backward_kernel<T><<<blocks, kRowsPerBlock * detail::kWarp, 0, stream>>>(
       dtopk_w, dprobs_extra, probs, topk_idx, dlogits, n, int(E), int(k), norm_topk_prob);
   MOEFLEX_CHECK_LAUNCH("router_backward");
 }
+
+#define MOEFLEX_INSTANTIATE_CUDA_ROUTER(T)                                                                         \
+  template void router_forward<T>(const T*, float*, std::int32_t*, float*, std::int64_t, std::int64_t,          \
+                                  std::int64_t, bool, cudaStream_t);                                            \
+  template void router_backward<T>(const float*, const float*, const float*, const std::int32_t*, T*,           \
+                                   std::int64_t, std::int64_t, std::int64_t, bool, cudaStream_t);
+MOEFLEX_INSTANTIATE_CUDA_ROUTER(float)
+MOEFLEX_INSTANTIATE_CUDA_ROUTER(bf16)
+#undef MOEFLEX_INSTANTIATE_CUDA_ROUTER
 
 }  // namespace moeflex::ops::cuda

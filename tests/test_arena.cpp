@@ -195,7 +195,7 @@ struct TestSource {
   int id = -1;
   explicit TestSource(Arena& a, bool can_evict) : arena(a) {
     id = arena.add_relocatable(
-        [this](std::vector<Tensor*>& out) {
+        [this](std::vector<Arena::RelocatableTensor>& out) {
           for (auto& t : tensors)
             if (t->defined()) out.push_back(t.get());
         },
@@ -262,4 +262,33 @@ TEST(Arena, EvictsRelocatableTensorsWhenPinnedBlocksSplitTheFreeBytes) {
   // 20 KiB free now, but no stretch can hold 16 KiB (big is pinned): a typed OOM.
   EXPECT_EQ(arena.budget() - arena.in_use(), 20 * 1024);
   EXPECT_THROW(Tensor(arena, {4 * 1024}, MemCategory::activations, "huge"), OutOfMemoryError);
+}
+
+// Tensors a source can move but not evict (the zero-bubble W queue's: a host copy
+// would free nothing while another owner holds them) slide in compaction: they
+// neither split a stretch nor count as room. Only then can the evictable tensors
+// around them make a block here.
+TEST(Arena, MovableTensorsThatCannotBeEvictedDoNotSplitTheFreeBytes) {
+  Arena arena(32 * 1024);
+  TestSource evictable(arena, true), movable(arena, false);
+  // KiB: [a0 8][b0 4][hole 4][p 4][b1 4][hole 8]; a evictable, b movable only, p pinned.
+  Tensor* a0 = evictable.add(2048, 0);
+  Tensor* b0 = movable.add(1024, 100);
+  Tensor* h1 = movable.add(1024, 0);
+  Tensor p(arena, {1024}, MemCategory::activations, "pinned");
+  Tensor* b1 = movable.add(1024, 300);
+  Tensor* h2 = movable.add(2048, 0);
+  ASSERT_EQ(arena.in_use(), 32 * 1024);
+  h1->reset();
+  h2->reset();
+  // 10 KiB of the 12 free: no stretch has a block that large, even compacted (4
+  // under p, 8 on top); under p, the hole plus a0 (evicted) make 12 once b0 slides.
+  Tensor big(arena, {2560}, MemCategory::activations, "big");
+  EXPECT_EQ(arena.evictions(), 1);
+  ASSERT_EQ(evictable.evicted.size(), 1u);
+  EXPECT_FALSE(a0->defined());
+  EXPECT_TRUE(movable.evicted.empty());
+  EXPECT_EQ(b0->f32()[7], 107.0f);
+  EXPECT_EQ(b1->f32()[1023], 1323.0f);
+  EXPECT_EQ(arena.budget() - arena.in_use(), 10 * 1024);  // 12 free + 8 evicted - 10
 }

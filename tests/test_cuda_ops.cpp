@@ -1165,6 +1165,21 @@ TEST(CudaBackend, MoeDispatchAndGroupedGemmMatchTheCpuBackend) {
       cpu_be().unpermute_backward(dy.h(), xp.h(), slot.hi(), w.hf(), dyp.h(), dtw.hf(), n, k, d);
       cuda_be().unpermute_backward(dy.d(), xp.d(), slot.di(), w.df(), dyp.d(), dtw.df(), n, k, d);
       compare("unpermute", t, shape, {{"y", &y}, {"dyp", &dyp}, {"dtopk_w (fp32)", &dtw}});
+      // The same top-k gradient window by window (the backward's expert chunks when
+      // the combine's input was dropped): equal bits to the whole op's on each side.
+      Both dtw_win(DType::f32, Vec(sz(n * k), 0.0), "dtopk_w (windows)");
+      cpu_be().unpermute_backward(dy.h(), CView(), slot.hi(), w.hf(), dyp.h(), nullptr, n, k, d);
+      cuda_be().unpermute_backward(dy.d(), CView(), slot.di(), w.df(), dyp.d(), nullptr, n, k, d);
+      for (std::int64_t r0 = 0; r0 < rows; r0 += 7) {
+        const std::int64_t win = std::min<std::int64_t>(7, rows - r0);
+        cpu_be().combine_topk_grad(dy.h(), xp.h() + r0 * d, slot.hi(), dtw_win.hf(), n, k, d, r0, win);
+        cuda_be().combine_topk_grad(dy.d(), xp.d() + r0 * d, slot.di(), dtw_win.df(), n, k, d, r0, win);
+      }
+      compare("combine_topk_grad", t, shape, {{"dtopk_w (fp32)", &dtw_win}});
+      EXPECT_EQ(dtw_win.dev(), dtw.dev()) << "CUDA windows against the whole backward, " << to_string(t);
+      for (std::int64_t i = 0; i < n * k; ++i)
+        if (slot.host_ints()[sz(i)] < 0) EXPECT_EQ(dtw_win.host()[sz(i)], 0.0) << "a dropped slot is untouched";
+      EXPECT_EQ(dtw_win.host(), dtw.host()) << "CPU windows against the whole backward, " << to_string(t);
     }
   }
 }

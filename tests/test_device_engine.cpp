@@ -108,6 +108,7 @@ class EmulatedDevice final : public ops::Backend {
   FWD(void, permute_backward, (CView dxp, const std::int32_t* s, View dx, std::int64_t n, std::int64_t k, std::int64_t d), (dxp, s, dx, n, k, d))
   FWD(void, unpermute_forward, (CView yp, const std::int32_t* s, const float* w, View y, std::int64_t n, std::int64_t k, std::int64_t d), (yp, s, w, y, n, k, d))
   FWD(void, unpermute_backward, (CView dy, CView yp, const std::int32_t* s, const float* w, View dyp, float* dw, std::int64_t n, std::int64_t k, std::int64_t d), (dy, yp, s, w, dyp, dw, n, k, d))
+  FWD(void, combine_topk_grad, (CView dy, CView yp, const std::int32_t* s, float* dw, std::int64_t n, std::int64_t k, std::int64_t d, std::int64_t r0, std::int64_t rows), (dy, yp, s, dw, n, k, d, r0, rows))
   FWD(void, grouped_linear_forward, (CView x, CView w, View y, const std::int32_t* off, std::int64_t E, std::int64_t in, std::int64_t out), (x, w, y, off, E, in, out))
   FWD(void, grouped_linear_backward, (CView dy, CView x, CView w, View dx, float* dw, const std::int32_t* off, std::int64_t E, std::int64_t in, std::int64_t out), (dy, x, w, dx, dw, off, E, in, out))
   FWD(double, square_sum, (const float* g, std::int64_t n), (g, n))

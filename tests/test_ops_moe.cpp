@@ -307,6 +307,35 @@ TEST(Dispatch, UnpermuteForwardAndBackward) {
   }
 }
 
+// The top-k gradient window by window (the backward's expert chunks, when the
+// combine's input was not kept): the whole backward's dtopk_w bit for bit in float,
+// dyp unchanged without it, other slots untouched by each window.
+TEST(Dispatch, CombineTopkGradByWindowsEqualsTheWholeBackward) {
+  const std::int64_t n = 13, E = 4, k = 2, d = 5;
+  const auto idx = random_routing(n, E, k, 24);
+  for (std::int64_t cap : {std::int64_t(-1), std::int64_t(4)}) {
+    const auto plan = make_plan(idx, n, E, k, cap);
+    const std::int64_t rows = plan.rows();
+    std::vector<float> yp(rows * d), w(n * k), dy(n * d);
+    for (auto* v : {&yp, &w, &dy})
+      for (std::size_t i = 0; i < v->size(); ++i) (*v)[i] = float(std::sin(1.7 * double(i) + double(v->size())));
+    std::vector<float> dyp(rows * d, 5.0f), dw(n * k, 7.0f);
+    unpermute_backward(dy.data(), yp.data(), plan.slot.data(), w.data(), dyp.data(), dw.data(), n, k, d);
+    std::vector<float> dyp2(rows * d, 5.0f), dw2(n * k, -3.0f);
+    unpermute_backward(dy.data(), static_cast<const float*>(nullptr), plan.slot.data(), w.data(), dyp2.data(),
+                       static_cast<float*>(nullptr), n, k, d);
+    EXPECT_EQ(dyp2, dyp) << "dyp does not depend on the top-k gradient";
+    for (std::int64_t r0 = 0; r0 < rows; r0 += 3) {
+      const std::int64_t win = std::min<std::int64_t>(3, rows - r0);
+      combine_topk_grad(dy.data(), yp.data() + r0 * d, plan.slot.data(), dw2.data(), n, k, d, r0, win);
+    }
+    for (std::int64_t a = 0; a < n * k; ++a) {
+      if (plan.slot[a] < 0) EXPECT_EQ(dw2[a], -3.0f) << "dropped assignment " << a << " is left untouched";
+      else EXPECT_EQ(std::memcmp(&dw2[a], &dw[a], sizeof(float)), 0) << "assignment " << a;
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------
 // Grouped linear
 

@@ -114,28 +114,36 @@ TEST(SimOpStream, EveryPolicysOpsMatchTheEnginesKindByKindAndPhaseByPhase) {
     }
 }
 
-TEST(SimOpStream, MoeFullRebuildsTheExpertFfnTwice) {
+TEST(SimOpStream, MoeFullRebuildsTheExpertFfnOnce) {
   // moe-full without EP drops moe.combined and the expert FFN's tensors: the
-  // combined's rebuild runs FC1 (gate, up), the activation and the down projection,
-  // and the backward's chunk loop rebuilds FC1 and the activation again.
+  // backward's chunk loop rebuilds FC1 (gate, up) and the activation once, for its
+  // own gradients, and takes the combine's input from them: the down projection
+  // once more and the top-k weights' dot products (after zeroing their gradient).
+  // The engine's calls are checked against this stream, call for call, above.
   const ModelConfig cfg = test::small_moe_config(2, 0, 4, true);
   const CostModel cost(stream_profile());
   LayerWork w{kB, kS, MoERows::balanced(cfg, kB * kS)};
   const LayerCost lc = layer_cost(cost, cfg, 0, w);
-  const std::int64_t d = cfg.hidden_size, f = cfg.moe_intermediate_size, R = w.rows.received;
+  const std::int64_t n = kB * kS, k = cfg.num_experts_per_tok, d = cfg.hidden_size, f = cfg.moe_intermediate_size,
+                     R = w.rows.received;
+  ASSERT_EQ(cfg.expert_chunk(R), R) << "one chunk";
   const std::vector<std::int64_t> groups = even_groups(R, cfg.num_experts);
   const Seconds fc1 = cost.grouped_linear_forward(groups, d, f), fc2 = cost.grouped_linear_forward(groups, f, d);
   const Seconds act = cost.swiglu_forward(R * f);
+  const Seconds combine = cost.elementwise(n * k * kActivationBytes) + fc2 + cost.combine_topk_grad(n, k, d, R);
   auto moe_full = [](const std::string& n) { return static_policy_recomputes("moe-full", n); };
   const std::set<std::string> ffn = {"experts.gate_out", "experts.up_out", "experts.act", "moe.combined"};
   Seconds other = 0;  // router, norm, permutation and shared-expert rebuilds, once each
-  for (const auto& [n, s] : lc.recompute)
-    if (moe_full(n) && !ffn.count(n)) other += s;
+  for (const auto& [name, s] : lc.recompute)
+    if (moe_full(name) && !ffn.count(name)) other += s;
   EXPECT_GT(other, 0);
-  EXPECT_NEAR(lc.recompute_total(moe_full), other + (fc2 + 2 * fc1 + act) + (2 * fc1 + act), 1e-15);
-  // Keeping the activation (moe-light's complement) leaves one FC1 rebuild: the loop's.
+  EXPECT_NEAR(lc.recompute_total(moe_full), other + (2 * fc1 + act) + combine, 1e-15);
+  // Keeping the activation (moe-light's complement): the loop rebuilds FC1 alone, and
+  // the combine's rows come from the kept activation.
   auto fc1_only = [](const std::string& n) { return n == "experts.gate_out" || n == "experts.up_out" || n == "moe.combined"; };
-  EXPECT_NEAR(lc.recompute_total(fc1_only), fc2 + 2 * fc1, 1e-15);
+  EXPECT_NEAR(lc.recompute_total(fc1_only), 2 * fc1 + combine, 1e-15);
+  // Dropping the combine's input costs far less than rebuilding the FFN for it.
+  EXPECT_LT(lc.recompute_seconds("moe.combined"), 2 * fc1 + act + fc2);
 }
 
 TEST(SimOpStream, PipelineStagesCopyTheirInputsAndGradients) {

@@ -177,6 +177,29 @@ TEST(Train, TinyBudgetFailsWithTypedOOMAndSummary) {
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("cannot hold this rank's model state"), std::string::npos) << e.what();
   }
+  // In bf16 the state is 18 bytes a parameter (the bf16 working copy on top).
+  {
+    RunConfig b = cfg;
+    b.model.bf16 = true;
+    try {
+      run_training(options(b, fresh_dir("oom-state-bf16")));
+      FAIL();
+    } catch (const ConfigError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("at 18 bytes each"), std::string::npos) << what;
+      EXPECT_NE(what.find(format_bytes(18 * b.model.num_params())), std::string::npos) << what;
+      EXPECT_NE(what.find("bf16 working copy"), std::string::npos) << what;
+    }
+  }
+  // Booleans are booleans: an integer is refused, naming the key.
+  for (const char* text : {"[model]\nbf16 = 1\n", "[model]\ntie_word_embeddings = 0\n", "[parallel]\npad_layers = 5\n"}) {
+    try {
+      RunConfig::from_toml_text(text, "test config");
+      FAIL() << text;
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("must be true or false"), std::string::npos) << e.what();
+    }
+  }
   // A budget that holds the state but not a step of a static policy: a typed OOM
   // in the step, counted in the summary.
   const fs::path out = fresh_dir("oom");

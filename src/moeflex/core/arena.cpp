@@ -98,7 +98,7 @@ void* Arena::allocate(Bytes bytes, MemCategory category, std::string_view op) {
   if (stress_ != Stress::off && !relocatable_.empty()) {
     if (stress_ == Stress::evict)
       for (const auto& [offset, r] : relocatable_by_offset())
-        if (r.source->evict) evict(r, offset);
+        if (r.evictable) evict(r, offset);
     compact();
   }
   Bytes offset = 0;
@@ -159,34 +159,38 @@ int Arena::add_relocatable(RelocatableSource source, EvictFn evict, SettleFn set
 
 // Called after a compaction when the largest free block is still smaller than
 // `size`: free bytes now sit under pinned blocks, one hole per stretch between two
-// pinned blocks. Picks the stretch with the most free plus relocatable bytes and
-// evicts its relocatable tensors (lowest first) until the stretch's free bytes reach
-// `size`, then compacts again. True when a block of `size` is free afterwards.
+// pinned blocks (relocatable blocks, evictable or not, do not close a stretch: the
+// next compaction slides them). Picks the stretch with the most free plus evictable
+// bytes and evicts its evictable tensors (lowest first) until the stretch's free
+// bytes reach `size`, then compacts again. True when a block of `size` is free
+// afterwards.
 bool Arena::make_room(Bytes size) {
-  std::map<Bytes, Relocatable> movable = relocatable_by_offset();
-  std::erase_if(movable, [](const auto& m) { return !m.second.source->evict; });
+  const std::map<Bytes, Relocatable> relocatable = relocatable_by_offset();
   struct Stretch {
-    Bytes free = 0, movable = 0;
-    std::vector<Bytes> tensors;  // offsets of its relocatable tensors
+    Bytes free = 0, evictable = 0;
+    std::vector<Bytes> tensors;  // offsets of its evictable tensors
   };
   std::vector<Stretch> stretches(1);
   for (const auto& b : region_->layout()) {
-    if (b.free) stretches.back().free += b.size;
-    else if (movable.count(b.offset)) {
-      stretches.back().movable += b.size;
-      stretches.back().tensors.push_back(b.offset);
+    if (b.free) {
+      stretches.back().free += b.size;
+    } else if (auto it = relocatable.find(b.offset); it != relocatable.end()) {
+      if (it->second.evictable) {
+        stretches.back().evictable += b.size;
+        stretches.back().tensors.push_back(b.offset);
+      }
     } else {
       stretches.emplace_back();  // a pinned block closes the stretch
     }
   }
   const auto best = std::max_element(stretches.begin(), stretches.end(), [](const Stretch& a, const Stretch& b) {
-    return a.free + a.movable < b.free + b.movable;
+    return a.free + a.evictable < b.free + b.evictable;
   });
-  if (best->free + best->movable < size) return false;
+  if (best->free + best->evictable < size) return false;
   Bytes room = best->free;
   for (Bytes offset : best->tensors) {
     if (room >= size) break;
-    room += evict(movable.at(offset), offset);
+    room += evict(relocatable.at(offset), offset);
   }
   compact();
   return region_->largest_free_block() >= size;
@@ -194,16 +198,17 @@ bool Arena::make_room(Bytes size) {
 
 std::map<Bytes, Arena::Relocatable> Arena::relocatable_by_offset() {
   std::map<Bytes, Relocatable> out;
-  std::vector<Tensor*> tensors;
+  std::vector<RelocatableTensor> tensors;
   const auto lo = reinterpret_cast<std::uintptr_t>(base_);
   for (auto& [id, source] : relocatable_) {
     tensors.clear();
     source.list(tensors);
-    for (Tensor* t : tensors) {
+    for (const RelocatableTensor& r : tensors) {
+      Tensor* t = r.tensor;
       const auto addr = reinterpret_cast<std::uintptr_t>(t->raw());
       // Only this region's blocks (not another arena's, nor heap blocks of overflow mode).
       if (t->arena_ == this && addr >= lo && addr < lo + static_cast<std::uintptr_t>(budget_))
-        out[static_cast<Bytes>(addr - lo)] = {t, &source};
+        out.insert_or_assign(static_cast<Bytes>(addr - lo), Relocatable{t, &source, r.evictable && bool(source.evict)});
     }
   }
   return out;

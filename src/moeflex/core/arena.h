@@ -30,7 +30,10 @@
 //   blocks that can hold the request (their sources copy them to the host and bring
 //   them back when next needed), then compacts again: bytes in use only go down, so
 //   a plan that fits in bytes never fails on fragmentation while relocatable tensors
-//   can make room. Counted in evictions()/bytes_evicted().
+//   can make room. Counted in evictions()/bytes_evicted(). A source may list a
+//   tensor as movable but not evictable (e.g. one a queued weight-gradient GEMM
+//   will read: moving it is safe, a host copy would free nothing); such a tensor
+//   slides in compaction but neither splits a stretch nor counts as room.
 // - Overflow mode (set_overflow): a request that does not fit is recorded as an OOM
 //   event (counted, the first one kept) and served from the heap instead, so a run
 //   can go on and report its OOMs; heap blocks are told apart by address on free.
@@ -163,10 +166,17 @@ class Arena {
   /// Bytes served from the heap outside the budget and not yet freed.
   Bytes overflow_in_use() const { return overflow_current_; }
 
+  /// One tensor a source offers: movable now, and whether its source's EvictFn can
+  /// take it off the device (false: it may only be moved).
+  struct RelocatableTensor {
+    RelocatableTensor(Tensor* t, bool can_evict = true) : tensor(t), evictable(can_evict) {}  // NOLINT: implicit
+    Tensor* tensor;
+    bool evictable;
+  };
   /// A source of relocatable tensors: appends the tensors of this arena that may be
-  /// moved right now (owned by the source alone, no copy in flight, no raw pointer
-  /// to them held anywhere).
-  using RelocatableSource = std::function<void(std::vector<Tensor*>&)>;
+  /// moved right now (held only by owners that read them through the Tensor, never
+  /// through a raw pointer kept across an allocation, and no copy in flight).
+  using RelocatableSource = std::function<void(std::vector<RelocatableTensor>&)>;
   /// Moves one of the source's relocatable tensors out of device memory (e.g. to a
   /// host copy it brings back when next needed) and frees its block; false when it
   /// cannot.
@@ -215,6 +225,7 @@ class Arena {
   struct Relocatable {
     Tensor* tensor;
     Source* source;
+    bool evictable;  // the source offered it for eviction (and has an EvictFn)
   };
   // Every source's relocatable tensors in this region, by block offset.
   std::map<Bytes, Relocatable> relocatable_by_offset();

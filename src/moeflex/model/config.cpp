@@ -135,7 +135,7 @@ ModelConfig ModelConfig::from_toml(const toml::table& t) {
     if (!n) return;
     using F = std::decay_t<decltype(field)>;
     if constexpr (std::is_same_v<F, bool>) {
-      auto v = n->value<bool>();
+      auto v = n->value_exact<bool>();
       rule(v.has_value(), key, "must be true or false");
       field = *v;
     } else if constexpr (std::is_integral_v<F>) {

@@ -124,32 +124,21 @@ Seconds LayerCost::recompute_seconds(const std::string& name) const {
 }
 
 Seconds LayerCost::recompute_total(const std::function<bool(const std::string&)>& recomputed, OpBreakdown* ops) const {
-  // The chunk tensors the backward's expert loop rebuilds inline (labelled backward_input).
+  // What the backward's expert loop rebuilds inline (labelled backward_input): the
+  // chunk tensors, and the combine's input chunk by chunk.
   auto in_loop = [](const std::string& n) {
-    return n == "experts.gate_out" || n == "experts.up_out" || n == "experts.act";
+    return n == "experts.gate_out" || n == "experts.up_out" || n == "experts.act" || n == "moe.combined";
   };
-  bool combined = false;
-  for (const auto& [n, s] : recompute) combined |= n == "moe.combined" && recomputed(n);
-  const bool again = combined && recomputed("experts.act");  // the down projection's input rebuilt first
   Seconds t = 0;
   for (std::size_t i = 0; i < recompute.size(); ++i) {
     const auto& [n, s] = recompute[i];
     if (!recomputed(n)) continue;
-    const bool loop = in_loop(n);
-    const double times = loop && again ? 2 : 1;
-    t += times * s;
+    t += s;
     if (!ops || i >= recompute_ops.size()) continue;
     for (const auto& [key, x] : recompute_ops[i]) {
-      if (loop) {
-        OpTally& y = (*ops)[{"backward_input", key.second}];
-        y.count += x.count;
-        y.seconds += x.seconds;
-      }
-      if (!loop || again) {
-        OpTally& y = (*ops)[{"recompute", key.second}];
-        y.count += x.count;
-        y.seconds += x.seconds;
-      }
+      OpTally& y = (*ops)[{in_loop(n) ? "backward_input" : "recompute", key.second}];
+      y.count += x.count;
+      y.seconds += x.seconds;
     }
   }
   return t;
@@ -228,7 +217,7 @@ LayerCost layer_cost(const CostModel& c, const ModelConfig& cfg, int layer, cons
     // The experts' FFN runs chunk by chunk (model.expert_chunk_rows): each chunk's
     // GEMMs priced at the chunk's group sizes. Their weight gradients are part of B
     // when a split backward runs over more than one chunk (model.cpp computes them at once).
-    Seconds fc1 = 0, act = 0, fc2 = 0, fc2_dx = 0, act_b = 0, fc1_dx = 0, add_b = 0, fc1_dw = 0, fc2_dw = 0;
+    Seconds fc1 = 0, act = 0, fc2 = 0, fc2_dx = 0, act_b = 0, fc1_dx = 0, add_b = 0, fc1_dw = 0, fc2_dw = 0, topk_b = 0;
     std::int64_t chunks = 0;
     for (const ExpertChunkShape& ch : expert_chunk_shapes(cfg, groups)) {
       const double m = double(ch.count);
@@ -242,6 +231,7 @@ LayerCost layer_cost(const CostModel& c, const ModelConfig& cfg, int layer, cons
       add_b += m * add_inplace(c, ch.rows * d);
       fc2_dw += m * c.grouped_linear_backward(ch.groups, f, d, false, true);
       fc1_dw += m * c.grouped_linear_backward(ch.groups, d, f, false, true);
+      topk_b += m * c.combine_topk_grad(ns, k, d, ch.rows);
     }
     const double nc = double(chunks);
     a.add(F, "grouped_linear_forward", 2 * fc1 + fc2, 3 * nc);
@@ -269,7 +259,11 @@ LayerCost layer_cost(const CostModel& c, const ModelConfig& cfg, int layer, cons
     a.rebuild("router.topk_w", {{"router_forward", c.router_forward(ns, E, k), 1}});
     if (!ep) {
       a.rebuild("experts.in", {{"permute_forward", c.permute_forward(ns, k, d), 1}});
-      a.rebuild("moe.combined", {{"grouped_linear_forward", fc2, nc}});
+      // Chunk by chunk in the backward's expert loop (model.cpp): the top-k gradient
+      // zeroed, each chunk's down projection again and its slots' dot products.
+      a.rebuild("moe.combined", {{"zero", zero(c, ns * k), 1},
+                                 {"grouped_linear_forward", fc2, nc},
+                                 {"combine_topk_grad", topk_b, nc}});
     }
     a.rebuild("experts.gate_out", {{"grouped_linear_forward", fc1, nc}});
     a.rebuild("experts.up_out", {{"grouped_linear_forward", fc1, nc}});

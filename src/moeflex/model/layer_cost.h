@@ -89,14 +89,12 @@ struct LayerCost {
   /// The recompute time of `name`; 0 for a name without a lineage (or unknown).
   Seconds recompute_seconds(const std::string& name) const;
   /// Seconds one backward of the layer spends rebuilding every activation for which
-  /// `recomputed(name)` is true, as the engine does it (model.cpp): a rebuilt tensor
-  /// stays in the stash until the layer's release, so each is rebuilt once, except
-  /// the expert FFN's chunk tensors (experts.gate_out, experts.up_out, experts.act),
-  /// which the backward's chunk loop rebuilds for itself: rebuilding moe.combined
-  /// (no EP) without a kept experts.act runs the experts' FC1 (what is not kept of
-  /// it) and activation once more before the down projection. `ops` (breakdown
-  /// only) receives their ops, the loop's under backward_input as the profiler
-  /// labels them.
+  /// `recomputed(name)` is true, as the engine does it (model.cpp): each once (a
+  /// rebuilt tensor stays in the stash until the layer's release); the expert FFN's
+  /// chunk tensors (experts.gate_out, experts.up_out, experts.act) and, without EP,
+  /// moe.combined are rebuilt chunk by chunk by the backward's expert loop itself.
+  /// `ops` (breakdown only) receives their ops, the loop's under backward_input as
+  /// the profiler labels them.
   Seconds recompute_total(const std::function<bool(const std::string&)>& recomputed, OpBreakdown* ops = nullptr) const;
 };
 

@@ -737,6 +737,9 @@ void MemoryWalk::expert_chunks(int mb, int l, std::int64_t Rr, bool need_fc1, bo
   };
   const bool keep1 = kept(ID("experts.gate_out")), keep3 = kept(ID("experts.up_out")), keepa = kept(ID("experts.act"));
   const bool fc1 = need_fc1 || !keepa;
+  // A dropped combine input (no EP) comes back chunk by chunk in the backward's loop.
+  const Entry* combined = s ? find_entry(*s, ID("moe.combined")) : nullptr;
+  const bool combine_by_chunk = backward && s && s->ep_size <= 1 && combined && combined->provision == Provision::recompute;
   if (fc1 && !(keep1 && keep3)) get(mb, l, ID("experts.in"));
   if (fc1 && keep1) get(mb, l, ID("experts.gate_out"));
   if (fc1 && keep3) get(mb, l, ID("experts.up_out"));
@@ -755,10 +758,13 @@ void MemoryWalk::expert_chunks(int mb, int l, std::int64_t Rr, bool need_fc1, bo
     return;
   }
   // ffn_backward's chunk (model.cpp): dgate, dup, dact, then the rebuilt FC1 outputs;
-  // a rebuilt activation goes into dact's block.
+  // a rebuilt activation goes into dact's block; while they are held, the chunk's
+  // rows of a dropped combine input, for a moment.
   alloc(3 * cf);
   const Bytes own = (keep1 ? 0 : cf) + (keep3 ? 0 : cf);
-  touch(own);
+  alloc(own);
+  if (combine_by_chunk) touch(cd);  // moe.combined_chunk
+  free(own);
   if (defer && !keepa) keep(mb, cf);  // dact's block holds the activation W2's dW reads
   else free(cf);                      // experts.dact
   if (defer) alloc(rounded(Rr * cfg_.hidden_size, ab_));  // experts.din of its own (one chunk: rows == Rr)
@@ -951,7 +957,9 @@ void MemoryWalk::ffn_backward(int mb, int l) {
     alloc(rounded(n * k, 4));  // router.dtopk_w
     if (ep) alloc(rounded(Rr * d, ab_));  // experts.dout (before moe.dcombined, which it outlives)
     alloc(rounded(R * d, ab_));           // moe.dcombined
-    get(mb, l, ID("moe.combined"));
+    const Entry* combined = find_entry(*s, ID("moe.combined"));
+    if (ep || !combined || combined->provision != Provision::recompute)  // else chunk by chunk (expert_chunks)
+      get(mb, l, ID("moe.combined"));
     if (ep) {
       alloc(rounded(Rr * d, ab_));  // all-to-all scratch
       free(rounded(Rr * d, ab_));

@@ -47,6 +47,23 @@ MoEModel::MoEModel(const ModelConfig& cfg, Arena& arena, const ModelParallel& pa
     copy_engine_.set_device(&be_);  // offloads and prefetches on the device's copy streams
   }
   stash_.set_device(&arena_, &copy_engine_);
+  // Zero-bubble: what queued W work reads stays held until W, across other
+  // micro-batches' F and B. Pinned, those blocks would split the free bytes for
+  // good (a budget of exactly the memory program's peak would then fail on
+  // fragmentation); but W reads them through their Tensor objects only, so they are
+  // movable while queued. The stash offers those it also holds (use count = 1 +
+  // the queue's); this source the queue's own (copies of the output gradient, the
+  // input gradients of the GEMMs, stash tensors the backward has released).
+  stash_.set_deferred_readers([this](const Tensor* t) -> long {
+    auto it = wgrad_reads_.find(t);
+    return it == wgrad_reads_.end() ? 0 : it->second.holds;
+  });
+  relocatable_id_ = arena_.add_relocatable(
+      [this](std::vector<Arena::RelocatableTensor>& out) {
+        for (auto& [t, r] : wgrad_reads_)
+          if (r.tensor.use_count() == r.holds && t->arena() == &arena_) out.emplace_back(const_cast<Tensor*>(t));
+      },
+      [this](Tensor* t) { return evict_queued_read(t); });
   if (par_.last_layer < 0) par_.last_layer = int(cfg.num_hidden_layers);
   if (par_.first_layer < 0 || par_.first_layer > par_.last_layer || par_.last_layer > cfg.num_hidden_layers)
     throw ConfigError(fmt::format("model stage holds layers [{}, {}) of {}", par_.first_layer, par_.last_layer,
@@ -159,21 +176,76 @@ void MoEModel::zero_grads() {
   for (auto& p : params_) p.g.zero();
 }
 
-void MoEModel::weight_grad(int mb, std::function<void()> fn) {
-  if (defer_wgrad_ && op_context().profiling)  // the W action runs it later: keep its layer for the op profiler
+MoEModel::~MoEModel() {
+  arena_.remove_relocatable(relocatable_id_);
+  wgrad_queue_.clear();
+  wgrad_reads_.clear();  // (host copies go back to copy_engine_, destroyed after this)
+}
+
+bool MoEModel::evict_queued_read(Tensor* t) {
+  auto it = wgrad_reads_.find(t);
+  if (it == wgrad_reads_.end() || it->second.tensor.use_count() != it->second.holds || !t->defined()) return false;
+  QueuedReads& r = it->second;
+  const Bytes bytes = t->nbytes();
+  CopyEngine* engine = &copy_engine_;
+  r.host = std::shared_ptr<char>(static_cast<char*>(engine->host_alloc(bytes)),
+                                 [engine, bytes](char* p) { engine->host_free(p, bytes); });
+  copy_engine_.copy(r.host.get(), t->raw(), bytes, "evict W read", /*to_host=*/true).wait();
+  r.shape = t->shape();
+  r.dtype = t->dtype();
+  r.category = t->category();
+  t->reset();
+  wgrad_bytes_evicted_ += bytes;
+  return true;
+}
+
+void MoEModel::bring_back(Tensor* t) {
+  QueuedReads& r = wgrad_reads_.at(t);
+  Tensor back(arena_, r.shape, r.category, "wgrad.bring_back", r.dtype);
+  copy_engine_.copy(back.raw(), r.host.get(), back.nbytes(), "bring back W read").wait();
+  *t = std::move(back);
+  r.host.reset();
+}
+
+void MoEModel::count_reads(const std::vector<Shared>& reads, long sign) {
+  for (const Shared& t : reads) {
+    if (!t) continue;
+    QueuedReads& r = wgrad_reads_[t.get()];
+    if (sign > 0 && r.holds == 0) r.tensor = t;
+    r.holds += sign;
+    if (r.holds <= 0) wgrad_reads_.erase(t.get());
+  }
+}
+
+void MoEModel::weight_grad(int mb, std::vector<Shared> reads, std::function<void()> fn) {
+  if (!defer_wgrad_) {
+    fn();
+    return;
+  }
+  if (op_context().profiling)  // the W action runs it later: keep its layer for the op profiler
     fn = [fn = std::move(fn), layer = op_context().layer] {
       op_context().layer = layer;
       fn();
     };
-  if (defer_wgrad_) wgrad_queue_[mb].push_back(std::move(fn));
-  else fn();
+  count_reads(reads, +1);
+  wgrad_queue_[mb].push_back({std::move(reads), std::move(fn)});
 }
 
 void MoEModel::backward_weight(int mb) {
   if (program_) program_->pending_weight_bytes.erase({mb, par_.first_layer});
   auto it = wgrad_queue_.find(mb);
   if (it == wgrad_queue_.end()) return;
-  for (auto& fn : it->second) fn();
+  for (PendingWeightGrad& w : it->second) {
+    if (!w.fn) continue;  // (ran before an error cut this W short)
+    // Running: its tensors are pinned from here (one more reference than the queue
+    // counts) until it has run; evicted ones come back first.
+    const std::vector<Shared> running = w.reads;
+    for (const Shared& t : running)
+      if (!t->defined()) bring_back(t.get());
+    w.fn();
+    count_reads(w.reads, -1);
+    w = {};
+  }
   wgrad_queue_.erase(it);
 }
 
@@ -185,7 +257,7 @@ std::size_t MoEModel::pending_weight_grads(int mb) const {
 void MoEModel::linear_bw(int mb, const Shared& dy, const Shared& x, Param* w, View dx, std::int64_t n,
                          std::int64_t in, std::int64_t out, bool accumulate_dx) {
   if (dx) be_.linear_backward(dy->view(), x->view(), w->working(), dx, nullptr, n, in, out, accumulate_dx);
-  weight_grad(mb, [this, dy, x, w, n, in, out] {
+  weight_grad(mb, {dy, x}, [this, dy = dy.get(), x = x.get(), w, n, in, out] {
     be_.linear_backward(dy->view(), x->view(), w->working(), nullptr, w->g.f32(), n, in, out, false);
   });
 }
@@ -508,7 +580,9 @@ void MoEModel::backward_stage(const std::int32_t* ids, const std::int32_t* targe
     // Part of W when the backward is split: with tied embeddings, the LM head's dW
     // (queued first) and this scatter then add up in the same order either way.
     Shared g = share(std::move(dx));
-    weight_grad(mb, [g, ids, n, d, this] { be_.embedding_backward(ids, g->view(), embed_->g.f32(), n, d); });
+    weight_grad(mb, {g}, [g = g.get(), ids, n, d, this] {
+      be_.embedding_backward(ids, g->view(), embed_->g.f32(), n, d);
+    });
   } else {
     if (dx_in.dtype != adt_) throw Error(fmt::format("stage input gradient is {} but the model runs in {}", to_string(dx_in.dtype), to_string(adt_)));
     be_.copy(dx_in.data, dx.raw(), dx.nbytes());
@@ -868,6 +942,13 @@ void MoEModel::ffn_backward(int l, Tensor& dx, std::int64_t n, int mb, double gr
     // Without EP the layout's offsets are the dispatch offsets (plan() sums the same counts).
     const std::int64_t R = L.rows_sent;
     Tensor dw = work({n, k}, "router.dtopk_w", DType::f32);
+    // Without EP, a combine input (moe.combined, the experts' outputs) that was not
+    // kept is never rebuilt whole: the chunk loop below has each chunk's activation
+    // anyway (kept, or rebuilt for its own backward), runs the chunk's down
+    // projection once more and takes its slots' top-k gradients from it
+    // (combine_topk_grad), so the experts' FC1 and activation are not rebuilt twice.
+    const bool combine_by_chunk =
+        !dispatcher_.active() && stash_.provision(mb, l, "moe.combined") == Provision::recompute;
     {
       // The backward of combine is dispatch, and the backward of dispatch is combine.
       // With EP, experts.dout outlives moe.dcombined: allocated first (workspace grows
@@ -876,9 +957,13 @@ void MoEModel::ffn_backward(int l, Tensor& dx, std::int64_t n, int mb, double gr
       if (dispatcher_.active()) dye = work({Rr, d}, "experts.dout");
       {
         Tensor dyp = work({R, d}, "moe.dcombined");
-        Shared yp = stash_.get(mb, l, "moe.combined");
-        be_.unpermute_backward(dx.view(), yp->view(), slot_of->i32(), w->f32(), dyp.view(), dw.f32(), n, k, d);
-        yp.reset();
+        if (combine_by_chunk) {
+          dw.zero();  // the dropped assignments' (the kept ones come chunk by chunk)
+          be_.unpermute_backward(dx.view(), CView(), slot_of->i32(), w->f32(), dyp.view(), nullptr, n, k, d);
+        } else {
+          Shared yp = stash_.get(mb, l, "moe.combined");
+          be_.unpermute_backward(dx.view(), yp->view(), slot_of->i32(), w->f32(), dyp.view(), dw.f32(), n, k, d);
+        }
         if (dispatcher_.active()) {
           Tensor scratch = work({Rr, d}, "moe.a2a_scratch");
           dispatcher_.dispatch(L, dyp.view(), dye.view(), d, scratch.view());
@@ -895,12 +980,12 @@ void MoEModel::ffn_backward(int l, Tensor& dx, std::int64_t n, int mb, double gr
       const bool defer_experts = defer_wgrad_ && Rr > 0 && cfg_.expert_chunk(Rr) >= Rr;  // (no rows: nothing to wait)
       auto grouped_dw = [&](Shared dyy, std::int64_t dy_row, Shared xx, std::int64_t x_row, Param* W,
                             std::int64_t in, std::int64_t out, const std::int32_t* loc) {
-        auto run = [this, dyy, dy_row, xx, x_row, W, El, in, out,
+        auto run = [this, dyy = dyy.get(), dy_row, xx = xx.get(), x_row, W, El, in, out,
                     offs = std::vector<std::int32_t>(loc, loc + El + 1)] {
           be_.grouped_linear_backward(dyy->view() + dy_row * out, xx->view() + x_row * in, W->working(), nullptr,
                                       W->g.f32(), offs.data(), El, in, out);
         };
-        if (defer_experts) weight_grad(mb, std::move(run));
+        if (defer_experts) weight_grad(mb, {std::move(dyy), std::move(xx)}, std::move(run));
         else run();
       };
       Shared dyes = share(std::move(dye));
@@ -940,12 +1025,15 @@ void MoEModel::ffn_backward(int l, Tensor& dx, std::int64_t n, int mb, double gr
         const CView g = keep1 ? CView(h1w->view() + r0 * f) : CView(t1.view());
         const CView u = keep3 ? CView(h3w->view() + r0 * f) : CView(t3.view());
         be_.swiglu_backward(dac->view(), g, u, dh1->view(), dh3->view(), cr * f);
-        if (keepa) {
-          grouped_dw(dyes, r0, aw, r0, P.w2, f, d, loc.data());
-        } else {
-          be_.swiglu_forward(g, u, dac->view(), cr * f);  // the activation, in dact's block
-          grouped_dw(dyes, r0, dac, 0, P.w2, f, d, loc.data());
+        if (!keepa) be_.swiglu_forward(g, u, dac->view(), cr * f);  // the activation, in dact's block
+        if (combine_by_chunk) {  // the chunk's rows of moe.combined, for their top-k gradients
+          Tensor yc = work({cr, d}, "moe.combined_chunk");
+          be_.grouped_linear_forward(keepa ? CView(aw->view() + r0 * f) : CView(dac->view()), P.w2->working(),
+                                     yc.view(), loc.data(), El, f, d);
+          be_.combine_topk_grad(dx.view(), yc.view(), slot_of->i32(), dw.f32(), n, k, d, r0, cr);
         }
+        if (keepa) grouped_dw(dyes, r0, aw, r0, P.w2, f, d, loc.data());
+        else grouped_dw(dyes, r0, dac, 0, P.w2, f, d, loc.data());
         t3.reset();
         t1.reset();
         dac.reset();  // (W2's dW may still hold the activation in it)

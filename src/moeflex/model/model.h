@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "moeflex/core/tensor.h"
@@ -74,6 +75,9 @@ class MoEModel {
   /// (ops::backend_of: the CPU, or the device the arena's memory belongs to). Throws
   /// OutOfMemoryError; ConfigError for expert parallelism on a device backend.
   MoEModel(const ModelConfig& cfg, Arena& arena, const ModelParallel& par = {});
+  ~MoEModel();
+  MoEModel(const MoEModel&) = delete;  // the arena and the stash hold `this` (compaction source)
+  MoEModel& operator=(const MoEModel&) = delete;
 
   /// Deterministic init from `seed` (docs/model.md, "Initialisation").
   void init_weights(std::uint64_t seed);
@@ -127,6 +131,10 @@ class MoEModel {
   void backward_weight(int microbatch);
   /// Bytes held by queued weight-gradient work (the split's memory cost).
   std::size_t pending_weight_grads(int microbatch) const;
+  /// Bytes of what queued weight-gradient work reads that the arena evicted to the
+  /// host to defragment (Arena::make_room), since construction; they came back
+  /// before their W ran.
+  Bytes weight_grad_bytes_evicted() const { return wgrad_bytes_evicted_; }
 
   /// Forward only (no activations kept): the loss if targets != null, and the
   /// logits of the last position of each sequence into `last_logits` [B, V] if non-null.
@@ -187,9 +195,12 @@ class MoEModel {
   void swiglu_mlp_backward(const Shared& dy, const Shared& m, Param* w1, Param* w3, Param* w2, View dm,
                            std::int64_t n, int l, int mb, const char* prefix);
 
-  /// Runs `fn` now, or queues it for backward_weight(mb) when deferring.
-  void weight_grad(int mb, std::function<void()> fn);
-  /// dx (= or +=) now; dW += dy^T x now or deferred. dy and x are kept alive by the closure.
+  /// Runs `fn` now, or queues it for backward_weight(mb) when deferring. `fn` reads
+  /// the tensors of `reads` (which keep them alive until it has run) through their
+  /// Tensor objects, never through pointers taken before: while queued they are
+  /// relocatable (the arena may move them to defragment; see the constructor).
+  void weight_grad(int mb, std::vector<Shared> reads, std::function<void()> fn);
+  /// dx (= or +=) now; dW += dy^T x now or deferred. dy and x are kept alive until then.
   void linear_bw(int mb, const Shared& dy, const Shared& x, Param* w, View dx, std::int64_t n, std::int64_t in,
                  std::int64_t out, bool accumulate_dx);
   Shared share(Tensor t) { return std::make_shared<Tensor>(std::move(t)); }
@@ -250,7 +261,30 @@ class MoEModel {
   /// projecting the rest of the step on the memory program; rows: the MoE layer's.
   void plan_saves(int mb, int l, SavePoint point, std::initializer_list<Candidate> c, const MoERows& rows = {});
   std::int64_t rope_seq_ = 1;  // sequence length of the current micro-batches (for RoPE in lineages)
-  std::map<int, std::vector<std::function<void()>>> wgrad_queue_;
+  /// A queued weight-gradient GEMM (zero-bubble W) and the tensors it will read.
+  struct PendingWeightGrad {
+    std::vector<Shared> reads;
+    std::function<void()> fn;
+  };
+  std::map<int, std::vector<PendingWeightGrad>> wgrad_queue_;
+  /// Every tensor queued W work reads: its references held by the queue (and one
+  /// to observe its other owners). Nothing else holding it = the queue lets the
+  /// arena move it, or evict it: then its bytes wait on the host (`host`) and come
+  /// back before the first queued GEMM reading it runs.
+  struct QueuedReads {
+    std::weak_ptr<Tensor> tensor;
+    long holds = 0;
+    std::shared_ptr<char> host;  // evicted: the bytes (returned to the copy engine when dropped)
+    std::vector<std::int64_t> shape;
+    DType dtype = DType::f32;
+    MemCategory category = MemCategory::workspace;
+  };
+  std::unordered_map<const Tensor*, QueuedReads> wgrad_reads_;
+  void count_reads(const std::vector<Shared>& reads, long sign);
+  bool evict_queued_read(Tensor* t);  // Arena::EvictFn of the W queue's source
+  void bring_back(Tensor* t);         // an evicted queued read, back on the device
+  int relocatable_id_ = -1;  // the W queue's compaction source in arena_
+  Bytes wgrad_bytes_evicted_ = 0;
   TokenDispatcher dispatcher_;
   std::map<std::pair<int, int>, DispatchLayout> dispatch_layouts_;  // (mb, layer) -> counts for backward
   std::vector<Param> params_;

@@ -316,6 +316,12 @@ class CpuBackend final : public Backend {
     Out DYP(dyp, R * d);
     ops::unpermute_backward(DY.p, YP.p, slot_of, w, DYP.p, dw, n, k, d);
   }
+  void combine_topk_grad(CView dy, CView yp_rows, const std::int32_t* slot_of, float* dtopk_w, std::int64_t n,
+                         std::int64_t k, std::int64_t d, std::int64_t r0, std::int64_t rows) override {
+    same_dtype("combine_topk_grad", {dy, yp_rows});
+    In DY(dy, n * d), YP(yp_rows, rows * d);
+    ops::combine_topk_grad(DY.p, YP.p, slot_of, dtopk_w, n, k, d, r0, rows);
+  }
   void grouped_linear_forward(CView x, CView w, View y, const std::int32_t* offsets, std::int64_t E, std::int64_t in,
                               std::int64_t out) override {
     same_dtype("grouped_linear_forward", {x, w, y});

@@ -113,8 +113,14 @@ class Backend : public Device {
                                 std::int64_t d) = 0;
   virtual void unpermute_forward(CView yp, const std::int32_t* slot_of, const float* topk_w, View y, std::int64_t n,
                                  std::int64_t k, std::int64_t d) = 0;
+  /// dtopk_w may be null: then yp is not read (see combine_topk_grad).
   virtual void unpermute_backward(CView dy, CView yp, const std::int32_t* slot_of, const float* topk_w, View dyp,
                                   float* dtopk_w, std::int64_t n, std::int64_t k, std::int64_t d) = 0;
+  /// The top-k weights' gradient for the expert-output rows [r0, r0 + rows) alone
+  /// (ops::combine_topk_grad): yp_rows [rows, d]; entries of other slots untouched.
+  virtual void combine_topk_grad(CView dy, CView yp_rows, const std::int32_t* slot_of, float* dtopk_w,
+                                 std::int64_t n, std::int64_t k, std::int64_t d, std::int64_t r0,
+                                 std::int64_t rows) = 0;
   /// Grouped expert GEMMs; host_offsets [E+1] on the host.
   virtual void grouped_linear_forward(CView x, CView w, View y, const std::int32_t* host_offsets, std::int64_t E,
                                       std::int64_t in, std::int64_t out) = 0;

@@ -6,6 +6,7 @@
 //   permute_forward:   xp[slot] = x[i] (=)          permute_backward:   dx[i] = sum_j dxp[slot] (=)
 //   unpermute_forward: y[i] = sum_j w_ij yp[slot] (=)
 //   unpermute_backward: dyp[slot] = w_ij dy[i] (=), dtopk_w = <dy[i], yp[slot]> (=)
+//   combine_topk_grad:  dtopk_w = <dy[i], yp[slot]> for the slots of one row window (=)
 // Every kernel loops over tokens; each kept slot belongs to exactly one token, so a
 // token's thread is the only writer of its rows and sums run in j order: results do
 // not depend on the thread count.
@@ -106,6 +107,19 @@ void unpermute_forward(const T* yp, const std::int32_t* slot_of, const T* topk_w
   }
 }
 
+namespace {
+
+/// <a, b> over d elements, summed in index order: the one definition of the top-k
+/// weight's gradient, so that the whole and the windowed backward give equal bits.
+template <typename T>
+T row_dot(const T* a, const T* b, std::int64_t d) {
+  T dot = 0;
+  for (std::int64_t c = 0; c < d; ++c) dot += a[c] * b[c];
+  return dot;
+}
+
+}  // namespace
+
 template <typename T>
 void unpermute_backward(const T* dy, const T* yp, const std::int32_t* slot_of, const T* topk_w, T* dyp,
                         T* dtopk_w, std::int64_t n, std::int64_t k, std::int64_t d) {
@@ -115,20 +129,26 @@ void unpermute_backward(const T* dy, const T* yp, const std::int32_t* slot_of, c
     for (std::int64_t j = 0; j < k; ++j) {
       const std::int32_t s = slot_of[i * k + j];
       if (s < 0) {
-        dtopk_w[i * k + j] = 0;
+        if (dtopk_w) dtopk_w[i * k + j] = 0;
         continue;
       }
       const T w = topk_w[i * k + j];
-      const T* src = yp + static_cast<std::int64_t>(s) * d;
       T* dst = dyp + static_cast<std::int64_t>(s) * d;
-      T dot = 0;
-      for (std::int64_t c = 0; c < d; ++c) {
-        dst[c] = w * g[c];
-        dot += g[c] * src[c];
-      }
-      dtopk_w[i * k + j] = dot;
+      for (std::int64_t c = 0; c < d; ++c) dst[c] = w * g[c];
+      if (dtopk_w) dtopk_w[i * k + j] = row_dot(g, yp + static_cast<std::int64_t>(s) * d, d);
     }
   }
+}
+
+template <typename T>
+void combine_topk_grad(const T* dy, const T* yp_rows, const std::int32_t* slot_of, T* dtopk_w, std::int64_t n,
+                       std::int64_t k, std::int64_t d, std::int64_t r0, std::int64_t rows) {
+#pragma omp parallel for schedule(static)
+  for (std::int64_t i = 0; i < n; ++i)
+    for (std::int64_t j = 0; j < k; ++j) {
+      const std::int64_t s = slot_of[i * k + j];
+      if (s >= r0 && s < r0 + rows) dtopk_w[i * k + j] = row_dot(dy + i * d, yp_rows + (s - r0) * d, d);
+    }
 }
 
 #define MOEFLEX_INSTANTIATE_DISPATCH(T)                                                                       \
@@ -139,7 +159,9 @@ void unpermute_backward(const T* dy, const T* yp, const std::int32_t* slot_of, c
   template void unpermute_forward<T>(const T*, const std::int32_t*, const T*, T*, std::int64_t, std::int64_t, \
                                      std::int64_t);                                                           \
   template void unpermute_backward<T>(const T*, const T*, const std::int32_t*, const T*, T*, T*,              \
-                                      std::int64_t, std::int64_t, std::int64_t);
+                                      std::int64_t, std::int64_t, std::int64_t);                              \
+  template void combine_topk_grad<T>(const T*, const T*, const std::int32_t*, T*, std::int64_t, std::int64_t, \
+                                     std::int64_t, std::int64_t, std::int64_t);
 
 MOEFLEX_INSTANTIATE_DISPATCH(float)
 MOEFLEX_INSTANTIATE_DISPATCH(double)

@@ -34,9 +34,20 @@ void unpermute_forward(const T* yp, const std::int32_t* slot_of, const T* topk_w
                        std::int64_t k, std::int64_t d);
 
 /// dyp[slot] = topk_w[i,j] * dy[i] (=); dtopk_w[i,j] = <dy[i], yp[slot]> (=, 0 when dropped).
-/// Rows of dyp not covered by any kept assignment are left untouched.
+/// Rows of dyp not covered by any kept assignment are left untouched. dtopk_w may be
+/// null: then yp is not read (combine_topk_grad computes it window by window).
 template <typename T>
 void unpermute_backward(const T* dy, const T* yp, const std::int32_t* slot_of, const T* topk_w, T* dyp,
                         T* dtopk_w, std::int64_t n, std::int64_t k, std::int64_t d);
+
+/// The top-k weights' gradient for the rows [r0, r0 + rows) of the expert outputs:
+/// dtopk_w[i,j] = <dy[i], yp_rows[slot - r0]> (=) for every assignment whose slot
+/// lies in the window; the others are left untouched. yp_rows: [rows, d]. The same
+/// sums, in the same order, as unpermute_backward's, so covering every row window
+/// once gives its dtopk_w bit for bit (the backward's expert chunks do, when the
+/// combine's input was not kept: model.cpp).
+template <typename T>
+void combine_topk_grad(const T* dy, const T* yp_rows, const std::int32_t* slot_of, T* dtopk_w, std::int64_t n,
+                       std::int64_t k, std::int64_t d, std::int64_t r0, std::int64_t rows);
 
 }  // namespace moeflex::ops

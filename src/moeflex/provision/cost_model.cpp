@@ -663,6 +663,11 @@ Seconds CostModel::unpermute_backward(std::int64_t n, std::int64_t k, std::int64
   return op(op_names::kUnpermuteBackward, op_bytes::permute(n, k, d));
 }
 
+Seconds CostModel::combine_topk_grad(std::int64_t n, std::int64_t k, std::int64_t d, std::int64_t rows) const {
+  if (n <= 0 || rows <= 0) return 0;
+  return elementwise((2 * rows * d + n * k) * kActivationBytes);
+}
+
 Seconds CostModel::cross_entropy_forward(std::int64_t n, std::int64_t V) const {
   if (n <= 0) return 0;
   if (const Seconds* t = in_situ("cross_entropy_forward", {n, V})) return *t;

@@ -307,6 +307,10 @@ class CostModel {
   Seconds permute_backward(std::int64_t n, std::int64_t k, std::int64_t d) const;
   Seconds unpermute_forward(std::int64_t n, std::int64_t k, std::int64_t d) const;
   Seconds unpermute_backward(std::int64_t n, std::int64_t k, std::int64_t d) const;
+  /// The top-k weights' gradient over one window of `rows` expert-output rows
+  /// (ops::combine_topk_grad): reads those rows and their tokens' gradient rows, and
+  /// scans the n*k slots; a streaming pass.
+  Seconds combine_topk_grad(std::int64_t n, std::int64_t k, std::int64_t d, std::int64_t rows) const;
   Seconds cross_entropy_forward(std::int64_t n, std::int64_t V) const;
   Seconds cross_entropy_backward(std::int64_t n, std::int64_t V) const;
   /// y[n, out] = x[n, in] @ w[out, in]^T (nt).

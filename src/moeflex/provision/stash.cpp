@@ -34,13 +34,17 @@ void ActivationStash::set_device(Arena* arena, CopyEngine* engine) {
   engine_ = engine;
   if (!arena_) return;
   // Movable: device copies only the stash references (nobody holds a pointer into
-  // them) with no offload or prefetch copy reading or writing them.
+  // them) with no offload or prefetch copy reading or writing them; evictable too.
+  // Also movable, not evictable: those the deferred readers reference besides.
   relocatable_id_ = arena_->add_relocatable(
-      [this](std::vector<Tensor*>& out) {
-        for (auto& [k, item] : items_)
-          if (item.tensor && item.tensor.use_count() == 1 && !item.offloading && !item.prefetching &&
-              item.tensor->arena() == arena_)
-            out.push_back(item.tensor.get());
+      [this](std::vector<Arena::RelocatableTensor>& out) {
+        for (auto& [k, item] : items_) {
+          if (!item.tensor || item.offloading || item.prefetching || item.tensor->arena() != arena_) continue;
+          const long refs = item.tensor.use_count();
+          if (refs == 1) out.emplace_back(item.tensor.get(), true);
+          else if (deferred_readers_ && refs == 1 + deferred_readers_(item.tensor.get()))
+            out.emplace_back(item.tensor.get(), false);
+        }
       },
       [this](Tensor* t) { return evict(t); }, [this] { sync(); });
 }

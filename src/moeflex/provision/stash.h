@@ -66,6 +66,11 @@ class ActivationStash {
   /// compaction source (Arena::compact): the arena may move the device copies the
   /// stash alone holds with no copy in flight.
   void set_device(Arena* arena, CopyEngine* engine);
+  /// References to its tensors that another owner holds only to read them later
+  /// through the Tensor (the model's queued weight-gradient GEMMs, Qi et al.'s W):
+  /// `holds(t)` counts them. A device copy referenced by nothing else stays
+  /// movable in compaction (not evictable: its block would stay held).
+  void set_deferred_readers(std::function<long(const Tensor*)> holds) { deferred_readers_ = std::move(holds); }
 
   /// Takes ownership of `t` as the activation (mb, layer, name), then applies the
   /// policy: recompute drops the tensor now (only when `lineage` is given). Throws
@@ -172,6 +177,7 @@ class ActivationStash {
   std::map<Key, Item, std::less<>> items_;
   std::map<Key, LedgerEntry, std::less<>> reserved_;  // reserve()d, not saved yet
   ProvisionPolicy policy_;
+  std::function<long(const Tensor*)> deferred_readers_;
   Bytes bytes_ = 0;
   Bytes peak_ = 0;
   Counters counters_;

@@ -408,9 +408,14 @@ Bytes persistent_bytes(const ModelConfig& cfg, const ClusterSpec& cl, const Para
                        const std::vector<std::pair<int, int>>& ranges, bool embedding, bool head) {
   const double pb = cl.param_bytes / 2, ob = cl.optimizer_bytes / 2;  // two tensors each (w+g, m+v)
   const double dense_shard = cl.optimizer_sharded ? par.dp : 1, expert_shard = cl.optimizer_sharded ? par.dp / par.ep : 1;
+  // A bf16 model on a cluster of 4-byte elements is the engine's --bf16 on it: the
+  // fp32 state plus each tensor's bf16 working copy (a 2-byte cluster's param_bytes
+  // and optimizer_bytes already describe mixed precision).
+  const bool working_copy = cfg.bf16 && cl.element_bytes == 4;
   Bytes total = 0;
   for_each_param_tensor(cfg, par, ranges, embedding, head, [&](double numel, bool expert) {
     total += 2 * tensor_bytes(numel, pb) + 2 * tensor_bytes(numel / (expert ? expert_shard : dense_shard), ob);
+    if (working_copy) total += tensor_bytes(numel, 2);
   });
   return total;
 }
@@ -452,10 +457,13 @@ struct Simulation {
   explicit Simulation(const SimOptions& opt)
       : o(opt), cfg(opt.model), cache(opt.cache ? opt.cache : std::make_shared<SimCache>(opt.cluster.profile)),
         cost(cache->cost) {
-    // A cluster of bf16 elements runs the bf16 engine: the memory walk replays its
-    // program (2-byte activations, fp32 rstd and router tensors) exactly.
-    cfg.bf16 = opt.cluster.element_bytes == 2;
+    // A bf16 model (a --bf16 run's config), or a cluster of bf16 elements, runs the
+    // bf16 engine: the memory walk replays its program (2-byte activations, fp32 rstd
+    // and router tensors) exactly, and the all-to-alls carry 2-byte rows.
+    cfg.bf16 = opt.model.bf16 || opt.cluster.element_bytes == 2;
+    elem = cfg.bf16 ? 2 : opt.cluster.element_bytes;
   }
+  Bytes elem = 4;  // bytes of an activation element, in memory and on the wire
 
   MoERows rows_at(double ratio) const {
     MoERows r = MoERows::balanced(cfg, n_rank);
@@ -476,7 +484,7 @@ struct Simulation {
       auto it = cache->layers.find(k);
       if (it != cache->layers.end()) return it->second;  // map nodes stay put: the reference outlives the lock
     }
-    LayerWork w{o.micro_batch_size, o.seq_len, rows, o.parallel.ep, o.parallel.tp, split, o.cluster.element_bytes};
+    LayerWork w{o.micro_batch_size, o.seq_len, rows, o.parallel.ep, o.parallel.tp, split, elem};
     w.breakdown = o.breakdown;
     LayerCost lc = layer_cost(cost, cfg, l, w);
     std::lock_guard lk(cache->mu);
@@ -575,7 +583,7 @@ struct Simulation {
     int k = 0;
     for (int l = 0; l < cfg.num_hidden_layers; ++l) moe_index.push_back(cfg.is_moe_layer(l) ? k++ : -1);
     limit = o.memory_limit > 0 ? o.memory_limit : o.cluster.usable_memory();
-    LayerWork w{o.micro_batch_size, o.seq_len, {}, p.ep, p.tp, split, o.cluster.element_bytes};
+    LayerWork w{o.micro_batch_size, o.seq_len, {}, p.ep, p.tp, split, elem};
     w.breakdown = o.breakdown;
     head = head_cost(cost, cfg, w);
     embed = embedding_cost(cost, cfg, w);
@@ -833,7 +841,7 @@ SimReport simulate(const SimOptions& o) {
   }
 
   const bool same_node_pp = std::int64_t(par.tp) * par.dp * par.pp <= o.cluster.gpus_per_node;
-  const Bytes msg_bytes = sim.n_rank * sim.cfg.hidden_size * o.cluster.element_bytes;
+  const Bytes msg_bytes = sim.n_rank * sim.cfg.hidden_size * sim.elem;
   const Seconds msg_time = sim.plan.num_ranks > 1 ? p2p_time(o.cluster, same_node_pp, msg_bytes) : 0;
 
   // Processes (ranks) time-sharing fewer host cores: run_plan's CoreSharing.

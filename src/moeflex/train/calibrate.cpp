@@ -1564,6 +1564,12 @@ HardwareProfile in_situ_profile(HardwareProfile base, const std::filesystem::pat
   }
   if (!doc.is_object() || !doc.contains("shapes") || !doc["shapes"].is_array())
     throw DataError(fmt::format("'{}' has no \"shapes\" list (written by an older moeflex?)", path.string()));
+  // A profile's op times are fp32 ops' (the cost model's unit); a bf16 run's would
+  // price every later fp32 plan with another precision's times.
+  if (doc.value("precision", std::string("fp32")) != "fp32")
+    throw DataError(fmt::format("'{}' was measured on a {} run: an in-situ profile takes the op times of an fp32 "
+                                "run (train it without --bf16, with --profile-ops)",
+                                path.string(), doc.value("precision", std::string())));
   const CostModel cost(base);  // the base's own predictions, for the grouped ratios
   const std::set<std::string> exact(std::begin(kInSituExactKinds), std::end(kInSituExactKinds));
   const std::set<std::string> scaled(std::begin(kInSituScaledKinds), std::end(kInSituScaledKinds));

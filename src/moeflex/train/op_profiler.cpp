@@ -357,6 +357,12 @@ void ProfilingBackend::unpermute_backward(CView dy, CView yp, const std::int32_t
   timed("unpermute_backward", {n, k, d}, cost_.unpermute_backward(n, k, d), false,
         [&] { inner_.unpermute_backward(dy, yp, slot_of, w, dyp, dw, n, k, d); });
 }
+void ProfilingBackend::combine_topk_grad(CView dy, CView yp_rows, const std::int32_t* slot_of, float* dtopk_w,
+                                         std::int64_t n, std::int64_t k, std::int64_t d, std::int64_t r0,
+                                         std::int64_t rows) {
+  timed("combine_topk_grad", {n, k, d, rows}, cost_.combine_topk_grad(n, k, d, rows), false,
+        [&] { inner_.combine_topk_grad(dy, yp_rows, slot_of, dtopk_w, n, k, d, r0, rows); });
+}
 void ProfilingBackend::grouped_linear_forward(CView x, CView w, View y, const std::int32_t* offsets, std::int64_t E, std::int64_t in, std::int64_t out) {
   std::vector<std::int64_t> rows = group_rows(offsets, E);
   const Seconds p = cost_.grouped_linear_forward(rows, in, out);

@@ -171,6 +171,8 @@ class ProfilingBackend final : public ops::Backend {
   void permute_backward(CView dxp, const std::int32_t* slot_of, View dx, std::int64_t n, std::int64_t k, std::int64_t d) override;
   void unpermute_forward(CView yp, const std::int32_t* slot_of, const float* topk_w, View y, std::int64_t n, std::int64_t k, std::int64_t d) override;
   void unpermute_backward(CView dy, CView yp, const std::int32_t* slot_of, const float* topk_w, View dyp, float* dtopk_w, std::int64_t n, std::int64_t k, std::int64_t d) override;
+  void combine_topk_grad(CView dy, CView yp_rows, const std::int32_t* slot_of, float* dtopk_w, std::int64_t n,
+                         std::int64_t k, std::int64_t d, std::int64_t r0, std::int64_t rows) override;
   void grouped_linear_forward(CView x, CView w, View y, const std::int32_t* host_offsets, std::int64_t E, std::int64_t in, std::int64_t out) override;
   void grouped_linear_backward(CView dy, CView x, CView w, View dx, float* dw, const std::int32_t* host_offsets, std::int64_t E, std::int64_t in, std::int64_t out) override;
   double square_sum(const float* g, std::int64_t n) override;

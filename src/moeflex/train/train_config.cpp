@@ -208,7 +208,7 @@ RunConfig RunConfig::from_toml_text(const std::string& text, const std::string& 
         c.parallel.schedule = *v;
       }
       if (auto* pl = par->get("pad_layers")) {
-        auto v = pl->value<bool>();
+        auto v = pl->value_exact<bool>();
         if (!v) throw ConfigError("parallel.pad_layers: must be true or false");
         c.parallel.pad_layers = *v;
       }

@@ -189,6 +189,10 @@ fs::path default_corpus_path() { return fs::path("data") / "brown"; }
 
 namespace {
 
+// Bytes of model state per parameter: fp32 weights, gradient and two AdamW moments
+// (16), plus the bf16 working copy (2) with model.bf16.
+std::int64_t state_bytes_per_param(const ModelConfig& m) { return 16 + (m.bf16 ? 2 : 0); }
+
 // The run's device and its arena (device.kind): host memory on the CPU, or one
 // region of one GPU. The CUDA slice trains one rank; what it lacks is refused here.
 ops::DeviceContext make_device(const RunConfig& cfg, int world_size) {
@@ -831,7 +835,8 @@ TrainResult run_training(const TrainOptions& opts) {
         std::vector<fs::path> parts;
         for (int r = 0; r < world_size; ++r) parts.push_back(op_times_part_path(run_dir, r));
         const std::int64_t first = res.steps - start_step > 1 ? start_step + 2 : start_step + 1;
-        const json doc = summarize_op_time_parts(parts, first, omp_get_max_threads() == 1);
+        json doc = summarize_op_time_parts(parts, first, omp_get_max_threads() == 1);
+        doc["precision"] = cfg.model.bf16 ? "bf16" : "fp32";  // calibrate --from-run takes fp32 runs only
         train::write_file_atomically(run_dir / "op_times.json", doc.dump(2) + "\n");
         for (auto& p : parts) fs::remove(p);
         res.time_model_op_error = doc.at("op_error").get<double>();
@@ -1200,11 +1205,12 @@ TrainResult run_training(const TrainOptions& opts) {
   } catch (const OutOfMemoryError& e) {
     if (!state_placed)  // not a step that ran out: the budget cannot hold the model state at all
       throw ConfigError(fmt::format(
-          "--device-memory {} cannot hold this rank's model state (weights, gradients and AdamW moments): it ran "
-          "out placing '{}' with {} already placed. The whole model's state is {} ({:.2f} M parameters); expert "
-          "and pipeline parallelism (--ep, --pp) shard it",
-          format_bytes(arena.budget()), e.op, format_bytes(e.budget - e.free), format_bytes(16 * cfg.model.num_params()),
-          double(cfg.model.num_params()) / 1e6));
+          "--device-memory {} cannot hold this rank's model state (weights{}, gradients and AdamW moments): it ran "
+          "out placing '{}' with {} already placed. The whole model's state is {} ({:.2f} M parameters at {} "
+          "bytes each); expert and pipeline parallelism (--ep, --pp) shard it",
+          format_bytes(arena.budget()), cfg.model.bf16 ? " with their bf16 working copy" : "", e.op,
+          format_bytes(e.budget - e.free), format_bytes(state_bytes_per_param(cfg.model) * cfg.model.num_params()),
+          double(cfg.model.num_params()) / 1e6, state_bytes_per_param(cfg.model)));
     if (restart_limit_reached) throw;  // counted, summarised and agreed on by every rank already
     res.oom_count += 1;
     if (res.first_oom.empty()) res.first_oom = e.what();

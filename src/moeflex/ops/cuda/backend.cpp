@@ -477,6 +477,13 @@ class CudaBackend final : public Backend {
       cuda::unpermute_backward<T>(ptr<T>(dy), ptr<T>(yp), slot_of, w, ptr<T>(dyp), dw, n, k, d, stream());
     });
   }
+  void combine_topk_grad(CView dy, CView yp_rows, const std::int32_t* slot_of, float* dtopk_w, std::int64_t n,
+                         std::int64_t k, std::int64_t d, std::int64_t r0, std::int64_t rows) override {
+    with_type(uniform_dtype("combine_topk_grad", {{"dy", dy}, {"yp_rows", yp_rows}}), [&](auto tag) {
+      using T = decltype(tag);
+      cuda::combine_topk_grad<T>(ptr<T>(dy), ptr<T>(yp_rows), slot_of, dtopk_w, n, k, d, r0, rows, stream());
+    });
+  }
   void grouped_linear_forward(CView x, CView w, View y, const std::int32_t* offsets, std::int64_t E, std::int64_t in,
                               std::int64_t out) override {
     with_type(uniform_dtype("grouped_linear_forward", {{"x", x}, {"w", w}, {"y", y}}), [&](auto tag) {

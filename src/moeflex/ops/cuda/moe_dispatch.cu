@@ -134,14 +134,38 @@ __global__ void unpermute_backward_kernel(const T* __restrict__ dy, const T* __r
       continue;
     }
     const float w = topk_w[i * k + j];
-    const T* src = yp + std::int64_t(s) * d;
     T* dst = dyp + std::int64_t(s) * d;
+    if (!dtopk_w) {  // (uniform: a kernel argument) the top-k gradient comes window by window
+      for (std::int64_t c = threadIdx.x; c < d; c += blockDim.x) dst[c] = from_f<T>(w * to_f(g[c]));
+      continue;
+    }
+    const T* src = yp + std::int64_t(s) * d;
     float dot = 0.0f;
     for (std::int64_t c = threadIdx.x; c < d; c += blockDim.x) {
       const float gc = to_f(g[c]);
       dst[c] = from_f<T>(w * gc);
       dot += gc * to_f(src[c]);
     }
+    dot = detail::block_sum(dot, scratch);
+    if (threadIdx.x == 0) dtopk_w[i * k + j] = dot;
+  }
+}
+
+// One block per token, as unpermute_backward_kernel, whose dot it repeats term for
+// term for the slots of the window.
+template <typename T>
+__global__ void combine_topk_grad_kernel(const T* __restrict__ dy, const T* __restrict__ yp_rows,
+                                         const std::int32_t* __restrict__ slot_of, float* __restrict__ dtopk_w,
+                                         std::int64_t k, std::int64_t d, std::int64_t r0, std::int64_t rows) {
+  __shared__ float scratch[32];
+  const std::int64_t i = blockIdx.x;
+  const T* g = dy + i * d;
+  for (std::int64_t j = 0; j < k; ++j) {
+    const std::int64_t s = slot_of[i * k + j];  // block-uniform
+    if (s < r0 || s >= r0 + rows) continue;
+    const T* src = yp_rows + (s - r0) * d;
+    float dot = 0.0f;
+    for (std::int64_t c = threadIdx.x; c < d; c += blockDim.x) dot += to_f(g[c]) * to_f(src[c]);
     dot = detail::block_sum(dot, scratch);
     if (threadIdx.x == 0) dtopk_w[i * k + j] = dot;
   }
@@ -215,6 +239,15 @@ void unpermute_backward(const T* dy, const T* yp, const std::int32_t* slot_of, c
   MOEFLEX_CHECK_LAUNCH("unpermute_backward");
 }
 
+template <typename T>
+void combine_topk_grad(const T* dy, const T* yp_rows, const std::int32_t* slot_of, float* dtopk_w, std::int64_t n,
+                       std::int64_t k, std::int64_t d, std::int64_t r0, std::int64_t rows, cudaStream_t stream) {
+  if (n <= 0 || rows <= 0) return;
+  combine_topk_grad_kernel<T><<<static_cast<unsigned>(n), kRowThreads, 0, stream>>>(dy, yp_rows, slot_of, dtopk_w, k,
+                                                                                     d, r0, rows);
+  MOEFLEX_CHECK_LAUNCH("combine_topk_grad");
+}
+
 #define MOEFLEX_INSTANTIATE_CUDA_DISPATCH(T)                                                                      \
   template void permute_forward<T>(const T*, const std::int32_t*, T*, std::int64_t, std::int64_t, std::int64_t,  \
                                    cudaStream_t);                                                                 \
@@ -223,7 +256,9 @@ void unpermute_backward(const T* dy, const T* yp, const std::int32_t* slot_of, c
   template void unpermute_forward<T>(const T*, const std::int32_t*, const float*, T*, std::int64_t, std::int64_t, \
                                      std::int64_t, cudaStream_t);                                                 \
   template void unpermute_backward<T>(const T*, const T*, const std::int32_t*, const float*, T*, float*,          \
-                                      std::int64_t, std::int64_t, std::int64_t, cudaStream_t);
+                                      std::int64_t, std::int64_t, std::int64_t, cudaStream_t);                      \
+  template void combine_topk_grad<T>(const T*, const T*, const std::int32_t*, float*, std::int64_t, std::int64_t,  \
+                                     std::int64_t, std::int64_t, std::int64_t, cudaStream_t);
 
 MOEFLEX_INSTANTIATE_CUDA_DISPATCH(float)
 MOEFLEX_INSTANTIATE_CUDA_DISPATCH(bf16)

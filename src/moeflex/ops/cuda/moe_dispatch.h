@@ -55,4 +55,11 @@ template <typename T>
 void unpermute_backward(const T* dy, const T* yp, const std::int32_t* slot_of, const float* topk_w, T* dyp,
                         float* dtopk_w, std::int64_t n, std::int64_t k, std::int64_t d, cudaStream_t stream);
 
+/// dtopk_w[i,j] (=) = <dy[i], yp_rows[slot - r0]> for the slots in [r0, r0 + rows),
+/// others untouched (ops::combine_topk_grad), summed as unpermute_backward sums
+/// (same threads, same block reduction): equal bits.
+template <typename T>
+void combine_topk_grad(const T* dy, const T* yp_rows, const std::int32_t* slot_of, float* dtopk_w, std::int64_t n,
+                       std::int64_t k, std::int64_t d, std::int64_t r0, std::int64_t rows, cudaStream_t stream);
+
 }  // namespace moeflex::ops::cuda

@@ -178,9 +178,10 @@ int main(int argc, char** argv) {
       o.out_dir = out_dir.empty() ? fs::path(timestamp_dir()) : fs::path(out_dir);
       if (!resume_dir.empty()) {
         const bool others = !config_path.empty() || !device_memory.empty() || !data_path.empty() || !policy.empty() ||
-                            !inject.empty() || pp > 0 || dp >= 0 || ep > 0 || vpp > 0 || !schedule.empty() || seed >= 0 ||
-                            !on_oom.empty() || max_restarts >= 0 || restart_seconds >= 0 || checkpoint_every >= 0 ||
-                            !device.empty() || expert_chunk_rows >= 0 || !out_dir.empty() || grad_accum > 0 || train->count("--bf16");
+                            !inject.empty() || pp > 0 || dp >= 0 || ep > 0 || vpp > 0 || !schedule.empty() ||
+                            seed >= 0 || !on_oom.empty() || max_restarts >= 0 || restart_seconds >= 0 ||
+                            checkpoint_every >= 0 || !device.empty() || expert_chunk_rows >= 0 || !out_dir.empty() ||
+                            grad_accum > 0 || train->count("--bf16");
         if (others && (!comm::MpiSession::active() || mpi.world_rank() == 0))
           fmt::print(stderr, "moeflex: --resume continues the run in its own folder with its own config.toml; other "
                              "flags than --steps (--out, the config's) are ignored\n");

@@ -152,10 +152,11 @@ std::vector<ActivationSpec> layer_activations(const ModelConfig& cfg, int layer,
 std::vector<ActivationSpec> head_activations(const ModelConfig& cfg, std::int64_t B, std::int64_t S) {
   const std::int64_t n = B * S, d = cfg.hidden_size, V = cfg.vocab_size;
   const Bytes a = cfg.activation_bytes();
-  std::vector<ActivationSpec> v = {{"final_norm.in", "residual", n * d * a, false, {}, false, -1, {}},
-                                   {"final_norm.out", "rmsnorm", n * d * a, true, {"final_norm.in"}, false, -1, {}},
-                                   {"final_norm.rstd", "rmsnorm", n * 4, true, {"final_norm.in"}, false, -1, {}},
-                                   {"lm_head.probs", "cross_entropy", n * V * a, true, {"final_norm.out"}, false, -1, {}}};
+  std::vector<ActivationSpec> v = {
+      {"final_norm.in", "residual", n * d * a, false, {}, false, -1, {}},
+      {"final_norm.out", "rmsnorm", n * d * a, true, {"final_norm.in"}, false, -1, {}},
+      {"final_norm.rstd", "rmsnorm", n * 4, true, {"final_norm.in"}, false, -1, {}},
+      {"lm_head.probs", "cross_entropy", n * V * a, true, {"final_norm.out"}, false, -1, {}}};
   for (auto& a : v) {
     a.id = activation_id(a.name);
     for (const auto& x : a.inputs) a.input_ids.push_back(activation_id(x));
@@ -234,10 +235,21 @@ const MemoryWalk::LayerSpecs& MemoryWalk::specs_of(int layer, const MoERows& row
   for (const auto& [k, v] : specs_)
     if (k == key) return *v;
   const bool shared = cfg_.n_shared_experts > 0 || cfg_.shared_expert_intermediate_size > 0;
-  const std::array<std::int64_t, 15> full{cfg_.hidden_size, cfg_.num_attention_heads, cfg_.num_experts,
-                                          cfg_.num_experts_per_tok, cfg_.moe_intermediate_size, cfg_.intermediate_size,
-                                          shared ? cfg_.shared_width() : -1, cfg_.vocab_size, B_, S_, kind,
-                                          std::get<1>(key), std::get<2>(key), ep, ab_};
+  const std::array<std::int64_t, 15> full{cfg_.hidden_size,
+                                          cfg_.num_attention_heads,
+                                          cfg_.num_experts,
+                                          cfg_.num_experts_per_tok,
+                                          cfg_.moe_intermediate_size,
+                                          cfg_.intermediate_size,
+                                          shared ? cfg_.shared_width() : -1,
+                                          cfg_.vocab_size,
+                                          B_,
+                                          S_,
+                                          kind,
+                                          std::get<1>(key),
+                                          std::get<2>(key),
+                                          ep,
+                                          ab_};
   constexpr std::size_t kMemo = 256;
   thread_local std::deque<std::pair<std::array<std::int64_t, 15>, std::unique_ptr<LayerSpecs>>> memo;
   for (const auto& [k, v] : memo)
@@ -521,9 +533,9 @@ void MemoryWalk::forward_layers(int mb, const StageSpec& st, int from, const std
   if (!st.head) return;  // the output stays allocated until it is sent
   const std::int64_t n = B_ * S_, d = cfg_.hidden_size, V = cfg_.vocab_size;
   alloc(rounded(n * d, ab_));  // final_norm.out
-  alloc(rounded(n, 4));      // final_norm.rstd
+  alloc(rounded(n, 4));        // final_norm.rstd
   alloc(rounded(n * V, ab_));  // lm_head.logits
-  alloc(rounded(n, 4));      // cross_entropy.losses
+  alloc(rounded(n, 4));        // cross_entropy.losses
   free(rounded(n, 4));
   land();  // a decision point
   save_head(mb, provision);
@@ -624,12 +636,12 @@ void MemoryWalk::run(const std::vector<WalkAction>& actions, std::size_t from, c
 
 void MemoryWalk::attention_forward(int mb, int l, const LayerSpecs& specs, const ProvisionFn& provision) {
   const std::int64_t n = B_ * S_, d = cfg_.hidden_size;
-  alloc(rounded(n * d, ab_));  // a
-  alloc(rounded(n, 4));      // rstd
-  for (int i = 0; i < 3; ++i) alloc(rounded(n * d, ab_));  // q, k, v
-  alloc(rounded(n * d, ab_));  // o
+  alloc(rounded(n * d, ab_));                                    // a
+  alloc(rounded(n, 4));                                          // rstd
+  for (int i = 0; i < 3; ++i) alloc(rounded(n * d, ab_));        // q, k, v
+  alloc(rounded(n * d, ab_));                                    // o
   alloc(rounded(B_ * cfg_.num_attention_heads * S_ * S_, ab_));  // probs
-  alloc(rounded(n * d, ab_));  // h, the next residual
+  alloc(rounded(n * d, ab_));                                    // h, the next residual
   land();  // a decision point
   save(mb, l, specs, IDS("attn_norm.in", "attn_norm.out", "attn_norm.rstd", "attn.q", "attn.k", "attn.v", "attn.probs", "attn.out"), provision);
 }
@@ -649,7 +661,7 @@ void MemoryWalk::ffn_forward(int mb, int l, const LayerSpecs& specs, const MoERo
   const bool ep = ep_size > 1;
   const std::int64_t n = B_ * S_, d = cfg_.hidden_size;
   alloc(rounded(n * d, ab_));  // m
-  alloc(rounded(n, 4));      // rstd
+  alloc(rounded(n, 4));        // rstd
   alloc(rounded(n * d, ab_));  // out
   if (!cfg_.is_moe_layer(l)) {
     mlp_forward(mb, l, specs, false, cfg_.intermediate_size, provision);
@@ -661,12 +673,12 @@ void MemoryWalk::ffn_forward(int mb, int l, const LayerSpecs& specs, const MoERo
     s.rows = rows;
     s.ep_size = ep_size;
     alloc(rounded(n * E, ab_));  // logits
-    alloc(rounded(n * E, 4));  // probs
-    alloc(rounded(n * k, 4));  // topk_idx
-    alloc(rounded(n * k, 4));  // topk_w
-    alloc(rounded(E, 4));      // counts
-    alloc(rounded(E + 1, 4));  // offsets
-    alloc(rounded(n * k, 4));  // slot_of
+    alloc(rounded(n * E, 4));    // probs
+    alloc(rounded(n * k, 4));    // topk_idx
+    alloc(rounded(n * k, 4));    // topk_w
+    alloc(rounded(E, 4));        // counts
+    alloc(rounded(E + 1, 4));    // offsets
+    alloc(rounded(n * k, 4));    // slot_of
     alloc(rounded(R * d, ab_));  // moe.permuted
     if (ep) {
       alloc(rounded(Rr * d, ab_));  // moe.dispatched
@@ -692,8 +704,10 @@ void MemoryWalk::moe_experts(int mb, int l, const LayerSpecs& specs, const Provi
   const std::int64_t R = s.rows.permuted, Rr = ep ? s.rows.received : s.rows.permuted;
   Bytes chunk_bytes = 0;  // the chunk's own FC1 outputs and activation
   for (const int id : IDS("experts.gate_out", "experts.up_out", "experts.act")) {
-    if (decide(mb, l, specs, id, provision) != Provision::recompute) alloc(rounded(Rr * f, ab_));  // kept whole
-    else if (Rr > 0) chunk_bytes += rounded(cfg_.expert_chunk(Rr) * f, ab_);
+    if (decide(mb, l, specs, id, provision) != Provision::recompute)
+      alloc(rounded(Rr * f, ab_));  // kept whole
+    else if (Rr > 0)
+      chunk_bytes += rounded(cfg_.expert_chunk(Rr) * f, ab_);
   }
   alloc(rounded(Rr * d, ab_));  // experts.out
   touch(chunk_bytes);      // the first (largest) chunk's transients
@@ -717,7 +731,8 @@ void MemoryWalk::ffn_moe_tail(int mb, int l, const LayerSpecs& specs, const Prov
     // counted here for save(), which frees a recomputed entry at once.
     const std::int64_t Rr = s.ep_size > 1 ? s.rows.received : s.rows.permuted;
     for (const int id : IDS("experts.gate_out", "experts.up_out", "experts.act"))
-      if (decide(mb, l, specs, id, provision) == Provision::recompute) in_use_ += rounded(Rr * cfg_.moe_intermediate_size, ab_);
+      if (decide(mb, l, specs, id, provision) == Provision::recompute)
+        in_use_ += rounded(Rr * cfg_.moe_intermediate_size, ab_);
   }
   save(mb, l, specs, IDS("experts.in", "experts.gate_out", "experts.up_out", "experts.act", "moe.combined"), provision);
   if (cfg_.n_shared_experts > 0 || cfg_.shared_expert_intermediate_size > 0)
@@ -739,7 +754,8 @@ void MemoryWalk::expert_chunks(int mb, int l, std::int64_t Rr, bool need_fc1, bo
   const bool fc1 = need_fc1 || !keepa;
   // A dropped combine input (no EP) comes back chunk by chunk in the backward's loop.
   const Entry* combined = s ? find_entry(*s, ID("moe.combined")) : nullptr;
-  const bool combine_by_chunk = backward && s && s->ep_size <= 1 && combined && combined->provision == Provision::recompute;
+  const bool combine_by_chunk =
+      backward && s && s->ep_size <= 1 && combined && combined->provision == Provision::recompute;
   if (fc1 && !(keep1 && keep3)) get(mb, l, ID("experts.in"));
   if (fc1 && keep1) get(mb, l, ID("experts.gate_out"));
   if (fc1 && keep3) get(mb, l, ID("experts.up_out"));
@@ -797,10 +813,21 @@ const MemoryWalk::LayerSummary& MemoryWalk::summary_of(int l, const MoERows& row
   // Everything a layer's replay depends on: the sizes, its kind and rows, whether
   // an EP group dispatches, the activation element size (the floor follows from these).
   const bool moe = cfg_.is_moe_layer(l), shared = cfg_.n_shared_experts > 0 || cfg_.shared_expert_intermediate_size > 0;
-  const SummaryKey key{cfg_.hidden_size, cfg_.num_attention_heads, cfg_.num_experts, cfg_.num_experts_per_tok,
-                       cfg_.moe_intermediate_size, cfg_.intermediate_size, shared ? cfg_.shared_width() : -1, B_, S_,
-                       moe, moe ? rows.permuted : 0, moe ? rows.received : 0, ep_size > 1,
-                       moe ? cfg_.expert_chunk_rows : 0, ab_};
+  const SummaryKey key{cfg_.hidden_size,
+                       cfg_.num_attention_heads,
+                       cfg_.num_experts,
+                       cfg_.num_experts_per_tok,
+                       cfg_.moe_intermediate_size,
+                       cfg_.intermediate_size,
+                       shared ? cfg_.shared_width() : -1,
+                       B_,
+                       S_,
+                       moe,
+                       moe ? rows.permuted : 0,
+                       moe ? rows.received : 0,
+                       ep_size > 1,
+                       moe ? cfg_.expert_chunk_rows : 0,
+                       ab_};
   // Per thread, kept for the process (a few kinds and worst-case rows in practice);
   // beyond kMemo, further summaries live as long as this walk.
   constexpr std::size_t kMemo = 256;
@@ -901,8 +928,10 @@ void MemoryWalk::backward(int mb, const StageSpec& st, bool split) {
     }
     enter(kAfter, mb, l);
   }
-  if (split && st.embedding) keep(mb, rounded(n * d, ab_));  // the embedding's W scatters it
-  else free(rounded(n * d, ab_));                            // grad.residual
+  if (split && st.embedding)
+    keep(mb, rounded(n * d, ab_));  // the embedding's W scatters it
+  else
+    free(rounded(n * d, ab_));  // grad.residual
   split_ = false;
   for (int l = st.first_layer; l < st.last_layer; ++l)
     if (Slot* s = find_slot(mb, l)) s->has_rows = false;
@@ -941,7 +970,7 @@ void MemoryWalk::ffn_backward(int mb, int l) {
   alloc(rounded(n * d, ab_));  // dm
   const bool shared = cfg_.n_shared_experts > 0 || cfg_.shared_expert_intermediate_size > 0;
   const bool dy_read_by_w = !cfg_.is_moe_layer(l) || shared;  // the down projections' dW read dy
-  if (split_) alloc(rounded(n * d, ab_));  // ffn.dy, a copy of the residual gradient
+  if (split_) alloc(rounded(n * d, ab_));                     // ffn.dy, a copy of the residual gradient
   if (!cfg_.is_moe_layer(l)) {
     mlp_backward(mb, l, false, cfg_.intermediate_size);
   } else {
@@ -954,7 +983,7 @@ void MemoryWalk::ffn_backward(int mb, int l) {
     const bool ep = ep_size > 1;
     const std::int64_t R = rows.permuted, Rr = ep ? rows.received : rows.permuted;
     for (const int id : IDS("moe.offsets", "moe.slot_of", "router.topk_idx", "router.topk_w")) get(mb, l, id);
-    alloc(rounded(n * k, 4));  // router.dtopk_w
+    alloc(rounded(n * k, 4));             // router.dtopk_w
     if (ep) alloc(rounded(Rr * d, ab_));  // experts.dout (before moe.dcombined, which it outlives)
     alloc(rounded(R * d, ab_));           // moe.dcombined
     const Entry* combined = find_entry(*s, ID("moe.combined"));
@@ -970,7 +999,7 @@ void MemoryWalk::ffn_backward(int mb, int l) {
     get(mb, l, ID("experts.in"));
     if (defer) pin(mb, l, ID("experts.in"));  // W1's and W3's dW read it
     expert_chunks(mb, l, Rr, true, true, defer);  // (experts.din: written over experts.dout, or see there)
-    if (defer) keep(mb, rounded(Rr * d, ab_));  // experts.dout waits for W2's dW
+    if (defer) keep(mb, rounded(Rr * d, ab_));    // experts.dout waits for W2's dW
     if (ep) {
       alloc(rounded(R * d, ab_));   // moe.dpermuted
       alloc(rounded(Rr * d, ab_));  // all-to-all scratch
@@ -981,7 +1010,7 @@ void MemoryWalk::ffn_backward(int mb, int l) {
     if (shared) mlp_backward(mb, l, true, cfg_.shared_width());
     get(mb, l, ID("router.probs"));
     get(mb, l, ID("router.logits"));
-    alloc(rounded(n * E, 4));  // dprobs
+    alloc(rounded(n * E, 4));    // dprobs
     alloc(rounded(n * E, ab_));  // dlogits
     if (split_) {           // waits for the router GEMM's dW, with the norm's output
       keep(mb, rounded(n * E, ab_));
@@ -989,16 +1018,18 @@ void MemoryWalk::ffn_backward(int mb, int l) {
     } else {
       free(rounded(n * E, ab_));  // dlogits, after the router GEMM's backward
     }
-    free(rounded(n * E, 4));   // dprobs
-    free(rounded(n * k, 4));   // router.dtopk_w
+    free(rounded(n * E, 4));  // dprobs
+    free(rounded(n * k, 4));  // router.dtopk_w
   }
   if (split_) {  // ffn.dy: held by the down projections' W, else gone here
-    if (dy_read_by_w) keep(mb, rounded(n * d, ab_));
-    else free(rounded(n * d, ab_));
+    if (dy_read_by_w)
+      keep(mb, rounded(n * d, ab_));
+    else
+      free(rounded(n * d, ab_));
   }
   get(mb, l, ID("ffn_norm.in"));
   get(mb, l, ID("ffn_norm.rstd"));
-  alloc(rounded(n * d, ab_));  // dtmp
+  alloc(rounded(n * d, ab_));     // dtmp
   free(2 * rounded(n * d, ab_));  // dtmp, dm
 }
 
@@ -1027,7 +1058,7 @@ void MemoryWalk::attention_backward(int mb, int l) {
   }
   get(mb, l, ID("attn_norm.in"));
   get(mb, l, ID("attn_norm.rstd"));
-  alloc(rounded(n * d, ab_));  // dtmp
+  alloc(rounded(n * d, ab_));     // dtmp
   free(2 * rounded(n * d, ab_));  // dtmp, da
 }
 

@@ -254,8 +254,8 @@ std::size_t MoEModel::pending_weight_grads(int mb) const {
   return it == wgrad_queue_.end() ? 0 : it->second.size();
 }
 
-void MoEModel::linear_bw(int mb, const Shared& dy, const Shared& x, Param* w, View dx, std::int64_t n,
-                         std::int64_t in, std::int64_t out, bool accumulate_dx) {
+void MoEModel::linear_bw(int mb, const Shared& dy, const Shared& x, Param* w, View dx, std::int64_t n, std::int64_t in,
+                         std::int64_t out, bool accumulate_dx) {
   if (dx) be_.linear_backward(dy->view(), x->view(), w->working(), dx, nullptr, n, in, out, accumulate_dx);
   weight_grad(mb, {dy, x}, [this, dy = dy.get(), x = x.get(), w, n, in, out] {
     be_.linear_backward(dy->view(), x->view(), w->working(), nullptr, w->g.f32(), n, in, out, false);
@@ -291,8 +291,8 @@ RecomputeFn MoEModel::linear_lineage(int mb, int l, std::string input, const Par
     auto x = stash_.get(mb, l, input);
     Tensor y = act({n, out}, "linear.out");
     be_.linear_forward(x->view(), w->working(), y.view(), n, in, out);
-    if (rope) be_.rope_forward(y.view(), n / rope_seq_, rope_seq_, cfg_.num_attention_heads, cfg_.head_dim(),
-                               cfg_.rope_theta);
+    if (rope)
+      be_.rope_forward(y.view(), n / rope_seq_, rope_seq_, cfg_.num_attention_heads, cfg_.head_dim(), cfg_.rope_theta);
     return y;
   };
 }
@@ -442,8 +442,8 @@ LossParts MoEModel::forward(const std::int32_t* ids, const std::int32_t* targets
   return loss;
 }
 
-Tensor MoEModel::forward_stage(const std::int32_t* ids, const std::int32_t* targets, CView x_in,
-                               std::int64_t B, std::int64_t S, int mb, LossParts* loss, bool train) {
+Tensor MoEModel::forward_stage(const std::int32_t* ids, const std::int32_t* targets, CView x_in, std::int64_t B,
+                               std::int64_t S, int mb, LossParts* loss, bool train) {
   LossParts local;
   Tensor out = forward_impl(ids, targets, x_in, B, S, mb, train, local, nullptr);
   if (loss) *loss = local;
@@ -453,9 +453,8 @@ Tensor MoEModel::forward_stage(const std::int32_t* ids, const std::int32_t* targ
 // ---------------------------------------------------------------------------------------------
 // Whole stage
 
-Tensor MoEModel::forward_impl(const std::int32_t* ids, const std::int32_t* targets, CView x_in,
-                              std::int64_t B, std::int64_t S, int mb, bool train, LossParts& loss,
-                              float* last_logits) {
+Tensor MoEModel::forward_impl(const std::int32_t* ids, const std::int32_t* targets, CView x_in, std::int64_t B,
+                              std::int64_t S, int mb, bool train, LossParts& loss, float* last_logits) {
   if (train && expert_impl_ != ExpertImpl::grouped_gemm)
     throw Error("the sequential-experts reference path is forward-only (use it with forward_eval)");
   if (S > cfg_.max_position_embeddings)
@@ -558,13 +557,14 @@ void MoEModel::backward_stage(const std::int32_t* ids, const std::int32_t* targe
     Shared probs = stash_.get(mb, kHeadLayer, "lm_head.probs");
     be_.cross_entropy_backward(probs->view(), targets, probs->view(), n, V, float(grad_scale / double(n)));
     Tensor dhn = work({n, d}, "lm_head.dx");
-    linear_bw(mb, probs, stash_.get(mb, kHeadLayer, "final_norm.out"), lm_head_, dhn.view(),
-              n, d, V, false);
+    linear_bw(mb, probs, stash_.get(mb, kHeadLayer, "final_norm.out"), lm_head_, dhn.view(), n, d, V, false);
     Shared x = stash_.get(mb, kHeadLayer, "final_norm.in"), rstd = stash_.get(mb, kHeadLayer, "final_norm.rstd");
     be_.rmsnorm_backward(dhn.view(), x->view(), final_norm_->working(), rstd->f32(), dx.view(), final_norm_->g.f32(), n,
                          d);
   } else {
-    if (dy.dtype != adt_) throw Error(fmt::format("stage output gradient is {} but the model runs in {}", to_string(dy.dtype), to_string(adt_)));
+    if (dy.dtype != adt_)
+      throw Error(
+          fmt::format("stage output gradient is {} but the model runs in {}", to_string(dy.dtype), to_string(adt_)));
     be_.copy(dx.raw(), dy.data, dx.nbytes());
   }
   stash_.release_layer(mb, kHeadLayer);
@@ -580,11 +580,12 @@ void MoEModel::backward_stage(const std::int32_t* ids, const std::int32_t* targe
     // Part of W when the backward is split: with tied embeddings, the LM head's dW
     // (queued first) and this scatter then add up in the same order either way.
     Shared g = share(std::move(dx));
-    weight_grad(mb, {g}, [g = g.get(), ids, n, d, this] {
-      be_.embedding_backward(ids, g->view(), embed_->g.f32(), n, d);
-    });
+    weight_grad(mb, {g},
+                [g = g.get(), ids, n, d, this] { be_.embedding_backward(ids, g->view(), embed_->g.f32(), n, d); });
   } else {
-    if (dx_in.dtype != adt_) throw Error(fmt::format("stage input gradient is {} but the model runs in {}", to_string(dx_in.dtype), to_string(adt_)));
+    if (dx_in.dtype != adt_)
+      throw Error(
+          fmt::format("stage input gradient is {} but the model runs in {}", to_string(dx_in.dtype), to_string(adt_)));
     be_.copy(dx_in.data, dx.raw(), dx.nbytes());
   }
   stash_.release_microbatch(mb);
@@ -672,8 +673,8 @@ void MoEModel::attention_backward(int l, Tensor& dx, std::int64_t B, std::int64_
 // ---------------------------------------------------------------------------------------------
 // FFN block: x <- x + FFN(RMSNorm(x)), FFN = dense SwiGLU or MoE (+ shared experts)
 
-void MoEModel::swiglu_mlp_forward(CView m, Param* w1, Param* w3, Param* w2, View y, std::int64_t n, int l,
-                                  int mb, bool train, const char* prefix, bool accumulate) {
+void MoEModel::swiglu_mlp_forward(CView m, Param* w1, Param* w3, Param* w2, View y, std::int64_t n, int l, int mb,
+                                  bool train, const char* prefix, bool accumulate) {
   const std::int64_t d = cfg_.hidden_size, w = w1->w.dim(0);
   Tensor h1 = act({n, w}, "mlp.gate_out"), h3 = act({n, w}, "mlp.up_out"), a = act({n, w}, "mlp.act");
   be_.linear_forward(m, w1->working(), h1.view(), n, d, w);
@@ -792,10 +793,14 @@ void MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train,
                     {"experts.up_out", "grouped_gemm", nullptr, true, fc_bytes, fc_chunk},
                     {"experts.act", "swiglu", nullptr, true, fc_bytes, fc_chunk},
                     {"moe.combined", "grouped_gemm", nullptr, !ep, dtype_size(adt_) * R * d},
-                    {"router.logits", "linear", &logits, true}, {"router.probs", "router", &probs, true},
-                    {"router.topk_idx", "router", &idx, false}, {"router.topk_w", "router", &w, true},
-                    {"moe.offsets", "dispatch", &offsets, false}, {"moe.slot_of", "dispatch", &slot_of, false},
-                    {"ffn_norm.in", "residual", &x, false}, {"ffn_norm.out", "rmsnorm", &m, true},
+                    {"router.logits", "linear", &logits, true},
+                    {"router.probs", "router", &probs, true},
+                    {"router.topk_idx", "router", &idx, false},
+                    {"router.topk_w", "router", &w, true},
+                    {"moe.offsets", "dispatch", &offsets, false},
+                    {"moe.slot_of", "dispatch", &slot_of, false},
+                    {"ffn_norm.in", "residual", &x, false},
+                    {"ffn_norm.out", "rmsnorm", &m, true},
                     {"ffn_norm.rstd", "rmsnorm", &rstd, true}},
                    MoERows{R, Rr});
         keep1 = stash_.reserve(mb, l, "experts.gate_out", "grouped_gemm", fc_bytes, true) != Provision::recompute;
@@ -978,15 +983,17 @@ void MoEModel::ffn_backward(int l, Tensor& dx, std::int64_t n, int mb, double gr
       // (zero-bubble) only when the rows make one chunk: waiting would hold every
       // chunk's gradients ([Rr, f] in all) and undo the chunks' bound.
       const bool defer_experts = defer_wgrad_ && Rr > 0 && cfg_.expert_chunk(Rr) >= Rr;  // (no rows: nothing to wait)
-      auto grouped_dw = [&](Shared dyy, std::int64_t dy_row, Shared xx, std::int64_t x_row, Param* W,
-                            std::int64_t in, std::int64_t out, const std::int32_t* loc) {
+      auto grouped_dw = [&](Shared dyy, std::int64_t dy_row, Shared xx, std::int64_t x_row, Param* W, std::int64_t in,
+                            std::int64_t out, const std::int32_t* loc) {
         auto run = [this, dyy = dyy.get(), dy_row, xx = xx.get(), x_row, W, El, in, out,
                     offs = std::vector<std::int32_t>(loc, loc + El + 1)] {
           be_.grouped_linear_backward(dyy->view() + dy_row * out, xx->view() + x_row * in, W->working(), nullptr,
                                       W->g.f32(), offs.data(), El, in, out);
         };
-        if (defer_experts) weight_grad(mb, {std::move(dyy), std::move(xx)}, std::move(run));
-        else run();
+        if (defer_experts)
+          weight_grad(mb, {std::move(dyy), std::move(xx)}, std::move(run));
+        else
+          run();
       };
       Shared dyes = share(std::move(dye));
       Shared xe = stash_.get(mb, l, "experts.in");
@@ -1016,8 +1023,8 @@ void MoEModel::ffn_backward(int l, Tensor& dx, std::int64_t n, int mb, double gr
         // first, is the lowest of the workspace stack (no hole above the later ones).
         Shared dh1 = share(work({cr, f}, "experts.dgate")), dh3 = share(work({cr, f}, "experts.dup"));
         Shared dac = share(work({cr, f}, "experts.dact"));
-        be_.grouped_linear_backward(dyc, keepa ? aw->view() + r0 * f : dac->view(), P.w2->working(), dac->view(), nullptr,
-                                    loc.data(), El, f, d);  // (dx only: the activation is not read)
+        be_.grouped_linear_backward(dyc, keepa ? aw->view() + r0 * f : dac->view(), P.w2->working(), dac->view(),
+                                    nullptr, loc.data(), El, f, d);  // (dx only: the activation is not read)
         Tensor t1 = keep1 ? Tensor() : act({cr, f}, "experts.gate_out");
         Tensor t3 = keep3 ? Tensor() : act({cr, f}, "experts.up_out");
         if (!keep1) be_.grouped_linear_forward(xc, P.w1->working(), t1.view(), loc.data(), El, d, f);
@@ -1032,8 +1039,10 @@ void MoEModel::ffn_backward(int l, Tensor& dx, std::int64_t n, int mb, double gr
                                      yc.view(), loc.data(), El, f, d);
           be_.combine_topk_grad(dx.view(), yc.view(), slot_of->i32(), dw.f32(), n, k, d, r0, cr);
         }
-        if (keepa) grouped_dw(dyes, r0, aw, r0, P.w2, f, d, loc.data());
-        else grouped_dw(dyes, r0, dac, 0, P.w2, f, d, loc.data());
+        if (keepa)
+          grouped_dw(dyes, r0, aw, r0, P.w2, f, d, loc.data());
+        else
+          grouped_dw(dyes, r0, dac, 0, P.w2, f, d, loc.data());
         t3.reset();
         t1.reset();
         dac.reset();  // (W2's dW may still hold the activation in it)
@@ -1072,8 +1081,7 @@ void MoEModel::ffn_backward(int l, Tensor& dx, std::int64_t n, int mb, double gr
     dprobs.zero();
     be_.aux_loss_backward(idx->i32(), dprobs.f32(), n, E, k, cfg_.router_aux_loss_coef * grad_scale);
     Tensor dlogits = work({n, E}, "router.dlogits");
-    be_.router_backward(dw.f32(), dprobs.f32(), probs->f32(), idx->i32(), dlogits.view(), n, E, k,
-                        cfg_.norm_topk_prob);
+    be_.router_backward(dw.f32(), dprobs.f32(), probs->f32(), idx->i32(), dlogits.view(), n, E, k, cfg_.norm_topk_prob);
     if (cfg_.router_z_loss_coef > 0)
       be_.z_loss_backward(logits->view(), dlogits.view(), n, E, cfg_.router_z_loss_coef * grad_scale);
     linear_bw(mb, share(std::move(dlogits)), m, P.gate, dm.view(), n, d, E, true);
@@ -1082,7 +1090,8 @@ void MoEModel::ffn_backward(int l, Tensor& dx, std::int64_t n, int mb, double gr
   dy.reset();
   Shared h = stash_.get(mb, l, "ffn_norm.in"), rstd = stash_.get(mb, l, "ffn_norm.rstd");
   Tensor dtmp = work({n, d}, "ffn_norm.dx");
-  be_.rmsnorm_backward(dm.view(), h->view(), P.post_norm->working(), rstd->f32(), dtmp.view(), P.post_norm->g.f32(), n, d);
+  be_.rmsnorm_backward(dm.view(), h->view(), P.post_norm->working(), rstd->f32(), dtmp.view(), P.post_norm->g.f32(), n,
+                       d);
   be_.add_inplace(dx.view(), dtmp.view(), n * d);
 }
 

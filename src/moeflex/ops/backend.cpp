@@ -95,10 +95,11 @@ void same_dtype(const char* op, std::initializer_list<CView> views) {
   const CView* first = nullptr;
   for (const CView& v : views) {
     if (!v) continue;
-    if (!first) first = &v;
+    if (!first)
+      first = &v;
     else if (v.dtype != first->dtype)
-      throw Error(fmt::format("{}: tensors of mixed dtypes ({} and {}); an op's activations and weights share one",
-                              op, to_string(first->dtype), to_string(v.dtype)));
+      throw Error(fmt::format("{}: tensors of mixed dtypes ({} and {}); an op's activations and weights share one", op,
+                              to_string(first->dtype), to_string(v.dtype)));
   }
 }
 
@@ -141,11 +142,13 @@ class CpuBackend final : public Backend {
     Out DX(dx, n * in, accumulate_dx);
     ops::linear_backward(DY.p, X.p, W.p, DX.p, dw, n, in, out, accumulate_dx);
   }
-  void gemm(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, float alpha, CView A,
-            std::int64_t lda, CView B, std::int64_t ldb, float beta, View C, std::int64_t ldc) override {
+  void gemm(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, float alpha, CView A, std::int64_t lda,
+            CView B, std::int64_t ldb, float beta, View C, std::int64_t ldc) override {
     same_dtype("gemm", {A, B, C});
     // Elements spanned by a row-major [rows, cols] operand with leading dimension ld.
-    auto span = [](std::int64_t rows, std::int64_t cols, std::int64_t ld) { return rows > 0 ? (rows - 1) * ld + cols : 0; };
+    auto span = [](std::int64_t rows, std::int64_t cols, std::int64_t ld) {
+      return rows > 0 ? (rows - 1) * ld + cols : 0;
+    };
     In a(A, ta ? span(K, M, lda) : span(M, K, lda)), b(B, tb ? span(N, K, ldb) : span(K, N, ldb));
     Out c(C, span(M, N, ldc), beta != 0.0f);
     ops::gemm<float>(ta, tb, M, N, K, alpha, a.p, lda, b.p, ldb, beta, c.p, ldc);
@@ -167,8 +170,7 @@ class CpuBackend final : public Backend {
     Out X(x, B * S * H * hd, true);
     ops::rope_forward(X.p, B, S, H, hd, theta);
   }
-  void rope_backward(View dx, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd,
-                     double theta) override {
+  void rope_backward(View dx, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd, double theta) override {
     Out DX(dx, B * S * H * hd, true);
     ops::rope_backward(DX.p, B, S, H, hd, theta);
   }
@@ -228,8 +230,7 @@ class CpuBackend final : public Backend {
 #pragma omp parallel for schedule(static)
     for (std::int64_t i = 0; i < n; ++i) std::memcpy(dst + i * row, src + std::int64_t(ids[i]) * row, std::size_t(row));
   }
-  void embedding_backward(const std::int32_t* ids, CView dout, float* dtable, std::int64_t n,
-                          std::int64_t d) override {
+  void embedding_backward(const std::int32_t* ids, CView dout, float* dtable, std::int64_t n, std::int64_t d) override {
     In DO(dout, n * d);
     ops::embedding_backward(ids, DO.p, dtable, n, d);
   }
@@ -252,8 +253,8 @@ class CpuBackend final : public Backend {
     In L(logits, n * E);
     ops::router_forward(L.p, probs, idx, w, n, E, k, norm);
   }
-  void router_backward(const float* dw, const float* dprobs, const float* probs, const std::int32_t* idx,
-                       View dlogits, std::int64_t n, std::int64_t E, std::int64_t k, bool norm) override {
+  void router_backward(const float* dw, const float* dprobs, const float* probs, const std::int32_t* idx, View dlogits,
+                       std::int64_t n, std::int64_t E, std::int64_t k, bool norm) override {
     Out D(dlogits, n * E);
     ops::router_backward(dw, dprobs, probs, idx, D.p, n, E, k, norm);
   }
@@ -301,8 +302,8 @@ class CpuBackend final : public Backend {
     Out DX(dx, n * d);
     ops::permute_backward(DXP.p, slot_of, DX.p, n, k, d);
   }
-  void unpermute_forward(CView yp, const std::int32_t* slot_of, const float* w, View y, std::int64_t n,
-                         std::int64_t k, std::int64_t d) override {
+  void unpermute_forward(CView yp, const std::int32_t* slot_of, const float* w, View y, std::int64_t n, std::int64_t k,
+                         std::int64_t d) override {
     same_dtype("unpermute_forward", {yp, y});
     In YP(yp, permuted_rows(slot_of, n * k) * d);
     Out Y(y, n * d);

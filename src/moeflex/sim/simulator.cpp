@@ -455,7 +455,9 @@ struct Simulation {
   std::vector<LayerCost> stage_copies;  // per global stage: its boundary copies (stage_copy_cost)
 
   explicit Simulation(const SimOptions& opt)
-      : o(opt), cfg(opt.model), cache(opt.cache ? opt.cache : std::make_shared<SimCache>(opt.cluster.profile)),
+      : o(opt),
+        cfg(opt.model),
+        cache(opt.cache ? opt.cache : std::make_shared<SimCache>(opt.cluster.profile)),
         cost(cache->cost) {
     // A bf16 model (a --bf16 run's config), or a cluster of bf16 elements, runs the
     // bf16 engine: the memory walk replays its program (2-byte activations, fp32 rstd
@@ -618,7 +620,8 @@ struct Simulation {
       program.stages.push_back({si.first_layer, si.last_layer, si.embedding, si.head, o.parallel.ep});
     }
     program.actions = walk_actions(memory_plan, r);
-    return rank_bytes(persistent(r), minimum_budget(cfg, o.micro_batch_size, o.seq_len / o.parallel.tp, program, 0, 0.0));
+    return rank_bytes(persistent(r),
+                      minimum_budget(cfg, o.micro_batch_size, o.seq_len / o.parallel.tp, program, 0, 0.0));
   }
 
   /// Peak bytes of pipeline rank r's activations and buffers (MemoryWalk, fp32,
@@ -911,8 +914,8 @@ SimReport simulate(const SimOptions& o) {
         spiked[0] = std::max(spiked[0], o.spike_check);
         std::vector<std::string> pol_spiked = pol;
         if (adaptive) pol_spiked[0] = adaptive_levels().back();  // the spike gets the most-saving level
-        rep.spike_peak_bytes =
-            std::max(rep.spike_peak_bytes, sim.rank_bytes(persist[std::size_t(r)], sim.walk(r, -1, spiked, pol_spiked)));
+        rep.spike_peak_bytes = std::max(rep.spike_peak_bytes,
+                                        sim.rank_bytes(persist[std::size_t(r)], sim.walk(r, -1, spiked, pol_spiked)));
       }
     }
     if (!o.walk_memory)

@@ -235,41 +235,50 @@ void ProfilingBackend::linear_forward(CView x, CView w, View y, std::int64_t n, 
         [&] { inner_.linear_forward(x, w, y, n, in, out); });
 }
 
-void ProfilingBackend::linear_backward(CView dy, CView x, CView w, View dx, float* dw, std::int64_t n, std::int64_t in, std::int64_t out, bool accumulate_dx) {
+void ProfilingBackend::linear_backward(CView dy, CView x, CView w, View dx, float* dw, std::int64_t n, std::int64_t in,
+                                       std::int64_t out, bool accumulate_dx) {
   const bool want_dx = bool(dx), want_dw = dw != nullptr;
   const char* kind = want_dx && want_dw ? "linear_backward" : want_dx ? "linear_backward_dx" : "linear_backward_dw";
   timed(kind, {n, in, out}, cost_.linear_backward(n, in, out, want_dx, want_dw), !want_dx,
         [&] { inner_.linear_backward(dy, x, w, dx, dw, n, in, out, accumulate_dx); });
 }
 
-void ProfilingBackend::gemm(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, float alpha, CView A, std::int64_t lda, CView B, std::int64_t ldb, float beta, View C, std::int64_t ldc) {
+void ProfilingBackend::gemm(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, float alpha, CView A,
+                            std::int64_t lda, CView B, std::int64_t ldb, float beta, View C, std::int64_t ldc) {
   const GemmLayout layout = layout_of(ta, tb);
   const std::string kind = std::string("gemm_") + to_string(layout);
   timed(kind.c_str(), {M, N, K}, cost_.gemm(M, N, K, layout), false,
         [&] { inner_.gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc); });
 }
 
-void ProfilingBackend::rmsnorm_forward(CView x, CView w, View y, float* rstd, std::int64_t n, std::int64_t d, float eps) {
+void ProfilingBackend::rmsnorm_forward(CView x, CView w, View y, float* rstd, std::int64_t n, std::int64_t d,
+                                       float eps) {
   timed("rmsnorm_forward", {n, d}, cost_.rmsnorm_forward(n, d), false,
         [&] { inner_.rmsnorm_forward(x, w, y, rstd, n, d, eps); });
 }
-void ProfilingBackend::rmsnorm_backward(CView dy, CView x, CView w, const float* rstd, View dx, float* dw, std::int64_t n, std::int64_t d) {
+void ProfilingBackend::rmsnorm_backward(CView dy, CView x, CView w, const float* rstd, View dx, float* dw,
+                                        std::int64_t n, std::int64_t d) {
   timed("rmsnorm_backward", {n, d}, cost_.rmsnorm_backward(n, d), false,
         [&] { inner_.rmsnorm_backward(dy, x, w, rstd, dx, dw, n, d); });
 }
-void ProfilingBackend::rope_forward(View x, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd, double theta) {
+void ProfilingBackend::rope_forward(View x, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd,
+                                    double theta) {
   timed("rope_forward", {B, S, H, hd}, cost_.rope(B, S, H, hd), false,
         [&] { inner_.rope_forward(x, B, S, H, hd, theta); });
 }
-void ProfilingBackend::rope_backward(View dx, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd, double theta) {
+void ProfilingBackend::rope_backward(View dx, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd,
+                                     double theta) {
   timed("rope_backward", {B, S, H, hd}, cost_.rope(B, S, H, hd), false,
         [&] { inner_.rope_backward(dx, B, S, H, hd, theta); });
 }
-void ProfilingBackend::attention_forward(CView q, CView k, CView v, View out, View probs, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd) {
+void ProfilingBackend::attention_forward(CView q, CView k, CView v, View out, View probs, std::int64_t B,
+                                         std::int64_t S, std::int64_t H, std::int64_t hd) {
   timed("attention_forward", {B, S, H, hd}, cost_.attention_forward(B, S, H, hd), false,
         [&] { inner_.attention_forward(q, k, v, out, probs, B, S, H, hd); });
 }
-void ProfilingBackend::attention_backward(CView dout, CView q, CView k, CView v, CView out, CView probs, View dq, View dk, View dv, View dprobs_ws, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd) {
+void ProfilingBackend::attention_backward(CView dout, CView q, CView k, CView v, CView out, CView probs, View dq,
+                                          View dk, View dv, View dprobs_ws, std::int64_t B, std::int64_t S,
+                                          std::int64_t H, std::int64_t hd) {
   timed("attention_backward", {B, S, H, hd}, cost_.attention_backward(B, S, H, hd), false,
         [&] { inner_.attention_backward(dout, q, k, v, out, probs, dq, dk, dv, dprobs_ws, B, S, H, hd); });
 }
@@ -288,37 +297,46 @@ void ProfilingBackend::cast(CView src, View dst, std::int64_t n) {
   timed("cast", {n}, cost_.elementwise(n * (dtype_size(src.dtype) + dtype_size(dst.dtype))), false,
         [&] { inner_.cast(src, dst, n); });
 }
-void ProfilingBackend::embedding_forward(const std::int32_t* ids, CView table, View out, std::int64_t n, std::int64_t d) {
+void ProfilingBackend::embedding_forward(const std::int32_t* ids, CView table, View out, std::int64_t n,
+                                         std::int64_t d) {
   // A gather of n rows: reads and writes n x d (layer_cost's embedding_cost).
   timed("embedding_forward", {n, d}, cost_.elementwise(2 * n * d * kF), false,
         [&] { inner_.embedding_forward(ids, table, out, n, d); });
 }
-void ProfilingBackend::embedding_backward(const std::int32_t* ids, CView dout, float* dtable, std::int64_t n, std::int64_t d) {
+void ProfilingBackend::embedding_backward(const std::int32_t* ids, CView dout, float* dtable, std::int64_t n,
+                                          std::int64_t d) {
   timed("embedding_backward", {n, d}, cost_.elementwise(op_bytes::add_inplace(n * d)), true,
         [&] { inner_.embedding_backward(ids, dout, dtable, n, d); });
 }
-double ProfilingBackend::cross_entropy_forward(CView logits, const std::int32_t* targets, View probs, float* losses, std::int64_t n, std::int64_t V) {
+double ProfilingBackend::cross_entropy_forward(CView logits, const std::int32_t* targets, View probs, float* losses,
+                                               std::int64_t n, std::int64_t V) {
   return timed("cross_entropy_forward", {n, V}, cost_.cross_entropy_forward(n, V), false,
                [&] { return inner_.cross_entropy_forward(logits, targets, probs, losses, n, V); });
 }
-void ProfilingBackend::cross_entropy_backward(CView probs, const std::int32_t* targets, View dlogits, std::int64_t n, std::int64_t V, float scale) {
+void ProfilingBackend::cross_entropy_backward(CView probs, const std::int32_t* targets, View dlogits, std::int64_t n,
+                                              std::int64_t V, float scale) {
   timed("cross_entropy_backward", {n, V}, cost_.cross_entropy_backward(n, V), false,
         [&] { inner_.cross_entropy_backward(probs, targets, dlogits, n, V, scale); });
 }
-void ProfilingBackend::router_forward(CView logits, float* probs, std::int32_t* idx, float* w, std::int64_t n, std::int64_t E, std::int64_t k, bool norm) {
+void ProfilingBackend::router_forward(CView logits, float* probs, std::int32_t* idx, float* w, std::int64_t n,
+                                      std::int64_t E, std::int64_t k, bool norm) {
   timed("router_forward", {n, E, k}, cost_.router_forward(n, E, k), false,
         [&] { inner_.router_forward(logits, probs, idx, w, n, E, k, norm); });
 }
-void ProfilingBackend::router_backward(const float* dw, const float* dprobs, const float* probs, const std::int32_t* idx, View dlogits, std::int64_t n, std::int64_t E, std::int64_t k, bool norm) {
+void ProfilingBackend::router_backward(const float* dw, const float* dprobs, const float* probs,
+                                       const std::int32_t* idx, View dlogits, std::int64_t n, std::int64_t E,
+                                       std::int64_t k, bool norm) {
   timed("router_backward", {n, E, k}, cost_.router_backward(n, E, k), false,
         [&] { inner_.router_backward(dw, dprobs, probs, idx, dlogits, n, E, k, norm); });
 }
-double ProfilingBackend::aux_loss_forward(const float* probs, const std::int32_t* idx, std::int64_t n, std::int64_t E, std::int64_t k, double coef) {
+double ProfilingBackend::aux_loss_forward(const float* probs, const std::int32_t* idx, std::int64_t n, std::int64_t E,
+                                          std::int64_t k, double coef) {
   // probs [n, E] and topk_idx [n, k] read.
   return timed("aux_loss_forward", {n, E, k}, cost_.elementwise(n * (E + k) * kF), false,
                [&] { return inner_.aux_loss_forward(probs, idx, n, E, k, coef); });
 }
-void ProfilingBackend::aux_loss_backward(const std::int32_t* idx, float* dprobs, std::int64_t n, std::int64_t E, std::int64_t k, double coef) {
+void ProfilingBackend::aux_loss_backward(const std::int32_t* idx, float* dprobs, std::int64_t n, std::int64_t E,
+                                         std::int64_t k, double coef) {
   // topk_idx read, dprobs [n, E] written (layer_cost's router backward).
   timed("aux_loss_backward", {n, E, k}, cost_.elementwise(n * (E + k) * kF), false,
         [&] { inner_.aux_loss_backward(idx, dprobs, n, E, k, coef); });
@@ -331,29 +349,37 @@ void ProfilingBackend::z_loss_backward(CView logits, View dlogits, std::int64_t 
   timed("z_loss_backward", {n, E}, cost_.elementwise(2 * n * E * kF), false,
         [&] { inner_.z_loss_backward(logits, dlogits, n, E, coef); });
 }
-void ProfilingBackend::skew_router_logits(View logits, std::int64_t n, std::int64_t E, std::int64_t k, int groups, double ratio) {
+void ProfilingBackend::skew_router_logits(View logits, std::int64_t n, std::int64_t E, std::int64_t k, int groups,
+                                          double ratio) {
   timed("skew_router_logits", {n, E, k}, cost_.elementwise(2 * n * E * kF), false,
         [&] { inner_.skew_router_logits(logits, n, E, k, groups, ratio); });
 }
-std::int64_t ProfilingBackend::moe_plan_dispatch(const std::int32_t* idx, std::int64_t n, std::int64_t E, std::int64_t k, std::int64_t cap, std::int32_t* counts, std::int32_t* offsets, std::int32_t* slot_of, std::int32_t* host_offsets) {
+std::int64_t ProfilingBackend::moe_plan_dispatch(const std::int32_t* idx, std::int64_t n, std::int64_t E,
+                                                 std::int64_t k, std::int64_t cap, std::int32_t* counts,
+                                                 std::int32_t* offsets, std::int32_t* slot_of,
+                                                 std::int32_t* host_offsets) {
   // topk_idx read and slot_of written, [n, k] each.
   return timed("moe_plan_dispatch", {n, E, k}, cost_.elementwise(2 * n * k * kF), false, [&] {
     return inner_.moe_plan_dispatch(idx, n, E, k, cap, counts, offsets, slot_of, host_offsets);
   });
 }
-void ProfilingBackend::permute_forward(CView x, const std::int32_t* slot_of, View xp, std::int64_t n, std::int64_t k, std::int64_t d) {
+void ProfilingBackend::permute_forward(CView x, const std::int32_t* slot_of, View xp, std::int64_t n, std::int64_t k,
+                                       std::int64_t d) {
   timed("permute_forward", {n, k, d}, cost_.permute_forward(n, k, d), false,
         [&] { inner_.permute_forward(x, slot_of, xp, n, k, d); });
 }
-void ProfilingBackend::permute_backward(CView dxp, const std::int32_t* slot_of, View dx, std::int64_t n, std::int64_t k, std::int64_t d) {
+void ProfilingBackend::permute_backward(CView dxp, const std::int32_t* slot_of, View dx, std::int64_t n, std::int64_t k,
+                                        std::int64_t d) {
   timed("permute_backward", {n, k, d}, cost_.permute_backward(n, k, d), false,
         [&] { inner_.permute_backward(dxp, slot_of, dx, n, k, d); });
 }
-void ProfilingBackend::unpermute_forward(CView yp, const std::int32_t* slot_of, const float* w, View y, std::int64_t n, std::int64_t k, std::int64_t d) {
+void ProfilingBackend::unpermute_forward(CView yp, const std::int32_t* slot_of, const float* w, View y, std::int64_t n,
+                                         std::int64_t k, std::int64_t d) {
   timed("unpermute_forward", {n, k, d}, cost_.unpermute_forward(n, k, d), false,
         [&] { inner_.unpermute_forward(yp, slot_of, w, y, n, k, d); });
 }
-void ProfilingBackend::unpermute_backward(CView dy, CView yp, const std::int32_t* slot_of, const float* w, View dyp, float* dw, std::int64_t n, std::int64_t k, std::int64_t d) {
+void ProfilingBackend::unpermute_backward(CView dy, CView yp, const std::int32_t* slot_of, const float* w, View dyp,
+                                          float* dw, std::int64_t n, std::int64_t k, std::int64_t d) {
   timed("unpermute_backward", {n, k, d}, cost_.unpermute_backward(n, k, d), false,
         [&] { inner_.unpermute_backward(dy, yp, slot_of, w, dyp, dw, n, k, d); });
 }
@@ -363,7 +389,8 @@ void ProfilingBackend::combine_topk_grad(CView dy, CView yp_rows, const std::int
   timed("combine_topk_grad", {n, k, d, rows}, cost_.combine_topk_grad(n, k, d, rows), false,
         [&] { inner_.combine_topk_grad(dy, yp_rows, slot_of, dtopk_w, n, k, d, r0, rows); });
 }
-void ProfilingBackend::grouped_linear_forward(CView x, CView w, View y, const std::int32_t* offsets, std::int64_t E, std::int64_t in, std::int64_t out) {
+void ProfilingBackend::grouped_linear_forward(CView x, CView w, View y, const std::int32_t* offsets, std::int64_t E,
+                                              std::int64_t in, std::int64_t out) {
   std::vector<std::int64_t> rows = group_rows(offsets, E);
   const Seconds p = cost_.grouped_linear_forward(rows, in, out);
   rows.push_back(in);
@@ -371,7 +398,9 @@ void ProfilingBackend::grouped_linear_forward(CView x, CView w, View y, const st
   timed("grouped_linear_forward", std::move(rows), p, false,
         [&] { inner_.grouped_linear_forward(x, w, y, offsets, E, in, out); });
 }
-void ProfilingBackend::grouped_linear_backward(CView dy, CView x, CView w, View dx, float* dw, const std::int32_t* offsets, std::int64_t E, std::int64_t in, std::int64_t out) {
+void ProfilingBackend::grouped_linear_backward(CView dy, CView x, CView w, View dx, float* dw,
+                                               const std::int32_t* offsets, std::int64_t E, std::int64_t in,
+                                               std::int64_t out) {
   const bool want_dx = bool(dx), want_dw = dw != nullptr;
   const char* kind = want_dx && want_dw ? "grouped_linear_backward"
                      : want_dx          ? "grouped_linear_backward_dx"
@@ -393,7 +422,8 @@ double ProfilingBackend::square_sum(const float* g, std::int64_t n) {
 void ProfilingBackend::scale(float* g, std::int64_t n, float s) {
   timed("scale", {n}, kernel_time(op_names::kScale, n, 2 * n * kF), false, [&] { inner_.scale(g, n, s); });
 }
-void ProfilingBackend::adamw(float* w, const float* g, float* m, float* v, std::int64_t n, float b1, float b2, float eps, float decay, float step_size, float inv_sqrt_bc2) {
+void ProfilingBackend::adamw(float* w, const float* g, float* m, float* v, std::int64_t n, float b1, float b2,
+                             float eps, float decay, float step_size, float inv_sqrt_bc2) {
   // w, m, v read and written, g read: 7 arrays of n floats.
   timed("adamw", {n}, kernel_time(op_names::kAdamW, n, 7 * n * kF), false,
         [&] { inner_.adamw(w, g, m, v, n, b1, b2, eps, decay, step_size, inv_sqrt_bc2); });

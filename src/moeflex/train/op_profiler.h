@@ -143,41 +143,64 @@ class ProfilingBackend final : public ops::Backend {
 
   // ---- Backend ----
   void linear_forward(CView x, CView w, View y, std::int64_t n, std::int64_t in, std::int64_t out) override;
-  void linear_backward(CView dy, CView x, CView w, View dx, float* dw, std::int64_t n, std::int64_t in, std::int64_t out, bool accumulate_dx) override;
-  void gemm(bool trans_a, bool trans_b, std::int64_t M, std::int64_t N, std::int64_t K, float alpha, CView A, std::int64_t lda, CView B, std::int64_t ldb, float beta, View C, std::int64_t ldc) override;
+  void linear_backward(CView dy, CView x, CView w, View dx, float* dw, std::int64_t n, std::int64_t in,
+                       std::int64_t out, bool accumulate_dx) override;
+  void gemm(bool trans_a, bool trans_b, std::int64_t M, std::int64_t N, std::int64_t K, float alpha, CView A,
+            std::int64_t lda, CView B, std::int64_t ldb, float beta, View C, std::int64_t ldc) override;
   void rmsnorm_forward(CView x, CView w, View y, float* rstd, std::int64_t n, std::int64_t d, float eps) override;
-  void rmsnorm_backward(CView dy, CView x, CView w, const float* rstd, View dx, float* dw, std::int64_t n, std::int64_t d) override;
+  void rmsnorm_backward(CView dy, CView x, CView w, const float* rstd, View dx, float* dw, std::int64_t n,
+                        std::int64_t d) override;
   void rope_forward(View x, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd, double theta) override;
   void rope_backward(View dx, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd, double theta) override;
-  void attention_forward(CView q, CView k, CView v, View out, View probs, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd) override;
-  void attention_backward(CView dout, CView q, CView k, CView v, CView out, CView probs, View dq, View dk, View dv, View dprobs_ws, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd) override;
+  void attention_forward(CView q, CView k, CView v, View out, View probs, std::int64_t B, std::int64_t S,
+                         std::int64_t H, std::int64_t hd) override;
+  void attention_backward(CView dout, CView q, CView k, CView v, CView out, CView probs, View dq, View dk, View dv,
+                          View dprobs_ws, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd) override;
   void swiglu_forward(CView gate, CView up, View out, std::int64_t n) override;
   void swiglu_backward(CView dout, CView gate, CView up, View dgate, View dup, std::int64_t n) override;
   void add_inplace(View y, CView x, std::int64_t n) override;
   void cast(CView src, View dst, std::int64_t n) override;
   void embedding_forward(const std::int32_t* host_ids, CView table, View out, std::int64_t n, std::int64_t d) override;
-  void embedding_backward(const std::int32_t* host_ids, CView dout, float* dtable, std::int64_t n, std::int64_t d) override;
-  double cross_entropy_forward(CView logits, const std::int32_t* host_targets, View probs, float* losses, std::int64_t n, std::int64_t V) override;
-  void cross_entropy_backward(CView probs, const std::int32_t* host_targets, View dlogits, std::int64_t n, std::int64_t V, float scale) override;
-  void router_forward(CView logits, float* probs, std::int32_t* topk_idx, float* topk_w, std::int64_t n, std::int64_t E, std::int64_t k, bool norm_topk_prob) override;
-  void router_backward(const float* dtopk_w, const float* dprobs_extra, const float* probs, const std::int32_t* topk_idx, View dlogits, std::int64_t n, std::int64_t E, std::int64_t k, bool norm_topk_prob) override;
-  double aux_loss_forward(const float* probs, const std::int32_t* topk_idx, std::int64_t n, std::int64_t E, std::int64_t k, double coef) override;
-  void aux_loss_backward(const std::int32_t* topk_idx, float* dprobs, std::int64_t n, std::int64_t E, std::int64_t k, double coef) override;
+  void embedding_backward(const std::int32_t* host_ids, CView dout, float* dtable, std::int64_t n,
+                          std::int64_t d) override;
+  double cross_entropy_forward(CView logits, const std::int32_t* host_targets, View probs, float* losses,
+                               std::int64_t n, std::int64_t V) override;
+  void cross_entropy_backward(CView probs, const std::int32_t* host_targets, View dlogits, std::int64_t n,
+                              std::int64_t V, float scale) override;
+  void router_forward(CView logits, float* probs, std::int32_t* topk_idx, float* topk_w, std::int64_t n, std::int64_t E,
+                      std::int64_t k, bool norm_topk_prob) override;
+  void router_backward(const float* dtopk_w, const float* dprobs_extra, const float* probs,
+                       const std::int32_t* topk_idx, View dlogits, std::int64_t n, std::int64_t E, std::int64_t k,
+                       bool norm_topk_prob) override;
+  double aux_loss_forward(const float* probs, const std::int32_t* topk_idx, std::int64_t n, std::int64_t E,
+                          std::int64_t k, double coef) override;
+  void aux_loss_backward(const std::int32_t* topk_idx, float* dprobs, std::int64_t n, std::int64_t E, std::int64_t k,
+                         double coef) override;
   double z_loss_forward(CView logits, std::int64_t n, std::int64_t E, double coef) override;
   void z_loss_backward(CView logits, View dlogits, std::int64_t n, std::int64_t E, double coef) override;
-  void skew_router_logits(View logits, std::int64_t n, std::int64_t E, std::int64_t k, int groups, double ratio) override;
-  std::int64_t moe_plan_dispatch(const std::int32_t* topk_idx, std::int64_t n, std::int64_t E, std::int64_t k, std::int64_t capacity, std::int32_t* counts, std::int32_t* offsets, std::int32_t* slot_of, std::int32_t* host_offsets) override;
-  void permute_forward(CView x, const std::int32_t* slot_of, View xp, std::int64_t n, std::int64_t k, std::int64_t d) override;
-  void permute_backward(CView dxp, const std::int32_t* slot_of, View dx, std::int64_t n, std::int64_t k, std::int64_t d) override;
-  void unpermute_forward(CView yp, const std::int32_t* slot_of, const float* topk_w, View y, std::int64_t n, std::int64_t k, std::int64_t d) override;
-  void unpermute_backward(CView dy, CView yp, const std::int32_t* slot_of, const float* topk_w, View dyp, float* dtopk_w, std::int64_t n, std::int64_t k, std::int64_t d) override;
+  void skew_router_logits(View logits, std::int64_t n, std::int64_t E, std::int64_t k, int groups,
+                          double ratio) override;
+  std::int64_t moe_plan_dispatch(const std::int32_t* topk_idx, std::int64_t n, std::int64_t E, std::int64_t k,
+                                 std::int64_t capacity, std::int32_t* counts, std::int32_t* offsets,
+                                 std::int32_t* slot_of, std::int32_t* host_offsets) override;
+  void permute_forward(CView x, const std::int32_t* slot_of, View xp, std::int64_t n, std::int64_t k,
+                       std::int64_t d) override;
+  void permute_backward(CView dxp, const std::int32_t* slot_of, View dx, std::int64_t n, std::int64_t k,
+                        std::int64_t d) override;
+  void unpermute_forward(CView yp, const std::int32_t* slot_of, const float* topk_w, View y, std::int64_t n,
+                         std::int64_t k, std::int64_t d) override;
+  void unpermute_backward(CView dy, CView yp, const std::int32_t* slot_of, const float* topk_w, View dyp,
+                          float* dtopk_w, std::int64_t n, std::int64_t k, std::int64_t d) override;
   void combine_topk_grad(CView dy, CView yp_rows, const std::int32_t* slot_of, float* dtopk_w, std::int64_t n,
                          std::int64_t k, std::int64_t d, std::int64_t r0, std::int64_t rows) override;
-  void grouped_linear_forward(CView x, CView w, View y, const std::int32_t* host_offsets, std::int64_t E, std::int64_t in, std::int64_t out) override;
-  void grouped_linear_backward(CView dy, CView x, CView w, View dx, float* dw, const std::int32_t* host_offsets, std::int64_t E, std::int64_t in, std::int64_t out) override;
+  void grouped_linear_forward(CView x, CView w, View y, const std::int32_t* host_offsets, std::int64_t E,
+                              std::int64_t in, std::int64_t out) override;
+  void grouped_linear_backward(CView dy, CView x, CView w, View dx, float* dw, const std::int32_t* host_offsets,
+                               std::int64_t E, std::int64_t in, std::int64_t out) override;
   double square_sum(const float* g, std::int64_t n) override;
   void scale(float* g, std::int64_t n, float scale) override;
-  void adamw(float* w, const float* g, float* m, float* v, std::int64_t n, float b1, float b2, float eps, float decay, float step_size, float inv_sqrt_bc2) override;
+  void adamw(float* w, const float* g, float* m, float* v, std::int64_t n, float b1, float b2, float eps, float decay,
+             float step_size, float inv_sqrt_bc2) override;
 
  private:
   /// Times fn() and records it as `kind` with `shape`, priced `predicted`; `weight_only`

@@ -84,6 +84,18 @@ TEST(Bf16Backend, OpsAreTheFp32ReferenceRoundedOnce) {
   be.gemm(false, true, n, out, in, 1.0f, xb.data(), in, wb.data(), in, 1.0f, cb.data(), out);
   expect_rounding_of(cb, c, "gemm (beta 1)");
 
+  // gemm into a C with padding columns (ldc > N), beta 0: the padding keeps its values
+  {
+    const std::int64_t ldc = out + 2;
+    std::vector<bf16> cpad(static_cast<std::size_t>(n * ldc), to_bf16(-7.0f));
+    be.gemm(false, true, n, out, in, 1.0f, xb.data(), in, wb.data(), in, 0.0f, cpad.data(), ldc);
+    for (std::int64_t r = 0; r < n; ++r)
+      for (std::int64_t c2 = out; c2 < ldc; ++c2) EXPECT_EQ(to_float(cpad[std::size_t(r * ldc + c2)]), -7.0f);
+    for (std::int64_t r = 0; r < n; ++r)
+      for (std::int64_t c2 = 0; c2 < out; ++c2)
+        EXPECT_EQ(cpad[std::size_t(r * ldc + c2)].bits, yb[std::size_t(r * out + c2)].bits) << "gemm = linear_forward";
+  }
+
   // rmsnorm: y bf16, rstd fp32 (the same bits as the fp32 op's)
   const auto g = bf16_exact(6, in, 0.5);
   auto gb = narrow(g);

@@ -156,6 +156,7 @@ TEST(CudaNccl, OrderedSumKernelIsTheRankOrderFoldBitForBit) {
     cu::Buffer db(gpu().arena, Bytes(dblocks.size() * 8), MemCategory::workspace, "dblocks");
     cu::Buffer dout(gpu().arena, Bytes(len * 8), MemCategory::workspace, "dout");
     MOEFLEX_CUDA_CHECK(cudaMemcpy(db.data(), dblocks.data(), dblocks.size() * 8, cudaMemcpyHostToDevice));
+    MOEFLEX_CUDA_CHECK(cudaDeviceSynchronize());  // a pageable upload may return before it lands
     comm::detail::ordered_sum(db.as<double>(), dout.as<double>(), parts, std::int64_t(len), gpu().s());
     gpu().sync();
     std::vector<double> got(len);
@@ -192,6 +193,7 @@ TEST(CudaNccl, OneRankCommunicatorRunsEveryCollective) {
   cu::Buffer i64(gpu().arena, 3 * 8, MemCategory::workspace, "i64"), i64b(gpu().arena, 3 * 8, MemCategory::workspace, "b");
   const std::int64_t h[3] = {5, -7, 1LL << 40};
   MOEFLEX_CUDA_CHECK(cudaMemcpy(i64.data(), h, sizeof(h), cudaMemcpyHostToDevice));
+  MOEFLEX_CUDA_CHECK(cudaDeviceSynchronize());  // a pageable upload may return before it lands
   nccl->all_reduce_sum(i64.as<std::int64_t>(), 3);
   nccl->all_to_all(i64.as<std::int64_t>(), i64b.as<std::int64_t>(), 3);
   std::int64_t back[3] = {};

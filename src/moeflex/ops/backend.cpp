@@ -150,7 +150,8 @@ class CpuBackend final : public Backend {
       return rows > 0 ? (rows - 1) * ld + cols : 0;
     };
     In a(A, ta ? span(K, M, lda) : span(M, K, lda)), b(B, tb ? span(N, K, ldb) : span(K, N, ldb));
-    Out c(C, span(M, N, ldc), beta != 0.0f);
+    // C's padding columns (ldc > N) keep their values: the temporary reads them too.
+    Out c(C, span(M, N, ldc), beta != 0.0f || ldc > N);
     ops::gemm<float>(ta, tb, M, N, K, alpha, a.p, lda, b.p, ldb, beta, c.p, ldc);
   }
   void rmsnorm_forward(CView x, CView w, View y, float* rstd, std::int64_t n, std::int64_t d, float eps) override {

@@ -130,7 +130,7 @@ __global__ void unpermute_backward_kernel(const T* __restrict__ dy, const T* __r
   for (std::int64_t j = 0; j < k; ++j) {
     const int s = slot_of[i * k + j];  // the same for every thread: the branch is block-uniform
     if (s < 0) {
-      if (threadIdx.x == 0) dtopk_w[i * k + j] = 0.0f;
+      if (dtopk_w && threadIdx.x == 0) dtopk_w[i * k + j] = 0.0f;  // (null: windows give it)
       continue;
     }
     const float w = topk_w[i * k + j];

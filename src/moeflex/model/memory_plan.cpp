@@ -431,12 +431,10 @@ void MemoryWalk::get(int mb, int layer, int id) {
   // Recompute: the lineage fetches its inputs, then allocates as model.cpp's lineages do.
   const std::int64_t n = B_ * S_, d = cfg_.hidden_size;
   const std::size_t pos = std::size_t(s->specs->pos[std::size_t(id)]);
-  if (s->specs->rebuild[pos] == Rebuild::expert_out) {  // [Rr, d], then the down projection chunk by chunk
-    alloc(size);
-    expert_chunks(mb, layer, e->bytes / (ab_ * d), false, false, false);
-    e->on_device = true;
-    return;
-  }
+  if (s->specs->rebuild[pos] == Rebuild::expert_out)  // (model.cpp: its lineage refuses too)
+    throw Error(fmt::format("memory plan: moe.combined of layer {} is rebuilt chunk by chunk by the backward's "
+                            "expert loop (expert_chunks), never whole",
+                            layer));
   for (const int in : s->specs->specs[pos].input_ids) get(mb, layer, in);
   switch (s->specs->rebuild[pos]) {
     case Rebuild::norm_out:  // y [n, d] and rstd [n], one returned
@@ -744,21 +742,19 @@ void MemoryWalk::ffn_moe_tail(int mb, int l, const LayerSpecs& specs, const Prov
   has_ctx_ = false;
 }
 
-void MemoryWalk::expert_chunks(int mb, int l, std::int64_t Rr, bool need_fc1, bool backward, bool defer) {
+void MemoryWalk::expert_chunks(int mb, int l, std::int64_t Rr, bool defer) {
   const Slot* s = find_slot(mb, l);
   auto kept = [&](int id) {
     const Entry* e = s ? find_entry(*s, id) : nullptr;
     return e && e->provision != Provision::recompute;
   };
   const bool keep1 = kept(ID("experts.gate_out")), keep3 = kept(ID("experts.up_out")), keepa = kept(ID("experts.act"));
-  const bool fc1 = need_fc1 || !keepa;
   // A dropped combine input (no EP) comes back chunk by chunk in the backward's loop.
   const Entry* combined = s ? find_entry(*s, ID("moe.combined")) : nullptr;
-  const bool combine_by_chunk =
-      backward && s && s->ep_size <= 1 && combined && combined->provision == Provision::recompute;
-  if (fc1 && !(keep1 && keep3)) get(mb, l, ID("experts.in"));
-  if (fc1 && keep1) get(mb, l, ID("experts.gate_out"));
-  if (fc1 && keep3) get(mb, l, ID("experts.up_out"));
+  const bool combine_by_chunk = s && s->ep_size <= 1 && combined && combined->provision == Provision::recompute;
+  if (!(keep1 && keep3)) get(mb, l, ID("experts.in"));
+  if (keep1) get(mb, l, ID("experts.gate_out"));
+  if (keep3) get(mb, l, ID("experts.up_out"));
   if (keepa) {
     get(mb, l, ID("experts.act"));
     if (defer) pin(mb, l, ID("experts.act"));  // W2's dW reads it
@@ -766,13 +762,6 @@ void MemoryWalk::expert_chunks(int mb, int l, std::int64_t Rr, bool need_fc1, bo
   if (Rr <= 0) return;
   const std::int64_t rows = cfg_.expert_chunk(Rr);  // the first chunk: every later one is no larger
   const Bytes cf = rounded(rows * cfg_.moe_intermediate_size, ab_), cd = rounded(rows * cfg_.hidden_size, ab_);
-  if (!backward) {  // the rebuilt FC1 outputs and activation of the chunk, for a moment
-    Bytes own = 0;
-    for (const bool rebuilt : {fc1 && !keep1, fc1 && !keep3, !keepa})
-      if (rebuilt) own += cf;
-    touch(own);
-    return;
-  }
   // ffn_backward's chunk (model.cpp): dgate, dup, dact, then the rebuilt FC1 outputs;
   // a rebuilt activation goes into dact's block; while they are held, the chunk's
   // rows of a dropped combine input, for a moment.
@@ -998,7 +987,7 @@ void MemoryWalk::ffn_backward(int mb, int l) {
     const bool defer = split_ && Rr > 0 && cfg_.expert_chunk(Rr) >= Rr;  // (no rows: no chunk, no dW)
     get(mb, l, ID("experts.in"));
     if (defer) pin(mb, l, ID("experts.in"));  // W1's and W3's dW read it
-    expert_chunks(mb, l, Rr, true, true, defer);  // (experts.din: written over experts.dout, or see there)
+    expert_chunks(mb, l, Rr, defer);  // (experts.din: written over experts.dout, or see there)
     if (defer) keep(mb, rounded(Rr * d, ab_));    // experts.dout waits for W2's dW
     if (ep) {
       alloc(rounded(R * d, ab_));   // moe.dpermuted

@@ -251,7 +251,7 @@ class MemoryWalk {
   /// How a recompute rebuilds an activation (get()): its lineage's allocations.
   enum class Rebuild : std::uint8_t {
     plain, norm_out, norm_rstd, attn_probs, attn_out, router_probs, router_topk_w, lm_head,
-    expert_out  ///< moe.combined without EP: the down projection over the expert chunks
+    expert_out  ///< moe.combined without EP: rebuilt only chunk by chunk (expert_chunks), never by get()
   };
   /// A layer kind's activations (layer_activations or head_activations) with
   /// lookups: the position of each activation id, the planner's floor and the
@@ -323,11 +323,11 @@ class MemoryWalk {
   /// An MoE layer's experts after its decision (model.cpp: the chunked FFN, the
   /// combine), with the FC1 outputs and activation allocated whole only when kept.
   void moe_experts(int mb, int l, const LayerSpecs& specs, const ProvisionFn& provision);
-  /// MoEModel::for_each_expert_chunk over Rr rows of (mb, l): fetches what is kept,
-  /// then replays its first (largest) chunk: the rebuilt FC1 outputs and activation,
-  /// and with `backward` the chunk's gradients (ffn_backward's loop body); `defer`:
-  /// the expert weight gradients wait for W (zero-bubble B, the rows in one chunk).
-  void expert_chunks(int mb, int l, std::int64_t Rr, bool need_fc1, bool backward, bool defer);
+  /// ffn_backward's expert loop over Rr rows of (mb, l): fetches what is kept, then
+  /// replays its first (largest) chunk: the gradients, the rebuilt FC1 outputs and
+  /// activation, and a dropped combine input's rows; `defer`: the expert weight
+  /// gradients wait for W (zero-bubble B, the rows in one chunk).
+  void expert_chunks(int mb, int l, std::int64_t Rr, bool defer);
   void prefetch(int mb, int layer);
   void release_layer(int mb, int layer);
   void keep(int mb, Bytes bytes);  // held until weight(mb) of the current stage

@@ -78,9 +78,13 @@ MoEModel::MoEModel(const ModelConfig& cfg, Arena& arena, const ModelParallel& pa
     Tensor wc = adt_ == DType::f32 ? Tensor() : Tensor(arena, shape, MemCategory::weights, name + ".working", adt_);
     Tensor g(arena, shape, MemCategory::grads, name);
     g.zero();
-    params_.push_back(Param{std::move(name), std::move(w), std::move(g), no_decay});
-    params_.back().wc = std::move(wc);
-    return &params_.back();
+    Param& p = params_.emplace_back();
+    p.name = std::move(name);
+    p.w = std::move(w);
+    p.g = std::move(g);
+    p.no_decay = no_decay;
+    p.wc = std::move(wc);
+    return &p;
   };
   auto add_expert = [&](std::string name, std::vector<std::int64_t> shape) -> Param* {
     Param* p = add(std::move(name), shape);
@@ -304,54 +308,6 @@ RecomputeFn MoEModel::swiglu_lineage(int mb, int l, std::string gate, std::strin
     be_.swiglu_forward(g->view(), u->view(), a.view(), a.numel());
     return a;
   };
-}
-
-void MoEModel::for_each_expert_chunk(int mb, int l, std::int64_t Rr, const std::vector<std::int32_t>& eoff,
-                                     bool need_fc1, const std::function<void(ExpertChunk&)>& fn) {
-  const LayerParams& P = layer(l);
-  const std::int64_t d = cfg_.hidden_size, f = cfg_.moe_intermediate_size, El = std::int64_t(eoff.size()) - 1;
-  const bool keep1 = stash_.provision(mb, l, "experts.gate_out") != Provision::recompute;
-  const bool keep3 = stash_.provision(mb, l, "experts.up_out") != Provision::recompute;
-  const bool keepa = stash_.provision(mb, l, "experts.act") != Provision::recompute;
-  const bool fc1 = need_fc1 || !keepa;  // the activation's rebuild reads the FC1 outputs
-  Shared xe, h1, h3, a;
-  if (fc1 && !(keep1 && keep3)) xe = stash_.get(mb, l, "experts.in");
-  if (fc1 && keep1) h1 = stash_.get(mb, l, "experts.gate_out");
-  if (fc1 && keep3) h3 = stash_.get(mb, l, "experts.up_out");
-  if (keepa) a = stash_.get(mb, l, "experts.act");
-  const std::int64_t chunk = cfg_.expert_chunk(Rr);
-  std::vector<std::int32_t> loc(std::size_t(El + 1));
-  for (std::int64_t r0 = 0; r0 < Rr; r0 += chunk) {
-    ExpertChunk c;
-    c.r0 = r0;
-    c.rows = std::min(chunk, Rr - r0);
-    chunk_offsets(eoff.data(), El, r0, c.rows, loc.data());
-    c.offsets = loc.data();
-    if (fc1) {
-      if (keep1) {
-        c.h1 = h1;
-        c.h1_row = r0;
-      } else {
-        c.h1 = share(act({c.rows, f}, "experts.gate_out"));
-        be_.grouped_linear_forward(xe->view() + r0 * d, P.w1->working(), c.h1->view(), c.offsets, El, d, f);
-      }
-      if (keep3) {
-        c.h3 = h3;
-        c.h3_row = r0;
-      } else {
-        c.h3 = share(act({c.rows, f}, "experts.up_out"));
-        be_.grouped_linear_forward(xe->view() + r0 * d, P.w3->working(), c.h3->view(), c.offsets, El, d, f);
-      }
-    }
-    if (keepa) {
-      c.a = a;
-      c.a_row = r0;
-    } else {
-      c.a = share(act({c.rows, f}, "experts.act"));
-      be_.swiglu_forward(c.gate_rows(), c.up_rows(), c.a->view(), c.rows * f);
-    }
-    fn(c);
-  }  // the chunk's own tensors go here (unless fn kept them)
 }
 
 void MoEModel::plan_saves(int mb, int l, SavePoint point, std::initializer_list<Candidate> c, const MoERows& rows) {
@@ -851,12 +807,12 @@ void MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train,
             be_.permute_forward(m->view(), slot->i32(), t.view(), n, k, d);
             return t;
           };
-          yp_fn = [this, mb, l, offs, El, Rr, f, d, W2 = P.w2] {  // the down projection, chunk by chunk
-            Tensor t = act({Rr, d}, "experts.out");
-            for_each_expert_chunk(mb, l, Rr, *offs, false, [&](ExpertChunk& c) {
-              be_.grouped_linear_forward(c.act_rows(), W2->working(), t.view() + c.r0 * d, c.offsets, El, f, d);
-            });
-            return t;
+          // Recomputable, but never rebuilt whole: ffn_backward's expert loop takes its
+          // rows chunk by chunk (combine_by_chunk) from the activation it has anyway.
+          yp_fn = [l]() -> Tensor {
+            throw Error(fmt::format("moe.combined of layer {} is rebuilt chunk by chunk by the backward's expert "
+                                    "loop, never whole",
+                                    l));
           };
         }
         auto grouped = [this, mb, l, offs, El, Rr, d, f](const Param* W) -> RecomputeFn {
@@ -867,8 +823,8 @@ void MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train,
             return t;
           };
         };
-        // What was not kept whole is recorded with its lineage alone (the backward
-        // rebuilds it chunk by chunk: for_each_expert_chunk).
+        // What was not kept whole is recorded with its lineage alone (the backward's
+        // expert loop rebuilds it chunk by chunk).
         auto save_fc = [&](const char* name, const char* op, Tensor& t, RecomputeFn fn) {
           if (t.defined()) stash_.save(mb, l, name, op, std::move(t), std::move(fn));
           else stash_.save_dropped(mb, l, name, std::move(fn));

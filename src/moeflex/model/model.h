@@ -26,7 +26,7 @@ struct Param {
   std::string name;   ///< safetensors key (docs/model.md)
   Tensor w;           ///< weights, fp32: the master weights the optimizer updates (category weights)
   Tensor g;           ///< fp32 gradient (main grad), accumulated over micro-batches (category grads)
-  bool no_decay;      ///< excluded from weight decay (norm weights)
+  bool no_decay = false;  ///< excluded from weight decay (norm weights)
   bool expert = false;            ///< routed-expert weights: sharded over EP, reduced over expert-DP
   std::int64_t init_offset = 0;   ///< element offset of this shard in the full tensor (for init)
   /// The last pipeline stage's copy of a tied embedding (the first stage holds the
@@ -232,26 +232,6 @@ class MoEModel {
     Bytes bytes = 0;     ///< size when t is null
     Bytes chunk = 0;     ///< when not kept whole: its per-chunk transient (rounded bytes)
   };
-  /// One chunk of an MoE layer's received rows (model.expert_chunk_rows): rows
-  /// [r0, r0 + rows) with their per-expert offsets from 0, and the chunk's rows of
-  /// the FC1 outputs and the activation (views of whole tensors or the chunk's own).
-  struct ExpertChunk {
-    std::int64_t r0 = 0, rows = 0;
-    const std::int32_t* offsets = nullptr;  ///< [El + 1], host memory
-    Shared h1, h3, a;                       ///< the tensors holding them
-    std::int64_t h1_row = 0, h3_row = 0, a_row = 0;  ///< this chunk's first row in each
-    View gate_rows() const { return h1->view() + h1_row * h1->shape().back(); }
-    View up_rows() const { return h3->view() + h3_row * h3->shape().back(); }
-    View act_rows() const { return a->view() + a_row * a->shape().back(); }
-  };
-  /// Runs `fn` on each chunk of MoE layer l's Rr received rows (offsets eoff [El+1])
-  /// of micro-batch mb, in order, with the FC1 outputs (when `need_fc1`) and the
-  /// activation: the stash's whole tensors where they are kept (saved or offloaded),
-  /// else rebuilt for the chunk alone from experts.in and freed after `fn` (unless
-  /// `fn` keeps a reference; `fn` may drop them sooner). The memory program mirrors it
-  /// (MemoryWalk::expert_chunks).
-  void for_each_expert_chunk(int mb, int l, std::int64_t Rr, const std::vector<std::int32_t>& eoff, bool need_fc1,
-                             const std::function<void(ExpertChunk&)>& fn);
   /// Every chunk's stash on this rank (the step program's), or this chunk's alone.
   std::vector<ActivationStash*> rank_stashes() {
     if (program_ && !program_->stashes.empty()) return program_->stashes;

@@ -91,7 +91,8 @@ class Out {
 };
 
 /// The views of one op share one dtype (ops/backend.h); null views do not count.
-void same_dtype(const char* op, std::initializer_list<CView> views) {
+/// Returns it (f32 when every view is null).
+DType same_dtype(const char* op, std::initializer_list<CView> views) {
   const CView* first = nullptr;
   for (const CView& v : views) {
     if (!v) continue;
@@ -101,10 +102,13 @@ void same_dtype(const char* op, std::initializer_list<CView> views) {
       throw Error(fmt::format("{}: tensors of mixed dtypes ({} and {}); an op's activations and weights share one", op,
                               to_string(first->dtype), to_string(v.dtype)));
   }
+  return first ? first->dtype : DType::f32;
 }
 
-/// Rows of a permuted [R, d] tensor: one past the largest slot of slot_of [nk].
-std::int64_t permuted_rows(const std::int32_t* slot_of, std::int64_t nk) {
+/// Rows of a permuted [R, d] tensor: one past the largest slot of slot_of [nk]; only
+/// bf16 needs it (to size its temporaries: In and Out ignore sizes for f32).
+std::int64_t permuted_rows(DType t, const std::int32_t* slot_of, std::int64_t nk) {
+  if (t != DType::bf16) return 0;
   std::int64_t r = 0;
   for (std::int64_t i = 0; i < nk; ++i) r = std::max<std::int64_t>(r, std::int64_t(slot_of[i]) + 1);
   return r;
@@ -291,29 +295,28 @@ class CpuBackend final : public Backend {
   }
   void permute_forward(CView x, const std::int32_t* slot_of, View xp, std::int64_t n, std::int64_t k,
                        std::int64_t d) override {
-    same_dtype("permute_forward", {x, xp});
+    const DType t = same_dtype("permute_forward", {x, xp});
     In X(x, n * d);
-    Out XP(xp, permuted_rows(slot_of, n * k) * d);
+    Out XP(xp, permuted_rows(t, slot_of, n * k) * d);
     ops::permute_forward(X.p, slot_of, XP.p, n, k, d);
   }
   void permute_backward(CView dxp, const std::int32_t* slot_of, View dx, std::int64_t n, std::int64_t k,
                         std::int64_t d) override {
-    same_dtype("permute_backward", {dxp, dx});
-    In DXP(dxp, permuted_rows(slot_of, n * k) * d);
+    const DType t = same_dtype("permute_backward", {dxp, dx});
+    In DXP(dxp, permuted_rows(t, slot_of, n * k) * d);
     Out DX(dx, n * d);
     ops::permute_backward(DXP.p, slot_of, DX.p, n, k, d);
   }
   void unpermute_forward(CView yp, const std::int32_t* slot_of, const float* w, View y, std::int64_t n, std::int64_t k,
                          std::int64_t d) override {
-    same_dtype("unpermute_forward", {yp, y});
-    In YP(yp, permuted_rows(slot_of, n * k) * d);
+    const DType t = same_dtype("unpermute_forward", {yp, y});
+    In YP(yp, permuted_rows(t, slot_of, n * k) * d);
     Out Y(y, n * d);
     ops::unpermute_forward(YP.p, slot_of, w, Y.p, n, k, d);
   }
   void unpermute_backward(CView dy, CView yp, const std::int32_t* slot_of, const float* w, View dyp, float* dw,
                           std::int64_t n, std::int64_t k, std::int64_t d) override {
-    same_dtype("unpermute_backward", {dy, yp, dyp});
-    const std::int64_t R = permuted_rows(slot_of, n * k);
+    const std::int64_t R = permuted_rows(same_dtype("unpermute_backward", {dy, yp, dyp}), slot_of, n * k);
     In DY(dy, n * d), YP(yp, R * d);
     Out DYP(dyp, R * d);
     ops::unpermute_backward(DY.p, YP.p, slot_of, w, DYP.p, dw, n, k, d);

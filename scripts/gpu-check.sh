@@ -30,7 +30,8 @@
 # PREBUILT=1 uses the bundle without trying to build (saves device time),
 # MOEFLEX_GPU_CHECK_QUICK=1 skips the training-size timings, MOEFLEX_GPU_CHECK_TRAIN=0
 # the training runs of steps 3-4, MOEFLEX_GPU_CHECK_BF16=0 only their bf16 runs;
-# TRAIN_TIMEOUT (600) caps each training run and each PyTorch run, in seconds.
+# TRAIN_TIMEOUT (600) caps each training run and each PyTorch run, TEST_TIMEOUT (1200)
+# each test binary, in seconds.
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -117,7 +118,7 @@ bench=1
 [[ ${MOEFLEX_GPU_CHECK_QUICK:-0} == 1 ]] && bench=0
 run_test() {  # name: runs $BIN/name, keeps its log, records failures
   local name=$1 rc=0
-  MOEFLEX_OP_REPORT=$REPORT MOEFLEX_OP_BENCH=$bench timeout 1200 "$BIN/$name" --gtest_color=no \
+  MOEFLEX_OP_REPORT=$REPORT MOEFLEX_OP_BENCH=$bench timeout "${TEST_TIMEOUT:-1200}" "$BIN/$name" --gtest_color=no \
     >"$WORK/$name.log" 2>&1 || rc=$?
   grep -E '^\[  (PASSED|FAILED|SKIPPED) +\] [0-9]+ test|^\[  FAILED  \] [A-Z]|^\[==========\] [0-9]+ tests.* ran' \
     "$WORK/$name.log" | sed "s/^/  $name: /"

@@ -11,10 +11,16 @@
 //   dq: for each key j <= i: p = exp(s - lse_i), dp = <dout_i, v_j>,
 //     ds = p (dp - D_i), dq_i += ds k_j.
 //   dk/dv: for each query i >= j: the same p and ds; dv_j += p dout_i, dk_j += ds q_i.
+// D_i = sum_j p_ij dp_ij = <dout_i, out_i>. In fp32 a row-dot kernel takes it from
+// `out`. In bf16 `out` is rounded (relative 2^-9), and dp - D cancels where a row's
+// softmax is peaked: with D from the rounded out, dk was 1% off at S = 2 (found on an
+// H200). So in bf16 the dq kernel sums D_i = sum_j p dp in fp32 over the row it walks
+// anyway, keeps dq_i = sum_j p dp k_j - D_i sum_j p k_j, and writes D for dk/dv.
 // Causality: tiles wholly above the diagonal are skipped; masked scores are -inf.
 #include "moeflex/ops/cuda/attention.h"
 
 #include <string>
+#include <type_traits>
 
 #include "moeflex/ops/cuda/device_common.cuh"
 
@@ -161,9 +167,10 @@ __global__ void attention_rowdot_kernel(const T* __restrict__ dout, const T* __r
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     attention_backward_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                                 const T* __restrict__ dout, const float* __restrict__ lse,
-                                 const float* __restrict__ D, T* __restrict__ dq, std::int64_t S, std::int64_t H,
-                                 int hd, float scale) {
+                                 const T* __restrict__ dout, const float* __restrict__ lse, float* __restrict__ D,
+                                 T* __restrict__ dq, std::int64_t S, std::int64_t H, int hd, float scale) {
+  // bf16: D is this kernel's output (exact in fp32); fp32: its input (row-dot kernel).
+  constexpr bool kSumD = std::is_same_v<T, bf16>;
   __shared__ float ks[kTile][kMaxHd];
   __shared__ float vs[kTile][kMaxHd];
   const std::int64_t bh = blockIdx.y;
@@ -172,6 +179,7 @@ __global__ void __launch_bounds__(kThreads)
   const std::int64_t row0 = std::int64_t(blockIdx.x) * kBlockRows + warp * kRowsPerWarp;
 
   float qr[kRowsPerWarp][kDPerLane], dor[kRowsPerWarp][kDPerLane], acc[kRowsPerWarp][kDPerLane];
+  float pk[kRowsPerWarp][kDPerLane];  // kSumD: sum_j p k_j
   float lse_r[kRowsPerWarp], D_r[kRowsPerWarp];
 #pragma unroll
   for (int rr = 0; rr < kRowsPerWarp; ++rr) {
@@ -179,9 +187,9 @@ __global__ void __launch_bounds__(kThreads)
     load_row(qr[rr], q, hv, row, S, hd, lane);
     load_row(dor[rr], dout, hv, row, S, hd, lane);
 #pragma unroll
-    for (int t = 0; t < kDPerLane; ++t) acc[rr][t] = 0.0f;
+    for (int t = 0; t < kDPerLane; ++t) acc[rr][t] = pk[rr][t] = 0.0f;
     lse_r[rr] = row < S ? lse[bh * S + row] : 0.0f;
-    D_r[rr] = row < S ? D[bh * S + row] : 0.0f;
+    D_r[rr] = kSumD || row >= S ? 0.0f : D[bh * S + row];
   }
   const std::int64_t block_end = std::int64_t(blockIdx.x + 1) * kBlockRows;
   const std::int64_t block_last = (block_end < S ? block_end : S) - 1;
@@ -196,9 +204,20 @@ __global__ void __launch_bounds__(kThreads)
       for (int j = 0; j < kTile && k0 + j <= row; ++j) {  // warp-uniform bound
         const float p = expf(dot_tile_row(qr[rr], ks, j, lane) * scale - lse_r[rr]);
         const float dp = dot_tile_row(dor[rr], vs, j, lane);
-        const float ds = p * (dp - D_r[rr]);
+        if constexpr (kSumD) {
+          const float pdp = p * dp;
+          D_r[rr] += pdp;  // warp-uniform: p and dp are warp reductions
 #pragma unroll
-        for (int t = 0; t < kDPerLane; ++t) acc[rr][t] += ds * ks[j][lane + t * detail::kWarp];
+          for (int t = 0; t < kDPerLane; ++t) {
+            const float kj = ks[j][lane + t * detail::kWarp];
+            acc[rr][t] += pdp * kj;
+            pk[rr][t] += p * kj;
+          }
+        } else {
+          const float ds = p * (dp - D_r[rr]);
+#pragma unroll
+          for (int t = 0; t < kDPerLane; ++t) acc[rr][t] += ds * ks[j][lane + t * detail::kWarp];
+        }
       }
     }
     __syncthreads();
@@ -207,10 +226,14 @@ __global__ void __launch_bounds__(kThreads)
   for (int rr = 0; rr < kRowsPerWarp; ++rr) {
     const std::int64_t row = row0 + rr;
     if (row >= S) continue;
+    if constexpr (kSumD) {
+      if (lane == 0) D[bh * S + row] = D_r[rr];
+    }
 #pragma unroll
     for (int t = 0; t < kDPerLane; ++t) {
       const int d = lane + t * detail::kWarp;
-      if (d < hd) dq[hv.base + row * hv.stride + d] = from_f<T>(acc[rr][t] * scale);
+      const float g = kSumD ? acc[rr][t] - D_r[rr] * pk[rr][t] : acc[rr][t];
+      if (d < hd) dq[hv.base + row * hv.stride + d] = from_f<T>(g * scale);
     }
   }
 }
@@ -314,9 +337,11 @@ void attention_backward(const T* dout, const T* q, const T* k, const T* v, const
   check_attention_shape(B, S, H, hd);
   if (B <= 0 || S <= 0 || H <= 0) return;
   const std::int64_t rows = B * H * S;
-  attention_rowdot_kernel<T><<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), kThreads, 0, stream>>>(
-      dout, out, workspace, rows, S, H, int(hd));
-  MOEFLEX_CHECK_LAUNCH("attention_rowdot");
+  if constexpr (!std::is_same_v<T, bf16>) {  // bf16: the dq kernel writes D (see the top)
+    attention_rowdot_kernel<T><<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), kThreads, 0, stream>>>(
+        dout, out, workspace, rows, S, H, int(hd));
+    MOEFLEX_CHECK_LAUNCH("attention_rowdot");
+  }
   const dim3 grid(static_cast<unsigned>((S + kBlockRows - 1) / kBlockRows), static_cast<unsigned>(B * H));
   const float scale = 1.0f / sqrtf(float(hd));
   attention_backward_dq_kernel<T><<<grid, kThreads, 0, stream>>>(q, k, v, dout, lse, workspace, dq, S, H, int(hd),

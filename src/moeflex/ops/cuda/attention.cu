@@ -232,7 +232,10 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int t = 0; t < kDPerLane; ++t) {
       const int d = lane + t * detail::kWarp;
-      const float g = kSumD ? acc[rr][t] - D_r[rr] * pk[rr][t] : acc[rr][t];
+      // kSumD: no fused multiply-add in the difference, so that a row whose keys give
+      // acc == D * pk exactly (one key: acc = round(p dp k), D pk = the same) gets 0;
+      // row 0 attends to itself only, and a softmax of one score has zero gradient.
+      const float g = !kSumD ? acc[rr][t] : row == 0 ? 0.0f : __fsub_rn(acc[rr][t], __fmul_rn(D_r[rr], pk[rr][t]));
       if (d < hd) dq[hv.base + row * hv.stride + d] = from_f<T>(g * scale);
     }
   }

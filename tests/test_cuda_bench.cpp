@@ -3,6 +3,8 @@
 // rate. No CPU reference here (test_cuda_ops.cpp checks every op at smaller
 // shapes): the rows carry no error. bench/gpu_torch_ops.py times the same ops and
 // shapes in PyTorch from these report rows. Without a GPU: "skipped: no GPU".
+#include <array>
+
 #include "cuda_harness.h"
 #include "moeflex/ops/cuda/attention.h"
 #include "moeflex/ops/cuda/grouped_linear.h"
@@ -64,8 +66,13 @@ TEST(CudaBench, TrainingSizeTimings) {
     b.ms = time_ms([&] { gops::linear_backward(g.blas, dy.get(), x.get(), w.get(), dx.get(), dw.get(), n, in, out); });
     report(f), report(b);
   }
-  {  // MoE experts: 16384 tokens x top-4 over 64 experts, hidden 2048, expert width 1408.
-    const std::int64_t E = 64, rows = 16384 * 4, in = 2048, out = 1408;
+  // MoE experts, both paths of the automatic choice, at three group sizes: 16384 tokens
+  // x top-4 over 64 experts (hidden 2048, expert width 1408; ~1000 rows a group),
+  // configs/moe-1b.toml's step (4096 tokens x top-2 over 16 experts at hidden 1024), and
+  // 256 small groups (~32 rows each, DeepSeek-V3's expert count).
+  for (auto [E, rows, in, out] : {std::array<std::int64_t, 4>{64, 16384 * 4, 2048, 1408},
+                                  {16, 4096 * 2, 1024, 1408},
+                                  {256, 8192, 2048, 1408}}) {
     const auto off = bench_offsets(rows, E);
     DevArray<bf16> x(rows * in, "x"), w(E * out * in, "w"), y(rows * out, "y"), dy(rows * out, "dy"), dx(rows * in, "dx");
     DevArray<float> dw(E * out * in, "dw");

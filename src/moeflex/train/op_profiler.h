@@ -1,8 +1,10 @@
 // The time model's report card on a real run (`moeflex train --profile-ops`): every
 // op the model, the stash and the optimizer call through ops::Backend is timed
-// (thread CPU time and wall time) and priced by the CostModel at the same shapes,
-// labelled with its phase (forward, backward-input, backward-weight, recompute,
-// optimizer), layer, micro-batch and plan action (core/op_context.h).
+// (thread CPU time and wall time; on a device backend the wall time waits for the
+// op's kernels, its thread CPU time is the host's launch and wait) and priced by the
+// CostModel at the same shapes, labelled with its phase (forward, backward-input,
+// backward-weight, recompute, optimizer), layer, micro-batch and plan action
+// (core/op_context.h).
 //
 // How it hooks in: ProfilingBackend is a Backend that forwards every call to the
 // run's real backend and times it. ScopedBackendOverride makes ops::backend_of()
@@ -56,7 +58,7 @@ struct OpRecord {
   std::int64_t step = 0;          ///< 1-based training step
   int rank = 0;
   Seconds cpu = 0;                ///< thread CPU time of the call
-  Seconds wall = 0;               ///< wall time of the call
+  Seconds wall = 0;               ///< wall time of the call (on a device backend: of its kernels, synchronised)
   Seconds predicted = 0;          ///< CostModel time for the same op and shape
   std::chrono::steady_clock::time_point start;  ///< for the trace (not serialized)
 };

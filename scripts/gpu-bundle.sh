@@ -31,6 +31,9 @@ if [[ -d data/brown ]]; then
 else
   echo "gpu-bundle: WARNING: no data/brown (run make data): the bundle's training runs will have no corpus" >&2
 fi
+# A hardware profile for gpu-check.sh's optional --profile-ops run (only its measured
+# times are read there).
+[[ -f data/hardware/this-machine.json ]] && cp data/hardware/this-machine.json "$BUNDLE/hw.json"
 # Shared libraries to carry: everything ldd resolves except the C runtime (every
 # Linux has a compatible one) and the CUDA libraries (the GPU machine's are used).
 skip='^(linux-vdso|ld-linux|libc\.|libm\.|libdl\.|libpthread\.|librt\.|libstdc\+\+|libgcc_s|libcuda\.|libcudart|libcublas|libcublasLt|libnccl)'

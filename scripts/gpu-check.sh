@@ -29,7 +29,8 @@
 # (bench/results), PYTHON (a python3 whose torch has CUDA; searched otherwise),
 # PREBUILT=1 uses the bundle without trying to build (saves device time),
 # MOEFLEX_GPU_CHECK_QUICK=1 skips the training-size timings, MOEFLEX_GPU_CHECK_TRAIN=0
-# the training runs of steps 3-4, MOEFLEX_GPU_CHECK_BF16=0 only their bf16 runs;
+# the training runs of steps 3-4, MOEFLEX_GPU_CHECK_BF16=0 only their bf16 runs,
+# MOEFLEX_GPU_CHECK_PROFILE=1 adds an op-by-op profile of a moe-1b bf16 step;
 # TRAIN_TIMEOUT (600) caps each training run and each PyTorch run, TEST_TIMEOUT (1200)
 # each test binary, in seconds.
 set -uo pipefail
@@ -195,6 +196,29 @@ elif [[ -z $TRAIN_NOTE ]]; then
   [[ -n $PY ]] || echo "gpu-check: no python3 with a CUDA-enabled torch: the PyTorch training comparison is skipped"
 fi
 [[ -z $TRAIN_NOTE ]] || echo "gpu-check: steps 3 and 4 (training on the GPU): $TRAIN_NOTE"
+# Optional: where the ~1B MoE's bf16 step goes, op by op (--profile-ops synchronises
+# around each op on the GPU; bench/gpu_op_profile.py). --profile-ops prices ops with a
+# hardware profile: this machine's, or the one the bundle carries (a CPU's: only the
+# measured times are read here).
+PROFILE_TABLE=$WORK/op-profile.txt
+: >"$PROFILE_TABLE"
+if [[ ${MOEFLEX_GPU_CHECK_PROFILE:-0} == 1 ]]; then
+  hw=data/hardware/this-machine.json
+  [[ -f $hw ]] || hw=$BUNDLE/hw.json
+  if [[ ! -f $hw ]]; then
+    fail "MOEFLEX_GPU_CHECK_PROFILE=1 needs a hardware profile (data/hardware/this-machine.json or $BUNDLE/hw.json)"
+  else
+    echo "gpu-check: profiling moe-1b-bf16 (4 steps, --profile-ops)"
+    if timeout "$TRAIN_TIMEOUT" "$BIN/moeflex" train --device cuda --config configs/moe-1b.toml --bf16 --steps 4 \
+        --profile-ops --hardware-profile "$hw" --out "$WORK/run-profile" "${DATA_ARGS[@]}" >"$WORK/train-profile.log" 2>&1 &&
+        "${PY:-python3}" bench/gpu_op_profile.py "$WORK/run-profile/op_times.json" >"$PROFILE_TABLE" 2>&1; then
+      head -n 25 "$PROFILE_TABLE"
+    else
+      fail "the profiled run failed (log: $WORK/train-profile.log)"
+      tail -n 5 "$WORK/train-profile.log"
+    fi
+  fi
+fi
 
 # --------------------------------------------------------------------------------
 step "5. results"
@@ -239,6 +263,11 @@ fi
   if [[ -s $TRAIN_TABLE ]]; then
     echo
     cat "$TRAIN_TABLE"
+  fi
+  if [[ -s $PROFILE_TABLE ]]; then
+    echo
+    echo "--- where a moe-1b bf16 step goes (moeflex train --profile-ops; bench/gpu_op_profile.py)"
+    cat "$PROFILE_TABLE"
   fi
   if [[ ${#FAILURES[@]} -gt 0 ]]; then
     echo

@@ -30,6 +30,7 @@
 # PREBUILT=1 uses the bundle without trying to build (saves device time),
 # MOEFLEX_GPU_CHECK_QUICK=1 skips the training-size timings, MOEFLEX_GPU_CHECK_TRAIN=0
 # the training runs of steps 3-4, MOEFLEX_GPU_CHECK_BF16=0 only their bf16 runs,
+# MOEFLEX_GPU_CHECK_RUNS="default-bf16 moe-1b-bf16" keeps only the named training runs,
 # MOEFLEX_GPU_CHECK_PROFILE=1 adds an op-by-op profile of a moe-1b bf16 step;
 # TRAIN_TIMEOUT (600) caps each training run and each PyTorch run, TEST_TIMEOUT (1200)
 # each test binary, in seconds.
@@ -160,6 +161,10 @@ TRAIN_TIMEOUT=${TRAIN_TIMEOUT:-600}
 train_run() {  # name, steps, moeflex train flags...: one run into $WORK/run-name
   local name=$1 steps=$2 rc=0
   shift 2
+  if [[ -n ${MOEFLEX_GPU_CHECK_RUNS:-} && " $MOEFLEX_GPU_CHECK_RUNS " != *" $name "* ]]; then
+    echo "gpu-check: skipping $name (not in MOEFLEX_GPU_CHECK_RUNS)"
+    return
+  fi
   echo "gpu-check: training $name ($steps steps): moeflex train --device cuda $*"
   timeout "$TRAIN_TIMEOUT" "$BIN/moeflex" train --device cuda --steps "$steps" --out "$WORK/run-$name" "${DATA_ARGS[@]}" "$@" \
     >"$WORK/train-$name.log" 2>&1 || rc=$?

@@ -19,9 +19,11 @@
 // Causality: tiles wholly above the diagonal are skipped; masked scores are -inf.
 #include "moeflex/ops/cuda/attention.h"
 
+#include <cstdlib>
 #include <string>
 #include <type_traits>
 
+#include "moeflex/ops/cuda/attention_tc.cuh"
 #include "moeflex/ops/cuda/device_common.cuh"
 
 namespace moeflex::ops::cuda {
@@ -316,6 +318,71 @@ void check_attention_shape(std::int64_t B, std::int64_t S, std::int64_t H, std::
     throw Error("attention (CUDA): batch * heads = " + std::to_string(B * H) + " exceeds 65535");
 }
 
+// --- bf16 on the tensor cores (attention_tc.cuh) ---
+
+/// Whether bf16 attention runs on the tensor-core kernels: yes unless
+/// MOEFLEX_ATTENTION_KERNEL=simt asks for the CUDA-core kernels above (for
+/// comparison), or the card cannot give a block `smem_bytes` of shared memory.
+bool use_tensor_cores(int smem_bytes) {
+  static const bool simt = [] {
+    const char* e = std::getenv("MOEFLEX_ATTENTION_KERNEL");
+    return e != nullptr && std::string(e) == "simt";
+  }();
+  static const int optin = [] {
+    int dev = 0, v = 0;
+    MOEFLEX_CUDA_CHECK(cudaGetDevice(&dev));
+    MOEFLEX_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    return v;
+  }();
+  return !simt && smem_bytes <= optin;
+}
+
+const tc::bfr* as_tc(const bf16* p) { return reinterpret_cast<const tc::bfr*>(p); }
+tc::bfr* as_tc(bf16* p) { return reinterpret_cast<tc::bfr*>(p); }
+
+template <int HDP>
+void tc_forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, std::int64_t B, std::int64_t S,
+                std::int64_t H, std::int64_t hd, cudaStream_t stream) {
+  constexpr int smem = tc::tc_forward_smem(HDP);
+  MOEFLEX_CUDA_CHECK(
+      cudaFuncSetAttribute(tc::tc_attention_forward<HDP>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const dim3 grid(static_cast<unsigned>((S + tc::kRows - 1) / tc::kRows), static_cast<unsigned>(B * H));
+  tc::tc_attention_forward<HDP><<<grid, tc::kThreads, smem, stream>>>(as_tc(q), as_tc(k), as_tc(v), as_tc(out), lse,
+                                                                       S, H, int(hd), 1.0f / sqrtf(float(hd)));
+  MOEFLEX_CHECK_LAUNCH("attention_forward (tensor cores)");
+}
+
+template <int HDP>
+void tc_backward(const bf16* dout, const bf16* q, const bf16* k, const bf16* v, const float* lse, bf16* dq, bf16* dk,
+                 bf16* dv, float* D, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd,
+                 cudaStream_t stream) {
+  constexpr int smem_dq = tc::tc_dq_smem(HDP), smem_dkdv = tc::tc_dkdv_smem(HDP);
+  MOEFLEX_CUDA_CHECK(
+      cudaFuncSetAttribute(tc::tc_attention_dq<HDP>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_dq));
+  MOEFLEX_CUDA_CHECK(
+      cudaFuncSetAttribute(tc::tc_attention_dkdv<HDP>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_dkdv));
+  const dim3 grid(static_cast<unsigned>((S + tc::kRows - 1) / tc::kRows), static_cast<unsigned>(B * H));
+  const float scale = 1.0f / sqrtf(float(hd));
+  tc::tc_attention_dq<HDP><<<grid, tc::kThreads, smem_dq, stream>>>(as_tc(q), as_tc(k), as_tc(v), as_tc(dout), lse,
+                                                                     D, as_tc(dq), S, H, int(hd), scale);
+  MOEFLEX_CHECK_LAUNCH("attention_backward dq (tensor cores)");
+  tc::tc_attention_dkdv<HDP><<<grid, tc::kThreads, smem_dkdv, stream>>>(
+      as_tc(q), as_tc(k), as_tc(v), as_tc(dout), lse, D, as_tc(dk), as_tc(dv), S, H, int(hd), scale);
+  MOEFLEX_CHECK_LAUNCH("attention_backward dk/dv (tensor cores)");
+}
+
+/// Runs fn<HDP>() for hd's instantiated padded head dimension.
+template <class Fn>
+void with_head_dim(std::int64_t hd, Fn&& fn) {
+  switch (tc::instantiated_head_dim(hd)) {
+    case 32: fn.template operator()<32>(); break;
+    case 48: fn.template operator()<48>(); break;
+    case 64: fn.template operator()<64>(); break;
+    case 96: fn.template operator()<96>(); break;
+    default: fn.template operator()<128>(); break;
+  }
+}
+
 }  // namespace
 
 template <typename T>
@@ -323,6 +390,12 @@ void attention_forward(const T* q, const T* k, const T* v, T* out, float* lse, s
                        std::int64_t H, std::int64_t hd, cudaStream_t stream) {
   check_attention_shape(B, S, H, hd);
   if (B <= 0 || S <= 0 || H <= 0) return;
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (use_tensor_cores(tc::tc_forward_smem(tc::instantiated_head_dim(hd)))) {
+      with_head_dim(hd, [&]<int HDP>() { tc_forward<HDP>(q, k, v, out, lse, B, S, H, hd, stream); });
+      return;
+    }
+  }
   const dim3 grid(static_cast<unsigned>((S + kBlockRows - 1) / kBlockRows), static_cast<unsigned>(B * H));
   attention_forward_kernel<T><<<grid, kThreads, 0, stream>>>(q, k, v, out, lse, S, H, int(hd),
                                                              1.0f / sqrtf(float(hd)));
@@ -339,6 +412,14 @@ void attention_backward(const T* dout, const T* q, const T* k, const T* v, const
                         std::int64_t hd, cudaStream_t stream) {
   check_attention_shape(B, S, H, hd);
   if (B <= 0 || S <= 0 || H <= 0) return;
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (use_tensor_cores(tc::tc_dkdv_smem(tc::instantiated_head_dim(hd)))) {
+      with_head_dim(hd, [&]<int HDP>() {
+        tc_backward<HDP>(dout, q, k, v, lse, dq, dk, dv, workspace, B, S, H, hd, stream);
+      });
+      return;
+    }
+  }
   const std::int64_t rows = B * H * S;
   if constexpr (!std::is_same_v<T, bf16>) {  // bf16: the dq kernel writes D (see the top)
     attention_rowdot_kernel<T><<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), kThreads, 0, stream>>>(

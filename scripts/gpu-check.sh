@@ -257,7 +257,11 @@ if [[ ${#TRAIN_RUNS[@]} -gt 0 ]]; then
 fi
 {
   echo "moeflex GPU check (scripts/gpu-check.sh), $(date -u +%Y-%m-%dT%H:%MZ)"
-  echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git status --porcelain 2>/dev/null | grep -q . && echo ' (with uncommitted changes)')"
+  if [[ $BUILT_FROM == PREBUILT* ]]; then  # this checkout's git metadata need not be the bundle's commit
+    echo "commit: the bundle's (next line); this checkout's git says $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+  else
+    echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git status --porcelain 2>/dev/null | grep -q . && echo ' (with uncommitted changes)')"
+  fi
   echo "binaries: $BUILT_FROM"
   echo "nvcc: ${NVCC:-none}; driver: $(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n 1)"
   echo

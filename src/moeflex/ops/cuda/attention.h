@@ -10,6 +10,10 @@
 //             dk (=) = dS^T q / sqrt(hd); dv (=) = P^T dout. dq in one kernel (blocks of
 //             query rows), dk and dv in another (blocks of key rows): no atomics, so
 //             the results are deterministic.
+// bf16 runs on the tensor cores (attention_tc.cuh: WMMA tiles, P and dS rounded to
+// bf16 for their matmuls as in FlashAttention-2, and D summed exactly from P and dP
+// rather than from the rounded out) unless MOEFLEX_ATTENTION_KERNEL=simt; fp32 on
+// the CUDA cores as above.
 // Float accumulation throughout (expf, not __expf). hd <= 128 (kAttentionMaxHeadDim)
 // and B * H <= 65535, else Error. Device pointers; queued on `stream`.
 // FLOPs (causal, counted as the useful half): forward 2*B*H*S*S*hd, backward 2.5x that.

@@ -66,6 +66,21 @@ TEST(HardwareProfile, JsonRoundTrip) {
   EXPECT_EQ(q.op_tables.at(op_names::kRmsnormForward)[1].seconds, 4e-6);
 }
 
+TEST(HardwareProfile, DeviceRoundTripsReadsOldFilesAsACpusAndRefusesOthers) {
+  HardwareProfile p = hand_profile();
+  EXPECT_EQ(p.to_json().value("device", ""), "cpu");
+  p.device = "cuda";
+  EXPECT_EQ(HardwareProfile::from_json(p.to_json(), "hw.json").device, "cuda");
+  nlohmann::json j = p.to_json();
+  j.erase("device");  // a file written before the field
+  EXPECT_EQ(HardwareProfile::from_json(j, "hw.json").device, "cpu");
+  j["device"] = "tpu";
+  const std::string msg = message_of([&] { HardwareProfile::from_json(j, "hw.json"); });
+  EXPECT_NE(msg.find("hw.json"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("'device'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("\"tpu\""), std::string::npos) << msg;
+}
+
 TEST(HardwareProfile, ErrorsNameTheFileAndTheField) {
   // A directory given for the file (e.g. calibrate's --out): a DataError naming it.
   const std::string dir = ::testing::TempDir();
@@ -484,6 +499,31 @@ TEST(HardwareProfile, InSituSectionRefusesUnknownKindsKeysOutOfRangeValuesAndDup
   if (std::filesystem::exists(shipped)) {
     EXPECT_NO_THROW(HardwareProfile::load(shipped));
   }
+}
+
+TEST(Calibrate, InSituProfileTakesFp32RunsOfTheBaseProfilesDeviceOnly) {
+  const auto dir = std::filesystem::path(MOEFLEX_BINARY_DIR) / "test_cost_model.d" / "run-device";
+  std::filesystem::create_directories(dir);
+  const nlohmann::json shapes = nlohmann::json::array({{{"kind", "linear_forward"},
+                                                        {"shape", {100, 300, 200}},
+                                                        {"count", 4},
+                                                        {"measured_median_s", 5e-3},
+                                                        {"measured_total_s", 2.1e-2}}});
+  auto run_with =
+      [&](const HardwareProfile& base, const char* device, const char* precision) {
+        std::ofstream(dir / "op_times.json")
+            << nlohmann::json{{"shapes", shapes}, {"device", device}, {"precision", precision}}.dump();
+        return message_of([&] { in_situ_profile(base, dir); });
+      };
+  HardwareProfile base = hand_profile();
+  EXPECT_EQ(run_with(base, "cpu", "fp32"), "(no DataError)");
+  std::string m = run_with(base, "cuda", "fp32");
+  EXPECT_NE(m.find("was measured on cuda and the base profile on cpu"), std::string::npos) << m;
+  m = run_with(base, "cpu", "bf16");
+  EXPECT_NE(m.find("was measured on a bf16 run"), std::string::npos) << m;
+  base.device = "cuda";
+  EXPECT_EQ(run_with(base, "cuda", "fp32"), "(no DataError)");
+  std::filesystem::remove_all(dir);
 }
 
 TEST(Calibrate, InSituProfileRefusesBadShapeEntriesNamingIndexKindAndField) {

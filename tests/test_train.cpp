@@ -279,6 +279,12 @@ TEST(Train, SummaryNamesThePlannersCostModel) {
   run_training(options(cfg, dir / "priced"));
   s = nlohmann::json::parse(std::ifstream(dir / "priced" / "summary.json"));
   EXPECT_EQ(s.value("planner_cost_model", ""), "data/hardware/this-machine.json");
+  // Another device's profile would misprice recomputing against offloading: not used.
+  p.device = "cuda";
+  p.save(dir / "data" / "hardware" / "this-machine.json");
+  run_training(options(cfg, dir / "other-device"));
+  s = nlohmann::json::parse(std::ifstream(dir / "other-device" / "summary.json"));
+  EXPECT_EQ(s.value("planner_cost_model", ""), "op family");
   cfg.train.policy = "none";
   run_training(options(cfg, dir / "static"));
   s = nlohmann::json::parse(std::ifstream(dir / "static" / "summary.json"));

@@ -1,6 +1,7 @@
 // The time cost model and its hardware profile (see cost_model.h for how a time is
 // formed). The profile's JSON:
-//   {"format": "moeflex-hardware-profile", "version": 2, "name": "...", "threads": 2,
+//   {"format": "moeflex-hardware-profile", "version": 2, "name": "...", "device": "cpu",
+//    "threads": 2,
 //    "launch_overhead_s": ..., "memory_bandwidth_Bps": ...,
 //    "h2d_bandwidth_Bps": ..., "d2h_bandwidth_Bps": ..., "copy_latency_s": ...,
 //    "all_to_all_bandwidth_Bps": 0, "all_to_all_latency_s": 0,
@@ -227,6 +228,7 @@ nlohmann::json HardwareProfile::to_json() const {
   j["format"] = kHardwareProfileFormat;
   j["version"] = kHardwareProfileVersion;
   j["name"] = name;
+  j["device"] = device;
   j["threads"] = threads;
   j["launch_overhead_s"] = launch_overhead;
   j["memory_bandwidth_Bps"] = memory_bandwidth;
@@ -276,7 +278,7 @@ HardwareProfile HardwareProfile::from_json(const nlohmann::json& j, const std::s
 
   // Every key save() writes; another is a typo or a field this moeflex would ignore.
   only_known_keys(j,
-                  {"format", "version", "name", "threads", "launch_overhead_s", "memory_bandwidth_Bps",
+                  {"format", "version", "name", "device", "threads", "launch_overhead_s", "memory_bandwidth_Bps",
                    "h2d_bandwidth_Bps", "d2h_bandwidth_Bps", "copy_latency_s", "all_to_all_bandwidth_Bps",
                    "all_to_all_latency_s", "gemm", "op_tables", "in_situ"},
                   source, "");
@@ -285,6 +287,11 @@ HardwareProfile HardwareProfile::from_json(const nlohmann::json& j, const std::s
   const json& name = member(j, "name", source, "name");
   if (!name.is_string()) bad_field(source, "name", "must be a string");
   p.name = name.get<std::string>();
+  if (const auto it = j.find("device"); it != j.end()) {  // absent in files before the field: a CPU's
+    if (!it->is_string() || (it->get<std::string>() != "cpu" && it->get<std::string>() != "cuda"))
+      bad_field(source, "device", fmt::format("must be \"cpu\" or \"cuda\" (got {})", it->dump()));
+    p.device = it->get<std::string>();
+  }
   p.threads = static_cast<int>(positive_int(j, "threads", source, "threads"));
   p.launch_overhead = non_negative(j, "launch_overhead_s", source, "launch_overhead_s");
   p.memory_bandwidth = positive(j, "memory_bandwidth_Bps", source, "memory_bandwidth_Bps");

@@ -201,6 +201,10 @@ struct InSituScale {
 /// written by hand for a machine we only simulate). Saved as JSON.
 struct HardwareProfile {
   std::string name;                 ///< free text, e.g. the host and the backend
+  /// The device the numbers were measured on: "cpu" (the CPU backend; `moeflex
+  /// calibrate` writes this, and files without the field are read as it) or "cuda".
+  /// The trainer does not price a run on one device with another's profile.
+  std::string device = "cpu";
   int threads = 1;                  ///< OpenMP/BLAS threads the numbers were measured with
   std::vector<GemmSample> gemm;     ///< GEMM throughput by shape (at least one sample)
   BytesPerSecond memory_bandwidth = 0;  ///< streaming elementwise ops (reads + writes)

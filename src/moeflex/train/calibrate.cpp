@@ -1570,6 +1570,12 @@ HardwareProfile in_situ_profile(HardwareProfile base, const std::filesystem::pat
     throw DataError(fmt::format("'{}' was measured on a {} run: an in-situ profile takes the op times of an fp32 "
                                 "run (train it without --bf16, with --profile-ops)",
                                 path.string(), doc.value("precision", std::string())));
+  // ... and of the base profile's device (files before the field are a CPU's).
+  if (const std::string device = doc.value("device", std::string("cpu")); device != base.device)
+    throw DataError(
+        fmt::format("'{}' was measured on {} and the base profile on {}: an in-situ profile adds a "
+                    "run's op times to a profile of the same device",
+                    path.string(), device, base.device));
   const CostModel cost(base);  // the base's own predictions, for the grouped ratios
   const std::set<std::string> exact(std::begin(kInSituExactKinds), std::end(kInSituExactKinds));
   const std::set<std::string> scaled(std::begin(kInSituScaledKinds), std::end(kInSituScaledKinds));

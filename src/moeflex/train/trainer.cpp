@@ -605,7 +605,12 @@ TrainResult run_training(const TrainOptions& opts) {
       op_profiler = std::make_unique<ProfilingBackend>(ops::backend_of(arena), *op_cost, rank);
       op_override.emplace(op_profiler.get());
       if (rank0) progress.note(fmt::format("--profile-ops: ops priced with {}", profile.string()));
-      if (rank0 && op_cost->profile().threads != omp_get_max_threads())
+      if (rank0 && op_cost->profile().device != cfg.device)
+        fmt::print(stderr,
+                   "moeflex: warning: --profile-ops: {} was measured on a {} and this run trains on {}: the op "
+                   "times are this run's, the predictions beside them the {}'s\n",
+                   profile.string(), op_cost->profile().device, cfg.device, op_cost->profile().device);
+      else if (rank0 && op_cost->profile().threads != omp_get_max_threads())
         fmt::print(stderr,
                    "moeflex: warning: --profile-ops: {} was calibrated with {} thread(s) and this run uses {}: "
                    "the predictions are for the profile's threads (calibrate with --threads {} or train with "
@@ -662,6 +667,17 @@ TrainResult run_training(const TrainOptions& opts) {
                              "rerun `moeflex calibrate` to replace it", profile.string(), e.what());
           unusable = true;
         }
+      }
+      // Another device's times would rank recomputing against offloading wrongly (a
+      // GPU computes ~100x faster than this CPU, but copies only a few times faster).
+      if (cost_model && cost_model->profile().device != cfg.device) {
+        note = fmt::format(
+            "the hardware profile {} was measured on a {} and this run trains on {}: the planner "
+            "ranks choices by op family (`moeflex calibrate` measures the CPU backend only)",
+            profile.string(), cost_model->profile().device, cfg.device);
+        res.planner_cost_model = "op family";
+        cost_model.reset();
+        unusable = true;
       }
       // An unusable profile is a warning even under --quiet: the run goes on, but priced worse.
       if (rank0 && unusable) fmt::print(stderr, "moeflex: warning: {}\n", note);
@@ -837,6 +853,7 @@ TrainResult run_training(const TrainOptions& opts) {
         const std::int64_t first = res.steps - start_step > 1 ? start_step + 2 : start_step + 1;
         json doc = summarize_op_time_parts(parts, first, omp_get_max_threads() == 1);
         doc["precision"] = cfg.model.bf16 ? "bf16" : "fp32";  // calibrate --from-run takes fp32 runs only
+        doc["device"] = cfg.device;                           // ... onto a profile of the same device
         train::write_file_atomically(run_dir / "op_times.json", doc.dump(2) + "\n");
         for (auto& p : parts) fs::remove(p);
         res.time_model_op_error = doc.at("op_error").get<double>();

@@ -161,7 +161,7 @@ TRAIN_TIMEOUT=${TRAIN_TIMEOUT:-600}
 train_run() {  # name, steps, moeflex train flags...: one run into $WORK/run-name
   local name=$1 steps=$2 rc=0
   shift 2
-  if [[ -n ${MOEFLEX_GPU_CHECK_RUNS:-} && " $MOEFLEX_GPU_CHECK_RUNS " != *" $name "* ]]; then
+  if [[ -n ${MOEFLEX_GPU_CHECK_RUNS:-} && " ${MOEFLEX_GPU_CHECK_RUNS//[,$'\t']/ } " != *" $name "* ]]; then
     echo "gpu-check: skipping $name (not in MOEFLEX_GPU_CHECK_RUNS)"
     return
   fi
@@ -199,6 +199,10 @@ elif [[ -z $TRAIN_NOTE ]]; then
   train_run moe-1b 20 --config configs/moe-1b.toml
   [[ $bf16 == 0 ]] || train_run moe-1b-bf16 20 --config configs/moe-1b.toml --bf16
   [[ -n $PY ]] || echo "gpu-check: no python3 with a CUDA-enabled torch: the PyTorch training comparison is skipped"
+  if [[ -n ${MOEFLEX_GPU_CHECK_RUNS:-} && ${#TRAIN_RUNS[@]} -eq 0 ]]; then
+    fail "MOEFLEX_GPU_CHECK_RUNS='$MOEFLEX_GPU_CHECK_RUNS' names none of the training runs (default default-bf16 moe-1b moe-1b-bf16)"
+    TRAIN_NOTE="none ran (MOEFLEX_GPU_CHECK_RUNS named none of them)"
+  fi
 fi
 [[ -z $TRAIN_NOTE ]] || echo "gpu-check: steps 3 and 4 (training on the GPU): $TRAIN_NOTE"
 # Optional: where the ~1B MoE's bf16 step goes, op by op (--profile-ops synchronises
@@ -210,7 +214,9 @@ PROFILE_TABLE=$WORK/op-profile.txt
 if [[ ${MOEFLEX_GPU_CHECK_PROFILE:-0} == 1 ]]; then
   hw=data/hardware/this-machine.json
   [[ -f $hw ]] || hw=$BUNDLE/hw.json
-  if [[ ! -f $hw ]]; then
+  if [[ ! -d data/brown && ${#DATA_ARGS[@]} -eq 0 ]]; then
+    fail "MOEFLEX_GPU_CHECK_PROFILE=1 needs the corpus: neither data/brown (make data) nor $BUNDLE/data.tgz"
+  elif [[ ! -f $hw ]]; then
     fail "MOEFLEX_GPU_CHECK_PROFILE=1 needs a hardware profile (data/hardware/this-machine.json or $BUNDLE/hw.json)"
   else
     echo "gpu-check: profiling moe-1b-bf16 (4 steps, --profile-ops)"

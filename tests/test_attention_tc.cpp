@@ -69,10 +69,11 @@ Result run(const std::vector<bfr>& q, const std::vector<bfr>& k, const std::vect
 
 Result run_any(const std::vector<bfr>& q, const std::vector<bfr>& k, const std::vector<bfr>& v,
                const std::vector<bfr>& dout, std::int64_t B, std::int64_t S, std::int64_t H, int hd) {
-  switch (tc::padded_head_dim(hd)) {
+  switch (tc::instantiated_head_dim(hd)) {  // as attention.cu dispatches
     case 32: return run<32>(q, k, v, dout, B, S, H, hd);
     case 48: return run<48>(q, k, v, dout, B, S, H, hd);
     case 64: return run<64>(q, k, v, dout, B, S, H, hd);
+    case 96: return run<96>(q, k, v, dout, B, S, H, hd);
     case 128: return run<128>(q, k, v, dout, B, S, H, hd);
     default: ADD_FAILURE() << "no instantiation for hd " << hd; return {};
   }
@@ -130,6 +131,8 @@ TEST(AttentionTensorCore, MatchesTheReferenceInBf16) {
   check(1, 130, 2, 128);  // three blocks at the largest head dim
   check(2, 33, 2, 48);   // head dim 48
   check(1, 70, 1, 40);   // head dim not a multiple of 16 (padded to 48)
+  check(2, 65, 1, 16);   // padded to 32; one row into the second block
+  check(1, 64, 2, 80);   // padded to 96; exactly one block
 }
 
 TEST(AttentionTensorCore, OneTokenIsExact) {

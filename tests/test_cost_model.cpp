@@ -521,6 +521,9 @@ TEST(Calibrate, InSituProfileTakesFp32RunsOfTheBaseProfilesDeviceOnly) {
   EXPECT_NE(m.find("was measured on cuda and the base profile on cpu"), std::string::npos) << m;
   m = run_with(base, "cpu", "bf16");
   EXPECT_NE(m.find("was measured on a bf16 run"), std::string::npos) << m;
+  std::ofstream(dir / "op_times.json") << nlohmann::json{{"shapes", shapes}, {"device", 5}}.dump();
+  m = message_of([&] { in_situ_profile(base, dir); });
+  EXPECT_NE(m.find("\"device\" must be a string (got 5)"), std::string::npos) << m;
   base.device = "cuda";
   EXPECT_EQ(run_with(base, "cuda", "fp32"), "(no DataError)");
   std::filesystem::remove_all(dir);

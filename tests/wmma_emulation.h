@@ -9,8 +9,9 @@
 //   - nvcuda::wmma's 16x16x16 fragments: every lane holds the whole tile (the real
 //     layout spreads it over the lanes; the kernels never depend on it), mma_sync
 //     sums the 16 products of each element in fp32 in index order (the tensor core's
-//     order differs in the last bits), and only lane 0 stores, after which the
-//     kernel's __syncwarp makes the tile visible, as on the GPU.
+//     order differs in the last bits), and each lane stores only its share of the
+//     tile, so that, as on the GPU, only the kernel's __syncwarp makes a stored tile
+//     visible to the other lanes.
 // Not emulated: alignment rules, bank conflicts, speed.
 #pragma once
 
@@ -105,25 +106,22 @@ template <class Use, class T, class L>
 void fill_fragment(fragment<Use, 16, 16, 16, T, L>& f, float x) {
   for (float& e : f.v) e = x;
 }
-// Loads and stores are warp-collective on the GPU: here every lane meets the
-// others at their entry, so no lane reads a tile while lane 0 still writes it.
+// No barrier in loads or stores: as on the GPU, only the kernel's __syncwarp orders
+// one lane's writes before another lane's reads (a missing one shows up here as a
+// lane reading stale data, made likelier by the store's yield below).
 inline void load_matrix_sync(fragment<matrix_a, 16, 16, 16, bfr, row_major>& f, const bfr* p, unsigned ldm) {
-  __syncwarp();
   for (int r = 0; r < 16; ++r)
     for (int c = 0; c < 16; ++c) f.v[r * 16 + c] = bfr_to_float(p[r * ldm + c]);
 }
 inline void load_matrix_sync(fragment<matrix_b, 16, 16, 16, bfr, row_major>& f, const bfr* p, unsigned ldm) {
-  __syncwarp();
   for (int k = 0; k < 16; ++k)
     for (int n = 0; n < 16; ++n) f.v[k * 16 + n] = bfr_to_float(p[k * ldm + n]);
 }
 inline void load_matrix_sync(fragment<matrix_b, 16, 16, 16, bfr, col_major>& f, const bfr* p, unsigned ldm) {
-  __syncwarp();
   for (int k = 0; k < 16; ++k)
     for (int n = 0; n < 16; ++n) f.v[k * 16 + n] = bfr_to_float(p[n * ldm + k]);
 }
 inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, float>& f, const float* p, unsigned ldm, layout_t l) {
-  __syncwarp();
   for (int r = 0; r < 16; ++r)
     for (int c = 0; c < 16; ++c) f.v[r * 16 + c] = l == mem_row_major ? p[r * ldm + c] : p[c * ldm + r];
 }
@@ -141,10 +139,17 @@ void mma_sync(fragment<accumulator, 16, 16, 16, float>& d, const fragment<matrix
   std::memcpy(d.v, out, sizeof out);
 }
 inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, float>& f, unsigned ldm, layout_t l) {
-  __syncwarp();
-  if (threadIdx.x % 32 != 0) return;  // one writer; the kernel's __syncwarp publishes it
-  for (int r = 0; r < 16; ++r)
-    for (int c = 0; c < 16; ++c) (l == mem_row_major ? p[r * ldm + c] : p[c * ldm + r]) = f.v[r * 16 + c];
+  // Each lane writes the 8 elements it owns (element e by lane e % 32), as each lane
+  // of a real fragment writes its own part; a lane's fragment is right at the
+  // elements it owns even when it loaded others' after their owners stored (mma's
+  // element (r, n) reads only c's element (r, n)). The yield widens the window in
+  // which a reader without __syncwarp sees the old values.
+  std::this_thread::yield();
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  for (int e = lane; e < 256; e += 32) {
+    const int r = e / 16, c = e % 16;
+    (l == mem_row_major ? p[r * ldm + c] : p[c * ldm + r]) = f.v[e];
+  }
 }
 }  // namespace wmma
 

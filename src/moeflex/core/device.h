@@ -53,6 +53,10 @@ class Device {
   virtual void copy_to_host(void* dst, const void* src, Bytes bytes) = 0;
   /// Blocks the host until every queued operation of the device has run.
   virtual void synchronize() = 0;
+  /// Blocks the host until the compute work queued so far has run, leaving copies
+  /// on the copy streams running (--profile-ops times ops with it, so that an op's
+  /// time is its kernels' and in-flight offloads still overlap). Default: synchronize().
+  virtual void synchronize_compute() { synchronize(); }
   /// Offload (to_host) or prefetch copy on a copy stream, after the compute work
   /// queued so far; `host` must come from host_alloc() and stay valid until done.
   virtual std::shared_ptr<DeviceEvent> copy_async(void* dst, const void* src, Bytes bytes, bool to_host) = 0;

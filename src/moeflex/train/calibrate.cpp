@@ -1566,6 +1566,9 @@ HardwareProfile in_situ_profile(HardwareProfile base, const std::filesystem::pat
     throw DataError(fmt::format("'{}' has no \"shapes\" list (written by an older moeflex?)", path.string()));
   // A profile's op times are fp32 ops' (the cost model's unit); a bf16 run's would
   // price every later fp32 plan with another precision's times.
+  for (const char* field : {"precision", "device"})
+    if (doc.contains(field) && !doc[field].is_string())
+      throw DataError(fmt::format("'{}': \"{}\" must be a string (got {})", path.string(), field, doc[field].dump()));
   if (doc.value("precision", std::string("fp32")) != "fp32")
     throw DataError(fmt::format("'{}' was measured on a {} run: an in-situ profile takes the op times of an fp32 "
                                 "run (train it without --bf16, with --profile-ops)",

@@ -137,6 +137,7 @@ class ProfilingBackend final : public ops::Backend {
   void copy_from_host(void* dst, const void* src, Bytes bytes) override;
   void copy_to_host(void* dst, const void* src, Bytes bytes) override;
   void synchronize() override { inner_.synchronize(); }
+  void synchronize_compute() override { inner_.synchronize_compute(); }
   std::shared_ptr<DeviceEvent> copy_async(void* dst, const void* src, Bytes bytes, bool to_host) override {
     return inner_.copy_async(dst, src, bytes, to_host);
   }

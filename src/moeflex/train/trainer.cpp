@@ -607,7 +607,7 @@ TrainResult run_training(const TrainOptions& opts) {
       if (rank0) progress.note(fmt::format("--profile-ops: ops priced with {}", profile.string()));
       if (rank0 && op_cost->profile().device != cfg.device)
         fmt::print(stderr,
-                   "moeflex: warning: --profile-ops: {} was measured on a {} and this run trains on {}: the op "
+                   "moeflex: warning: --profile-ops: {} was measured on {} and this run trains on {}: the op "
                    "times are this run's, the predictions beside them the {}'s\n",
                    profile.string(), op_cost->profile().device, cfg.device, op_cost->profile().device);
       else if (rank0 && op_cost->profile().threads != omp_get_max_threads())
@@ -672,9 +672,11 @@ TrainResult run_training(const TrainOptions& opts) {
       // GPU computes ~100x faster than this CPU, but copies only a few times faster).
       if (cost_model && cost_model->profile().device != cfg.device) {
         note = fmt::format(
-            "the hardware profile {} was measured on a {} and this run trains on {}: the planner "
-            "ranks choices by op family (`moeflex calibrate` measures the CPU backend only)",
-            profile.string(), cost_model->profile().device, cfg.device);
+            "the hardware profile {} was measured on {} and this run trains on {}: the planner "
+            "ranks choices by op family ({})",
+            profile.string(), cost_model->profile().device, cfg.device,
+            cfg.device == "cpu" ? "run `moeflex calibrate` for this machine's CPU"
+                                : "`moeflex calibrate` measures the CPU backend only");
         res.planner_cost_model = "op family";
         cost_model.reset();
         unusable = true;
@@ -851,7 +853,8 @@ TrainResult run_training(const TrainOptions& opts) {
         std::vector<fs::path> parts;
         for (int r = 0; r < world_size; ++r) parts.push_back(op_times_part_path(run_dir, r));
         const std::int64_t first = res.steps - start_step > 1 ? start_step + 2 : start_step + 1;
-        json doc = summarize_op_time_parts(parts, first, omp_get_max_threads() == 1);
+        // One thread on the CPU: its thread CPU clock; a device's kernels: the wall clock.
+        json doc = summarize_op_time_parts(parts, first, omp_get_max_threads() == 1 && cfg.device == "cpu");
         doc["precision"] = cfg.model.bf16 ? "bf16" : "fp32";  // calibrate --from-run takes fp32 runs only
         doc["device"] = cfg.device;                           // ... onto a profile of the same device
         train::write_file_atomically(run_dir / "op_times.json", doc.dump(2) + "\n");

@@ -198,6 +198,7 @@ class CudaBackend final : public Backend {
     copies_.d2h().synchronize();
     copies_.h2d().synchronize();
   }
+  void synchronize_compute() override { compute_.synchronize(); }
   std::shared_ptr<DeviceEvent> copy_async(void* dst, const void* src, Bytes bytes, bool to_host) override {
     mc::Stream& on = to_host ? copies_.d2h() : copies_.h2d();
     mc::Event after;

@@ -190,7 +190,9 @@ train_run() {  # name, steps, moeflex train flags...: one run into $WORK/run-nam
 }
 if [[ ${MOEFLEX_GPU_CHECK_TRAIN:-1} == 0 ]]; then
   TRAIN_NOTE="skipped (MOEFLEX_GPU_CHECK_TRAIN=0)"
-elif [[ -z $TRAIN_NOTE ]]; then
+elif [[ -n $TRAIN_NOTE ]]; then  # no corpus: the training half of the check cannot run
+  fail "steps 3-4 did not run: $TRAIN_NOTE (or MOEFLEX_GPU_CHECK_TRAIN=0 to skip them)"
+else
   # bf16 next to fp32 at the same step count, so their loss columns compare directly; the
   # default model (12M parameters, 1k tokens a step) should take seconds on the GPU.
   bf16=${MOEFLEX_GPU_CHECK_BF16:-1}

@@ -1190,7 +1190,9 @@ TEST(CudaBackend, MoeDispatchAndGroupedGemmMatchTheCpuBackend) {
       compare("combine_topk_grad", t, shape, {{"dtopk_w (fp32)", &dtw_win}});
       EXPECT_EQ(dtw_win.dev(), dtw.dev()) << "CUDA windows against the whole backward, " << to_string(t);
       for (std::int64_t i = 0; i < n * k; ++i) {
-        if (slot.host_ints()[sz(i)] < 0) EXPECT_EQ(dtw_win.host()[sz(i)], 0.0) << "a dropped slot is untouched";
+        if (slot.host_ints()[sz(i)] < 0) {
+          EXPECT_EQ(dtw_win.host()[sz(i)], 0.0) << "a dropped slot is untouched";
+        }
       }
       EXPECT_EQ(dtw_win.host(), dtw.host()) << "CPU windows against the whole backward, " << to_string(t);
     }

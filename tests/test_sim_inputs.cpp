@@ -385,6 +385,32 @@ TEST(SimInputs, OutIsCheckedBeforeTheWork) {
   EXPECT_NE(out.find("--memory '0': give a positive size"), std::string::npos) << out;
 }
 
+// A flag given twice takes its last value (`make train ARGS=...` adds to the
+// Makefile's own flags), in every subcommand.
+TEST(SimInputs, ARepeatedFlagTakesItsLastValue) {
+  const fs::path bin = fs::path(MOEFLEX_BINARY_DIR) / "moeflex";
+  if (!fs::exists(bin)) GTEST_SKIP() << bin << " is not built";
+  const fs::path d = scratch("repeated");
+  auto run = [&](const std::string& args) {
+    const std::string cmd = fmt::format("cd {} && {} {} 2>&1", MOEFLEX_SOURCE_DIR, bin.string(), args);
+    FILE* p = popen(cmd.c_str(), "r");
+    std::string out;
+    std::array<char, 4096> buf{};
+    while (std::size_t n = std::fread(buf.data(), 1, buf.size(), p)) out.append(buf.data(), n);
+    const int status = pclose(p);
+    return std::make_pair(WEXITSTATUS(status), out);
+  };
+  auto [rc, out] = run(fmt::format("simulate --cluster h100 --memory 0 --memory 80GiB --out {}/a", d.string()));
+  EXPECT_EQ(rc, 0) << out;
+  std::tie(rc, out) = run(fmt::format("simulate --cluster h100 --memory 80GiB --memory 0 --out {}/b", d.string()));
+  EXPECT_EQ(rc, 2) << out;
+  EXPECT_NE(out.find("--memory '0': give a positive size"), std::string::npos) << out;
+  std::tie(rc, out) = run("train --policy none --policy bogus --steps 1 --out " + (d / "c").string());
+  EXPECT_EQ(rc, 2) << out;
+  EXPECT_NE(out.find("bogus"), std::string::npos) << out;
+  EXPECT_EQ(out.find("At Most 1"), std::string::npos) << out;
+}
+
 TEST(SimInputs, OutNeverOverwritesATrainingRunAndEmptyValuesAreRefused) {
   const fs::path bin = fs::path(MOEFLEX_BINARY_DIR) / "moeflex";
   if (!fs::exists(bin)) GTEST_SKIP() << bin << " is not built";

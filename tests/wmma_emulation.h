@@ -25,6 +25,9 @@
 
 #include "moeflex/core/bf16.h"
 
+// The kernels' `#pragma unroll` is nvcc's; the host compiler would warn of each.
+#pragma GCC diagnostic ignored "-Wunknown-pragmas"
+
 #define __global__
 #define __device__
 #define __forceinline__ inline

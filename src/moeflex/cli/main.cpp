@@ -41,6 +41,9 @@ int main(int argc, char** argv) {
   comm::MpiSession mpi(&argc, &argv);
   CLI::App app{"moeflex: mixture-of-experts training with runtime-adaptive activation memory"};
   app.require_subcommand(1);
+  // A flag given twice takes its last value, as `make train ARGS="--device-memory 215MiB"`
+  // after the Makefile's own --device-memory expects.
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
 
   // --- train
   auto* train = app.add_subcommand("train", "train an MoE language model");
@@ -183,8 +186,11 @@ int main(int argc, char** argv) {
                             checkpoint_every >= 0 || !device.empty() || expert_chunk_rows >= 0 || !out_dir.empty() ||
                             grad_accum > 0 || train->count("--bf16");
         if (others && (!comm::MpiSession::active() || mpi.world_rank() == 0))
-          fmt::print(stderr, "moeflex: --resume continues the run in its own folder with its own config.toml; other "
-                             "flags than --steps (--out, the config's) are ignored\n");
+          fmt::print(stderr,
+                     "moeflex: --resume continues the run in its own folder with its own config.toml: the "
+                     "config's flags (--config, --policy, --device-memory, ...) and --out are ignored; "
+                     "--steps, --stop-after, --threads, --quiet, --data-cache, --profile-ops and "
+                     "--hardware-profile apply\n");
         o.resume = fs::path(resume_dir);
         if (steps < 1) o.config.train.steps = -1;  // keep the run's own step count
       }

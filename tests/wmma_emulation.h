@@ -25,14 +25,12 @@
 
 #include "moeflex/core/bf16.h"
 
-// The kernels' `#pragma unroll` is nvcc's; the host compiler would warn of each.
-#pragma GCC diagnostic ignored "-Wunknown-pragmas"
-
 #define __global__
 #define __device__
 #define __forceinline__ inline
 #define __launch_bounds__(n)
 #define MOEFLEX_TC_SMEM(name) unsigned char* name = ::moeflex::emu::block_smem()
+#define MOEFLEX_TC_UNROLL
 
 namespace moeflex::emu {
 

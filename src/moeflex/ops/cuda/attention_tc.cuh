@@ -32,6 +32,8 @@
 #include <mma.h>
 /// The kernel's dynamic shared memory (the emulation hands out a per-block buffer).
 #define MOEFLEX_TC_SMEM(name) extern __shared__ __align__(128) unsigned char name[]
+/// nvcc's loop unrolling (nothing in the emulation, whose compiler would warn).
+#define MOEFLEX_TC_UNROLL _Pragma("unroll")
 #endif
 
 #include <cstdint>
@@ -87,11 +89,11 @@ __device__ __forceinline__ void tc_load_tile(bfr* tile, const bfr* __restrict__ 
 /// against B's rows (S = Q K^T, S^T = K Q^T, dP = dO V^T, dP^T = V dO^T).
 template <int HDP>
 __device__ __forceinline__ void tc_rows_dot_rows(float* C, const bfr* A, const bfr* B) {
-#pragma unroll
+MOEFLEX_TC_UNROLL
   for (int n = 0; n < kRows / 16; ++n) {
     wm::fragment<wm::accumulator, 16, 16, 16, float> c;
     wm::fill_fragment(c, 0.0f);
-#pragma unroll
+MOEFLEX_TC_UNROLL
     for (int kk = 0; kk < HDP / 16; ++kk) {
       wm::fragment<wm::matrix_a, 16, 16, 16, bfr, wm::row_major> a;
       wm::fragment<wm::matrix_b, 16, 16, 16, bfr, wm::col_major> b;
@@ -108,11 +110,11 @@ __device__ __forceinline__ void tc_rows_dot_rows(float* C, const bfr* A, const b
 template <int HDP>
 __device__ __forceinline__ void tc_acc_p_times(wm::fragment<wm::accumulator, 16, 16, 16, float> (&acc)[HDP / 16],
                                                const bfr* P, const bfr* V) {
-#pragma unroll
+MOEFLEX_TC_UNROLL
   for (int kk = 0; kk < kRows / 16; ++kk) {
     wm::fragment<wm::matrix_a, 16, 16, 16, bfr, wm::row_major> a;
     wm::load_matrix_sync(a, P + kk * 16, kRows);
-#pragma unroll
+MOEFLEX_TC_UNROLL
     for (int n = 0; n < HDP / 16; ++n) {
       wm::fragment<wm::matrix_b, 16, 16, 16, bfr, wm::row_major> b;
       wm::load_matrix_sync(b, V + kk * 16 * HDP + n * 16, HDP);
@@ -200,10 +202,10 @@ __global__ void __launch_bounds__(kThreads)
     for (int i = lane; i < kWarpRows * HDP; i += 32) Ow[i] *= row_c[w0 + i / HDP];
     __syncwarp();
     wm::fragment<wm::accumulator, 16, 16, 16, float> acc[HDP / 16];
-#pragma unroll
+MOEFLEX_TC_UNROLL
     for (int n = 0; n < HDP / 16; ++n) wm::load_matrix_sync(acc[n], Ow + n * 16, HDP, wm::mem_row_major);
     tc_acc_p_times<HDP>(acc, Pw, Vs);
-#pragma unroll
+MOEFLEX_TC_UNROLL
     for (int n = 0; n < HDP / 16; ++n) wm::store_matrix_sync(Ow + n * 16, acc[n], HDP, wm::mem_row_major);
     __syncwarp();
   }
@@ -254,7 +256,7 @@ __global__ void __launch_bounds__(kThreads)
   bfr* dSw = dSb + w0 * kRows;
   const std::int64_t q_end = q0 + kRows < S ? q0 + kRows : S;
   wm::fragment<wm::accumulator, 16, 16, 16, float> acc[HDP / 16];
-#pragma unroll
+MOEFLEX_TC_UNROLL
   for (int n = 0; n < HDP / 16; ++n) wm::fill_fragment(acc[n], 0.0f);
   for (int pass = 0; pass < 2; ++pass) {  // 0: D; 1: dq
     for (std::int64_t k0 = 0; k0 < q_end; k0 += kRows) {
@@ -291,7 +293,7 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();  // K and V tiles are done: their space holds the fp32 dq rows
   float* dQb = reinterpret_cast<float*>(Ks);  // [64][HDP] fp32 = the K and V tiles' bytes
   float* dQw = dQb + w0 * HDP;
-#pragma unroll
+MOEFLEX_TC_UNROLL
   for (int n = 0; n < HDP / 16; ++n) wm::store_matrix_sync(dQw + n * 16, acc[n], HDP, wm::mem_row_major);
   __syncwarp();
   for (int i = lane; i < kWarpRows * HDP; i += 32) {
@@ -337,7 +339,7 @@ __global__ void __launch_bounds__(kThreads)
   bfr* Pw = Pb + w0 * kRows;
   bfr* dSw = dSb + w0 * kRows;
   wm::fragment<wm::accumulator, 16, 16, 16, float> dk_acc[HDP / 16], dv_acc[HDP / 16];
-#pragma unroll
+MOEFLEX_TC_UNROLL
   for (int n = 0; n < HDP / 16; ++n) {
     wm::fill_fragment(dk_acc[n], 0.0f);
     wm::fill_fragment(dv_acc[n], 0.0f);
@@ -374,7 +376,7 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();  // the query tiles are done: their space holds the fp32 dk, dv rows
   float* dKb = reinterpret_cast<float*>(Qs);  // [64][HDP] fp32 = the Q and dO tiles' bytes
   float* dKw = dKb + w0 * HDP;
-#pragma unroll
+MOEFLEX_TC_UNROLL
   for (int n = 0; n < HDP / 16; ++n) wm::store_matrix_sync(dKw + n * 16, dk_acc[n], HDP, wm::mem_row_major);
   __syncwarp();
   for (int i = lane; i < kWarpRows * HDP; i += 32) {
@@ -383,7 +385,7 @@ __global__ void __launch_bounds__(kThreads)
     if (key < S && d < hd) dk[h.base + key * h.stride + d] = float_to_bfr(dKw[i] * scale);
   }
   __syncwarp();
-#pragma unroll
+MOEFLEX_TC_UNROLL
   for (int n = 0; n < HDP / 16; ++n) wm::store_matrix_sync(dKw + n * 16, dv_acc[n], HDP, wm::mem_row_major);
   __syncwarp();
   for (int i = lane; i < kWarpRows * HDP; i += 32) {

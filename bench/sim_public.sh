@@ -12,9 +12,9 @@ peak=$(/usr/bin/python3 -c "import json; print(json.load(open('configs/clusters/
 RUNS=(
   "Mixtral 8x7B, 64 H100, TP1 PP4 VPP8 EP8|mixtral-8x7b|tp=1,pp=4,vpp=8,ep=8,dp=16|interleaved|256|4096|none"
   "DeepSeek-V3, 1024 H100, TP2 PP8 VPP4 EP64|deepseek-v3|tp=2,pp=8,vpp=4,ep=64,dp=64|interleaved|1024|4096|adaptive"
-  "Qwen3-235B-A22B, 256 H100, TP2 PP8 EP16|qwen3-235b-a22b|tp=2,pp=8,ep=16,dp=16|1f1b|512|4096|adaptive"
+  "Qwen3-235B-A22B, 256 H100, TP4 PP8 VPP4 EP8|qwen3-235b-a22b|tp=4,pp=8,vpp=4,ep=8,dp=8|interleaved|2048|4096|none"
 )
-printf "%-44s %8s %12s\n" "run" "MFU" "TFLOP/s/GPU"
+printf "%-44s %8s %12s %9s\n" "run" "MFU" "TFLOP/s/GPU" "step s"
 i=0
 for r in "${RUNS[@]}"; do
   IFS='|' read -r name model par sched gb seq pol <<< "$r"
@@ -23,7 +23,7 @@ for r in "${RUNS[@]}"; do
   /usr/bin/python3 - "$OUT/run$i/summary.json" "$peak" "$name" <<'PY'
 import json, sys
 s = json.load(open(sys.argv[1]))
-print(f"{sys.argv[3]:<44} {100 * s['mfu']:7.1f}% {s['mfu'] * float(sys.argv[2]) / 1e12:12.0f}")
+print(f"{sys.argv[3]:<44} {100 * s['mfu']:7.1f}% {s['mfu'] * float(sys.argv[2]) / 1e12:12.0f} {s['step_time_s']:9.2f}")
 PY
   i=$((i + 1))
 done

@@ -5,16 +5,16 @@
 # x tp 4, 1F1B, 64 micro-batches of 1 x 6144 tokens per pipeline, the default load
 # distribution (97.1% of iterations <= 1.2x, 2.9% spike to <= 2.6x), 284 s cold
 # restarts and checkpoints every 50 iterations. Saving everything fits calm
-# iterations (54.4 GiB) but not every spike under a 55.5 GiB budget (MEMORY). Prints effective MFU per policy
+# iterations (51.4 GiB) but not every spike under a 52.5 GiB budget (MEMORY). Prints effective MFU per policy
 # next to BaGuaLu-2's figures (30.0% aggressive static with OOMs, 24.6% full
 # recompute, adaptive ~1.14x the baseline).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-build/moeflex}
 ITER=${ITER:-300}
-# The per-device budget: saving everything fits calm iterations (54.4 GiB) but not
+# The per-device budget: saving everything fits calm iterations (51.4 GiB) but not
 # the larger spikes, as BaGuaLu-2's aggressive setting; the 64 GB device has 60 GiB usable.
-MEMORY=${MEMORY:-55.5GiB}
+MEMORY=${MEMORY:-52.5GiB}
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
 for pol in none full adaptive; do

@@ -404,6 +404,35 @@ TEST(Presets, ClustersLoad) {
   EXPECT_THROW(load_cluster("no-such-cluster", root), ConfigError);
 }
 
+// Routed experts are whole on each tensor-parallel rank (ETP 1: each tp rank runs its
+// own tokens through them), so their gradients are reduced, and their optimizer state
+// sharded, over tp x dp / ep ranks: doubling tp halves the expert optimizer state.
+TEST(Sim, ExpertOptimizerStateIsShardedOverTensorTimesDataParallelOverEp) {
+  const std::filesystem::path root = MOEFLEX_SOURCE_DIR;
+  const ClusterSpec cl = load_cluster("h100", root);
+  ASSERT_TRUE(cl.optimizer_sharded);
+  ModelConfig few = load_model("mixtral-8x7b", root), many = few;
+  many.num_experts = 2 * few.num_experts;
+  const int L = few.num_hidden_layers;
+  // Bytes the extra experts (and their router rows) add to a rank holding every layer.
+  auto extra = [&](const char* layout) {
+    const ParallelSpec par = ParallelSpec::parse(layout);
+    return double(persistent_bytes(many, cl, par, {{0, L}}, false, false) -
+                  persistent_bytes(few, cl, par, {{0, L}}, false, false));
+  };
+  const int dp = 8, ep = 4;
+  // The extra expert weights on a rank: 3 matrices of (E / ep) x f x d per layer.
+  const double n =
+      3.0 * L * (double(few.num_experts) / ep) * double(few.moe_intermediate_size) * double(few.hidden_size);
+  const double ob = cl.optimizer_bytes;  // the m and v tensors together
+  // tp 1 -> 2: the weights, gradients and the router's rows are unchanged; the expert
+  // optimizer state goes from n ob / (dp / ep) to n ob / (2 dp / ep).
+  const double want = n * ob / (double(dp) / ep) - n * ob / (2.0 * dp / ep);
+  EXPECT_NEAR(extra("tp=1,ep=4,dp=8") - extra("tp=2,ep=4,dp=8"), want, 1e-6 * want);
+  // And with tp 2, ep 8 over dp 8: tp x dp / ep = 2 ranks hold each shard.
+  EXPECT_NEAR(extra("tp=2,ep=8,dp=8"), n / 2 * (cl.param_bytes + ob / 2), 1e-3 * n * cl.param_bytes);
+}
+
 TEST(Sim, DeepSeekV3OnALargeClusterRuns) {
   const std::filesystem::path root = MOEFLEX_SOURCE_DIR;
   SimOptions o;

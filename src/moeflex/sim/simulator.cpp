@@ -371,9 +371,17 @@ PlanTimeline run_plan(const StepPlan& plan, const std::function<ActionCost(int, 
 
 namespace {
 
+/// Ranks that hold the same routed experts and so reduce their gradients together
+/// (and shard their optimizer state): the routed experts are whole on each of the tp
+/// ranks of a replica, which run their own n / tp tokens through them (expert tensor
+/// parallelism 1, as Megatron-Core's MoE parallel folding allows), times the dp / ep
+/// replicas of an expert shard: tp x dp / ep.
+int expert_data_parallel(const ParallelSpec& par) { return par.tp * par.dp / par.ep; }
+
 /// Calls add(numel, expert) for every parameter tensor one rank holds of layers
 /// `ranges` and the ends, in model.cpp's order (one all-reduce each in the engine's
-/// reduce_gradients; expert: routed-expert weights, reduced over dp / ep).
+/// reduce_gradients; expert: routed-expert weights, reduced over
+/// expert_data_parallel()).
 void for_each_param_tensor(const ModelConfig& cfg, const ParallelSpec& par, const std::vector<std::pair<int, int>>& ranges,
                            bool embedding, bool head, const std::function<void(double, bool)>& add) {
   const double d = double(cfg.hidden_size), tp = par.tp;
@@ -407,7 +415,8 @@ void for_each_param_tensor(const ModelConfig& cfg, const ParallelSpec& par, cons
 Bytes persistent_bytes(const ModelConfig& cfg, const ClusterSpec& cl, const ParallelSpec& par,
                        const std::vector<std::pair<int, int>>& ranges, bool embedding, bool head) {
   const double pb = cl.param_bytes / 2, ob = cl.optimizer_bytes / 2;  // two tensors each (w+g, m+v)
-  const double dense_shard = cl.optimizer_sharded ? par.dp : 1, expert_shard = cl.optimizer_sharded ? par.dp / par.ep : 1;
+  const double dense_shard = cl.optimizer_sharded ? par.dp : 1;
+  const double expert_shard = cl.optimizer_sharded ? expert_data_parallel(par) : 1;
   // A bf16 model on a cluster of 4-byte elements is the engine's --bf16 on it: the
   // fp32 state plus each tensor's bf16 working copy (a 2-byte cluster's param_bytes
   // and optimizer_bytes already describe mixed precision).
@@ -789,7 +798,11 @@ SimReport simulate(const SimOptions& o) {
   {
     Seconds dp_t = 0, opt_t = 0;
     const GroupPlacement dense_g = place_group(par.dp, par.tp, o.cluster.gpus_per_node);
-    const GroupPlacement expert_g = place_group(par.dp / par.ep, par.tp * par.ep, o.cluster.gpus_per_node);
+    // The expert-data-parallel group: the tp ranks of a replica (tp consecutive ranks,
+    // within a node) times the dp / ep replicas of an expert shard (stride tp x ep).
+    GroupPlacement expert_g = place_group(par.dp / par.ep, par.tp * par.ep, o.cluster.gpus_per_node);
+    expert_g.ranks_per_node = std::min(o.cluster.gpus_per_node, expert_g.ranks_per_node * par.tp);
+    expert_g.size = expert_data_parallel(par);
     const Bytes grad_bytes = 4;  // fp32 gradients (the engine; Megatron's main_grad)
     // The CPU engine's sync_tied_embedding (train/distributed.cpp), on every pipeline
     // rank when the embedding is tied and split over stages: the V x d gradient copies
@@ -825,7 +838,8 @@ SimReport simulate(const SimOptions& o) {
               : all_reduce_time(o.cluster, dense_g, Bytes(std::llround(dense)) * grad_bytes) +
                     all_reduce_time(o.cluster, expert_g, Bytes(std::llround(expert)) * grad_bytes);
       dp_t = std::max(dp_t, t + tied_sync);
-      const double shard_d = o.cluster.optimizer_sharded ? par.dp : 1, shard_e = o.cluster.optimizer_sharded ? par.dp / par.ep : 1;
+      const double shard_d = o.cluster.optimizer_sharded ? par.dp : 1;
+      const double shard_e = o.cluster.optimizer_sharded ? expert_data_parallel(par) : 1;
       const Seconds rank_opt = optimizer_step_time(sim.cost, dense + expert, dense / shard_d + expert / shard_e);
       opt_t = std::max(opt_t, rank_opt);
       optimizer_ops += rank_opt;

@@ -347,20 +347,25 @@ TEST(SimInputs, ClusterJsonRefusesUnknownKeysAndFractionalCounts) {
 
 // ---- 5. --out, checked before the work (through the binary) -------------------------
 
+namespace {
+/// Runs `bin args` from the source folder: its exit status and its stdout and stderr.
+std::pair<int, std::string> run_moeflex(const fs::path& bin, const std::string& args) {
+  const std::string cmd = fmt::format("cd {} && {} {} 2>&1", MOEFLEX_SOURCE_DIR, bin.string(), args);
+  FILE* p = popen(cmd.c_str(), "r");
+  std::string out;
+  std::array<char, 4096> buf{};
+  while (std::size_t n = std::fread(buf.data(), 1, buf.size(), p)) out.append(buf.data(), n);
+  const int status = pclose(p);
+  return std::make_pair(WEXITSTATUS(status), out);
+}
+}  // namespace
+
 TEST(SimInputs, OutIsCheckedBeforeTheWork) {
   const fs::path bin = fs::path(MOEFLEX_BINARY_DIR) / "moeflex";
   if (!fs::exists(bin)) GTEST_SKIP() << bin << " is not built";
   const fs::path d = scratch("out");
   const fs::path file = write(d / "a-file", "x");
-  auto run = [&](const std::string& args) {
-    const std::string cmd = fmt::format("cd {} && {} {} 2>&1", MOEFLEX_SOURCE_DIR, bin.string(), args);
-    FILE* p = popen(cmd.c_str(), "r");
-    std::string out;
-    std::array<char, 4096> buf{};
-    while (std::size_t n = std::fread(buf.data(), 1, buf.size(), p)) out.append(buf.data(), n);
-    const int status = pclose(p);
-    return std::make_pair(WEXITSTATUS(status), out);
-  };
+  auto run = [&](const std::string& args) { return run_moeflex(bin, args); };
   // search writes one file: a directory is refused at once (not after the search).
   auto [rc, out] = run(fmt::format("search --gpus 8 --cluster h100 --out {}", d.string()));
   EXPECT_EQ(rc, 2) << out;
@@ -391,15 +396,7 @@ TEST(SimInputs, ARepeatedFlagTakesItsLastValue) {
   const fs::path bin = fs::path(MOEFLEX_BINARY_DIR) / "moeflex";
   if (!fs::exists(bin)) GTEST_SKIP() << bin << " is not built";
   const fs::path d = scratch("repeated");
-  auto run = [&](const std::string& args) {
-    const std::string cmd = fmt::format("cd {} && {} {} 2>&1", MOEFLEX_SOURCE_DIR, bin.string(), args);
-    FILE* p = popen(cmd.c_str(), "r");
-    std::string out;
-    std::array<char, 4096> buf{};
-    while (std::size_t n = std::fread(buf.data(), 1, buf.size(), p)) out.append(buf.data(), n);
-    const int status = pclose(p);
-    return std::make_pair(WEXITSTATUS(status), out);
-  };
+  auto run = [&](const std::string& args) { return run_moeflex(bin, args); };
   auto [rc, out] = run(fmt::format("simulate --cluster h100 --memory 0 --memory 80GiB --out {}/a", d.string()));
   EXPECT_EQ(rc, 0) << out;
   std::tie(rc, out) = run(fmt::format("simulate --cluster h100 --memory 80GiB --memory 0 --out {}/b", d.string()));
@@ -415,15 +412,7 @@ TEST(SimInputs, OutNeverOverwritesATrainingRunAndEmptyValuesAreRefused) {
   const fs::path bin = fs::path(MOEFLEX_BINARY_DIR) / "moeflex";
   if (!fs::exists(bin)) GTEST_SKIP() << bin << " is not built";
   const fs::path d = scratch("run-out");
-  auto run = [&](const std::string& args) {
-    const std::string cmd = fmt::format("cd {} && {} {} 2>&1", MOEFLEX_SOURCE_DIR, bin.string(), args);
-    FILE* p = popen(cmd.c_str(), "r");
-    std::string out;
-    std::array<char, 4096> buf{};
-    while (std::size_t n = std::fread(buf.data(), 1, buf.size(), p)) out.append(buf.data(), n);
-    const int status = pclose(p);
-    return std::make_pair(WEXITSTATUS(status), out);
-  };
+  auto run = [&](const std::string& args) { return run_moeflex(bin, args); };
   // A training run's folder, by each of its marks: refused, its files untouched.
   fs::create_directories(d / "a");
   write(d / "a" / "metrics.jsonl", "{}\n");

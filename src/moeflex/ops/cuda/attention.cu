@@ -40,15 +40,10 @@ constexpr int kBlockRows = kWarps * kRowsPerWarp;  // 16 rows per block
 constexpr int kTile = 32;                          // rows of the staged operand per tile
 constexpr int kThreads = kWarps * detail::kWarp;
 
-/// Element (s, d) of head (b, h) in a [B, S, H, hd] tensor: base + s * stride + d.
-struct HeadView {
-  std::int64_t base, stride;
-};
-
-__device__ __forceinline__ HeadView head_view(std::int64_t bh, std::int64_t S, std::int64_t H, int hd) {
-  const std::int64_t b = bh / H, h = bh % H;
-  return {b * S * H * hd + h * hd, H * hd};
-}
+/// Element (s, d) of head (b, h) in a [B, S, H, hd] tensor: base + s * stride + d
+/// (shared with the tensor-core kernels, attention_tc.cuh).
+using HeadView = tc::TcHead;
+using tc::tc_head;
 
 /// Loads rows [r0, r0 + kTile) of one head into a float tile (zeros past S or hd).
 template <typename T>
@@ -89,7 +84,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(const T* __
   __shared__ float ks[kTile][kMaxHd];
   __shared__ float vs[kTile][kMaxHd];
   const std::int64_t bh = blockIdx.y;
-  const HeadView hv = head_view(bh, S, H, hd);
+  const HeadView hv = tc_head(bh, S, H, hd);
   const int warp = threadIdx.x / detail::kWarp, lane = threadIdx.x % detail::kWarp;
   const std::int64_t row0 = std::int64_t(blockIdx.x) * kBlockRows + warp * kRowsPerWarp;
 
@@ -156,7 +151,7 @@ __global__ void attention_rowdot_kernel(const T* __restrict__ dout, const T* __r
   const int lane = threadIdx.x % detail::kWarp;
   if (r >= rows) return;
   const std::int64_t bh = r / S, i = r % S;
-  const HeadView hv = head_view(bh, S, H, hd);
+  const HeadView hv = tc_head(bh, S, H, hd);
   float s = 0.0f;
   for (int d = lane; d < hd; d += detail::kWarp) {
     const std::int64_t at = hv.base + i * hv.stride + d;
@@ -176,7 +171,7 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ float ks[kTile][kMaxHd];
   __shared__ float vs[kTile][kMaxHd];
   const std::int64_t bh = blockIdx.y;
-  const HeadView hv = head_view(bh, S, H, hd);
+  const HeadView hv = tc_head(bh, S, H, hd);
   const int warp = threadIdx.x / detail::kWarp, lane = threadIdx.x % detail::kWarp;
   const std::int64_t row0 = std::int64_t(blockIdx.x) * kBlockRows + warp * kRowsPerWarp;
 
@@ -254,7 +249,7 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ float lse_s[kTile];
   __shared__ float D_s[kTile];
   const std::int64_t bh = blockIdx.y;
-  const HeadView hv = head_view(bh, S, H, hd);
+  const HeadView hv = tc_head(bh, S, H, hd);
   const int warp = threadIdx.x / detail::kWarp, lane = threadIdx.x % detail::kWarp;
   const std::int64_t key_block = std::int64_t(blockIdx.x) * kBlockRows;
   const std::int64_t key0 = key_block + warp * kRowsPerWarp;

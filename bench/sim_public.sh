@@ -13,6 +13,8 @@ RUNS=(
   "Mixtral 8x7B, 64 H100, TP1 PP4 VPP8 EP8|mixtral-8x7b|tp=1,pp=4,vpp=8,ep=8,dp=16|interleaved|256|4096|none"
   "DeepSeek-V3, 1024 H100, TP2 PP8 VPP4 EP64|deepseek-v3|tp=2,pp=8,vpp=4,ep=64,dp=64|interleaved|1024|4096|adaptive"
   "Qwen3-235B-A22B, 256 H100, TP4 PP8 VPP4 EP8|qwen3-235b-a22b|tp=4,pp=8,vpp=4,ep=8,dp=8|interleaved|2048|4096|none"
+  "Qwen3-235B-A22B, 256 H100, TP2 PP8 VPP4 EP32|qwen3-235b-a22b|tp=2,pp=8,vpp=4,ep=32,dp=16|interleaved|2048|4096|moe-light"
+  "Qwen3-235B-A22B, 256 H100, TP2 PP32 VPP3 EP8|qwen3-235b-a22b|tp=2,pp=32,vpp=3,ep=8,dp=4|interleaved|2048|4096|moe-light"
 )
 printf "%-44s %8s %12s %9s\n" "run" "MFU" "TFLOP/s/GPU" "step s"
 i=0

@@ -433,6 +433,71 @@ TEST(Sim, ExpertOptimizerStateIsShardedOverTensorTimesDataParallelOverEp) {
   EXPECT_NEAR(extra("tp=2,ep=8,dp=8"), n / 2 * (cl.param_bytes + ob / 2), 1e-3 * n * cl.param_bytes);
 }
 
+TEST(Sim, ExpertParallelismFoldsOverTensorTimesDataParallel) {
+  // Megatron-Core's rank order for expert layers with expert tensor parallelism 1 is
+  // tp-ep-dp-pp over the tp x dp ranks of a stage: an EP group is ep consecutive
+  // ranks, its expert-data-parallel peers are ep apart.
+  const ParallelSpec qwen = ParallelSpec::parse("tp=4,pp=8,ep=8,dp=8");
+  EXPECT_EQ(expert_parallel_placement(qwen, 8).size, 8);
+  EXPECT_EQ(expert_parallel_placement(qwen, 8).ranks_per_node, 8);  // one node, not 4 (stride tp)
+  EXPECT_EQ(expert_data_parallel_placement(qwen, 8).size, 4);
+  EXPECT_EQ(expert_data_parallel_placement(qwen, 8).ranks_per_node, 1);
+  const ParallelSpec folded = ParallelSpec::parse("tp=2,pp=8,ep=32,dp=16");  // ep > dp
+  EXPECT_EQ(expert_parallel_placement(folded, 8).size, 32);
+  EXPECT_EQ(expert_parallel_placement(folded, 8).ranks_per_node, 8);
+  EXPECT_EQ(expert_data_parallel_placement(folded, 8).size, 1);
+
+  const std::filesystem::path root = MOEFLEX_SOURCE_DIR;
+  SimOptions o;
+  o.model = load_model("qwen3-30b-a3b", root);
+  o.cluster = load_cluster("h100", root);
+  o.schedule = "1f1b";
+  o.global_batch = 16;
+  o.seq_len = 4096;
+  o.loads.constant = 1.0;
+  // The layers' blocking collectives (exposed communication less the gradient reduction).
+  auto layer_comm = [&](const char* layout, double inter_node_scale) {
+    SimOptions q = o;
+    q.parallel = ParallelSpec::parse(layout);
+    q.cluster.inter_node.bandwidth *= inter_node_scale;
+    const SimReport r = simulate(q);
+    return r.exposed_comm - r.dp_reduce_time;
+  };
+  // 16 ranks on 2 nodes. ep 8 over tp 2 x dp 8 stays in a node: a 100x slower
+  // inter-node link leaves the all-to-alls alone.
+  const double in_node = layer_comm("tp=2,ep=8,dp=8", 1.0);
+  EXPECT_GT(in_node, 0);
+  EXPECT_NEAR(layer_comm("tp=2,ep=8,dp=8", 0.01), in_node, 1e-9 * in_node);
+  // ep 16 > dp 8 folds over both nodes: it runs, and its all-to-alls cross them.
+  const double across = layer_comm("tp=2,ep=16,dp=8", 1.0);
+  EXPECT_GT(across, in_node);
+  EXPECT_GT(layer_comm("tp=2,ep=16,dp=8", 0.01), 10 * across);
+  // The routed experts split 16 ways: each rank holds half of ep 8's expert weights.
+  const ModelConfig& cfg = o.model;
+  auto persist = [&](const char* layout) {
+    return double(persistent_bytes(cfg, o.cluster, ParallelSpec::parse(layout), {{0, 1}}, false, false));
+  };
+  const double expert_numel =
+      3.0 * double(cfg.num_experts) * double(cfg.moe_intermediate_size) * double(cfg.hidden_size);
+  // Weights and gradients (param_bytes) per expert element; the optimizer state is
+  // sharded over tp x dp / ep = 2 (ep 8) and 1 (ep 16) ranks.
+  ASSERT_TRUE(cfg.is_moe_layer(0));
+  ASSERT_TRUE(o.cluster.optimizer_sharded);
+  auto per_element = [&](double shard) { return o.cluster.param_bytes + o.cluster.optimizer_bytes / shard; };
+  const double per_el8 = per_element(2) / 8, per_el16 = per_element(1) / 16;
+  EXPECT_NEAR(persist("tp=2,ep=8,dp=8") - persist("tp=2,ep=16,dp=8"), expert_numel * (per_el8 - per_el16),
+              1e-3 * expert_numel * per_el8);
+  // ep must divide tp x dp: the error names both.
+  SimOptions bad = o;
+  bad.parallel = ParallelSpec::parse("tp=2,ep=32,dp=8");
+  try {
+    (void)simulate(bad);
+    FAIL() << "ep 32 over tp 2 x dp 8 was accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("tp 2 x dp 8 = 16"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Sim, DeepSeekV3OnALargeClusterRuns) {
   const std::filesystem::path root = MOEFLEX_SOURCE_DIR;
   SimOptions o;

@@ -109,7 +109,8 @@ void add_sim_commands(CLI::App& app) {
     c->add_option("--memory", f.memory, "per-device memory limit, e.g. 250MiB (default: the cluster's)");
   }
   auto* s = f.simulate;
-  s->add_option("--parallel", f.parallel, "tp=..,pp=..,vpp=..,ep=..,dp=.. (default all 1)");
+  s->add_option("--parallel", f.parallel,
+                "tp=..,pp=..,vpp=..,ep=..,dp=.. (default all 1; ep divides tp x dp, folding over both)");
   s->add_option("--schedule", f.schedule, "gpipe, 1f1b, interleaved, zb-h1, dualpipev (default 1f1b)");
   s->add_option("--policy", f.policy, "none, full, selective, moe-light, moe-medium, moe-full, threshold[=R], adaptive")
       ->capture_default_str();

@@ -92,7 +92,7 @@ SearchResult search(const SearchOptions& o) {
     for (int pp : divisors(o.gpus / tp)) {
       if (pp > L) continue;
       const int dp = o.gpus / (tp * pp);
-      for (int ep : divisors(dp)) {
+      for (int ep : divisors(tp * dp)) {  // MoE parallel folding: ep x expert_dp = tp x dp
         for (const auto& sched : o.schedules) {
           std::vector<int> vpps = {1};
           if (sched == "interleaved") vpps = o.vpps;

@@ -82,7 +82,7 @@ ParallelSpec ParallelSpec::parse(const std::string& s) {
     else if (k == "dp") p.dp = v;
     else throw ConfigError(fmt::format("--parallel '{}': unknown key '{}' (tp, pp, vpp, ep, dp)", s, k));
   }
-  // tp x pp x dp devices (ep divides the data-parallel ranks): refuse what overflows.
+  // tp x pp x dp devices (ep divides the tp x dp ranks of a stage): refuse what overflows.
   const double world = double(p.tp) * double(p.pp) * double(p.dp);
   if (world > double(kMaxSimulatedDevices))
     throw ConfigError(fmt::format("--parallel '{}': tp x pp x dp = {:.0f} devices, more than the {} this simulator takes",
@@ -378,6 +378,18 @@ namespace {
 /// replicas of an expert shard: tp x dp / ep.
 int expert_data_parallel(const ParallelSpec& par) { return par.tp * par.dp / par.ep; }
 
+}  // namespace
+
+GroupPlacement expert_parallel_placement(const ParallelSpec& par, int gpus_per_node) {
+  return place_group(par.ep, 1, gpus_per_node);
+}
+
+GroupPlacement expert_data_parallel_placement(const ParallelSpec& par, int gpus_per_node) {
+  return place_group(expert_data_parallel(par), par.ep, gpus_per_node);
+}
+
+namespace {
+
 /// Calls add(numel, expert) for every parameter tensor one rank holds of layers
 /// `ranges` and the ends, in model.cpp's order (one all-reduce each in the engine's
 /// reduce_gradients; expert: routed-expert weights, reduced over
@@ -507,7 +519,7 @@ struct Simulation {
     const ParallelSpec& p = o.parallel;
     Seconds t = 0;
     if (lc.a2a_send_bytes > 0 || lc.a2a_recv_bytes > 0)
-      t += 2 * all_to_all_time(o.cluster, place_group(p.ep, p.tp, o.cluster.gpus_per_node), lc.a2a_send_bytes,
+      t += 2 * all_to_all_time(o.cluster, expert_parallel_placement(p, o.cluster.gpus_per_node), lc.a2a_send_bytes,
                                lc.a2a_recv_bytes);
     if (lc.tp_collective_bytes > 0)
       t += 4 * all_gather_time(o.cluster, place_group(p.tp, 1, o.cluster.gpus_per_node), lc.tp_collective_bytes);
@@ -532,11 +544,18 @@ struct Simulation {
     if (o.schedule != "interleaved" && p.vpp != 1)
       throw ConfigError(fmt::format("vpp {} needs --schedule interleaved (dualpipev holds 2 chunks by itself)", p.vpp));
     const int v = dualv ? 2 : p.vpp;
-    // The layout's own checks: ep divides dp and the experts, the layers fit the stages.
+    // The layout's own checks on the expert layers' view of a stage (MoE parallel
+    // folding, expert tensor parallelism 1): its tp x dp ranks are ep x expert_dp, so
+    // ep divides tp x dp and the experts; the layers fit the stages.
+    if ((p.tp * p.dp) % p.ep != 0)
+      throw ConfigError(
+          fmt::format("ep {} does not divide tp {} x dp {} = {}: the expert layers' ep x expert_dp ranks "
+                      "are the tp x dp ranks of a stage (MoE parallel folding, expert tensor parallelism 1)",
+                      p.ep, p.tp, p.dp, p.tp * p.dp));
     comm::LayoutSpec ls;
-    ls.world_size = p.pp * p.dp;
+    ls.world_size = p.pp * p.tp * p.dp;
     ls.pp = p.pp;
-    ls.dp = p.dp;
+    ls.dp = p.tp * p.dp;
     ls.ep = p.ep;
     ls.vpp = v;
     ls.num_layers = int(cfg.num_hidden_layers);
@@ -740,7 +759,8 @@ struct Simulation {
       return out;
     }
     const double cold = p.ep > 1 ? std::max(0.0, (double(p.ep) - hot) / double(p.ep - 1)) : 1.0;
-    for (int g = 0; g < p.dp / p.ep; ++g) {
+    // (ep may exceed dp when it folds over tp x dp: then one whole EP group stands for them.)
+    for (int g = 0; g < std::max(1, p.dp / p.ep); ++g) {
       out.push_back(&layer_at(l, p.ep > 1 ? hot : 1.0));
       for (int q = 1; q < p.ep; ++q) out.push_back(&layer_at(l, cold));
     }
@@ -798,11 +818,7 @@ SimReport simulate(const SimOptions& o) {
   {
     Seconds dp_t = 0, opt_t = 0;
     const GroupPlacement dense_g = place_group(par.dp, par.tp, o.cluster.gpus_per_node);
-    // The expert-data-parallel group: the tp ranks of a replica (tp consecutive ranks,
-    // within a node) times the dp / ep replicas of an expert shard (stride tp x ep).
-    GroupPlacement expert_g = place_group(par.dp / par.ep, par.tp * par.ep, o.cluster.gpus_per_node);
-    expert_g.ranks_per_node = std::min(o.cluster.gpus_per_node, expert_g.ranks_per_node * par.tp);
-    expert_g.size = expert_data_parallel(par);
+    const GroupPlacement expert_g = expert_data_parallel_placement(par, o.cluster.gpus_per_node);
     const Bytes grad_bytes = 4;  // fp32 gradients (the engine; Megatron's main_grad)
     // The CPU engine's sync_tied_embedding (train/distributed.cpp), on every pipeline
     // rank when the embedding is tied and split over stages: the V x d gradient copies

@@ -43,11 +43,16 @@
 
 namespace moeflex::sim {
 
-/// The parallel layout: world = tp x pp x dp, ep within dp, vpp chunks per rank.
 /// The most devices a simulated layout may have (well beyond any cluster; keeps
 /// every rank count and product of sizes inside 32-bit integers).
 inline constexpr std::int64_t kMaxSimulatedDevices = 1 << 24;
 
+/// The parallel layout: world = tp x pp x dp, vpp chunks per rank. The expert layers
+/// see a stage's tp x dp ranks as ep x expert_dp (Megatron-Core's MoE parallel
+/// folding with expert tensor parallelism 1: the routed experts are whole on every
+/// rank, each rank dispatches its own n / tp tokens), so ep divides tp x dp, and may
+/// exceed dp. Rank order tp-ep-dp-pp for the expert layers: an EP group is ep
+/// consecutive ranks, an expert-data-parallel group strides by ep.
 struct ParallelSpec {
   int tp = 1, pp = 1, vpp = 1, ep = 1, dp = 1;
   int world() const { return tp * pp * dp; }
@@ -55,6 +60,14 @@ struct ParallelSpec {
   static ParallelSpec parse(const std::string& s);
   std::string str() const;
 };
+
+/// Where the expert-parallel group (the dispatch/combine all-to-all) lives: ep
+/// consecutive ranks.
+GroupPlacement expert_parallel_placement(const ParallelSpec& par, int gpus_per_node);
+
+/// Where the expert-data-parallel group (the routed experts' gradient all-reduce and
+/// optimizer sharding) lives: tp x dp / ep ranks, ep apart.
+GroupPlacement expert_data_parallel_placement(const ParallelSpec& par, int gpus_per_node);
 
 /// Parses --trace-ranks "0,3" (empty items skipped) into pipeline ranks; ConfigError
 /// naming the flag and the item that is not a non-negative integer.

@@ -16,6 +16,9 @@
 #      torch.autocast, fp32 master weights and AdamW); the training test
 #      (test_cuda_train: CUDA against CPU from one seed, every policy, the planner's
 #      predicted peak) runs in step 2;
+#   4b. the time model (issue 4): `moeflex calibrate --device cuda`, a profiled fit run,
+#      its ops added (`calibrate --from-run`) and two held-out profiled runs; prints the
+#      op and step errors of each against the profile that priced it;
 #   5. prints the table of per-op error and time, the card's measured bf16 GEMM rate,
 #      the same ops timed in this machine's PyTorch when it has CUDA, and the training
 #      table (precision, tokens/s, MFU against the measured bf16 GEMM rate, PyTorch
@@ -31,7 +34,9 @@
 # MOEFLEX_GPU_CHECK_QUICK=1 skips the training-size timings, MOEFLEX_GPU_CHECK_TRAIN=0
 # the training runs of steps 3-4, MOEFLEX_GPU_CHECK_BF16=0 only their bf16 runs,
 # MOEFLEX_GPU_CHECK_RUNS="default-bf16 moe-1b-bf16" keeps only the named training runs,
-# MOEFLEX_GPU_CHECK_PROFILE=1 adds an op-by-op profile of a moe-1b bf16 step;
+# MOEFLEX_GPU_CHECK_PROFILE=1 adds an op-by-op profile of a moe-1b bf16 step,
+# MOEFLEX_GPU_CHECK_TIME_MODEL=0 skips the time-model check (`calibrate --device cuda`
+# for MOEFLEX_GPU_CHECK_CALIBRATE_SECONDS, 30, and three 6-step profiled moe-1b runs);
 # TRAIN_TIMEOUT (600) caps each training run and each PyTorch run, TEST_TIMEOUT (1200)
 # each test binary, in seconds.
 set -uo pipefail
@@ -233,6 +238,60 @@ if [[ ${MOEFLEX_GPU_CHECK_PROFILE:-0} == 1 ]]; then
   fi
 fi
 
+# Issue 4's time model on the GPU: `moeflex calibrate --device cuda` at moe-1b's
+# shapes, then three fp32 runs with --profile-ops (each op timed against the cost
+# model; summary.json's time_model_* errors): the fit run priced by the calibrated
+# profile alone; its ops added to that profile (`calibrate --from-run`); a run of
+# another seed (same shapes, other routings) and one of micro-batch 2 (dense shapes
+# the fit never ran) priced by the result. Goal: mean op error <= 1.5%.
+TIME_TABLE=$WORK/time-model.txt
+: >"$TIME_TABLE"
+if [[ ${MOEFLEX_GPU_CHECK_TIME_MODEL:-1} == 1 && ${MOEFLEX_GPU_CHECK_TRAIN:-1} != 0 && -z $TRAIN_NOTE ]]; then
+  tm_cfg=configs/moe-1b.toml
+  tm_prof=$WORK/cuda-profile.json
+  tm_mb2=$WORK/moe-1b-mb2.toml
+  sed 's/^micro_batch_size = .*/micro_batch_size = 2/' "$tm_cfg" >"$tm_mb2"
+  tm_run() {  # name, profile, moeflex train flags...
+    local name=$1 prof=$2
+    shift 2
+    timeout "$TRAIN_TIMEOUT" "$BIN/moeflex" train --device cuda --steps 6 --profile-ops --hardware-profile "$prof" \
+      --out "$WORK/run-$name" "${DATA_ARGS[@]}" "$@" >"$WORK/train-$name.log" 2>&1 ||
+      { fail "time model: training $name exited with an error (log: $WORK/train-$name.log)"; return 1; }
+  }
+  echo "gpu-check: time model: moeflex calibrate --device cuda --config $tm_cfg"
+  if timeout "$TRAIN_TIMEOUT" "$BIN/moeflex" calibrate --device cuda --config "$tm_cfg" \
+      --seconds "${MOEFLEX_GPU_CHECK_CALIBRATE_SECONDS:-30}" --out "$tm_prof" >"$WORK/calibrate-cuda.log" 2>&1; then
+    tail -n 3 "$WORK/calibrate-cuda.log"
+    if tm_run tm-fit "$tm_prof" --config "$tm_cfg" --seed 7 &&
+        "$BIN/moeflex" calibrate --from-run "$WORK/run-tm-fit" --base "$tm_prof" --out "$WORK/cuda-in-situ.json" \
+          >"$WORK/calibrate-in-situ.log" 2>&1; then
+      tm_run tm-seed "$WORK/cuda-in-situ.json" --config "$tm_cfg" --seed 11
+      tm_run tm-mb2 "$WORK/cuda-in-situ.json" --config "$tm_mb2" --seed 11
+    else
+      fail "time model: the fit run or calibrate --from-run failed (logs: $WORK/train-tm-fit.log, $WORK/calibrate-in-situ.log)"
+    fi
+    "${REPORT_PY:-python3}" - "$WORK" >"$TIME_TABLE" <<'PY'
+import json, os, sys
+w = sys.argv[1]
+print("--- time model on the GPU (moe-1b fp32, 6 steps, --profile-ops; goal: op error <= 1.5%)")
+print(f"{'run':<10} {'profile':<26} {'op error':>9} {'median err':>11} {'noise floor':>12} {'step error':>11}")
+for name, prof in (("tm-fit", "calibrated"), ("tm-seed", "+ in situ (other seed)"), ("tm-mb2", "+ in situ (micro-batch 2)")):
+    f = os.path.join(w, "run-" + name, "summary.json")
+    if not os.path.exists(f):
+        print(f"{name:<10} {prof:<26} (no summary)")
+        continue
+    s = json.load(open(f))
+    g = lambda k: 100 * s.get(k, float("nan"))
+    print(f"{name:<10} {prof:<26} {g('time_model_op_error'):8.2f}% {g('time_model_op_median_error'):10.2f}% "
+          f"{g('time_model_op_noise_floor'):11.2f}% {g('time_model_step_error'):10.2f}%")
+PY
+    cat "$TIME_TABLE"
+  else
+    fail "moeflex calibrate --device cuda failed (log: $WORK/calibrate-cuda.log)"
+    tail -n 5 "$WORK/calibrate-cuda.log"
+  fi
+fi
+
 # --------------------------------------------------------------------------------
 step "5. results"
 TORCH_NOTE=""  # PY: the python3 with a CUDA-enabled torch found in step 3
@@ -280,6 +339,10 @@ fi
   if [[ -s $TRAIN_TABLE ]]; then
     echo
     cat "$TRAIN_TABLE"
+  fi
+  if [[ -s $TIME_TABLE ]]; then
+    echo
+    cat "$TIME_TABLE"
   fi
   if [[ -s $PROFILE_TABLE ]]; then
     echo

@@ -11,6 +11,7 @@
 #include "moeflex/core/error.h"
 #include "moeflex/cli/sim_commands.h"
 #include "moeflex/train/calibrate.h"
+#include "moeflex/train/calibrate_device.h"
 #include "moeflex/train/generate.h"
 #include "moeflex/train/trainer.h"
 
@@ -140,6 +141,14 @@ int main(int argc, char** argv) {
                   "no timing: add the ops of a run trained with --profile-ops (RUN/op_times.json) to --base, "
                   "written to --out (default: the base's name with -in-situ)");
   cal->add_option("--base", cal_base, "with --from-run: the profile to start from")->capture_default_str();
+  std::string cal_device = "cpu", cal_config;
+  cal->add_option("--device", cal_device,
+                  "cpu (this machine's kernels) or cuda (the GPU's, through the CUDA backend, at the shapes of "
+                  "--config's model; default --out data/hardware/cuda.json, --seconds 30)")
+      ->capture_default_str();
+  cal->add_option("--config", cal_config,
+                  "with --device cuda: the run config whose model and micro-batch are measured "
+                  "(default: the built-in default)");
 
   // --- simulate, search (cli/sim_commands.cpp)
   add_sim_commands(app);
@@ -222,6 +231,21 @@ int main(int argc, char** argv) {
                    r.tokens, val, r.tokens_per_second, format_bytes(r.peak_device_bytes), planner);
     } else if (run_sim_commands()) {
       return 0;
+    } else if (*cal && cal_device != "cpu") {
+      (void)parse_device_kind(cal_device);  // names an unknown device
+      for (const char* flag : {"--from-run", "--base", "--threads"})
+        if (cal->count(flag) > 0)
+          throw ConfigError(
+              fmt::format("calibrate {} is for --device cpu (--device {} measures the GPU through its "
+                          "backend; add a run's ops with calibrate --from-run RUN --base PROFILE)",
+                          flag, cal_device));
+      return run_device_calibrate_command(cal_device, cal_config,
+                                          cal->count("--out") > 0 ? cal_out : "data/hardware/" + cal_device + ".json",
+                                          cal->count("--seconds") > 0 ? cal_seconds : kDefaultDeviceCalibrationBudget);
+    } else if (*cal && cal->count("--config") > 0) {
+      throw ConfigError(
+          "calibrate --config is for --device cuda (the CPU calibration measures the default model's "
+          "shapes and larger ones)");
     } else if (*cal && cal->count("--from-run") > 0 && cal_from_run.empty()) {
       throw ConfigError("calibrate --from-run '': give the folder of a run trained with --profile-ops (without "
                         "--from-run, calibrate times this machine)");

@@ -64,12 +64,20 @@
 #include "moeflex/ops/rope.h"
 #include "moeflex/ops/router.h"
 #include "moeflex/ops/swiglu.h"
+#include "moeflex/train/calibrate_shapes.h"
 #include "moeflex/train/safetensors.h"
 
 extern "C" void openblas_set_num_threads(int);
 
 namespace moeflex {
 namespace {
+
+using calibration::fit_affine;
+using calibration::GemmShape;
+using calibration::linear_dw_gemm;
+using calibration::linear_dx_gemm;
+using calibration::linear_forward_gemm;
+using calibration::quantile;
 
 // ---- the default model (configs/default.toml) ------------------------------------
 constexpr std::int64_t kHidden = 256;        // hidden_size
@@ -138,15 +146,6 @@ constexpr Bytes kColdRingBytes = 128 * kMiB;  ///< several times a large last-le
 using Clock = std::chrono::steady_clock;
 
 Seconds since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
-
-/// The q-quantile of `t` (0 <= q <= 1), interpolated between order statistics.
-Seconds quantile(std::vector<Seconds> t, double q) {
-  std::sort(t.begin(), t.end());
-  const double pos = q * double(t.size() - 1);
-  const std::size_t lo = std::size_t(pos);
-  const std::size_t hi = std::min(lo + 1, t.size() - 1);
-  return t[lo] + (pos - double(lo)) * (t[hi] - t[lo]);
-}
 
 /// One measurement: a kernel call, and after run_jobs its time (the kTimeQuantile
 /// of its repeats).
@@ -417,24 +416,6 @@ Routing uniform_routing(std::int64_t n, std::int64_t E, std::int64_t k) {
   return r;
 }
 
-/// Least squares t = a + b x minimising relative residuals (weights 1/t^2), a >= 0, b > 0.
-std::pair<Seconds, double> fit_affine(const std::vector<std::pair<double, Seconds>>& pts) {
-  double sw = 0, swx = 0, swxx = 0, swt = 0, swxt = 0;
-  for (auto [x, t] : pts) {
-    const double w = 1.0 / std::max(t * t, 1e-30);
-    sw += w, swx += w * x, swxx += w * x * x, swt += w * t, swxt += w * x * t;
-  }
-  const double det = sw * swxx - swx * swx;
-  double a = det != 0 ? (swt * swxx - swx * swxt) / det : 0;
-  double b = det != 0 ? (sw * swxt - swx * swt) / det : 0;
-  if (a < 0 || det == 0) a = 0, b = swxt / swxx;
-  if (!(b > 0)) {  // time did not grow with size: keep the largest point's rate
-    const auto& last = *std::max_element(pts.begin(), pts.end());
-    a = 0, b = last.second / last.first;
-  }
-  return {a, b};
-}
-
 int resolve_threads(int threads) { return threads > 0 ? threads : omp_get_num_procs(); }
 
 void set_threads(int threads) {
@@ -444,29 +425,6 @@ void set_threads(int threads) {
 }
 
 // ---- GEMM grid ------------------------------------------------------------------------
-
-struct GemmShape {
-  std::int64_t M, N, K;
-  bool ta, tb;       // transposes as the real caller passes them
-  std::int64_t lda, ldb, ldc;
-  float beta;
-  char weight;       // the operand that is a weight, cold from the ring: 'b', 'c' or 0 (none)
-
-  GemmLayout layout() const { return ta ? GemmLayout::tn : tb ? GemmLayout::nt : GemmLayout::nn; }
-};
-
-/// The GEMMs of the linear layers, as ops::linear_* and ops::grouped_linear_* call
-/// them for a weight [out, in] and n rows: y = x w^T (nt), dx = dy w (nn),
-/// dw += dy^T x (tn).
-GemmShape linear_forward_gemm(std::int64_t n, std::int64_t in, std::int64_t out) {
-  return {n, out, in, false, true, in, in, out, 0.0f, 'b'};
-}
-GemmShape linear_dx_gemm(std::int64_t n, std::int64_t in, std::int64_t out) {
-  return {n, in, out, false, false, out, in, in, 0.0f, 'b'};
-}
-GemmShape linear_dw_gemm(std::int64_t n, std::int64_t in, std::int64_t out) {
-  return {out, in, n, true, false, out, in, in, 1.0f, 'c'};
-}
 
 /// (layout, M, N, K) of a GEMM: the calibration never measures a held-out one.
 using GemmKey = std::tuple<GemmLayout, std::int64_t, std::int64_t, std::int64_t>;
@@ -1182,19 +1140,13 @@ void write_profile(const HardwareProfile& profile, const std::filesystem::path& 
   train::write_file_atomically(path, profile.to_json().dump(2) + "\n");  // an old profile survives a failed write
 }
 
-namespace {
-
-/// Refuses an --out the profile could not be written to, before any measuring:
-/// its folder must exist (or be creatable) and take a file.
-void check_writable(const std::filesystem::path& out) {
+void check_profile_out(const std::filesystem::path& out) {
   namespace fs = std::filesystem;
   check_config(!fs::is_directory(out),
                fmt::format("--out '{}' is a directory; give the profile's file name, e.g. {}/this-machine.json",
                            out.string(), out.string()));
   check_writable_dir(out.has_parent_path() ? out.parent_path() : fs::path("."), "--out", out.string());
 }
-
-}  // namespace
 
 double CalibrationRow::relative_error() const {
   return measured > 0 ? std::abs(predicted - measured) / measured : 0.0;
@@ -1458,7 +1410,7 @@ int run_calibrate_command(const std::string& out_path, int threads, double budge
     (void)calibrate_and_validate(threads, budget_seconds, false);
     return 0;
   }
-  check_writable(out_path);
+  check_profile_out(out_path);
   fmt::print("moeflex calibrate: {} threads, budget {:.0f} s ({} grid), timed by the {} clock\n", threads,
              budget_seconds, budget_seconds >= kFullGridMinBudget ? "full" : "coarse",
              threads == 1 ? "thread's CPU" : "wall");
@@ -1672,7 +1624,7 @@ int run_in_situ_calibrate_command(const std::string& run_dir, const std::string&
                                     "the base profile; choose another --out",
                                     out_path, base_path));
   }
-  check_writable(out_path);
+  check_profile_out(out_path);
   std::size_t zero_sized = 0;
   const HardwareProfile profile = in_situ_profile(HardwareProfile::load(base_path), run_dir, &zero_sized);
   fmt::print("moeflex calibrate --from-run {}: base profile {}\n", run_dir, base_path);

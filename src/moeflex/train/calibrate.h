@@ -44,8 +44,13 @@ double load_average();
 /// kernels will wait for threads other processes have descheduled.
 inline constexpr double kBusyLoadPerCore = 0.5;
 
-/// Writes `profile` as JSON to `path` (creating its folder); DataError on failure.
+/// Writes `profile` as JSON to `path` (creating its folder) atomically: an old
+/// profile there survives a failed write. DataError on failure.
 void write_profile(const HardwareProfile& profile, const std::filesystem::path& path);
+
+/// Refuses (ConfigError) an --out a profile could not be written to, before any
+/// measuring: not a directory, and its folder exists (or can be created) and takes a file.
+void check_profile_out(const std::filesystem::path& out);
 
 /// One held-out op invocation: what the cost model predicted and what it took.
 struct CalibrationRow {

@@ -8,24 +8,24 @@ cd "$(dirname "$0")/.."
 BIN=${BIN:-build/moeflex}
 OUT=${OUT:-$(mktemp -d)}
 peak=$(/usr/bin/python3 -c "import json; print(json.load(open('configs/clusters/h100.json'))['device']['peak_flops'])")
-# name | model | --parallel | schedule | global batch | seq | policy
+# name | model | --parallel | schedule | global batch | seq | policy | dispatcher (the public run's)
 RUNS=(
-  "Mixtral 8x7B, 64 H100, TP1 PP4 VPP8 EP8|mixtral-8x7b|tp=1,pp=4,vpp=8,ep=8,dp=16|interleaved|256|4096|none"
-  "DeepSeek-V3, 1024 H100, TP2 PP8 VPP4 EP64|deepseek-v3|tp=2,pp=8,vpp=4,ep=64,dp=64|interleaved|1024|4096|adaptive"
-  "Qwen3-235B-A22B, 256 H100, TP4 PP8 VPP4 EP8|qwen3-235b-a22b|tp=4,pp=8,vpp=4,ep=8,dp=8|interleaved|2048|4096|none"
-  "Qwen3-235B-A22B, 256 H100, TP2 PP8 VPP4 EP32|qwen3-235b-a22b|tp=2,pp=8,vpp=4,ep=32,dp=16|interleaved|2048|4096|moe-light"
-  "Qwen3-235B-A22B, 256 H100, TP2 PP32 VPP3 EP8|qwen3-235b-a22b|tp=2,pp=32,vpp=3,ep=8,dp=4|interleaved|2048|4096|moe-light"
+  "Mixtral 8x7B, 64 H100, TP1 PP4 VPP8 EP8|mixtral-8x7b|tp=1,pp=4,vpp=8,ep=8,dp=16|interleaved|256|4096|none|alltoall"
+  "DeepSeek-V3, 1024 H100, TP2 PP8 VPP4 EP64|deepseek-v3|tp=2,pp=8,vpp=4,ep=64,dp=64|interleaved|1024|4096|adaptive|alltoall"
+  "Qwen3-235B-A22B, 256 H100, TP4 PP8 VPP4 EP8|qwen3-235b-a22b|tp=4,pp=8,vpp=4,ep=8,dp=8|interleaved|2048|4096|none|deepep"
+  "Qwen3-235B-A22B, 256 H100, TP2 PP8 VPP4 EP32|qwen3-235b-a22b|tp=2,pp=8,vpp=4,ep=32,dp=16|interleaved|2048|4096|moe-light|deepep"
+  "Qwen3-235B-A22B, 256 H100, TP2 PP32 VPP3 EP8|qwen3-235b-a22b|tp=2,pp=32,vpp=3,ep=8,dp=4|interleaved|2048|4096|moe-light|alltoall"
 )
-printf "%-44s %8s %12s %9s\n" "run" "MFU" "TFLOP/s/GPU" "step s"
+printf "%-44s %8s %12s %9s %9s\n" "run" "MFU" "TFLOP/s/GPU" "step s" "dispatch"
 i=0
 for r in "${RUNS[@]}"; do
-  IFS='|' read -r name model par sched gb seq pol <<< "$r"
+  IFS='|' read -r name model par sched gb seq pol disp <<< "$r"
   "$BIN" simulate --model "$model" --cluster h100 --parallel "$par" --schedule "$sched" --global-batch "$gb" \
-    --seq-len "$seq" --policy "$pol" --imbalance calm=1.0:spike=1.0:p=0 --out "$OUT/run$i" > "$OUT/run$i.log"
+    --seq-len "$seq" --policy "$pol" --dispatcher "$disp" --imbalance calm=1.0:spike=1.0:p=0 --out "$OUT/run$i" > "$OUT/run$i.log"
   /usr/bin/python3 - "$OUT/run$i/summary.json" "$peak" "$name" <<'PY'
 import json, sys
 s = json.load(open(sys.argv[1]))
-print(f"{sys.argv[3]:<44} {100 * s['mfu']:7.1f}% {s['mfu'] * float(sys.argv[2]) / 1e12:12.0f} {s['step_time_s']:9.2f}")
+print(f"{sys.argv[3]:<44} {100 * s['mfu']:7.1f}% {s['mfu'] * float(sys.argv[2]) / 1e12:12.0f} {s['step_time_s']:9.2f} {s['dispatcher']:>9}")
 PY
   i=$((i + 1))
 done

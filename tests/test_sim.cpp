@@ -182,6 +182,38 @@ TEST(Sim, CoreSharingStretchesByTheCoresEachProcessGets) {
   EXPECT_DOUBLE_EQ(run_plan(plan, imbalanced, instant, false, CoreSharing{2, 2}).makespan, m * 3.0);
 }
 
+TEST(Cluster, NodeDeduplicatedDispatchSendsATokenOncePerRemoteNode) {
+  // Two nodes of one expert each, top-1: the other node gets the token half the time.
+  EXPECT_DOUBLE_EQ(remote_node_copies(16, 8, 2, 1), 0.5);
+  // Top-k of every expert: each of the G - 1 other nodes gets it once.
+  EXPECT_DOUBLE_EQ(remote_node_copies(32, 8, 8, 8), 3.0);
+  // One node: nothing crosses.
+  EXPECT_DOUBLE_EQ(remote_node_copies(8, 8, 128, 8), 0.0);
+  // Qwen3's 128 experts, top-8, over 4 nodes: 3 (1 - C(96, 8) / C(128, 8)).
+  double miss = 1;
+  for (int i = 0; i < 8; ++i) miss *= (96.0 - i) / (128.0 - i);
+  EXPECT_NEAR(remote_node_copies(32, 8, 128, 8), 3 * (1 - miss), 1e-12);
+  EXPECT_THROW(remote_node_copies(12, 8, 8, 2), ConfigError);  // 8 per node do not divide 12
+  EXPECT_THROW(remote_node_copies(16, 8, 8, 9), ConfigError);  // top-9 of 8
+
+  ClusterSpec c = test_cluster();
+  const Bytes b = 64 * kMiB;
+  const GroupPlacement g = place_group(32, 1, 8);
+  // In one node it is the plain all-to-all.
+  EXPECT_DOUBLE_EQ(dedup_all_to_all_time(c, place_group(8, 1, 8), b, b, 128, 8),
+                   all_to_all_time(c, place_group(8, 1, 8), b, b));
+  // Top-1: every row is its token's only copy, so the NIC carries what the plain
+  // all-to-all sends off the node; with NVLink out of the way the times agree.
+  c.intra_node.bandwidth = 1e18;
+  EXPECT_NEAR(dedup_all_to_all_time(c, g, b, b, 128, 1), all_to_all_time(c, g, b, b), 1e-12);
+  // Top-8 of 128 over 4 nodes: the NIC carries remote_node_copies / (8 x 24 / 32) of it.
+  const double plain_inter = all_to_all_time(c, g, b, b) - c.inter_node.latency;
+  const double ratio = remote_node_copies(32, 8, 128, 8) / (8.0 * 24 / 32);
+  EXPECT_NEAR(dedup_all_to_all_time(c, g, b, b, 128, 8) - c.inter_node.latency, ratio * plain_inter,
+              1e-9 * plain_inter);
+  EXPECT_LT(ratio, 0.5);
+}
+
 TEST(Cluster, CollectivesFollowTheirFormulas) {
   const ClusterSpec c = test_cluster();
   const Bytes b = 64 * kMiB;
@@ -487,6 +519,20 @@ TEST(Sim, ExpertParallelismFoldsOverTensorTimesDataParallel) {
   const double per_el8 = per_element(2) / 8, per_el16 = per_element(1) / 16;
   EXPECT_NEAR(persist("tp=2,ep=8,dp=8") - persist("tp=2,ep=16,dp=8"), expert_numel * (per_el8 - per_el16),
               1e-3 * expert_numel * per_el8);
+  // The deepep dispatcher sends each token once per node: ep 16 over 2 nodes gets
+  // cheaper, ep 8 in one node does not change; an unknown dispatcher is refused.
+  {
+    SimOptions d = o;
+    d.dispatcher = "deepep";
+    d.parallel = ParallelSpec::parse("tp=2,ep=16,dp=8");
+    const SimReport r = simulate(d);
+    EXPECT_LT(r.exposed_comm - r.dp_reduce_time, across);
+    d.parallel = ParallelSpec::parse("tp=2,ep=8,dp=8");
+    const SimReport r8 = simulate(d);
+    EXPECT_NEAR(r8.exposed_comm - r8.dp_reduce_time, in_node, 1e-9 * in_node);
+    d.dispatcher = "nccl";
+    EXPECT_THROW(simulate(d), ConfigError);
+  }
   // ep must divide tp x dp: the error names both.
   SimOptions bad = o;
   bad.parallel = ParallelSpec::parse("tp=2,ep=32,dp=8");

@@ -22,8 +22,8 @@ namespace fs = std::filesystem;
 struct Flags {
   CLI::App* simulate = nullptr;
   CLI::App* search = nullptr;
-  std::string model = "default", cluster = "this-machine", parallel, schedule, policy = "none", out, loads,
-              imbalance, trace_ranks = "0", objective = "tgs", memory;
+  std::string model = "default", cluster = "this-machine", parallel, schedule, policy = "none", out, loads, imbalance,
+              trace_ranks = "0", objective = "tgs", memory, dispatcher = "alltoall";
   std::int64_t micro_batch_size = 0, seq_len = 0, global_batch = 0;
   int iterations = 1, gpus = 8, top = 10, checkpoint_interval = 50, search_threads = 0;
   double restart_seconds = 284;
@@ -107,6 +107,11 @@ void add_sim_commands(CLI::App& app) {
         ->capture_default_str()
         ->check(CLI::PositiveNumber);
     c->add_option("--memory", f.memory, "per-device memory limit, e.g. 250MiB (default: the cluster's)");
+    c->add_option("--dispatcher", f.dispatcher,
+                  "expert all-to-alls: alltoall (every row to its expert's rank) or deepep (each token once per "
+                  "node, then NVLink)")
+        ->capture_default_str()
+        ->check(CLI::IsMember({"alltoall", "deepep"}));
   }
   auto* s = f.simulate;
   s->add_option("--parallel", f.parallel,
@@ -176,6 +181,7 @@ bool run_sim_commands() {
     o.restart_seconds = f.restart_seconds;
     o.checkpoint_interval = f.checkpoint_interval;
     o.overlap_pair_comm = cluster.element_bytes < 4;
+    o.dispatcher = f.dispatcher;
     o.breakdown = f.breakdown;
     o.trace_ranks = sim::parse_trace_ranks(f.trace_ranks);
     if (f.out.empty()) o.trace_ranks.clear();
@@ -206,6 +212,7 @@ bool run_sim_commands() {
     o.restart_seconds = f.restart_seconds;
     o.checkpoint_interval = f.checkpoint_interval;
     o.threads = f.search_threads;
+    o.dispatcher = f.dispatcher;
     o.progress = [](const std::string& line) { fmt::print(stderr, "{}\n", line); };
     if (!f.out.empty()) {  // one JSON file: checked before the search, not after it
       if (fs::is_directory(f.out))

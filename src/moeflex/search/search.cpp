@@ -84,6 +84,7 @@ SearchResult search(const SearchOptions& o) {
     so.walk_memory = walk;
     if (walk) so.spike_check = o.loads.max_ratio();
     so.overlap_pair_comm = o.cluster.element_bytes < 4;
+    so.dispatcher = o.dispatcher;
     so.cache = cache;
     return so;
   };
@@ -231,10 +232,19 @@ SearchResult search(const SearchOptions& o) {
 json SearchResult::to_json(const SearchOptions& o) const {
   json top_j = json::array();
   for (const auto& c : top) top_j.push_back(c.to_json());
-  return {{"model_params", o.model.num_params()}, {"cluster", o.cluster.name}, {"gpus", o.gpus},
-          {"objective", o.objective},          {"seq_len", o.seq_len},       {"enumerated", enumerated},
-          {"invalid", invalid},                {"no_fit", no_fit},           {"timed", timed},
-          {"walked", walked},                  {"seconds", seconds},         {"loads", o.loads.describe()},
+  return {{"model_params", o.model.num_params()},
+          {"cluster", o.cluster.name},
+          {"gpus", o.gpus},
+          {"objective", o.objective},
+          {"seq_len", o.seq_len},
+          {"enumerated", enumerated},
+          {"invalid", invalid},
+          {"no_fit", no_fit},
+          {"timed", timed},
+          {"walked", walked},
+          {"seconds", seconds},
+          {"loads", o.loads.describe()},
+          {"dispatcher", o.dispatcher},
           {"top", top_j}};
 }
 

@@ -45,6 +45,8 @@ struct SearchOptions {
   Seconds restart_seconds = 284;
   int checkpoint_interval = 50;
   /// Threads for the timing pass (independent simulations); 0: every core.
+  /// The token dispatcher every candidate is simulated with (SimOptions::dispatcher).
+  std::string dispatcher = "alltoall";
   int threads = 0;
   /// Called with a progress line (phase, candidates done / total) at most every
   /// progress_seconds while the search runs; empty: silent.

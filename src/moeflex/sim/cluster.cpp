@@ -238,6 +238,31 @@ Seconds all_to_all_time(const ClusterSpec& c, const GroupPlacement& g, Bytes sen
   return alpha + std::max(intra, inter);
 }
 
+double remote_node_copies(int n, int rpn, std::int64_t E, std::int64_t k) {
+  check_config(rpn >= 1 && n >= rpn && n % rpn == 0,
+               fmt::format("remote_node_copies: {} ranks per node do not divide a group of {}", rpn, n));
+  check_config(k >= 1 && k <= E, fmt::format("remote_node_copies: top-{} of {} experts", k, E));
+  const int G = n / rpn;
+  if (G <= 1) return 0;
+  const double per_node = double(E) / G;
+  double miss = 1;  // P(a given other node holds none of the token's k experts)
+  for (std::int64_t i = 0; i < k; ++i) miss *= std::max(0.0, (double(E) - per_node - double(i)) / double(E - i));
+  return double(G - 1) * (1 - miss);
+}
+
+Seconds dedup_all_to_all_time(const ClusterSpec& c, const GroupPlacement& g, Bytes send_bytes, Bytes recv_bytes,
+                              std::int64_t num_experts, std::int64_t top_k) {
+  if (g.size <= 1) return 0;
+  if (g.ranks_per_node >= g.size) return all_to_all_time(c, g, send_bytes, recv_bytes);
+  const double b = double(std::max(send_bytes, recv_bytes));
+  const double n = g.size, rpn = g.ranks_per_node;
+  const double inter_bytes =
+      b * n / ((n - 1) * double(top_k)) * remote_node_copies(g.size, g.ranks_per_node, num_experts, top_k);
+  const double intra = (b * (rpn - 1) / (n - 1) + inter_bytes) / c.intra_node.bandwidth;
+  const double inter = inter_bytes / c.inter_node.bandwidth;
+  return c.inter_node.latency + std::max(intra, inter);
+}
+
 Seconds p2p_time(const ClusterSpec& c, bool same_node, Bytes bytes) {
   const Link& l = same_node ? c.intra_node : c.inter_node;
   return l.latency + double(std::max<Bytes>(bytes, 0)) / l.bandwidth;

@@ -138,6 +138,25 @@ Seconds all_gather_time(const ClusterSpec& c, const GroupPlacement& g, Bytes byt
 /// intra = b (rpn-1)/(n-1) / beta_intra and inter = b (n-rpn)/(n-1) / beta_inter.
 Seconds all_to_all_time(const ClusterSpec& c, const GroupPlacement& g, Bytes send_bytes, Bytes recv_bytes);
 
+/// Expected number of other nodes a token is sent to when each node receives it at
+/// most once: E experts spread evenly over the group's G = n / rpn nodes, the token's
+/// top-k drawn uniformly without replacement; another node gets a copy unless it
+/// holds none of the k: (G - 1) (1 - prod_{i<k} (E - E/G - i) / (E - i)).
+/// 0 when the group fits one node. ConfigError unless 1 <= k <= E and rpn divides n.
+double remote_node_copies(int n, int rpn, std::int64_t E, std::int64_t k);
+
+/// The dispatch or combine of a node-deduplicating dispatcher (DeepEP's internode
+/// kernels, with which DeepSeek-V3 and Megatron-Core's "flex" dispatcher train): a
+/// token crosses to each other node that holds one of its experts once, and that
+/// node forwards it over NVLink to the GPUs holding them (combine: the reverse, with
+/// a reduction within the node). `send_bytes` / `recv_bytes` are all_to_all_time's
+/// (k rows a token, (ep - 1) / ep of them off the rank). Inter-node bytes per rank:
+/// tokens x d x remote_node_copies, i.e. b n / ((n - 1) k) x remote_node_copies;
+/// intra-node: all_to_all_time's share plus one forward of every copy that arrives.
+/// With the group in one node it is all_to_all_time.
+Seconds dedup_all_to_all_time(const ClusterSpec& c, const GroupPlacement& g, Bytes send_bytes, Bytes recv_bytes,
+                              std::int64_t num_experts, std::int64_t top_k);
+
 /// One point-to-point message between neighbouring pipeline stages:
 /// alpha + bytes / beta over the intra- or inter-node link.
 Seconds p2p_time(const ClusterSpec& c, bool same_node, Bytes bytes);

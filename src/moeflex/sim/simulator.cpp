@@ -518,9 +518,12 @@ struct Simulation {
   Seconds layer_comm(const LayerCost& lc) const {
     const ParallelSpec& p = o.parallel;
     Seconds t = 0;
-    if (lc.a2a_send_bytes > 0 || lc.a2a_recv_bytes > 0)
-      t += 2 * all_to_all_time(o.cluster, expert_parallel_placement(p, o.cluster.gpus_per_node), lc.a2a_send_bytes,
-                               lc.a2a_recv_bytes);
+    if (lc.a2a_send_bytes > 0 || lc.a2a_recv_bytes > 0) {
+      const GroupPlacement g = expert_parallel_placement(p, o.cluster.gpus_per_node);
+      t += 2 * (o.dispatcher == "deepep" ? dedup_all_to_all_time(o.cluster, g, lc.a2a_send_bytes, lc.a2a_recv_bytes,
+                                                                 cfg.num_experts, cfg.num_experts_per_tok)
+                                         : all_to_all_time(o.cluster, g, lc.a2a_send_bytes, lc.a2a_recv_bytes));
+    }
     if (lc.tp_collective_bytes > 0)
       t += 4 * all_gather_time(o.cluster, place_group(p.tp, 1, o.cluster.gpus_per_node), lc.tp_collective_bytes);
     return t;
@@ -540,6 +543,8 @@ struct Simulation {
         throw ConfigError(fmt::format("tp {} does not divide the micro-batch's {} tokens", p.tp,
                                       o.micro_batch_size * o.seq_len));
     }
+    if (o.dispatcher != "alltoall" && o.dispatcher != "deepep")
+      throw ConfigError(fmt::format("--dispatcher '{}': alltoall or deepep", o.dispatcher));
     const bool dualv = o.schedule == "dualpipev";
     if (o.schedule != "interleaved" && p.vpp != 1)
       throw ConfigError(fmt::format("vpp {} needs --schedule interleaved (dualpipev holds 2 chunks by itself)", p.vpp));
@@ -1195,6 +1200,7 @@ json SimReport::to_json() const {
             {"parallel", options.parallel.str()},
             {"world_size", options.parallel.world()},
             {"schedule", options.schedule},
+            {"dispatcher", options.dispatcher},
             {"policy", options.policy},
             {"micro_batch_size", options.micro_batch_size},
             {"seq_len", options.seq_len},

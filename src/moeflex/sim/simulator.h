@@ -104,6 +104,10 @@ struct SimOptions {
   Bytes memory_limit = 0;            ///< per-rank bytes; 0: the cluster's usable memory
   /// Pipeline ranks whose timeline goes into the trace (empty: none).
   std::vector<int> trace_ranks;
+  /// The token dispatcher the expert all-to-alls are priced as: "alltoall" (every
+  /// row sent to its expert's rank, all_to_all_time) or "deepep" (each token once per
+  /// node, then NVLink: dedup_all_to_all_time). ConfigError otherwise.
+  std::string dispatcher = "alltoall";
   /// true: the executor overlaps an overlapped F&B pair's all-to-alls with the
   /// other half's compute (DualPipe on GPUs); the CPU engine does not.
   bool overlap_pair_comm = false;

@@ -67,15 +67,20 @@ TEST(DeviceCalibration, MeasuresEveryLinearGemmLineAttentionPerHeadAndTheCopyTab
       EXPECT_TRUE(got.count({GemmLayout::tn, out, in, n})) << "dw = dy^T x, n " << n;
     }
 
-  // The cost model reads the samples back at their shapes and layouts.
+  // The cost model reads the samples back at their shapes and layouts: a sample's
+  // time, or where noise made a line's time fall with more tokens, the mean it is
+  // smoothed to, within the line's range (y = x w^T along n for w 64 x 64).
   const CostModel m(p);
-  int checked = 0;
-  for (const GemmSample& g : p.gemm) {
-    if (g.layout != GemmLayout::nt || g.M != 256 || g.N != 64 || g.K != 64) continue;
-    EXPECT_NEAR(m.gemm(256, 64, 64, GemmLayout::nt), 2.0 * 256 * 64 * 64 / g.rate, 1e-12);
-    ++checked;
-  }
-  EXPECT_EQ(checked, 1);
+  double lo = 1e30, hi = 0;
+  for (const GemmSample& g : p.gemm)
+    if (g.layout == GemmLayout::nt && g.N == 64 && g.K == 64) {
+      const double t = 2.0 * double(g.M) * 64 * 64 / g.rate;
+      lo = std::min(lo, t), hi = std::max(hi, t);
+    }
+  ASSERT_GT(hi, 0);
+  const double t256 = m.gemm(256, 64, 64, GemmLayout::nt);
+  EXPECT_GE(t256, lo * (1 - 1e-9));
+  EXPECT_LE(t256, hi * (1 + 1e-9));
 
   // Attention at 64 and 128 positions, per head: the cost model's B x H x table value
   // is the measured call again.

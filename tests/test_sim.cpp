@@ -182,19 +182,46 @@ TEST(Sim, CoreSharingStretchesByTheCoresEachProcessGets) {
   EXPECT_DOUBLE_EQ(run_plan(plan, imbalanced, instant, false, CoreSharing{2, 2}).makespan, m * 3.0);
 }
 
+TEST(Cluster, GroupsThatStraddleNodesCountByTheirWorstPlacedMember) {
+  // Aligned groups: a node's worth each.
+  EXPECT_EQ(place_group(16, 1, 8).ranks_per_node, 8);
+  EXPECT_EQ(place_group(64, 2, 8).ranks_per_node, 4);  // dp 64 with tp 2: 4 a node
+  EXPECT_EQ(place_group(4, 2, 8).ranks_per_node, 4);   // fits a node
+  // ep 6 on 8-GPU nodes: groups 0-5, 6-11 (2 + 4), 12-17 (4 + 2), 18-23.
+  const GroupPlacement six = place_group(6, 1, 8);
+  EXPECT_EQ(six.ranks_per_node, 2);
+  EXPECT_EQ(six.full_node, 6);
+  EXPECT_EQ(place_group(3, 1, 8).ranks_per_node, 1);   // 6-8: 2 + 1
+  EXPECT_EQ(place_group(12, 1, 8).ranks_per_node, 4);  // 0-11: 8 + 4
+  // tp 3 x dp 4 on 8-GPU nodes: the dp group (stride 3) of tp rank 0 is 0, 3, 6 | 9.
+  EXPECT_EQ(place_group(4, 3, 8).ranks_per_node, 1);
+  // Beyond kExactPlacementSpan the aligned count stands.
+  EXPECT_EQ(place_group(8192, 1, 8).ranks_per_node, 8);
+  // A straddling group reduces over the inter-node link.
+  const ClusterSpec c = test_cluster();
+  EXPECT_DOUBLE_EQ(all_reduce_time(c, six, kMiB), 10 * 5e-6 + 10.0 / 6 * double(kMiB) / 10e9);
+}
+
 TEST(Cluster, NodeDeduplicatedDispatchSendsATokenOncePerRemoteNode) {
-  // Two nodes of one expert each, top-1: the other node gets the token half the time.
-  EXPECT_DOUBLE_EQ(remote_node_copies(16, 8, 2, 1), 0.5);
+  // Two nodes of one expert each, top-1: the other node gets the token half the
+  // time, and forwards it to the expert's GPU 7 times in 8.
+  const RemoteNodeTraffic two = remote_node_traffic(place_group(16, 1, 8), 2, 1);
+  EXPECT_DOUBLE_EQ(two.copies, 0.5);
+  EXPECT_DOUBLE_EQ(two.forwards, 0.5 * 7.0 / 8);
   // Top-k of every expert: each of the G - 1 other nodes gets it once.
-  EXPECT_DOUBLE_EQ(remote_node_copies(32, 8, 8, 8), 3.0);
+  EXPECT_DOUBLE_EQ(remote_node_traffic(place_group(32, 1, 8), 8, 8).copies, 3.0);
   // One node: nothing crosses.
-  EXPECT_DOUBLE_EQ(remote_node_copies(8, 8, 128, 8), 0.0);
+  EXPECT_DOUBLE_EQ(remote_node_traffic(place_group(8, 1, 8), 128, 8).copies, 0.0);
   // Qwen3's 128 experts, top-8, over 4 nodes: 3 (1 - C(96, 8) / C(128, 8)).
   double miss = 1;
   for (int i = 0; i < 8; ++i) miss *= (96.0 - i) / (128.0 - i);
-  EXPECT_NEAR(remote_node_copies(32, 8, 128, 8), 3 * (1 - miss), 1e-12);
-  EXPECT_THROW(remote_node_copies(12, 8, 8, 2), ConfigError);  // 8 per node do not divide 12
-  EXPECT_THROW(remote_node_copies(16, 8, 8, 9), ConfigError);  // top-9 of 8
+  EXPECT_NEAR(remote_node_traffic(place_group(32, 1, 8), 128, 8).copies, 3 * (1 - miss), 1e-12);
+  // A straddling group (ep 12 on 8-GPU nodes, the member with 4 on its node): one
+  // remote node of 8 members, holding 8/12 of the 24 experts.
+  double miss12 = 1;
+  for (int i = 0; i < 2; ++i) miss12 *= (24.0 - 16 - i) / (24.0 - i);
+  EXPECT_NEAR(remote_node_traffic(place_group(12, 1, 8), 24, 2).copies, 1 - miss12, 1e-12);
+  EXPECT_THROW(remote_node_traffic(place_group(16, 1, 8), 8, 9), ConfigError);  // top-9 of 8
 
   ClusterSpec c = test_cluster();
   const Bytes b = 64 * kMiB;
@@ -202,13 +229,20 @@ TEST(Cluster, NodeDeduplicatedDispatchSendsATokenOncePerRemoteNode) {
   // In one node it is the plain all-to-all.
   EXPECT_DOUBLE_EQ(dedup_all_to_all_time(c, place_group(8, 1, 8), b, b, 128, 8),
                    all_to_all_time(c, place_group(8, 1, 8), b, b));
-  // Top-1: every row is its token's only copy, so the NIC carries what the plain
-  // all-to-all sends off the node; with NVLink out of the way the times agree.
+  // One GPU a node: nothing to forward; top-1: nothing to deduplicate. The plain
+  // all-to-all again, however slow NVLink is.
+  ClusterSpec one = c;
+  one.gpus_per_node = 1;
+  one.intra_node.bandwidth = 1e9;
+  EXPECT_NEAR(dedup_all_to_all_time(one, place_group(8, 1, 1), b, b, 8, 1),
+              all_to_all_time(one, place_group(8, 1, 1), b, b), 1e-12);
+  // Top-1 on 8-GPU nodes: the NIC carries what the plain all-to-all sends off the
+  // node; with NVLink out of the way the times agree.
   c.intra_node.bandwidth = 1e18;
   EXPECT_NEAR(dedup_all_to_all_time(c, g, b, b, 128, 1), all_to_all_time(c, g, b, b), 1e-12);
-  // Top-8 of 128 over 4 nodes: the NIC carries remote_node_copies / (8 x 24 / 32) of it.
+  // Top-8 of 128 over 4 nodes: the NIC carries copies / (8 x 24 / 32) of it.
   const double plain_inter = all_to_all_time(c, g, b, b) - c.inter_node.latency;
-  const double ratio = remote_node_copies(32, 8, 128, 8) / (8.0 * 24 / 32);
+  const double ratio = remote_node_traffic(g, 128, 8).copies / (8.0 * 24 / 32);
   EXPECT_NEAR(dedup_all_to_all_time(c, g, b, b, 128, 8) - c.inter_node.latency, ratio * plain_inter,
               1e-9 * plain_inter);
   EXPECT_LT(ratio, 0.5);

@@ -167,6 +167,14 @@ SearchResult search(const SearchOptions& o) {
           c.bubble = r.bubble_fraction;
           ++done;
           report([&] { return fmt::format("timing: {}/{} candidates", done.load(), timed.size()); });
+        } catch (const ConfigError& e) {  // a layout the rules of step 1 let through: name it
+          const Candidate& c = timed[i];
+          std::lock_guard lk(failure_mu);
+          if (!failure)
+            failure = std::make_exception_ptr(
+                ConfigError(fmt::format("search: simulating {} {} {} mbs {}: {}", c.parallel.str(), c.schedule,
+                                        c.policy, c.micro_batch_size, e.what())));
+          next = timed.size();
         } catch (...) {
           std::lock_guard lk(failure_mu);
           if (!failure) failure = std::current_exception();

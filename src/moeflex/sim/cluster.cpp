@@ -7,6 +7,7 @@
 #include <cmath>
 #include <fstream>
 #include <initializer_list>
+#include <numeric>
 #include <vector>
 
 #include "moeflex/core/error.h"
@@ -209,8 +210,33 @@ ClusterSpec load_cluster(const std::string& name_or_path, const std::filesystem:
 GroupPlacement place_group(int size, int stride, int gpus_per_node) {
   GroupPlacement g;
   g.size = std::max(size, 1);
-  if (stride >= gpus_per_node) g.ranks_per_node = 1;
-  else g.ranks_per_node = std::max(1, std::min(g.size, gpus_per_node / std::max(stride, 1)));
+  stride = std::max(stride, 1);
+  const int gpn = std::max(gpus_per_node, 1);
+  if (stride >= gpn) return g;  // one member a node
+  g.full_node = std::min(g.size, gpn / stride);
+  const std::int64_t span = std::int64_t(g.size) * stride;
+  if (span > kExactPlacementSpan) {
+    g.ranks_per_node = g.full_node;
+    return g;
+  }
+  // Group starts k span + j (j < stride); their offsets within a node repeat after
+  // gpn / gcd(span, gpn) values of k.
+  const std::int64_t period = gpn / std::gcd(span, std::int64_t(gpn));
+  int worst = g.size;
+  for (std::int64_t k = 0; k < period; ++k) {
+    for (int j = 0; j < stride; ++j) {
+      const std::int64_t r0 = k * span + j;
+      int run = 0;
+      std::int64_t node = r0 / gpn;
+      for (int i = 0; i < g.size; ++i) {
+        const std::int64_t n_i = (r0 + std::int64_t(i) * stride) / gpn;
+        if (n_i != node) worst = std::min(worst, run), run = 0, node = n_i;
+        ++run;
+      }
+      worst = std::min(worst, run);
+    }
+  }
+  g.ranks_per_node = worst;
   return g;
 }
 
@@ -238,16 +264,23 @@ Seconds all_to_all_time(const ClusterSpec& c, const GroupPlacement& g, Bytes sen
   return alpha + std::max(intra, inter);
 }
 
-double remote_node_copies(int n, int rpn, std::int64_t E, std::int64_t k) {
-  check_config(rpn >= 1 && n >= rpn && n % rpn == 0,
-               fmt::format("remote_node_copies: {} ranks per node do not divide a group of {}", rpn, n));
-  check_config(k >= 1 && k <= E, fmt::format("remote_node_copies: top-{} of {} experts", k, E));
-  const int G = n / rpn;
-  if (G <= 1) return 0;
-  const double per_node = double(E) / G;
-  double miss = 1;  // P(a given other node holds none of the token's k experts)
-  for (std::int64_t i = 0; i < k; ++i) miss *= std::max(0.0, (double(E) - per_node - double(i)) / double(E - i));
-  return double(G - 1) * (1 - miss);
+RemoteNodeTraffic remote_node_traffic(const GroupPlacement& g, std::int64_t E, std::int64_t k) {
+  check_config(k >= 1 && k <= E, fmt::format("remote_node_traffic: top-{} of {} experts", k, E));
+  RemoteNodeTraffic t;
+  const double n = g.size;
+  auto add_node = [&](double c) {
+    const double experts = double(E) * c / n;
+    double miss = 1;
+    for (std::int64_t i = 0; i < k; ++i) miss *= std::max(0.0, (double(E) - experts - double(i)) / double(E - i));
+    const double hit = 1 - miss;
+    if (hit <= 0) return;
+    t.copies += hit;
+    t.forwards += hit * std::min(double(k) * c / n / hit, c) * (c - 1) / c;
+  };
+  const int remote = g.size - g.ranks_per_node, full = std::max(g.full_node, 1);
+  for (int q = 0; q < remote / full; ++q) add_node(full);
+  if (remote % full > 0) add_node(remote % full);
+  return t;
 }
 
 Seconds dedup_all_to_all_time(const ClusterSpec& c, const GroupPlacement& g, Bytes send_bytes, Bytes recv_bytes,
@@ -256,10 +289,10 @@ Seconds dedup_all_to_all_time(const ClusterSpec& c, const GroupPlacement& g, Byt
   if (g.ranks_per_node >= g.size) return all_to_all_time(c, g, send_bytes, recv_bytes);
   const double b = double(std::max(send_bytes, recv_bytes));
   const double n = g.size, rpn = g.ranks_per_node;
-  const double inter_bytes =
-      b * n / ((n - 1) * double(top_k)) * remote_node_copies(g.size, g.ranks_per_node, num_experts, top_k);
-  const double intra = (b * (rpn - 1) / (n - 1) + inter_bytes) / c.intra_node.bandwidth;
-  const double inter = inter_bytes / c.inter_node.bandwidth;
+  const double row = b * n / ((n - 1) * double(top_k));  // one token's row
+  const RemoteNodeTraffic t = remote_node_traffic(g, num_experts, top_k);
+  const double intra = (b * (rpn - 1) / (n - 1) + row * t.forwards) / c.intra_node.bandwidth;
+  const double inter = row * t.copies / c.inter_node.bandwidth;
   return c.inter_node.latency + std::max(intra, inter);
 }
 

@@ -112,12 +112,24 @@ ClusterSpec load_cluster(const std::string& name_or_path, const std::filesystem:
 /// Where a group of ranks lives: how many ranks, and how many share a node.
 struct GroupPlacement {
   int size = 1;            ///< ranks in the collective
-  int ranks_per_node = 1;  ///< of them, on one node (1..size); size when the group fits a node
+  /// Members on the node of its worst-placed member (the fewest of the group on one
+  /// node, 1..size; size when every group fits a node): that member's other
+  /// rpn - 1 peers are on its node, the other size - rpn remote.
+  int ranks_per_node = 1;
+  /// Members on a node the group covers whole (gpus_per_node / stride, at most size).
+  int full_node = 1;
 };
 
 /// Placement of a group whose consecutive members are `stride` ranks apart in a
-/// world laid out node by node (gpus_per_node consecutive ranks per node).
+/// world laid out node by node (gpus_per_node consecutive ranks per node), as the
+/// groups of one kind tile the world (starts k size stride + j, j < stride: every
+/// group of a tp-ep-dp-pp rank order). A group that straddles a node boundary
+/// (ep 6 on 8-GPU nodes: ranks 6-11) counts by its worst member (2 on its node).
+/// Exact for groups spanning up to kExactPlacementSpan ranks; wider ones count the
+/// aligned case (gpus_per_node / stride a node), whose remote share is near 1 anyway.
 GroupPlacement place_group(int size, int stride, int gpus_per_node);
+/// Widest size x stride place_group enumerates member by member.
+inline constexpr std::int64_t kExactPlacementSpan = 4096;
 
 /// Ring all-reduce of `bytes` per rank (Patarasuk & Yuan 2009; NCCL's "bus
 /// bandwidth" in nccl-tests/doc/PERFORMANCE.md): 2(n-1) steps, each moving
@@ -138,21 +150,32 @@ Seconds all_gather_time(const ClusterSpec& c, const GroupPlacement& g, Bytes byt
 /// intra = b (rpn-1)/(n-1) / beta_intra and inter = b (n-rpn)/(n-1) / beta_inter.
 Seconds all_to_all_time(const ClusterSpec& c, const GroupPlacement& g, Bytes send_bytes, Bytes recv_bytes);
 
-/// Expected number of other nodes a token is sent to when each node receives it at
-/// most once: E experts spread evenly over the group's G = n / rpn nodes, the token's
-/// top-k drawn uniformly without replacement; another node gets a copy unless it
-/// holds none of the k: (G - 1) (1 - prod_{i<k} (E - E/G - i) / (E - i)).
-/// 0 when the group fits one node. ConfigError unless 1 <= k <= E and rpn divides n.
-double remote_node_copies(int n, int rpn, std::int64_t E, std::int64_t k);
+/// What a node-deduplicating dispatch moves per token of the group's worst-placed
+/// member (see GroupPlacement), E experts spread evenly over the group's ranks and
+/// the token's top-k drawn uniformly without replacement: a remote node holding c of
+/// the n members has E c / n experts and gets one copy unless it holds none of the
+/// k, with probability miss = prod_{i<k} (E - E c/n - i) / (E - i);
+///   copies   = sum over remote nodes of (1 - miss);
+///   forwards = sum over remote nodes of (1 - miss) min(k c / n / (1 - miss), c) (c - 1) / c,
+/// the NVLink hops from the receiving GPU to the other holders (experts expected on
+/// the node given it holds one, at most one hop per GPU). Remote nodes: the n - rpn
+/// remote members in nodes of full_node, the last one partial.
+struct RemoteNodeTraffic {
+  double copies = 0;
+  double forwards = 0;
+};
+/// ConfigError unless 1 <= k <= E.
+RemoteNodeTraffic remote_node_traffic(const GroupPlacement& g, std::int64_t E, std::int64_t k);
 
 /// The dispatch or combine of a node-deduplicating dispatcher (DeepEP's internode
 /// kernels, with which DeepSeek-V3 and Megatron-Core's "flex" dispatcher train): a
 /// token crosses to each other node that holds one of its experts once, and that
 /// node forwards it over NVLink to the GPUs holding them (combine: the reverse, with
 /// a reduction within the node). `send_bytes` / `recv_bytes` are all_to_all_time's
-/// (k rows a token, (ep - 1) / ep of them off the rank). Inter-node bytes per rank:
-/// tokens x d x remote_node_copies, i.e. b n / ((n - 1) k) x remote_node_copies;
-/// intra-node: all_to_all_time's share plus one forward of every copy that arrives.
+/// (k rows a token, (ep - 1) / ep of them off the rank), so a token's row is
+/// b n / ((n - 1) k). Inter-node bytes per rank: that x copies; intra-node:
+/// all_to_all_time's share plus that x forwards (so with top-1 and NVLink the
+/// bottleneck it costs more than all_to_all_time: the forwards are real traffic).
 /// With the group in one node it is all_to_all_time.
 Seconds dedup_all_to_all_time(const ClusterSpec& c, const GroupPlacement& g, Bytes send_bytes, Bytes recv_bytes,
                               std::int64_t num_experts, std::int64_t top_k);

@@ -474,6 +474,7 @@ struct Simulation {
   Bytes limit = 0;
   LayerCost head, embed;
   std::vector<LayerCost> stage_copies;  // per global stage: its boundary copies (stage_copy_cost)
+  GroupPlacement ep_group, tp_group;    // the layers' collectives (setup)
 
   explicit Simulation(const SimOptions& opt)
       : o(opt),
@@ -516,16 +517,14 @@ struct Simulation {
 
   /// Blocking collectives of one layer, forward or backward.
   Seconds layer_comm(const LayerCost& lc) const {
-    const ParallelSpec& p = o.parallel;
     Seconds t = 0;
     if (lc.a2a_send_bytes > 0 || lc.a2a_recv_bytes > 0) {
-      const GroupPlacement g = expert_parallel_placement(p, o.cluster.gpus_per_node);
-      t += 2 * (o.dispatcher == "deepep" ? dedup_all_to_all_time(o.cluster, g, lc.a2a_send_bytes, lc.a2a_recv_bytes,
-                                                                 cfg.num_experts, cfg.num_experts_per_tok)
-                                         : all_to_all_time(o.cluster, g, lc.a2a_send_bytes, lc.a2a_recv_bytes));
+      t += 2 * (o.dispatcher == "deepep"
+                    ? dedup_all_to_all_time(o.cluster, ep_group, lc.a2a_send_bytes, lc.a2a_recv_bytes, cfg.num_experts,
+                                            cfg.num_experts_per_tok)
+                    : all_to_all_time(o.cluster, ep_group, lc.a2a_send_bytes, lc.a2a_recv_bytes));
     }
-    if (lc.tp_collective_bytes > 0)
-      t += 4 * all_gather_time(o.cluster, place_group(p.tp, 1, o.cluster.gpus_per_node), lc.tp_collective_bytes);
+    if (lc.tp_collective_bytes > 0) t += 4 * all_gather_time(o.cluster, tp_group, lc.tp_collective_bytes);
     return t;
   }
 
@@ -567,6 +566,8 @@ struct Simulation {
     ls.num_experts = int(cfg.num_experts);
     ls.pad_layers = true;
     const comm::ParallelLayout layout(ls);
+    ep_group = expert_parallel_placement(p, o.cluster.gpus_per_node);
+    tp_group = place_group(p.tp, 1, o.cluster.gpus_per_node);
     plan = make_schedule(o.schedule, p.pp, m, dualv ? 1 : p.vpp);
     // Memory walks replay a shorter step when the schedule's steady phase repeats:
     // every schedule but GPipe holds at most ~2 pp x chunks micro-batches at once, so
@@ -764,8 +765,8 @@ struct Simulation {
       return out;
     }
     const double cold = p.ep > 1 ? std::max(0.0, (double(p.ep) - hot) / double(p.ep - 1)) : 1.0;
-    // (ep may exceed dp when it folds over tp x dp: then one whole EP group stands for them.)
-    for (int g = 0; g < std::max(1, p.dp / p.ep); ++g) {
+    // The tp x dp processes of the pipeline rank, in (tp x dp) / ep EP groups.
+    for (int g = 0; g < p.tp * p.dp / p.ep; ++g) {
       out.push_back(&layer_at(l, p.ep > 1 ? hot : 1.0));
       for (int q = 1; q < p.ep; ++q) out.push_back(&layer_at(l, cold));
     }

@@ -258,9 +258,9 @@ HardwareProfile calibrate_device(ops::DeviceContext& ctx, const DeviceCalibratio
 int run_device_calibrate_command(const std::string& device, const std::string& config_path,
                                  const std::filesystem::path& out_path, Seconds budget) {
   const DeviceKind kind = parse_device_kind(device);
-  check_profile_out(out_path);
   const RunConfig cfg = config_path.empty() ? RunConfig::defaults() : RunConfig::from_file(config_path);
-  DeviceCalibrationShapes shapes{cfg.model, cfg.train.micro_batch_size, cfg.train.seq_len};
+  const DeviceCalibrationShapes shapes{cfg.model, cfg.train.micro_batch_size, cfg.train.seq_len};
+  // The device first: without one nothing is created, not even --out's folder.
   ops::DeviceContext ctx;
   if (kind == DeviceKind::cpu) {
     ctx = ops::make_cpu_context(Arena::kUnlimited);
@@ -273,6 +273,7 @@ int run_device_calibrate_command(const std::string& device, const std::string& c
         "-DMOEFLEX_CUDA=ON where nvcc is installed)");
 #endif
   }
+  check_profile_out(out_path);
   const HardwareProfile p = calibrate_device(ctx, shapes, budget, true);
   const CostModel m(p);
   const std::int64_t n = shapes.micro_batch_size * shapes.seq_len, d = shapes.model.hidden_size;

@@ -50,10 +50,11 @@ TEST(Search, ReturnsOnlyValidLayoutsRankedByEffectiveTgs) {
   for (std::size_t i = 0; i < r.top.size(); ++i) {
     const auto& c = r.top[i];
     EXPECT_EQ(c.parallel.world(), 4);
+    // The expert layers' view of a stage: tp x dp ranks as ep x expert_dp (folding).
     comm::LayoutSpec ls;
-    ls.world_size = c.parallel.pp * c.parallel.dp;
+    ls.world_size = c.parallel.pp * c.parallel.tp * c.parallel.dp;
     ls.pp = c.parallel.pp;
-    ls.dp = c.parallel.dp;
+    ls.dp = c.parallel.tp * c.parallel.dp;
     ls.ep = c.parallel.ep;
     ls.vpp = c.schedule == "dualpipev" ? 2 : c.parallel.vpp;
     ls.num_layers = 4;
@@ -113,4 +114,24 @@ TEST(Search, ThreadsDoNotChangeTheResult) {
     EXPECT_EQ(one.top[i].step_time, three.top[i].step_time) << i;
     EXPECT_EQ(one.top[i].peak_bytes, three.top[i].peak_bytes) << i;
   }
+}
+
+TEST(Search, ACpuEngineClusterGetsOnlyLayoutsTheEngineRuns) {
+  // The GPU-like cluster folds EP over tp x dp somewhere in its results (ep > dp);
+  // a cluster of CPU-engine processes (per-tensor gradient reduction, this-machine)
+  // gets tp 1 only: the engine has no tensor parallelism.
+  search::SearchOptions o = small_search();
+  o.policies = {"none"};
+  o.schedules = {"1f1b"};
+  o.micro_batch_sizes = {1};
+  o.top = 1000;
+  const search::SearchResult gpu = search::search(o);
+  bool folded = false;
+  for (const auto& c : gpu.top) folded = folded || (c.parallel.tp > 1 && c.parallel.ep > c.parallel.dp);
+  EXPECT_TRUE(folded);
+  o.cluster.per_tensor_gradient_reduce = true;
+  const search::SearchResult cpu = search::search(o);
+  ASSERT_FALSE(cpu.top.empty());
+  for (const auto& c : cpu.top) EXPECT_EQ(c.parallel.tp, 1) << c.parallel.str();
+  EXPECT_LT(cpu.enumerated, gpu.enumerated);
 }

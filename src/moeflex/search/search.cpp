@@ -88,7 +88,10 @@ SearchResult search(const SearchOptions& o) {
     so.cache = cache;
     return so;
   };
-  for (int tp : o.tps) {
+  // The CPU engine (a cluster of processes, this-machine) has no tensor parallelism:
+  // only layouts `moeflex train` can run there.
+  const std::vector<int> tps = o.cluster.per_tensor_gradient_reduce ? std::vector<int>{1} : o.tps;
+  for (int tp : tps) {
     if (o.gpus % tp != 0) continue;
     for (int pp : divisors(o.gpus / tp)) {
       if (pp > L) continue;

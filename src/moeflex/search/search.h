@@ -37,7 +37,7 @@ struct SearchOptions {
   std::int64_t seq_len = 4096;
   std::int64_t global_batch = 0;          ///< sequences per iteration; 0: 2 x gpus
   std::vector<int> micro_batch_sizes = {1, 2, 4};
-  std::vector<int> tps = {1, 2, 4, 8};
+  std::vector<int> tps = {1, 2, 4, 8};    ///< tp sizes tried ({1} on a CPU-engine cluster: per_tensor_gradient_reduce)
   std::vector<int> vpps = {2, 4};         ///< for the interleaved schedule
   std::vector<std::string> schedules = {"gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev"};
   std::vector<std::string> policies = {"none", "selective", "moe-full", "full", "adaptive"};

@@ -6,7 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-build/moeflex}
-OUT=${OUT:-$(mktemp -d)}
+OUT=${OUT:-$(mktemp -d)}  # each run's summary.json goes to $OUT/runN
+mkdir -p "$OUT"
 peak=$(/usr/bin/python3 -c "import json; print(json.load(open('configs/clusters/h100.json'))['device']['peak_flops'])")
 # name | model | --parallel | schedule | global batch | seq | policy | dispatcher (the public run's)
 RUNS=(
@@ -16,7 +17,7 @@ RUNS=(
   "Qwen3-235B-A22B, 256 H100, TP2 PP8 VPP4 EP32|qwen3-235b-a22b|tp=2,pp=8,vpp=4,ep=32,dp=16|interleaved|2048|4096|moe-light|deepep"
   "Qwen3-235B-A22B, 256 H100, TP2 PP32 VPP3 EP8|qwen3-235b-a22b|tp=2,pp=32,vpp=3,ep=8,dp=4|interleaved|2048|4096|moe-light|alltoall"
 )
-printf "%-44s %8s %12s %9s %9s\n" "run" "MFU" "TFLOP/s/GPU" "step s" "dispatch"
+printf "%-44s %8s %12s %9s %9s %9s %9s\n" "run" "MFU" "TFLOP/s/GPU" "step s" "dispatch" "peak GiB" "limit GiB"
 i=0
 for r in "${RUNS[@]}"; do
   IFS='|' read -r name model par sched gb seq pol disp <<< "$r"
@@ -25,7 +26,9 @@ for r in "${RUNS[@]}"; do
   /usr/bin/python3 - "$OUT/run$i/summary.json" "$peak" "$name" <<'PY'
 import json, sys
 s = json.load(open(sys.argv[1]))
-print(f"{sys.argv[3]:<44} {100 * s['mfu']:7.1f}% {s['mfu'] * float(sys.argv[2]) / 1e12:12.0f} {s['step_time_s']:9.2f} {s['dispatcher']:>9}")
+oom = "  (over: out of memory in the simulator)" if s["ooms"] > 0 else ""
+print(f"{sys.argv[3]:<44} {100 * s['mfu']:7.1f}% {s['mfu'] * float(sys.argv[2]) / 1e12:12.0f} {s['step_time_s']:9.2f} "
+      f"{s['dispatcher']:>9} {s['peak_bytes'] / 2**30:9.1f} {s['memory_limit_bytes'] / 2**30:9.1f}{oom}")
 PY
   i=$((i + 1))
 done

@@ -230,6 +230,16 @@ TEST(Train, BadInputsGetClearErrors) {
     EXPECT_NE(std::string(e.what()).find("stepz"), std::string::npos);
   }
   EXPECT_THROW(RunConfig::from_toml_text("[train]\nlr = inf\n", "x").validate(), ConfigError);
+  // A model's JSON given as a run config: the error says what it is (and TOML errors do not).
+  for (const auto& [text, json] :
+       {std::pair<const char*, bool>{"\n  {\"hidden_size\": 4096}", true}, {"[train\n", false}}) {
+    try {
+      RunConfig::from_toml_text(text, "model.json");
+      FAIL() << text;
+    } catch (const ConfigError& e) {
+      EXPECT_EQ(std::string(e.what()).find("this is JSON") != std::string::npos, json) << e.what();
+    }
+  }
   EXPECT_THROW(RunConfig::from_toml_text("[model]\ncapacity_factor = nan\n", "x").validate(), ConfigError);
   EXPECT_THROW(RunConfig::from_toml_text("[parallel]\npp = 4294967297\n", "x"), ConfigError);
   // Strings with quotes and backslashes survive the resolved config.toml.

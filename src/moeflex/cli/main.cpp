@@ -144,11 +144,11 @@ int main(int argc, char** argv) {
   std::string cal_device = "cpu", cal_config;
   cal->add_option("--device", cal_device,
                   "cpu (this machine's kernels) or cuda (the GPU's, through the CUDA backend, at the shapes of "
-                  "--config's model; default --out data/hardware/cuda.json, --seconds 30)")
+                  "--config's model; default --out data/hardware/cuda.json, --seconds 30; not yet run on a GPU)")
       ->capture_default_str();
   cal->add_option("--config", cal_config,
-                  "with --device cuda: the run config whose model and micro-batch are measured "
-                  "(default: the built-in default)");
+                  "with --device cuda: the run config (.toml) whose model and micro-batch are measured (default: the "
+                  "built-in default)");
 
   // --- simulate, search (cli/sim_commands.cpp)
   add_sim_commands(app);

@@ -97,7 +97,8 @@ void add_sim_commands(CLI::App& app) {
     c->add_option("--seq-len", f.seq_len, "tokens per sequence (default: 4096, or the run config's)")
         ->check(CLI::Range(std::int64_t(1), std::int64_t(1) << 24));
     c->add_option("--global-batch", f.global_batch,
-                  "sequences per iteration (default: a --loads run's own batch, else dp x B x 4 pp)")
+                  "sequences per iteration (default: simulate, a --loads run's own batch, else dp x B x 4 pp; "
+                  "search, 2 x --gpus)")
         ->check(CLI::Range(std::int64_t(1), std::int64_t(1) << 30));
     c->add_option("--imbalance", f.imbalance, "load distribution calm=1.2:spike=2.6:p=0.029[:seed=S]");
     c->add_option("--restart-seconds", f.restart_seconds, "cold restart after an OOM")
@@ -115,8 +116,12 @@ void add_sim_commands(CLI::App& app) {
   }
   auto* s = f.simulate;
   s->add_option("--parallel", f.parallel,
-                "tp=..,pp=..,vpp=..,ep=..,dp=.. (default all 1; ep divides tp x dp, folding over both)");
-  s->add_option("--schedule", f.schedule, "gpipe, 1f1b, interleaved, zb-h1, dualpipev (default 1f1b)");
+                "tp=..,pp=..,vpp=..,ep=..,dp=.. (default all 1); world = tp x pp x dp. The expert layers fold EP over "
+                "tp x dp (Megatron-Core's MoE parallel folding with expert tensor parallelism 1): ep divides tp x dp "
+                "and num_experts and may exceed dp; expert-DP = tp x dp / ep. tp > 1 means sequence parallelism (n / "
+                "tp tokens a rank). No context parallelism");
+  s->add_option("--schedule", f.schedule,
+                "gpipe, 1f1b, interleaved, zb-h1, dualpipev (default 1f1b; interleaved when vpp > 1)");
   s->add_option("--policy", f.policy, "none, full, selective, moe-light, moe-medium, moe-full, threshold[=R], adaptive")
       ->capture_default_str();
   s->add_option("--micro-batch-size", f.micro_batch_size, "sequences per micro-batch (default 1, or the run config's)")

@@ -51,7 +51,7 @@ SearchResult search(const SearchOptions& o) {
   SearchResult res;
   const ModelConfig& cfg = o.model;
   const int L = int(cfg.num_hidden_layers), E = int(cfg.num_experts);
-  const std::int64_t G = o.global_batch > 0 ? o.global_batch : 2 * std::int64_t(o.gpus);
+  const std::int64_t G = o.global_batch_or_default();
   const Bytes limit = o.cluster.usable_memory();
   std::vector<Candidate> timed;
   Bytes smallest_persistent = -1;
@@ -247,6 +247,7 @@ json SearchResult::to_json(const SearchOptions& o) const {
           {"cluster", o.cluster.name},
           {"gpus", o.gpus},
           {"objective", o.objective},
+          {"global_batch", o.global_batch_or_default()},
           {"seq_len", o.seq_len},
           {"enumerated", enumerated},
           {"invalid", invalid},
@@ -261,9 +262,10 @@ json SearchResult::to_json(const SearchOptions& o) const {
 
 std::string SearchResult::format(const SearchOptions& o) const {
   std::string s = fmt::format(
-      "{}-parameter model on {} x {}: {} combinations, {} invalid, {} do not fit, {} timed, {} walked, "
-      "{:.1f} s\n\n",
-      format_count(double(o.model.num_params())), o.gpus, o.cluster.name, enumerated, invalid, no_fit, timed, walked, seconds);
+      "{}-parameter model on {} x {}, global batch {} x {} tokens, {} dispatcher: {} combinations, {} invalid, {} do "
+      "not fit, {} timed, {} walked, {:.1f} s\n\n",
+      format_count(double(o.model.num_params())), o.gpus, o.cluster.name, o.global_batch_or_default(), o.seq_len,
+      o.dispatcher, enumerated, invalid, no_fit, timed, walked, seconds);
   s += fmt::format("{:>3} {:<30} {:<12} {:<10} {:>3} {:>4} {:>9} {:>9} {:>6} {:>7} {:>9} {:>9} {:>6}\n", "#",
                    "layout", "schedule", "policy", "mbs", "m", "TGS", "eff. TGS", "MFU", "bubble", "peak GiB",
                    "spike GiB", "P(oom)");

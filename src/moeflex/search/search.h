@@ -35,7 +35,9 @@ struct SearchOptions {
   int top = 10;
   std::string objective = "tgs";          ///< "tgs" (effective TGS, highest first) or "memory" (peak, lowest first)
   std::int64_t seq_len = 4096;
-  std::int64_t global_batch = 0;          ///< sequences per iteration; 0: 2 x gpus
+  std::int64_t global_batch = 0;  ///< sequences per iteration; 0: 2 x gpus (global_batch_or_default)
+  /// The global batch the search uses: global_batch, or 2 x gpus.
+  std::int64_t global_batch_or_default() const { return global_batch > 0 ? global_batch : 2 * std::int64_t(gpus); }
   std::vector<int> micro_batch_sizes = {1, 2, 4};
   std::vector<int> tps = {1, 2, 4, 8};    ///< tp sizes tried ({1} on a CPU-engine cluster: per_tensor_gradient_reduce)
   std::vector<int> vpps = {2, 4};         ///< for the interleaved schedule

@@ -80,7 +80,11 @@ ParallelSpec ParallelSpec::parse(const std::string& s) {
     else if (k == "vpp") p.vpp = v;
     else if (k == "ep") p.ep = v;
     else if (k == "dp") p.dp = v;
-    else throw ConfigError(fmt::format("--parallel '{}': unknown key '{}' (tp, pp, vpp, ep, dp)", s, k));
+    else
+      throw ConfigError(
+          fmt::format("--parallel '{}': unknown key '{}' (tp, pp, vpp, ep, dp; expert tensor parallelism "
+                      "is 1 and there is no context parallelism)",
+                      s, k));
   }
   // tp x pp x dp devices (ep divides the tp x dp ranks of a stage): refuse what overflows.
   const double world = double(p.tp) * double(p.pp) * double(p.dp);

@@ -133,8 +133,14 @@ toml::table parse_toml(const std::string& text, const std::string& origin) {
   try {
     return toml::parse(text, origin);
   } catch (const toml::parse_error& e) {
-    throw ConfigError(fmt::format("{}: TOML syntax error at line {}, column {}: {}", origin,
-                                  e.source().begin.line, e.source().begin.column, e.description()));
+    // A model's JSON (a Hugging Face config.json, configs/models/) is not a run config.
+    const bool json =
+        text.find_first_not_of(" \t\r\n") != std::string::npos && text[text.find_first_not_of(" \t\r\n")] == '{';
+    throw ConfigError(fmt::format("{}: TOML syntax error at line {}, column {}: {}{}", origin, e.source().begin.line,
+                                  e.source().begin.column, e.description(),
+                                  json ? " (this is JSON: a run config is TOML with [model] and [train] tables, "
+                                         "like configs/default.toml; the simulator's --model takes model JSON)"
+                                       : ""));
   }
 }
 

@@ -22,6 +22,8 @@ void for_each_field(ModelConfig& c, F&& f) {
   f("hidden_size", c.hidden_size);
   f("num_hidden_layers", c.num_hidden_layers);
   f("num_attention_heads", c.num_attention_heads);
+  f("head_dim", c.head_dim_override);
+  f("num_key_value_heads", c.num_key_value_heads);
   f("max_position_embeddings", c.max_position_embeddings);
   f("rope_theta", c.rope_theta);
   f("rms_norm_eps", c.rms_norm_eps);
@@ -76,10 +78,15 @@ void ModelConfig::validate() const {
     rule(std::isfinite(v), name, fmt::format("must be a finite number (got {})", v));
   rule(hidden_size >= 2, "hidden_size", fmt::format("must be at least 2 (got {})", hidden_size));
   rule(num_hidden_layers >= 1, "num_hidden_layers", fmt::format("must be at least 1 (got {})", num_hidden_layers));
-  rule(num_attention_heads >= 1 && hidden_size % num_attention_heads == 0, "num_attention_heads",
-       fmt::format("must divide hidden_size {} (got {})", hidden_size, num_attention_heads));
-  rule(head_dim() % 2 == 0, "num_attention_heads",
-       fmt::format("head_dim = hidden_size / num_attention_heads = {} must be even for RoPE", head_dim()));
+  rule(head_dim_override >= 0 && head_dim_override <= (1 << 16), "head_dim",
+       fmt::format("must be in [1, 65536], or 0 for hidden_size / num_attention_heads (got {})", head_dim_override));
+  rule(num_attention_heads >= 1 && (head_dim_override > 0 || hidden_size % num_attention_heads == 0),
+       "num_attention_heads",
+       fmt::format("must divide hidden_size {} (got {}), unless head_dim is given", hidden_size, num_attention_heads));
+  rule(head_dim() % 2 == 0, "num_attention_heads", fmt::format("head_dim = {} must be even for RoPE", head_dim()));
+  rule(num_key_value_heads >= 0 && kv_heads() >= 1 && num_attention_heads % kv_heads() == 0, "num_key_value_heads",
+       fmt::format("must divide num_attention_heads {}, or be 0 for multi-head attention (got {})", num_attention_heads,
+                   num_key_value_heads));
   rule(max_position_embeddings >= 2, "max_position_embeddings", "must be at least 2");
   rule(rope_theta > 0, "rope_theta", "must be positive");
   rule(capacity_factor >= 0, "capacity_factor",
@@ -104,10 +111,10 @@ void ModelConfig::validate() const {
 }
 
 std::int64_t ModelConfig::num_params() const {
-  const std::int64_t d = hidden_size;
+  const std::int64_t d = hidden_size, attn = 2 * d * (q_width() + kv_width());  // q, o; k, v
   std::int64_t p = vocab_size * d * (tie_word_embeddings ? 1 : 2) + d;
   for (std::int64_t l = 0; l < num_hidden_layers; ++l) {
-    p += 2 * d + 4 * d * d;
+    p += 2 * d + attn;
     if (is_moe_layer(l)) p += num_experts * d + num_experts * 3 * d * moe_intermediate_size + 3 * d * shared_width();
     else p += 3 * d * intermediate_size;
   }
@@ -115,10 +122,10 @@ std::int64_t ModelConfig::num_params() const {
 }
 
 std::int64_t ModelConfig::num_active_params() const {
-  const std::int64_t d = hidden_size;
+  const std::int64_t d = hidden_size, attn = 2 * d * (q_width() + kv_width());
   std::int64_t p = vocab_size * d * (tie_word_embeddings ? 1 : 2) + d;
   for (std::int64_t l = 0; l < num_hidden_layers; ++l) {
-    p += 2 * d + 4 * d * d;
+    p += 2 * d + attn;
     if (is_moe_layer(l))
       p += num_experts * d + num_experts_per_tok * 3 * d * moe_intermediate_size + 3 * d * shared_width();
     else p += 3 * d * intermediate_size;

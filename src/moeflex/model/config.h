@@ -24,7 +24,9 @@ struct ModelConfig {
   std::int64_t vocab_size = 4096;              ///< tokens in the vocabulary
   std::int64_t hidden_size = 256;              ///< d, model width
   std::int64_t num_hidden_layers = 4;          ///< L
-  std::int64_t num_attention_heads = 4;        ///< H; head_dim = d / H, even
+  std::int64_t num_attention_heads = 4;        ///< H; head_dim = d / H unless head_dim is given, even
+  std::int64_t head_dim_override = 0;          ///< HF head_dim (TOML/JSON key "head_dim"); 0: d / H
+  std::int64_t num_key_value_heads = 0;        ///< GQA key/value heads, dividing H; 0: H (multi-head)
   std::int64_t max_position_embeddings = 256;  ///< longest sequence
   double rope_theta = 10000.0;                 ///< RoPE base
   double rms_norm_eps = 1e-5;                  ///< RMSNorm epsilon
@@ -65,7 +67,19 @@ struct ModelConfig {
     return (rows + chunks - 1) / chunks;
   }
 
-  std::int64_t head_dim() const { return hidden_size / num_attention_heads; }
+  /// Width of one attention head: the HF field head_dim when given (Qwen3: 128 with
+  /// hidden 4096 and 64 heads), else hidden_size / num_attention_heads.
+  std::int64_t head_dim() const {
+    return head_dim_override > 0 ? head_dim_override : hidden_size / num_attention_heads;
+  }
+  /// Key/value heads (GQA): num_key_value_heads when given, else num_attention_heads (MHA).
+  std::int64_t kv_heads() const { return num_key_value_heads > 0 ? num_key_value_heads : num_attention_heads; }
+  /// Widths of q (and of the attention output) and of k and v: heads x head_dim.
+  std::int64_t q_width() const { return num_attention_heads * head_dim(); }
+  std::int64_t kv_width() const { return kv_heads() * head_dim(); }
+  /// True for the attention moeflex's training engine runs: multi-head, head_dim =
+  /// hidden_size / num_attention_heads (the simulator also prices GQA and wider heads).
+  bool engine_attention() const { return q_width() == hidden_size && kv_heads() == num_attention_heads; }
   std::int64_t shared_width() const {
     return shared_expert_intermediate_size > 0 ? shared_expert_intermediate_size
                                                : n_shared_experts * moe_intermediate_size;

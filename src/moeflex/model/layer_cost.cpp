@@ -159,30 +159,35 @@ LayerCost layer_cost(const CostModel& c, const ModelConfig& cfg, int layer, cons
   const int tp = std::max(wk.tp, 1);
   const std::int64_t B = wk.B, S = wk.S, n = B * S, d = cfg.hidden_size;
   const std::int64_t ns = n / tp;  // tokens of this rank's sequence-parallel shard
+  // q and the attention output are H heads wide, k and v KVh (GQA; KVh = H for the
+  // engine's multi-head attention); with tp, each rank holds its share of the heads.
   const std::int64_t H = cfg.num_attention_heads / tp, hd = cfg.head_dim(), dh = H * hd;
+  const std::int64_t KVh = std::max<std::int64_t>(cfg.kv_heads() / tp, 1), dkv = KVh * hd;
   const bool split = wk.split_backward;
 
   // ---- attention block (model.cpp attention_forward / attention_backward)
   a.add(F, "rmsnorm_forward", c.rmsnorm_forward(ns, d));
-  a.add(F, "linear_forward", 3 * c.linear_forward(n, d, dh), 3);
-  a.add(F, "rope_forward", 2 * c.rope(B, S, H, hd), 2);
+  a.add(F, "linear_forward", c.linear_forward(n, d, dh) + 2 * c.linear_forward(n, d, dkv), 3);
+  a.add(F, "rope_forward", c.rope(B, S, H, hd) + c.rope(B, S, KVh, hd), 2);
   a.add(F, "attention_forward", c.attention_forward(B, S, H, hd));
   a.add(F, "linear_forward", c.linear_forward(n, dh, d));
   a.add(F, "add_inplace", add_inplace(c, ns * d));
   if (split) a.add(B_, "copy", copy(c, ns * d));  // o_proj's dy for its deferred dW
   a.add(B_, "linear_backward_dx", c.linear_backward(n, dh, d, true, false));
   a.add(B_, "attention_backward", c.attention_backward(B, S, H, hd));
-  a.add(B_, "rope_backward", 2 * c.rope(B, S, H, hd), 2);
-  a.add(B_, "linear_backward_dx", 3 * c.linear_backward(n, d, dh, true, false), 3);
+  a.add(B_, "rope_backward", c.rope(B, S, H, hd) + c.rope(B, S, KVh, hd), 2);
+  a.add(B_, "linear_backward_dx",
+        c.linear_backward(n, d, dh, true, false) + 2 * c.linear_backward(n, d, dkv, true, false), 3);
   a.add(B_, "rmsnorm_backward", c.rmsnorm_backward(ns, d));
   a.add(B_, "add_inplace", add_inplace(c, ns * d));
   a.add(W, "linear_backward_dw", c.linear_backward(n, dh, d, false, true));
-  a.add(W, "linear_backward_dw", 3 * c.linear_backward(n, d, dh, false, true), 3);
+  a.add(W, "linear_backward_dw",
+        c.linear_backward(n, d, dh, false, true) + 2 * c.linear_backward(n, d, dkv, false, true), 3);
   a.rebuild("attn_norm.out", {{"rmsnorm_forward", c.rmsnorm_forward(ns, d), 1}});
   a.rebuild("attn_norm.rstd", {{"rmsnorm_forward", c.rmsnorm_forward(ns, d), 1}});
   a.rebuild("attn.q", {{"linear_forward", c.linear_forward(n, d, dh), 1}, {"rope_forward", c.rope(B, S, H, hd), 1}});
-  a.rebuild("attn.k", {{"linear_forward", c.linear_forward(n, d, dh), 1}, {"rope_forward", c.rope(B, S, H, hd), 1}});
-  a.rebuild("attn.v", {{"linear_forward", c.linear_forward(n, d, dh), 1}});
+  a.rebuild("attn.k", {{"linear_forward", c.linear_forward(n, d, dkv), 1}, {"rope_forward", c.rope(B, S, KVh, hd), 1}});
+  a.rebuild("attn.v", {{"linear_forward", c.linear_forward(n, d, dkv), 1}});
   a.rebuild("attn.probs", {{"attention_forward", c.attention_forward(B, S, H, hd), 1}});
   a.rebuild("attn.out", {{"attention_forward", c.attention_forward(B, S, H, hd), 1}});
 
@@ -321,7 +326,8 @@ LayerCost stage_copy_cost(const CostModel& c, const ModelConfig& cfg, const Laye
 double layer_forward_flops(const ModelConfig& cfg, int layer, std::int64_t B, std::int64_t S) {
   const double n = double(B * S), d = double(cfg.hidden_size), H = double(cfg.num_attention_heads),
                hd = double(cfg.head_dim());
-  double f = 2 * n * d * (4 * H * hd)               // q, k, v, o
+  const double kv = double(cfg.kv_heads());
+  double f = 2 * n * d * (2 * H * hd + 2 * kv * hd)             // q and o (H heads), k and v (kv heads)
              + 4 * double(B) * H * double(S) * double(S) * hd;  // scores and weighted sum, full S x S
   if (!cfg.is_moe_layer(layer)) return f + 6 * n * d * double(cfg.intermediate_size);
   f += 2 * n * d * double(cfg.num_experts);  // router

@@ -115,11 +115,12 @@ std::vector<ActivationSpec> layer_activations(const ModelConfig& cfg, int layer,
   add("attn_norm.in", "residual", n * d, false, {});
   add("attn_norm.out", "rmsnorm", n * d, true, {"attn_norm.in"});
   add("attn_norm.rstd", "rmsnorm", n, true, {"attn_norm.in"});
-  add("attn.q", "rope", n * d, true, {"attn_norm.out"});
-  add("attn.k", "rope", n * d, true, {"attn_norm.out"});
-  add("attn.v", "linear", n * d, true, {"attn_norm.out"});
+  const std::int64_t qw = cfg.q_width(), kvw = cfg.kv_width();  // d, d for multi-head attention
+  add("attn.q", "rope", n * qw, true, {"attn_norm.out"});
+  add("attn.k", "rope", n * kvw, true, {"attn_norm.out"});
+  add("attn.v", "linear", n * kvw, true, {"attn_norm.out"});
   add("attn.probs", "attention", B * H * S * S, true, {"attn.q", "attn.k", "attn.v"});
-  add("attn.out", "attention", n * d, true, {"attn.q", "attn.k", "attn.v"});
+  add("attn.out", "attention", n * qw, true, {"attn.q", "attn.k", "attn.v"});
   auto mlp = [&](const std::string& prefix, std::int64_t w) {
     add(prefix + ".gate_out", "linear", n * w, true, {"ffn_norm.out"});
     add(prefix + ".up_out", "linear", n * w, true, {"ffn_norm.out"});
@@ -192,7 +193,7 @@ Bytes rebuild_extra_bytes(const ModelConfig& cfg, std::int64_t B, std::int64_t S
   const Bytes probs = rounded(B * cfg.num_attention_heads * S * S, ab);
   if (name.ends_with("norm.rstd")) return rounded(n * d, ab);
   if (name.ends_with("norm.out")) return rounded(n, 4);
-  if (name == "attn.probs") return rounded(n * d, ab);
+  if (name == "attn.probs") return rounded(n * cfg.q_width(), ab);
   if (name == "attn.out") return probs;
   if (name == "router.probs") return 2 * rounded(n * cfg.num_experts_per_tok, 4);
   if (name == "router.topk_w") return rounded(n * cfg.num_experts, 4) + rounded(n * cfg.num_experts_per_tok, 4);
@@ -235,8 +236,10 @@ const MemoryWalk::LayerSpecs& MemoryWalk::specs_of(int layer, const MoERows& row
   for (const auto& [k, v] : specs_)
     if (k == key) return *v;
   const bool shared = cfg_.n_shared_experts > 0 || cfg_.shared_expert_intermediate_size > 0;
-  const std::array<std::int64_t, 15> full{cfg_.hidden_size,
+  const std::array<std::int64_t, 17> full{cfg_.hidden_size,
                                           cfg_.num_attention_heads,
+                                          cfg_.head_dim(),
+                                          cfg_.kv_heads(),
                                           cfg_.num_experts,
                                           cfg_.num_experts_per_tok,
                                           cfg_.moe_intermediate_size,
@@ -251,7 +254,7 @@ const MemoryWalk::LayerSpecs& MemoryWalk::specs_of(int layer, const MoERows& row
                                           ep,
                                           ab_};
   constexpr std::size_t kMemo = 256;
-  thread_local std::deque<std::pair<std::array<std::int64_t, 15>, std::unique_ptr<LayerSpecs>>> memo;
+  thread_local std::deque<std::pair<std::array<std::int64_t, 17>, std::unique_ptr<LayerSpecs>>> memo;
   for (const auto& [k, v] : memo)
     if (k == full) {
       specs_.emplace_back(key, v.get());
@@ -445,7 +448,7 @@ void MemoryWalk::get(int mb, int layer, int id) {
       break;
     case Rebuild::attn_probs:  // o and probs, one returned
     case Rebuild::attn_out: {
-      const Bytes o = rounded(n * d, ab_), p = rounded(B_ * cfg_.num_attention_heads * S_ * S_, ab_);
+      const Bytes o = rounded(n * cfg_.q_width(), ab_), p = rounded(B_ * cfg_.num_attention_heads * S_ * S_, ab_);
       alloc(o);
       alloc(p);
       free(s->specs->rebuild[pos] == Rebuild::attn_probs ? o : p);
@@ -634,10 +637,12 @@ void MemoryWalk::run(const std::vector<WalkAction>& actions, std::size_t from, c
 
 void MemoryWalk::attention_forward(int mb, int l, const LayerSpecs& specs, const ProvisionFn& provision) {
   const std::int64_t n = B_ * S_, d = cfg_.hidden_size;
+  const std::int64_t qw = cfg_.q_width(), kvw = cfg_.kv_width();  // d, d for multi-head attention
   alloc(rounded(n * d, ab_));                                    // a
   alloc(rounded(n, 4));                                          // rstd
-  for (int i = 0; i < 3; ++i) alloc(rounded(n * d, ab_));        // q, k, v
-  alloc(rounded(n * d, ab_));                                    // o
+  alloc(rounded(n * qw, ab_));                                   // q
+  for (int i = 0; i < 2; ++i) alloc(rounded(n * kvw, ab_));      // k, v
+  alloc(rounded(n * qw, ab_));                                   // o
   alloc(rounded(B_ * cfg_.num_attention_heads * S_ * S_, ab_));  // probs
   alloc(rounded(n * d, ab_));                                    // h, the next residual
   land();  // a decision point
@@ -804,6 +809,8 @@ const MemoryWalk::LayerSummary& MemoryWalk::summary_of(int l, const MoERows& row
   const bool moe = cfg_.is_moe_layer(l), shared = cfg_.n_shared_experts > 0 || cfg_.shared_expert_intermediate_size > 0;
   const SummaryKey key{cfg_.hidden_size,
                        cfg_.num_attention_heads,
+                       cfg_.head_dim(),
+                       cfg_.kv_heads(),
                        cfg_.num_experts,
                        cfg_.num_experts_per_tok,
                        cfg_.moe_intermediate_size,
@@ -1025,8 +1032,10 @@ void MemoryWalk::ffn_backward(int mb, int l) {
 void MemoryWalk::attention_backward(int mb, int l) {
   const std::int64_t n = B_ * S_, d = cfg_.hidden_size;
   const Bytes probs = rounded(B_ * cfg_.num_attention_heads * S_ * S_, ab_);
-  for (int i = 0; i < 3; ++i) alloc(rounded(n * d, ab_));  // dq, dk, dv
-  alloc(rounded(n * d, ab_));                              // dout
+  const Bytes dq = rounded(n * cfg_.q_width(), ab_), dkv = rounded(n * cfg_.kv_width(), ab_);
+  alloc(dq);                               // dq
+  for (int i = 0; i < 2; ++i) alloc(dkv);  // dk, dv
+  alloc(dq);                               // dout (o_proj's dx)
   if (split_) {  // attn.o_proj.dy, a copy of the residual gradient kept for o_proj's dW
     alloc(rounded(n * d, ab_));
     keep(mb, rounded(n * d, ab_));
@@ -1036,14 +1045,14 @@ void MemoryWalk::attention_backward(int mb, int l) {
   for (const int id : IDS("attn.q", "attn.k", "attn.v", "attn.probs")) get(mb, l, id);
   alloc(probs);  // dprobs
   free(probs);
-  free(rounded(n * d, ab_));  // dout
+  free(dq);  // dout
   get(mb, l, ID("attn_norm.out"));
   alloc(rounded(n * d, ab_));  // da
   if (split_) {  // dq, dk, dv wait for the W of q, k, v, with the norm's output
-    keep(mb, 3 * rounded(n * d, ab_));
+    keep(mb, dq + 2 * dkv);
     pin(mb, l, ID("attn_norm.out"));
   } else {
-    free(3 * rounded(n * d, ab_));  // dq, dk, dv after their GEMMs
+    free(dq + 2 * dkv);  // dq, dk, dv after their GEMMs
   }
   get(mb, l, ID("attn_norm.in"));
   get(mb, l, ID("attn_norm.rstd"));

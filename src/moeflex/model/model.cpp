@@ -38,6 +38,12 @@ void chunk_offsets(const std::int32_t* eoff, std::int64_t El, std::int64_t r0, s
 MoEModel::MoEModel(const ModelConfig& cfg, Arena& arena, const ModelParallel& par)
     : cfg_(cfg), arena_(arena), be_(ops::backend_of(arena)), par_(par), dispatcher_(par.ep_group, cfg.num_experts) {
   cfg_.validate();
+  if (!cfg_.engine_attention())
+    throw ConfigError(
+        fmt::format("model: the training engine runs multi-head attention with head_dim = hidden_size / "
+                    "num_attention_heads = {}; head_dim {} and num_key_value_heads {} (wider heads, "
+                    "GQA) are priced by the simulator only",
+                    cfg_.hidden_size / cfg_.num_attention_heads, cfg_.head_dim(), cfg_.kv_heads()));
   adt_ = cfg_.bf16 ? DType::bf16 : DType::f32;
   if (!be_.host_memory()) {
     if (dispatcher_.active())

@@ -403,11 +403,16 @@ void for_each_param_tensor(const ModelConfig& cfg, const ParallelSpec& par, cons
   const double d = double(cfg.hidden_size), tp = par.tp;
   const double El = double(cfg.num_experts) / par.ep, f = double(cfg.moe_intermediate_size);
   const double fs = double(cfg.shared_width()), I = double(cfg.intermediate_size), V = double(cfg.vocab_size);
-  const double attn_width = double(cfg.num_attention_heads * cfg.head_dim());
+  // q and o: H heads split over tp; k and v: the kv heads split over tp (at least one a rank).
+  const double q_width = double(cfg.q_width()) / tp;
+  const double kv_width = double(std::max<std::int64_t>(cfg.kv_heads() / par.tp, 1) * cfg.head_dim());
   for (auto [first, last] : ranges) {
     for (int l = first; l < last; ++l) {
       add(d, false);
-      for (int i = 0; i < 4; ++i) add(d * attn_width / tp, false);
+      add(d * q_width, false);   // q
+      add(d * kv_width, false);  // k
+      add(d * kv_width, false);  // v
+      add(d * q_width, false);   // o
       add(d, false);
       if (cfg.is_moe_layer(l)) {
         add(double(cfg.num_experts) * d, false);

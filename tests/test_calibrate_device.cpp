@@ -94,6 +94,17 @@ TEST(DeviceCalibration, MeasuresEveryLinearGemmLineAttentionPerHeadAndTheCopyTab
   EXPECT_NEAR(m.attention_forward(B, 128, H, hd), double(B * H) * af[1].seconds, 1e-9 * af[1].seconds * B * H);
   EXPECT_NEAR(m.attention_backward(B, 128, H, hd), double(B * H) * ab[1].seconds, 1e-9 * ab[1].seconds * B * H);
 
+  // RMSNorm [n, 64] and SwiGLU over n x 96 (the experts' width) along the same token counts.
+  for (const char* t :
+       {op_names::kRmsnormForward, op_names::kRmsnormBackward, op_names::kSwigluForward, op_names::kSwigluBackward}) {
+    const auto& tab = p.op_tables.at(t);
+    ASSERT_EQ(tab.size(), tokens.size()) << t;
+    for (std::size_t i = 1; i < tab.size(); ++i) EXPECT_GT(tab[i].bytes, tab[i - 1].bytes) << t;
+  }
+  EXPECT_EQ(p.op_tables.at(op_names::kRmsnormForward).front().bytes, op_bytes::rmsnorm_forward(32, 64));
+  EXPECT_EQ(p.op_tables.at(op_names::kSwigluBackward).back().bytes, op_bytes::swiglu_backward(2048 * 96));
+  EXPECT_NEAR(m.rmsnorm_forward(256, 64), p.op_tables.at(op_names::kRmsnormForward)[3].seconds, 1e-15);
+
   // y += x from 1 Ki to 16 Mi elements, copies from 256 KiB to 256 MiB, 2x steps.
   const auto& ew = p.op_tables.at(op_names::kElementwise);
   ASSERT_EQ(ew.size(), 15u);

@@ -30,8 +30,9 @@ using Clock = std::chrono::steady_clock;
 Seconds since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 /// Shares of the budget by phase (the rest: elementwise and copies).
-constexpr double kGemmShare = 0.6;
+constexpr double kGemmShare = 0.55;
 constexpr double kAttentionShare = 0.2;
+constexpr double kOpShare = 0.1;  ///< RMSNorm and SwiGLU tables
 /// Calls per batch, at most (a tiny kernel then takes ~1 ms a batch on a GPU).
 constexpr int kMaxCallsPerBatch = 200;
 /// Attention tables: sequence lengths from this to the model's, in steps of 2x.
@@ -161,6 +162,44 @@ void measure_attention(HardwareProfile& p, ops::DeviceContext& ctx, ops::Backend
   p.op_tables[op_names::kAttentionBackward] = std::move(bwd);
 }
 
+/// RMSNorm over [n, hidden] and SwiGLU over n x the experts' width (the dense MLP's
+/// for a dense model), forward and backward, along the token counts of the GEMM lines.
+void measure_ops(HardwareProfile& p, ops::DeviceContext& ctx, ops::Backend& be, const DeviceCalibrationShapes& s,
+                 Seconds budget) {
+  const std::vector<std::int64_t> ns = token_counts(s);
+  const std::int64_t d = s.model.hidden_size, n_max = ns.back();
+  const std::int64_t f = s.model.num_experts > 0 ? s.model.moe_intermediate_size : s.model.intermediate_size;
+  const std::int64_t big = std::max(n_max * d, n_max * f);
+  Arena& a = *ctx.arena;
+  Tensor x = filled(a, be, big, 31, "calibrate.x"), y = filled(a, be, big, 32, "calibrate.y"),
+         z = filled(a, be, big, 33, "calibrate.z"), dx = filled(a, be, big, 34, "calibrate.dx"),
+         dz = filled(a, be, big, 35, "calibrate.dz"), w = filled(a, be, d, 36, "calibrate.w"),
+         dw = filled(a, be, d, 37, "calibrate.dw"), rstd = filled(a, be, n_max, 38, "calibrate.rstd");
+  const Seconds share = budget / double(4 * ns.size());
+  std::vector<OpSample> rf, rb, sf, sb;
+  for (std::int64_t n : ns) {
+    const float eps = float(s.model.rms_norm_eps);
+    rf.push_back({op_bytes::rmsnorm_forward(n, d),
+                  time_calls(
+                      be, [&] { be.rmsnorm_forward(x.f32(), w.f32(), y.f32(), rstd.f32(), n, d, eps); }, share)});
+    rb.push_back({op_bytes::rmsnorm_backward(n, d),
+                  time_calls(
+                      be, [&] { be.rmsnorm_backward(y.f32(), x.f32(), w.f32(), rstd.f32(), dx.f32(), dw.f32(), n, d); },
+                      share)});
+    const std::int64_t e = n * f;
+    sf.push_back(
+        {op_bytes::swiglu_forward(e), time_calls(
+                                          be, [&] { be.swiglu_forward(x.f32(), y.f32(), z.f32(), e); }, share)});
+    sb.push_back({op_bytes::swiglu_backward(e),
+                  time_calls(
+                      be, [&] { be.swiglu_backward(z.f32(), x.f32(), y.f32(), dx.f32(), dz.f32(), e); }, share)});
+  }
+  p.op_tables[op_names::kRmsnormForward] = std::move(rf);
+  p.op_tables[op_names::kRmsnormBackward] = std::move(rb);
+  p.op_tables[op_names::kSwigluForward] = std::move(sf);
+  p.op_tables[op_names::kSwigluBackward] = std::move(sb);
+}
+
 void measure_memory(HardwareProfile& p, ops::DeviceContext& ctx, ops::Backend& be, Seconds budget) {
   // y += x from 1 Ki to 16 Mi elements (64 MiB per operand: past any GPU's L2), 2x steps.
   std::vector<std::int64_t> elems;
@@ -248,8 +287,10 @@ HardwareProfile calibrate_device(ops::DeviceContext& ctx, const DeviceCalibratio
   measure_gemms(p, ctx, be, shapes, kGemmShare * budget);
   phase("attention");
   measure_attention(p, ctx, be, shapes, kAttentionShare * budget);
+  phase("RMSNorm and SwiGLU");
+  measure_ops(p, ctx, be, shapes, kOpShare * budget);
   phase("elementwise and copies");
-  measure_memory(p, ctx, be, (1 - kGemmShare - kAttentionShare) * budget);
+  measure_memory(p, ctx, be, (1 - kGemmShare - kAttentionShare - kOpShare) * budget);
   phase("done");
   (void)CostModel(p);  // the profile must make a cost model (positive rates and bandwidths)
   return p;

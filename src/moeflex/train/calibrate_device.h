@@ -12,11 +12,13 @@
 //     the token count: the profile's GEMM lines;
 //   - attention, forward and backward, over sequence lengths up to the model's, per
 //     head (the attention_forward/backward tables);
+//   - RMSNorm over [n, hidden] and SwiGLU over n x the experts' width, forward and
+//     backward, along the same token counts (their op tables);
 //   - y += x over sizes (the elementwise table; launch overhead and bandwidth);
 //   - host <-> device copies over sizes, as offload and prefetch run them
 //     (Device::copy_async from the backend's pinned host memory; plain memcpy where
 //     the backend's memory is the host's): the copy tables.
-// Other op families (norms, SwiGLU, router, permutes, cross entropy, optimizer) are
+// Other op families (router, permutes, rope, cross entropy, optimizer) are
 // priced as elementwise bytes, as for a derived profile; a profiled run adds them at
 // their exact shapes (`moeflex calibrate --from-run`).
 //

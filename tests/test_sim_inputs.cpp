@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <set>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -406,6 +407,31 @@ TEST(SimInputs, ARepeatedFlagTakesItsLastValue) {
   EXPECT_EQ(rc, 2) << out;
   EXPECT_NE(out.find("bogus"), std::string::npos) << out;
   EXPECT_EQ(out.find("At Most 1"), std::string::npos) << out;
+}
+
+TEST(SimInputs, SearchTriesOnlyTheSchedulesAndPoliciesNamed) {
+  const fs::path bin = fs::path(MOEFLEX_BINARY_DIR) / "moeflex";
+  if (!fs::exists(bin)) GTEST_SKIP() << bin << " is not built";
+  const fs::path d = scratch("search-filters");
+  auto run = [&](const std::string& args) { return run_moeflex(bin, args); };
+  auto [rc, out] =
+      run(fmt::format("search --cluster h100 --gpus 8 --seq-len 128 --schedules 1f1b,zb-h1 --policies "
+                      "none,full --top 1000 --out {}/s.json",
+                      d.string()));
+  ASSERT_EQ(rc, 0) << out;
+  std::ifstream in(d / "s.json");
+  const auto j = nlohmann::json::parse(in);
+  ASSERT_FALSE(j["top"].empty());
+  std::set<std::string> schedules, policies;
+  for (const auto& c : j["top"]) schedules.insert(c["schedule"]), policies.insert(c["policy"]);
+  for (const auto& s : schedules) EXPECT_TRUE(s == "1f1b" || s == "zb-h1") << s;
+  for (const auto& p : policies) EXPECT_TRUE(p == "none" || p == "full") << p;
+  EXPECT_EQ(policies.size(), 2u);
+  std::tie(rc, out) = run("search --gpus 4 --schedules 1f1b,pipedream");
+  EXPECT_EQ(rc, 2) << out;
+  EXPECT_NE(out.find("'pipedream' is not one of gpipe, 1f1b, interleaved, zb-h1, dualpipev"), std::string::npos) << out;
+  std::tie(rc, out) = run("search --gpus 4 --policies ''");
+  EXPECT_EQ(rc, 2) << out;
 }
 
 TEST(SimInputs, OutNeverOverwritesATrainingRunAndEmptyValuesAreRefused) {

@@ -3,6 +3,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -23,7 +24,7 @@ struct Flags {
   CLI::App* simulate = nullptr;
   CLI::App* search = nullptr;
   std::string model = "default", cluster = "this-machine", parallel, schedule, policy = "none", out, loads, imbalance,
-              trace_ranks = "0", objective = "tgs", memory, dispatcher = "alltoall";
+              trace_ranks = "0", objective = "tgs", memory, dispatcher = "alltoall", schedules, policies;
   std::int64_t micro_batch_size = 0, seq_len = 0, global_batch = 0;
   int iterations = 1, gpus = 8, top = 10, checkpoint_interval = 50, search_threads = 0;
   double restart_seconds = 284;
@@ -145,6 +146,29 @@ void add_sim_commands(CLI::App& app) {
       ->capture_default_str()
       ->check(CLI::Range(0, 1024));
   q->add_option("--out", f.out, "write the result as JSON");
+  q->add_option("--schedules", f.schedules,
+                "comma-separated schedules to try, e.g. 1f1b,interleaved (default all: gpipe, 1f1b, interleaved, "
+                "zb-h1, dualpipev)");
+  q->add_option("--policies", f.policies,
+                "comma-separated provisioning policies to try (default none, selective, moe-full, full, adaptive)");
+}
+
+/// The items of a comma-separated flag value, each one of `known`; ConfigError naming
+/// the flag and the item otherwise (empty items are refused too).
+std::vector<std::string> list_of(const std::string& flag, const std::string& value,
+                                 const std::vector<std::string>& known) {
+  std::vector<std::string> out;
+  std::stringstream ss(value);
+  for (std::string x; std::getline(ss, x, ',');) {
+    if (std::find(known.begin(), known.end(), x) == known.end()) {
+      std::string names;
+      for (const auto& k : known) names += (names.empty() ? "" : ", ") + k;
+      throw ConfigError(fmt::format("search {} '{}': '{}' is not one of {}", flag, value, x, names));
+    }
+    if (std::find(out.begin(), out.end(), x) == out.end()) out.push_back(x);
+  }
+  if (out.empty()) throw ConfigError(fmt::format("search {} '': give at least one name", flag));
+  return out;
 }
 
 bool run_sim_commands() {
@@ -218,6 +242,11 @@ bool run_sim_commands() {
     o.checkpoint_interval = f.checkpoint_interval;
     o.threads = f.search_threads;
     o.dispatcher = f.dispatcher;
+    if (f.search->count("--schedules") > 0)
+      o.schedules = list_of("--schedules", f.schedules, {"gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev"});
+    if (f.search->count("--policies") > 0)
+      o.policies = list_of("--policies", f.policies,
+                           {"none", "selective", "moe-light", "moe-medium", "moe-full", "full", "adaptive"});
     o.progress = [](const std::string& line) { fmt::print(stderr, "{}\n", line); };
     if (!f.out.empty()) {  // one JSON file: checked before the search, not after it
       if (fs::is_directory(f.out))

@@ -427,11 +427,12 @@ TEST(SimInputs, SearchTriesOnlyTheSchedulesAndPoliciesNamed) {
   for (const auto& s : schedules) EXPECT_TRUE(s == "1f1b" || s == "zb-h1") << s;
   for (const auto& p : policies) EXPECT_TRUE(p == "none" || p == "full") << p;
   EXPECT_EQ(policies.size(), 2u);
-  std::tie(rc, out) = run("search --gpus 4 --schedules 1f1b,pipedream");
+  std::tie(rc, out) = run("search --cluster h100 --gpus 4 --schedules 1f1b,pipedream");
   EXPECT_EQ(rc, 2) << out;
   EXPECT_NE(out.find("'pipedream' is not one of gpipe, 1f1b, interleaved, zb-h1, dualpipev"), std::string::npos) << out;
-  std::tie(rc, out) = run("search --gpus 4 --policies ''");
+  std::tie(rc, out) = run("search --cluster h100 --gpus 4 --policies ''");
   EXPECT_EQ(rc, 2) << out;
+  EXPECT_NE(out.find("--policies '': give at least one name"), std::string::npos) << out;
 }
 
 TEST(SimInputs, OutNeverOverwritesATrainingRunAndEmptyValuesAreRefused) {

@@ -77,6 +77,9 @@ struct ModelConfig {
   /// Widths of q (and of the attention output) and of k and v: heads x head_dim.
   std::int64_t q_width() const { return num_attention_heads * head_dim(); }
   std::int64_t kv_width() const { return kv_heads() * head_dim(); }
+  /// Key/value heads on one of `tp` tensor-parallel ranks: kv_heads / tp, at least one
+  /// (fewer kv heads than ranks are replicated).
+  std::int64_t kv_heads_per_rank(int tp) const { return std::max<std::int64_t>(kv_heads() / std::max(tp, 1), 1); }
   /// True for the attention moeflex's training engine runs: multi-head, head_dim =
   /// hidden_size / num_attention_heads (the simulator also prices GQA and wider heads).
   bool engine_attention() const { return q_width() == hidden_size && kv_heads() == num_attention_heads; }

@@ -162,7 +162,7 @@ LayerCost layer_cost(const CostModel& c, const ModelConfig& cfg, int layer, cons
   // q and the attention output are H heads wide, k and v KVh (GQA; KVh = H for the
   // engine's multi-head attention); with tp, each rank holds its share of the heads.
   const std::int64_t H = cfg.num_attention_heads / tp, hd = cfg.head_dim(), dh = H * hd;
-  const std::int64_t KVh = std::max<std::int64_t>(cfg.kv_heads() / tp, 1), dkv = KVh * hd;
+  const std::int64_t KVh = cfg.kv_heads_per_rank(tp), dkv = KVh * hd;
   const bool split = wk.split_backward;
 
   // ---- attention block (model.cpp attention_forward / attention_backward)

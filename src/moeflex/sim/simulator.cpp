@@ -405,7 +405,7 @@ void for_each_param_tensor(const ModelConfig& cfg, const ParallelSpec& par, cons
   const double fs = double(cfg.shared_width()), I = double(cfg.intermediate_size), V = double(cfg.vocab_size);
   // q and o: H heads split over tp; k and v: the kv heads split over tp (at least one a rank).
   const double q_width = double(cfg.q_width()) / tp;
-  const double kv_width = double(std::max<std::int64_t>(cfg.kv_heads() / par.tp, 1) * cfg.head_dim());
+  const double kv_width = double(cfg.kv_heads_per_rank(par.tp) * cfg.head_dim());
   for (auto [first, last] : ranges) {
     for (int l = first; l < last; ++l) {
       add(d, false);

@@ -72,12 +72,16 @@ extern "C" void openblas_set_num_threads(int);
 namespace moeflex {
 namespace {
 
+using calibration::buffer;
+using calibration::Clock;
+using calibration::fill;
 using calibration::fit_affine;
 using calibration::GemmShape;
 using calibration::linear_dw_gemm;
 using calibration::linear_dx_gemm;
 using calibration::linear_forward_gemm;
 using calibration::quantile;
+using calibration::since;
 
 // ---- the default model (configs/default.toml) ------------------------------------
 constexpr std::int64_t kHidden = 256;        // hidden_size
@@ -142,10 +146,6 @@ constexpr Seconds kRewarmBelow = 5e-3;
 constexpr double kRecheckShare = 0.1;   ///< of a phase's budget, for measuring dips again
 constexpr double kDipRatio = 0.8;       ///< a rate below this times both neighbours' is a dip
 constexpr Bytes kColdRingBytes = 128 * kMiB;  ///< several times a large last-level cache
-
-using Clock = std::chrono::steady_clock;
-
-Seconds since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 /// One measurement: a kernel call, and after run_jobs its time (the kTimeQuantile
 /// of its repeats).
@@ -357,21 +357,6 @@ void run_series(std::vector<Job>& jobs, const std::vector<Series>& series, Secon
   for (std::size_t i : dips) again.push_back({jobs[i].run, 0, jobs[i].warm});
   run_jobs(again, kRecheckShare * budget);
   for (std::size_t k = 0; k < dips.size(); ++k) jobs[dips[k]].time = std::min(jobs[dips[k]].time, again[k].time);
-}
-
-/// Deterministic values in [-0.5, 0.5) (no denormals, no NaN) for kernel inputs.
-void fill(std::vector<float>& v, std::uint32_t seed) {
-  std::uint32_t x = seed * 2654435761u + 12345u;
-  for (float& f : v) {
-    x = x * 1664525u + 1013904223u;
-    f = float(x >> 8) * (1.0f / 16777216.0f) - 0.5f;
-  }
-}
-
-std::vector<float> buffer(std::int64_t n, std::uint32_t seed) {
-  std::vector<float> v(static_cast<std::size_t>(std::max<std::int64_t>(n, 1)));
-  fill(v, seed);
-  return v;
 }
 
 /// Weights and weight gradients are taken from this ring in consecutive slices, so

@@ -24,10 +24,9 @@
 namespace moeflex {
 namespace {
 
+using calibration::Clock;
 using calibration::GemmShape;
-using Clock = std::chrono::steady_clock;
-
-Seconds since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+using calibration::since;
 
 /// Shares of the budget by phase (the rest: elementwise and copies).
 constexpr double kGemmShare = 0.55;
@@ -85,20 +84,16 @@ std::vector<std::pair<std::int64_t, std::int64_t>> weight_shapes(const ModelConf
   return {w.begin(), w.end()};
 }
 
-/// A tensor of `numel` fp32 elements filled with small deterministic values (through
-/// the device's copy when its memory is not the host's).
+/// A tensor of `numel` fp32 elements of calibration::buffer's values (through the
+/// device's copy when its memory is not the host's).
 Tensor filled(Arena& arena, ops::Backend& be, std::int64_t numel, std::uint32_t seed, const char* name) {
   Tensor t(arena, {numel}, MemCategory::workspace, name);
-  std::vector<float> host(static_cast<std::size_t>(numel));
-  std::uint32_t x = seed * 2654435761u + 1;
-  for (float& v : host) {
-    x = x * 1664525u + 1013904223u;
-    v = float(x >> 8) / float(1u << 24) - 0.5f;
-  }
+  const std::vector<float> host = calibration::buffer(numel, seed);
+  const Bytes bytes = numel * Bytes(sizeof(float));
   if (be.host_memory())
-    std::memcpy(t.raw(), host.data(), host.size() * sizeof(float));
+    std::memcpy(t.raw(), host.data(), std::size_t(bytes));
   else
-    be.copy_from_host(t.raw(), host.data(), Bytes(host.size() * sizeof(float)));
+    be.copy_from_host(t.raw(), host.data(), bytes);
   return t;
 }
 

@@ -1,7 +1,9 @@
 // Internal to `moeflex calibrate` (calibrate.cpp, calibrate_device.cpp): the GEMM
-// shapes a linear layer runs, and the small statistics both calibrations use.
+// shapes a linear layer runs, kernel inputs, the clock and the small statistics both
+// calibrations use.
 #pragma once
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -34,6 +36,27 @@ inline GemmShape linear_dx_gemm(std::int64_t n, std::int64_t in, std::int64_t ou
 }
 inline GemmShape linear_dw_gemm(std::int64_t n, std::int64_t in, std::int64_t out) {
   return {out, in, n, true, false, out, in, in, 1.0f, 'c'};
+}
+
+using Clock = std::chrono::steady_clock;
+
+/// Seconds since `t0` on Clock.
+inline Seconds since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+/// Deterministic values in [-0.5, 0.5) (no denormals, no NaN) for kernel inputs.
+inline void fill(std::vector<float>& v, std::uint32_t seed) {
+  std::uint32_t x = seed * 2654435761u + 12345u;
+  for (float& f : v) {
+    x = x * 1664525u + 1013904223u;
+    f = float(x >> 8) * (1.0f / 16777216.0f) - 0.5f;
+  }
+}
+
+/// fill() of a new vector of max(n, 1) elements.
+inline std::vector<float> buffer(std::int64_t n, std::uint32_t seed) {
+  std::vector<float> v(static_cast<std::size_t>(std::max<std::int64_t>(n, 1)));
+  fill(v, seed);
+  return v;
 }
 
 /// The q-quantile of `t` (0 <= q <= 1, t not empty), interpolated between order statistics.

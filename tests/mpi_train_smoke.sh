@@ -25,6 +25,15 @@ env -u OMP_NUM_THREADS mpirun --allow-run-as-root --oversubscribe -np 4 "$bin" t
   > "$out/resume.log" 2>&1 || { cat "$out/resume.log"; exit 1; }
 grep -q "4 ranks on this node of [0-9]* cores: [0-9]* thread" "$out/resume.log" ||
   { echo "no thread split note"; cat "$out/resume.log"; exit 1; }
+# With fewer cores than 4 ranks x 1 thread, waiting ranks nap instead of yielding
+# (comm::host_oversubscribed), and the run says so; with enough cores it does not.
+cores=$(getconf _NPROCESSORS_ONLN)
+if ((cores < 4)); then
+  grep -q "4 threads on this node's $cores cores (ranks x threads): waiting ranks sleep" "$out/resume.log" ||
+    { echo "no oversubscription note on $cores cores"; cat "$out/resume.log"; exit 1; }
+elif grep -q "waiting ranks sleep" "$out/resume.log"; then
+  echo "an oversubscription note on $cores cores"; cat "$out/resume.log"; exit 1
+fi
 # generate gathers the stages and expert shards of every rank's checkpoint
 text=$("$bin" generate --run "$out/run" --prompt "The jury" --max-new-tokens 8 --temperature 0)
 [[ $text == "The jury"* ]] || { echo "generate failed: $text"; exit 1; }

@@ -182,6 +182,26 @@ TEST(Sim, CoreSharingStretchesByTheCoresEachProcessGets) {
   EXPECT_DOUBLE_EQ(run_plan(plan, imbalanced, instant, false, CoreSharing{2, 2}).makespan, m * 3.0);
 }
 
+// Processes doing different work between two synchronisations (the expert rows of
+// EP ranks) under processor sharing: 4 processes of 1, 1, 1 and 2 s on 2 cores all
+// run at half speed until the short ones end (2 s), then the long one alone (1 s).
+TEST(Sim, UnevenProcessesShareTheCoresFairly) {
+  ActionCost::Segment g{2.0, 5.0, {1.0, 1.0, 1.0, 2.0}};
+  EXPECT_DOUBLE_EQ(segment_time(g, 2.0), 3.0);              // max(T, D / cores) would be 2.5
+  EXPECT_DOUBLE_EQ(segment_time(g, 4.0), 2.0);              // a core each: the slowest
+  EXPECT_DOUBLE_EQ(segment_time(g, 1.0), 5.0);              // one core: all the work
+  EXPECT_NEAR(segment_time(g, 3.0), 4.0 / 3 + 1.0, 1e-12);  // all 4 at 3/4 until 4/3 s, then the last alone
+  // Alike processes (no per-process times): max(T, D / cores) as before.
+  EXPECT_DOUBLE_EQ(segment_time({2.0, 8.0, {}}, 2.0), 4.0);
+  EXPECT_DOUBLE_EQ(segment_time({2.0, 8.0, {}}, 8.0), 2.0);
+  // Through run_plan: one pipeline rank of 4 such processes on 2 cores, one forward
+  // and one backward each made of that segment.
+  const StepPlan plan = make_schedule("1f1b", 1, 1, 1);
+  auto uneven = [&](int, const Action&) -> ActionCost { return {2.0, 0, 5.0, {g}}; };
+  auto instant = [](const Action&) { return 0.0; };
+  EXPECT_DOUBLE_EQ(run_plan(plan, uneven, instant, false, CoreSharing{2, 4}).makespan, 2 * 3.0);
+}
+
 TEST(Cluster, GroupsThatStraddleNodesCountByTheirWorstPlacedMember) {
   // Aligned groups: a node's worth each.
   EXPECT_EQ(place_group(16, 1, 8).ranks_per_node, 8);

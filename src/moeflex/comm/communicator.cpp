@@ -1,10 +1,18 @@
 #include "moeflex/comm/communicator.h"
 
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <fmt/format.h>
 
 namespace moeflex::comm {
+
+namespace {
+std::atomic<bool> g_host_oversubscribed{false};
+}
+
+void set_host_oversubscribed(bool oversubscribed) { g_host_oversubscribed.store(oversubscribed); }
+bool host_oversubscribed() { return g_host_oversubscribed.load(std::memory_order_relaxed); }
 
 Seconds comm_timeout_from_env() {
   const char* text = std::getenv("MOEFLEX_COMM_TIMEOUT");

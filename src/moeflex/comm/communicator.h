@@ -44,6 +44,17 @@ constexpr Seconds kDefaultCommTimeout = 600.0;
 /// Throws ConfigError on an unparsable value.
 Seconds comm_timeout_from_env();
 
+/// Whether this node runs more compute threads than it has cores (ranks on the
+/// node x threads per rank > cores). Process-wide; false until set. The trainer
+/// sets it once it knows its thread count. A waiting rank polls (MpiCommunicator::
+/// wait): it spins briefly, then, on a node with a core per thread, yields its core
+/// for up to 2 ms (low latency, nobody else needs the core), then naps. When the
+/// node is oversubscribed it naps right after the spin, since a yielding rank takes
+/// CPU time from a rank that computes: 4 ranks on 2 cores (the dp4-ep4 run of
+/// bench/sim_check.sh) took 1.37 s per step instead of 1.43 (medians of 2 pairs).
+void set_host_oversubscribed(bool oversubscribed);
+bool host_oversubscribed();
+
 namespace detail {
 /// Backend state of one non-blocking operation (see Request).
 class RequestState {

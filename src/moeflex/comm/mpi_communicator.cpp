@@ -18,7 +18,8 @@ namespace {
 
 // Watchdog polling (see the file comment of the header): spin this many MPI_Test
 // calls first (latency of small messages), then yield the core until the wait
-// has lasted kYieldPhase, then sleep a fiftieth of the time waited so far, capped.
+// has lasted kYieldPhase (skipped on an oversubscribed node: host_oversubscribed),
+// then sleep a fiftieth of the time waited so far, capped.
 constexpr int kSpinPolls = 200;
 constexpr Seconds kYieldPhase = 2e-3;
 constexpr Seconds kMinPollSleep = 20e-6;
@@ -242,7 +243,7 @@ void MpiCommunicator::wait(MPI_Request& req, MPI_Status* status, const std::stri
                             "timeout, MOEFLEX_COMM_TIMEOUT); a peer has died, hangs, or is waiting in a "
                             "different operation. Ending the job.",
                             what, timeout_));
-    if (waited < kYieldPhase) {
+    if (waited < kYieldPhase && !host_oversubscribed()) {
       std::this_thread::yield();
     } else {
       const Seconds nap = std::clamp(waited / 50, kMinPollSleep, kMaxPollSleep);

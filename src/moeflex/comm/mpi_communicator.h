@@ -11,8 +11,9 @@
 //   MPI_Test. If it is still incomplete after timeout() seconds, the watchdog calls
 //   abort_job with a message naming the operation, the communicator, the peer
 //   (world rank) and the bytes, so the job ends instead of hanging. Polling spins
-//   briefly, then yields, then sleeps up to kMaxPollSleep, so oversubscribed ranks
-//   (more ranks than cores) leave the cores to the ranks doing work.
+//   briefly, then yields (not on an oversubscribed node: host_oversubscribed()),
+//   then sleeps up to kMaxPollSleep, so oversubscribed ranks (more ranks than
+//   cores) leave the cores to the ranks doing work.
 // - Crashes: a rank that dies makes mpirun (or srun --kill-on-bad-exit) end the
 //   others; an error that only one rank sees must go through abort_job, not a
 //   normal return from main (MPI_Finalize would wait for the others forever).

@@ -150,6 +150,22 @@ PlanTimeline empty_timeline(const StepPlan& plan) {
   return tl;
 }
 
+}  // namespace
+
+Seconds segment_time(const ActionCost::Segment& g, double cores) {
+  if (g.each.empty()) return std::max(g.T, g.D / cores);
+  const std::size_t n = g.each.size();
+  Seconds t = 0, done = 0;
+  for (std::size_t k = 0; k < n; ++k) {
+    const double rate = std::min(1.0, cores / double(n - k));
+    t += (g.each[k] - done) / rate;
+    done = g.each[k];
+  }
+  return std::max(t, g.T);
+}
+
+namespace {
+
 /// run_plan under core sharing (see CoreSharing): a global event loop in virtual
 /// time. Between two events (an action ends, a message arrives) the set of
 /// computing ranks is fixed, so each progresses at a constant rate.
@@ -212,7 +228,11 @@ PlanTimeline run_plan_shared(const StepPlan& plan, const std::function<ActionCos
                   overlap_pair_comm ? std::max<Seconds>(0, c.comm + b.comm - compute) : c.comm + b.comm;
               for (const auto& g : segments_of(b)) R.parts.push_back(g);
               const double scale = both > 0 ? (compute + comm) / both : 0;  // hidden comm shortens every segment
-              for (auto& g : R.parts) g = {g.T * scale, g.D * scale};
+              for (auto& g : R.parts) {
+                g.T *= scale;
+                g.D *= scale;
+                for (Seconds& x : g.each) x *= scale;
+              }
               c.compute = compute;
               c.comm = comm;
             }
@@ -245,7 +265,7 @@ PlanTimeline run_plan_shared(const StepPlan& plan, const std::function<ActionCos
       const auto& R = run[std::size_t(r)];
       if (R.on) {
         const auto& g = R.parts[R.part];
-        rate[std::size_t(r)] = 1.0 / std::max(g.T, g.D / (p * share));
+        rate[std::size_t(r)] = 1.0 / segment_time(g, p * share);
         next = std::min(next, t + R.left / rate[std::size_t(r)]);
       } else {
         if (t < R.waiting_since + sh.poll_seconds) next = std::min(next, R.waiting_since + sh.poll_seconds);
@@ -987,6 +1007,12 @@ SimReport simulate(const SimOptions& o) {
           if (shared && t > 0) a.segments.push_back({t, t * dp});
         };
         ActionCost::Segment w_all;
+        // Each process's weight gradients (the expert rows differ), for w_all.each.
+        std::vector<Seconds> w_each(shared ? std::size_t(dp) : 0, 0.0);
+        bool w_each_known = shared;
+        auto add_w = [&](Seconds x) {
+          for (Seconds& v : w_each) v += x;
+        };
         for (int l = si.first_layer; l < si.last_layer; ++l) {
           const double rt = sim.ratio(it, mb, l);
           const LayerCost& lc = sim.layer_at(l, rt);
@@ -1034,11 +1060,18 @@ SimReport simulate(const SimOptions& o) {
               xb.T = std::max(xb.T, q->backward_input - e.backward_input);
               w_all.D += q->backward_weight;
             }
-            for (const LayerCost* q : group) {
+            if (group.size() != w_each.size()) w_each_known = false;
+            for (std::size_t j = 0; j < group.size(); ++j) {
+              const LayerCost* q = group[j];
               const Seconds x = q->forward - e.forward, y = q->backward_input - e.backward_input;
               xf.D += x + std::min(xf.T - x, kCommPollSeconds);
               xb.D += y + std::min(xb.T - y, kCommPollSeconds);
+              xf.each.push_back(x);
+              xb.each.push_back(y);
+              if (w_each_known) w_each[j] += q->backward_weight;
             }
+            std::sort(xf.each.begin(), xf.each.end());
+            std::sort(xb.each.begin(), xb.each.end());
             same(f, e.forward + comm);
             f.segments.push_back(xf);
             same(b, e.backward_input + comm + rc);
@@ -1047,6 +1080,7 @@ SimReport simulate(const SimOptions& o) {
             same(f, lc.forward + comm);
             same(b, lc.backward_input + comm + rc);
             w_all.D += lc.backward_weight * dp;
+            add_w(lc.backward_weight);
           }
           w_all.T += lc.backward_weight;
         }
@@ -1065,6 +1099,7 @@ SimReport simulate(const SimOptions& o) {
           same(f, sim.embed.forward);
           w_all.T += sim.embed.backward_weight;
           w_all.D += sim.embed.backward_weight * dp;
+          add_w(sim.embed.backward_weight);
         }
         if (si.head) {
           if (bd) add_breakdown(*bd, sim.head.ops);
@@ -1082,8 +1117,15 @@ SimReport simulate(const SimOptions& o) {
                                                              (sim.head.backward_input + head_rc) * dp});
           w_all.T += sim.head.backward_weight;
           w_all.D += sim.head.backward_weight * dp;
+          add_w(sim.head.backward_weight);
         }
-        if (shared && w_all.T > 0) w.segments.push_back(w_all);
+        if (shared && w_all.T > 0) {
+          if (w_each_known && par.ep > 1) {
+            w_all.each = std::move(w_each);
+            std::sort(w_all.each.begin(), w_all.each.end());
+          }
+          w.segments.push_back(w_all);
+        }
         F[std::size_t(s * m + mb)] = f;
         Bi[std::size_t(s * m + mb)] = b;
         W[std::size_t(s * m + mb)] = w;

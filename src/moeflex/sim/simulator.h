@@ -217,13 +217,15 @@ struct ActionCost {
   /// only read under CoreSharing. 0: (compute + comm) x CoreSharing::processes_per_rank.
   Seconds demand = 0;
   /// One stretch between two synchronisations of the processes (an expert all-to-all
-  /// makes every rank of the group wait for the slowest): its critical time and demand.
+  /// makes every rank of the group wait for the slowest): its critical time and demand,
+  /// and when the processes' work differs (the expert rows), each one's, ascending.
   struct Segment {
     Seconds T = 0, D = 0;
+    std::vector<Seconds> each;  ///< per process, sorted; empty: all alike (D spread evenly)
   };
   /// Under CoreSharing, the action as segments run one after the other, each at
-  /// 1 / max(T, D / cores of the group) (sum of T: compute + comm; of D: demand).
-  /// Empty: one segment {compute + comm, demand}.
+  /// 1 / segment_time(segment, cores of the group) (sum of T: compute + comm; of D:
+  /// demand). Empty: one segment {compute + comm, demand}.
   std::vector<Segment> segments;
 };
 
@@ -239,20 +241,35 @@ struct ActionCost {
 /// 1 / max(T, D / (p x min(1, cores / N))) of itself per second, p = processes_per_rank:
 /// the group's share of the cores bounds it, and so does its slowest process. An
 /// action given as segments (one per synchronisation, ActionCost::segments) runs
-/// them in turn, each at its own rate. Waiting processes count in N during their
+/// them in turn, each at its own rate, 1 / segment_time (processor sharing among the
+/// group's processes when their work differs). Waiting processes count in N during their
 /// first poll_seconds of polling.
 struct CoreSharing {
   int cores = 0;               ///< host cores; <= 0: no sharing (every process has a core)
   int processes_per_rank = 1;  ///< processes behind each pipeline rank
   /// A process that starts waiting (for a message, or at the end of its plan for the
   /// step's collectives) polls this long before it sleeps, competing for the cores
-  /// meanwhile (counted in N): moeflex's communicator spins, then yields for 2 ms
-  /// (comm/mpi_communicator.cpp, kYieldPhase), then naps.
+  /// meanwhile (counted in N).
   Seconds poll_seconds = 0;
 };
 
-/// The communicator's polling phase (CoreSharing::poll_seconds).
-inline constexpr Seconds kCommPollSeconds = 2e-3;
+/// How long a Segment takes when its group of n processes gets `cores` cores' worth
+/// of time (`cores` = processes_per_rank x min(1, cores / N), CoreSharing). Processes
+/// that do alike (`each` empty): max(T, D / cores). Otherwise processor sharing
+/// among the group (Kleinrock 1967; CFS shares a core's time equally among its
+/// runnable processes): with x_1 <= ... <= x_n, while n - k + 1 of them still work
+/// each runs at min(1, cores / (n - k + 1)), so the segment ends after
+/// sum_k (x_k - x_(k-1)) / min(1, cores / (n - k + 1)). On 2 cores, 4 processes of
+/// 1, 1, 1 and 2 ms take 3 ms (all at half speed for 2 ms, then the last alone),
+/// where max(T, D / cores) gives 2.5 ms: only a scheduler that ran the longest first
+/// could reach that. `cores` > 0.
+Seconds segment_time(const ActionCost::Segment& g, double cores);
+
+/// The communicator's polling phase on an oversubscribed node (CoreSharing::
+/// poll_seconds): 200 MPI_Tests (3.3 us measured with Open MPI here), then naps
+/// (comm/mpi_communicator.cpp; the 2 ms of yielding that follow on a node with a
+/// core per thread are skipped there, comm::host_oversubscribed).
+inline constexpr Seconds kCommPollSeconds = 5e-6;
 
 /// One action's interval on its rank.
 struct Interval {

@@ -415,8 +415,17 @@ TrainResult run_training(const TrainOptions& opts) {
     omp_set_num_threads(threads);
     openblas_set_num_threads(threads);
   }
+  // More threads on this node than cores: waiting ranks nap instead of yielding.
+  const int node_threads = ranks_on_this_node(world_size) * omp_get_max_threads();
+  const int node_cores = std::max(1, int(std::thread::hardware_concurrency()));
+  comm::set_host_oversubscribed(world_size > 1 && node_threads > node_cores);
   Progress progress(opts.progress && rank0, t.steps);
   if (!threads_note.empty()) progress.note(threads_note);
+  if (comm::host_oversubscribed())
+    progress.note(
+        fmt::format("moeflex: {} threads on this node's {} cores (ranks x threads): waiting ranks sleep "
+                    "rather than yield, leaving the cores to the ranks that compute",
+                    node_threads, node_cores));
   if (const double load = load_average(); world_size == 1 && omp_get_max_threads() > 1 &&
                                           load > kBusyLoadPerCore * omp_get_num_procs())
     progress.note(fmt::format("moeflex: warning: the machine is busy (load average {:.1f} on {} cores): each of the "

@@ -84,8 +84,8 @@ TEST(DeviceCalibration, MeasuresEveryLinearGemmLineAttentionPerHeadAndTheCopyTab
 
   // Attention at 64 and 128 positions, per head: the cost model's B x H x table value
   // is the measured call again.
-  const auto& af = p.op_tables.at(op_names::kAttentionForward);
-  const auto& ab = p.op_tables.at(op_names::kAttentionBackward);
+  const auto& af = m.profile().op_tables.at(op_names::kAttentionForward);  // as the model holds them
+  const auto& ab = m.profile().op_tables.at(op_names::kAttentionBackward);
   ASSERT_EQ(af.size(), 2u);
   ASSERT_EQ(ab.size(), 2u);
   EXPECT_EQ(af[0].bytes, op_bytes::attention_softmax_forward(1, 64, 1));
@@ -103,7 +103,10 @@ TEST(DeviceCalibration, MeasuresEveryLinearGemmLineAttentionPerHeadAndTheCopyTab
   }
   EXPECT_EQ(p.op_tables.at(op_names::kRmsnormForward).front().bytes, op_bytes::rmsnorm_forward(32, 64));
   EXPECT_EQ(p.op_tables.at(op_names::kSwigluBackward).back().bytes, op_bytes::swiglu_backward(2048 * 96));
-  EXPECT_NEAR(m.rmsnorm_forward(256, 64), p.op_tables.at(op_names::kRmsnormForward)[3].seconds, 1e-15);
+  // At a measured size the model reads that point, as the model holds it (a table is
+  // made non-decreasing, so a noisy point can be pulled to its neighbours' mean).
+  EXPECT_NEAR(m.rmsnorm_forward(256, 64), m.profile().op_tables.at(op_names::kRmsnormForward)[3].seconds, 1e-15);
+  EXPECT_EQ(m.profile().op_tables.at(op_names::kRmsnormForward)[3].bytes, op_bytes::rmsnorm_forward(256, 64));
 
   // y += x from 1 Ki to 16 Mi elements, copies from 256 KiB to 256 MiB, 2x steps.
   const auto& ew = p.op_tables.at(op_names::kElementwise);

@@ -15,6 +15,9 @@
 # profile hold the measured link between ranks (else the preset's assumed one).
 # The "cpu" column is the median over steps of the busiest rank's CPU seconds per
 # step (loads.jsonl): far below "step meas" means the machine was busy with others.
+# REPEAT=N runs all configs N times, one round after the other (OUT/round1..N; with
+# CALIBRATE=1 each round calibrates its own profile first), and compares medians over
+# the rounds, listing each round's errors: see the comment at run_round.
 # IN_SITU=1 first trains a separate fit run (OUT/in-situ-fit: dp 2, EP 1, policy none,
 # seed 7, 6 steps, --profile-ops; a layout and seed none of the checked runs has), adds
 # its ops to the profile (`moeflex calibrate --from-run`, OUT/in-situ.json) and
@@ -30,13 +33,17 @@ CFG=bench/sim_check.toml
 # it an existing profile is used as it is, and its age is printed: this shared
 # machine's speed drifts from day to day (on 2026-11-30 a profile of the evening
 # before predicted every config 9-17% fast; recalibrated, 4 of 8 were within 5%).
-if [[ "${CALIBRATE:-0}" == 1 || ! -f data/hardware/this-machine.json ]]; then
+if [[ ( "${CALIBRATE:-0}" == 1 && "${REPEAT:-1}" -le 1 ) || ! -f data/hardware/this-machine.json ]]; then
   mpirun --allow-run-as-root --oversubscribe -np 2 -x OMP_NUM_THREADS=1 "$BIN" calibrate --threads 1 > "$OUT/calibrate.log"
 fi
 prof_age=$(( ($(date +%s) - $(stat -c %Y data/hardware/this-machine.json)) / 60 ))
 echo "sim_check: $STEPS steps per config, $CFG, results in $OUT (load: $(cut -d' ' -f1-3 /proc/loadavg))"
-echo "profile: data/hardware/this-machine.json, written $(date -u -r data/hardware/this-machine.json +%Y-%m-%dT%H:%MZ)" \
-  "($prof_age min ago$( ((prof_age > 180)) && echo '; CALIBRATE=1 measures it again'))"
+if [[ "${CALIBRATE:-0}" == 1 && "${REPEAT:-1}" -gt 1 && -z "${CLUSTER:-}" ]]; then
+  echo "profiles: each round calibrates its own (OUT/roundK/this-machine.json)"
+else
+  echo "profile: data/hardware/this-machine.json, written $(date -u -r data/hardware/this-machine.json +%Y-%m-%dT%H:%MZ)" \
+    "($prof_age min ago$( ((prof_age > 180)) && echo '; CALIBRATE=1 measures it again'))"
+fi
 if [[ "${IN_SITU:-0}" == 1 ]]; then
   PROFILE=${HARDWARE_PROFILE:-data/hardware/this-machine.json}
   if [[ "${SIM_ONLY:-0}" != 1 || ! -f "$OUT/in-situ-fit/op_times.json" ]]; then
@@ -62,28 +69,64 @@ CONFIGS=(
   "pp2-dp2-ep2|4|--pp 2 --ep 2|pp=2,dp=2,ep=2|1f1b|none"
   "dp4-ep4-none|4|--ep 4|pp=1,dp=4,ep=4|1f1b|none"
 )
-for c in "${CONFIGS[@]}"; do
-  IFS='|' read -r name np flags par sched pol <<< "$c"
-  if [[ "${SIM_ONLY:-0}" != 1 ]]; then
-    rm -rf "${OUT:?}/$name"
-    # shellcheck disable=SC2086
-    mpirun --allow-run-as-root --oversubscribe -np "$np" -x OMP_NUM_THREADS=1 "$BIN" train --config "$CFG" \
-      --steps "$STEPS" --threads 1 $flags --out "$OUT/$name" --quiet > "$OUT/$name.train.log" 2>&1
-  fi
-  loads="$OUT/$name/loads.jsonl"
-  [[ -f "$loads" ]] || loads="$OUT/$name/metrics.jsonl"
-  iters=$(wc -l < "$OUT/$name/metrics.jsonl")
-  dp=$(sed 's/.*dp=\([0-9]*\).*/\1/' <<< "$par")
-  "$BIN" simulate --model "$CFG" --cluster "${CLUSTER:-this-machine}" --parallel "$par" --schedule "$sched" --policy "$pol" \
-    --global-batch $((4 * 4 * dp)) --loads "$loads" --iterations "$iters" \
-    --out "$OUT/$name/sim" > "$OUT/$name.sim.log"
-done
-/usr/bin/python3 - "$OUT" "${CONFIGS[@]}" <<'PY'
+# One round: every config trained into DIR and simulated on cluster CL.
+run_round() {
+  local dir=$1 cl=$2
+  mkdir -p "$dir"
+  for c in "${CONFIGS[@]}"; do
+    IFS='|' read -r name np flags par sched pol <<< "$c"
+    if [[ "${SIM_ONLY:-0}" != 1 ]]; then
+      rm -rf "${dir:?}/$name"
+      # shellcheck disable=SC2086
+      mpirun --allow-run-as-root --oversubscribe -np "$np" -x OMP_NUM_THREADS=1 "$BIN" train --config "$CFG" \
+        --steps "$STEPS" --threads 1 $flags --out "$dir/$name" --quiet > "$dir/$name.train.log" 2>&1
+    fi
+    loads="$dir/$name/loads.jsonl"
+    [[ -f "$loads" ]] || loads="$dir/$name/metrics.jsonl"
+    iters=$(wc -l < "$dir/$name/metrics.jsonl")
+    dp=$(sed 's/.*dp=\([0-9]*\).*/\1/' <<< "$par")
+    "$BIN" simulate --model "$CFG" --cluster "$cl" --parallel "$par" --schedule "$sched" --policy "$pol" \
+      --global-batch $((4 * 4 * dp)) --loads "$loads" --iterations "$iters" \
+      --out "$dir/$name/sim" > "$dir/$name.sim.log"
+  done
+}
+# REPEAT=N (N > 1): N rounds of all 8 configs, one after the other, in OUT/round1..N;
+# with CALIBRATE=1 each round first calibrates its own profile (OUT/roundK/this-
+# machine.json, data/hardware/ untouched). The table compares, per config, the median
+# over rounds of the measured step with the median of the predicted one, and lists
+# each round's error: this shared machine's speed moves by 5-8% within minutes (on
+# 2026-11-30 a profile calibrated at 04:57 predicted the runs of 04:59 3-12% fast,
+# where one of 04:21 had put runs of 04:56 within -5% to +5%), so one round decides
+# "within 5%" by the noise as much as by the model.
+REPEAT=${REPEAT:-1}
+ROUNDS=()
+if ((REPEAT <= 1)); then
+  run_round "$OUT" "${CLUSTER:-this-machine}"
+  ROUNDS=("$OUT")
+else
+  for ((k = 1; k <= REPEAT; k++)); do
+    dir="$OUT/round$k"
+    mkdir -p "$dir"
+    cl=${CLUSTER:-this-machine}
+    if [[ "${CALIBRATE:-0}" == 1 && -z "${CLUSTER:-}" && "${SIM_ONLY:-0}" != 1 ]]; then
+      mpirun --allow-run-as-root --oversubscribe -np 2 -x OMP_NUM_THREADS=1 "$BIN" calibrate --threads 1 \
+        --out "$dir/this-machine.json" > "$dir/calibrate.log"
+    fi
+    if [[ -f "$dir/this-machine.json" && -z "${CLUSTER:-}" ]]; then
+      sed "s#\"profile\": *\"[^\"]*\"#\"profile\": \"$(realpath "$dir/this-machine.json")\"#" \
+        configs/clusters/this-machine.json > "$dir/cluster.json"
+      cl="$dir/cluster.json"
+    fi
+    echo "round $k of $REPEAT: $dir (cluster $cl; load $(cut -d' ' -f1-3 /proc/loadavg))"
+    run_round "$dir" "$cl"
+  done
+  ROUNDS=("$OUT"/round*)
+fi
+/usr/bin/python3 - "${#ROUNDS[@]}" "${ROUNDS[@]}" "${CONFIGS[@]}" <<'PY'
 import json, statistics, sys
-out, configs = sys.argv[1], sys.argv[2:]
-rows = []
-for c in configs:
-    name, np_ = c.split("|")[0], int(c.split("|")[1])
+n_rounds = int(sys.argv[1])
+rounds, configs = sys.argv[2:2 + n_rounds], sys.argv[2 + n_rounds:]
+def one(out, name, np_):
     L = [json.loads(l) for l in open(f"{out}/{name}/metrics.jsonl")]
     steady = L[2:] if len(L) > 3 else L
     t_meas = statistics.median(x["step_seconds"] for x in steady)
@@ -97,7 +140,16 @@ for c in configs:
         cpu = statistics.median(max(x["step_cpu_seconds"]) for x in C)
     except (OSError, KeyError, ValueError):
         pass
-    rows.append((name, t_meas, s["step_time_s"], peak_meas, s["peak_bytes"], tgs_meas, s["tgs"], cpu))
+    return (t_meas, s["step_time_s"], peak_meas, s["peak_bytes"], tgs_meas, s["tgs"], cpu)
+rows, per_round = [], []
+for c in configs:
+    name, np_ = c.split("|")[0], int(c.split("|")[1])
+    rs = [one(out, name, np_) for out in rounds]
+    per_round.append([100 * (r[1] - r[0]) / r[0] for r in rs])
+    med = [statistics.median(r[i] for r in rs) for i in range(7)]
+    med[2] = max(r[2] for r in rs)  # peaks: the largest measured, the largest predicted
+    med[3] = max(r[3] for r in rs)
+    rows.append((name, *med))
 def ranks(v):
     order = sorted(range(len(v)), key=lambda i: v[i])
     r = [0.0] * len(v)
@@ -114,15 +166,22 @@ def spearman(a, b):
     num = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
     den = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
     return num / den if den else 0.0
-print(f"{'config':<20} {'step meas':>10} {'step pred':>10} {'err':>7} {'cpu':>7} {'peak MiB meas':>14} {'pred':>9} {'err':>7} {'TGS meas':>9} {'pred':>9}")
+if n_rounds > 1:
+    print(f"medians over {n_rounds} rounds (measured and predicted each); the last column lists each round's step error")
+print(f"{'config':<20} {'step meas':>10} {'step pred':>10} {'err':>7} {'cpu':>7} {'peak MiB meas':>14} {'pred':>9} {'err':>7} {'TGS meas':>9} {'pred':>9}"
+      + ("  rounds" if n_rounds > 1 else ""))
 te, pe = [], []
-for n, tm, tp, pm, pp, gm, gp, cpu in rows:
+for (n, tm, tp, pm, pp, gm, gp, cpu), pr in zip(rows, per_round):
     te.append(abs(tp - tm) / tm); pe.append(abs(pp - pm) / pm)
-    print(f"{n:<20} {tm:>10.4f} {tp:>10.4f} {100*(tp-tm)/tm:>+6.1f}% {cpu:>7.3f} {pm/2**20:>14.2f} {pp/2**20:>9.2f} {100*(pp-pm)/pm:>+6.2f}% {gm:>9.0f} {gp:>9.0f}")
+    extra = "  " + " ".join(f"{e:+.1f}%" for e in pr) if n_rounds > 1 else ""
+    print(f"{n:<20} {tm:>10.4f} {tp:>10.4f} {100*(tp-tm)/tm:>+6.1f}% {cpu:>7.3f} {pm/2**20:>14.2f} {pp/2**20:>9.2f} {100*(pp-pm)/pm:>+6.2f}% {gm:>9.0f} {gp:>9.0f}{extra}")
 rho = spearman([r[5] for r in rows], [r[6] for r in rows])
 print(f"\nmean |step error| {100*statistics.mean(te):.1f}% (max {100*max(te):.1f}%; target 5%), "
       f"within 5%: {sum(e <= 0.05 for e in te)}/{len(te)}")
 print(f"mean |peak error| {100*statistics.mean(pe):.2f}% (max {100*max(pe):.2f}%; target 1%), "
       f"within 1%: {sum(e <= 0.01 for e in pe)}/{len(pe)}")
 print(f"Spearman(predicted TGS, measured TGS) = {rho:.3f} (target >= 0.8)")
+if n_rounds > 1:
+    within = [sum(abs(pr[i]) <= 5 for pr in per_round) for i in range(n_rounds)]
+    print("within 5% per round: " + ", ".join(f"{w}/{len(per_round)}" for w in within))
 PY

@@ -18,12 +18,20 @@ namespace {
 
 // Watchdog polling (see the file comment of the header): spin this many MPI_Test
 // calls first (latency of small messages), then yield the core until the wait
-// has lasted kYieldPhase (skipped on an oversubscribed node: host_oversubscribed),
-// then sleep a fiftieth of the time waited so far, capped.
+// has lasted kYieldPhase, then sleep a fiftieth of the time waited so far, capped.
+// On an oversubscribed node (host_oversubscribed) the yield phase is skipped and the
+// naps are longer: each nap costs its process 16-20 us of CPU here (the sleep's
+// system call and two context switches, measured), taken from a rank that computes.
+// dp4-ep4 of bench/sim_check.sh on 2 cores: 1.33 -> 1.31 s per step with naps of
+// max(100 us, waited / 20) instead of max(20 us, waited / 50) (medians of 3 pairs;
+// 2-8% in an earlier set with 200 us).
 constexpr int kSpinPolls = 200;
 constexpr Seconds kYieldPhase = 2e-3;
 constexpr Seconds kMinPollSleep = 20e-6;
 constexpr Seconds kMaxPollSleep = 1e-3;
+constexpr double kPollSleepDivisor = 50;
+constexpr Seconds kMinPollSleepOversubscribed = 100e-6;
+constexpr double kPollSleepDivisorOversubscribed = 20;
 
 // The ordered all-reduce works on pieces of at most this many elements, so every
 // count and displacement handed to MPI fits its `int`.
@@ -243,10 +251,13 @@ void MpiCommunicator::wait(MPI_Request& req, MPI_Status* status, const std::stri
                             "timeout, MOEFLEX_COMM_TIMEOUT); a peer has died, hangs, or is waiting in a "
                             "different operation. Ending the job.",
                             what, timeout_));
-    if (waited < kYieldPhase && !host_oversubscribed()) {
+    const bool shared = host_oversubscribed();
+    if (waited < kYieldPhase && !shared) {
       std::this_thread::yield();
     } else {
-      const Seconds nap = std::clamp(waited / 50, kMinPollSleep, kMaxPollSleep);
+      const Seconds nap =
+          shared ? std::clamp(waited / kPollSleepDivisorOversubscribed, kMinPollSleepOversubscribed, kMaxPollSleep)
+                 : std::clamp(waited / kPollSleepDivisor, kMinPollSleep, kMaxPollSleep);
       std::this_thread::sleep_for(std::chrono::duration<double>(nap));
     }
   }

@@ -29,17 +29,26 @@ STEPS=${STEPS:-8}
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
 CFG=bench/sim_check.toml
+# SIM_ONLY=1 re-simulates what OUT holds: REPEAT defaults to its round1..N folders.
+if [[ -z "${REPEAT:-}" && "${SIM_ONLY:-0}" == 1 && -d "$OUT/round1" ]]; then
+  REPEAT=0
+  while [[ -d "$OUT/round$((REPEAT + 1))" ]]; do REPEAT=$((REPEAT + 1)); done
+fi
+REPEAT=${REPEAT:-1}
+[[ "$REPEAT" =~ ^[1-9][0-9]*$ ]] || { echo "sim_check: REPEAT='$REPEAT' must be a positive integer" >&2; exit 2; }
 # CALIBRATE=1 measures the profile first (as the header says, with 2 ranks); without
 # it an existing profile is used as it is, and its age is printed: this shared
 # machine's speed drifts from day to day (on 2026-11-30 a profile of the evening
 # before predicted every config 9-17% fast; recalibrated, 4 of 8 were within 5%).
-if [[ ( "${CALIBRATE:-0}" == 1 && "${REPEAT:-1}" -le 1 ) || ! -f data/hardware/this-machine.json ]]; then
+if [[ ( "${CALIBRATE:-0}" == 1 && "$REPEAT" -le 1 && "${SIM_ONLY:-0}" != 1 ) || ! -f data/hardware/this-machine.json ]]; then
   mpirun --allow-run-as-root --oversubscribe -np 2 -x OMP_NUM_THREADS=1 "$BIN" calibrate --threads 1 > "$OUT/calibrate.log"
 fi
 prof_age=$(( ($(date +%s) - $(stat -c %Y data/hardware/this-machine.json)) / 60 ))
 echo "sim_check: $STEPS steps per config, $CFG, results in $OUT (load: $(cut -d' ' -f1-3 /proc/loadavg))"
-if [[ "${CALIBRATE:-0}" == 1 && "${REPEAT:-1}" -gt 1 && -z "${CLUSTER:-}" ]]; then
-  echo "profiles: each round calibrates its own (OUT/roundK/this-machine.json)"
+if [[ -n "${CLUSTER:-}" ]]; then
+  echo "cluster: $CLUSTER$([[ "${CALIBRATE:-0}" == 1 && "$REPEAT" -gt 1 ]] && echo ' (CALIBRATE=1 ignored: CLUSTER names the profile)')"
+elif [[ "$REPEAT" -gt 1 && ( "${CALIBRATE:-0}" == 1 || "${SIM_ONLY:-0}" == 1 ) ]]; then
+  echo "profiles: each round's own where it has one (OUT/roundK/this-machine.json$([[ "${CALIBRATE:-0}" == 1 && "${SIM_ONLY:-0}" != 1 ]] && echo ', calibrated first'))"
 else
   echo "profile: data/hardware/this-machine.json, written $(date -u -r data/hardware/this-machine.json +%Y-%m-%dT%H:%MZ)" \
     "($prof_age min ago$( ((prof_age > 180)) && echo '; CALIBRATE=1 measures it again'))"
@@ -75,6 +84,10 @@ run_round() {
   mkdir -p "$dir"
   for c in "${CONFIGS[@]}"; do
     IFS='|' read -r name np flags par sched pol <<< "$c"
+    if [[ "${SIM_ONLY:-0}" == 1 && ! -f "$dir/$name/metrics.jsonl" ]]; then
+      echo "sim_check: SIM_ONLY=1 but $dir/$name holds no run (train it first: run without SIM_ONLY)" >&2
+      exit 2
+    fi
     if [[ "${SIM_ONLY:-0}" != 1 ]]; then
       rm -rf "${dir:?}/$name"
       # shellcheck disable=SC2086
@@ -98,7 +111,6 @@ run_round() {
 # 2026-11-30 a profile calibrated at 04:57 predicted the runs of 04:59 3-12% fast,
 # where one of 04:21 had put runs of 04:56 within -5% to +5%), so one round decides
 # "within 5%" by the noise as much as by the model.
-REPEAT=${REPEAT:-1}
 ROUNDS=()
 if ((REPEAT <= 1)); then
   run_round "$OUT" "${CLUSTER:-this-machine}"
@@ -106,7 +118,13 @@ if ((REPEAT <= 1)); then
 else
   for ((k = 1; k <= REPEAT; k++)); do
     dir="$OUT/round$k"
+    if [[ "${SIM_ONLY:-0}" == 1 && ! -d "$dir" ]]; then
+      echo "sim_check: SIM_ONLY=1 REPEAT=$REPEAT but $dir does not exist" >&2
+      exit 2
+    fi
     mkdir -p "$dir"
+    # A round's own profile: calibrated now, or (SIM_ONLY) the one it was run with.
+    [[ "${CALIBRATE:-0}" == 1 || "${SIM_ONLY:-0}" == 1 ]] || rm -f "$dir/this-machine.json" "$dir/cluster.json"
     cl=${CLUSTER:-this-machine}
     if [[ "${CALIBRATE:-0}" == 1 && -z "${CLUSTER:-}" && "${SIM_ONLY:-0}" != 1 ]]; then
       mpirun --allow-run-as-root --oversubscribe -np 2 -x OMP_NUM_THREADS=1 "$BIN" calibrate --threads 1 \
@@ -119,8 +137,8 @@ else
     fi
     echo "round $k of $REPEAT: $dir (cluster $cl; load $(cut -d' ' -f1-3 /proc/loadavg))"
     run_round "$dir" "$cl"
+    ROUNDS+=("$dir")
   done
-  ROUNDS=("$OUT"/round*)
 fi
 /usr/bin/python3 - "${#ROUNDS[@]}" "${ROUNDS[@]}" "${CONFIGS[@]}" <<'PY'
 import json, statistics, sys

@@ -200,6 +200,70 @@ TEST(Sim, UnevenProcessesShareTheCoresFairly) {
   auto uneven = [&](int, const Action&) -> ActionCost { return {2.0, 0, 5.0, {g}}; };
   auto instant = [](const Action&) { return 0.0; };
   EXPECT_DOUBLE_EQ(run_plan(plan, uneven, instant, false, CoreSharing{2, 4}).makespan, 2 * 3.0);
+  EXPECT_THROW(segment_time(g, 0.0), Error);
+  EXPECT_THROW(segment_time({2.0, 5.0, {2.0, 1.0}}, 2.0), Error);  // each must be sorted
+}
+
+// The cores a group gets change partway through an uneven segment: GPipe over 2 stages
+// of 2 processes each on 2 cores, every forward 1 s per process except stage 0's
+// second, whose processes need 1 s and 3 s; backwards take nothing. Stage 0's F0
+// has both cores (0-1 s). Then its F1 shares them with stage 1's F0: a core per stage,
+// so both of F1's processes run at half speed and stage 1's F0 ends at 3 s, when F1's
+// short process ends too (1 s of work each) and its long one has 2 s left. Alone from
+// then on with 2 cores, it runs at full speed until 5 s; stage 1's F1 follows, 5-6 s.
+// (Charging F1 as a fraction of its whole time would end it at 4.5 s: 1/2 of the 4 s it
+// takes on 1 core, then the rest at the 3 s it takes on 2.)
+TEST(Sim, ProcessorSharingFollowsTheCoresAGroupGetsAsTheyChange) {
+  const StepPlan plan = make_schedule("gpipe", 2, 2, 1);
+  auto cost = [](int rank, const Action& a) -> ActionCost {
+    if (a.kind != ActionKind::Forward) return {};
+    if (rank == 0 && a.microbatch == 1) return {3.0, 0, 4.0, {{3.0, 4.0, {1.0, 3.0}}}};
+    return {1.0, 0, 2.0, {}};
+  };
+  auto instant = [](const Action&) { return 0.0; };
+  const PlanTimeline tl = run_plan(plan, cost, instant, false, CoreSharing{2, 2});
+  EXPECT_NEAR(tl.makespan, 6.0, 1e-9);
+}
+
+// Group-limited routing: a token's experts come from Gk of G groups, so with whole
+// groups on each node it reaches fewer nodes, each with more of its rows.
+TEST(Cluster, GroupLimitedRoutingCrossesToFewerNodes) {
+  // 16 experts in 4 groups of 4, one expert a GPU, 4-GPU nodes (a group a node),
+  // top-2 from 1 group: the token stays in one node, remote with chance 3/4.
+  const GroupPlacement g = place_group(16, 1, 4);
+  const RemoteNodeTraffic one = remote_node_traffic(g, 16, 2, 4, 1);
+  EXPECT_NEAR(one.copies, 3 * 0.25, 1e-12);
+  // Unlimited: each of the 3 remote nodes with 1 - C(12, 2) / C(16, 2) = 0.45.
+  EXPECT_NEAR(remote_node_traffic(g, 16, 2).copies, 3 * (1 - 66.0 / 120), 1e-12);
+  // Gk = G is no limit at all.
+  EXPECT_NEAR(remote_node_traffic(g, 16, 2, 4, 4).copies, remote_node_traffic(g, 16, 2).copies, 1e-12);
+  // The rows a node receives are the same k c / n either way: copies x rows per copy.
+  EXPECT_NEAR(one.forwards, 0.25 * 3 * std::min(2.0 * 4 / 16 / 0.25, 4.0) * 3.0 / 4, 1e-12);
+  // DeepSeek-V3, EP 64 on 8-GPU nodes (a group of 32 experts a node), top-8 from 4 of 8
+  // groups: a remote node is hit when its group is chosen (1/2) and holds one of the
+  // 8 drawn from the 128 experts of the chosen groups.
+  double miss = 1;
+  for (int i = 0; i < 8; ++i) miss *= (96.0 - i) / (128.0 - i);
+  const GroupPlacement ep64 = place_group(64, 1, 8);
+  const double limited = remote_node_traffic(ep64, 256, 8, 8, 4).copies;
+  EXPECT_NEAR(limited, 7 * 0.5 * (1 - miss), 1e-12);
+  EXPECT_LT(limited, 0.75 * remote_node_traffic(ep64, 256, 8).copies);  // about 31% fewer copies
+  EXPECT_LE(limited, 4.0);                                              // at most 4 nodes a token
+  // Two groups a node (EP 32: 64 experts a node), 4 of 8 groups: j of the node's 2 groups chosen.
+  const GroupPlacement ep32 = place_group(32, 1, 8);
+  double m1 = 1, m2 = 1;
+  for (int i = 0; i < 8; ++i) m1 *= (96.0 - i) / (128.0 - i), m2 *= (64.0 - i) / (128.0 - i);
+  const double h0 = 15.0 / 70, h1 = 2 * 20.0 / 70, h2 = 15.0 / 70;  // C(2,j) C(6,4-j) / C(8,4)
+  EXPECT_NEAR(remote_node_traffic(ep32, 256, 8, 8, 4).copies, 3 * (1 - (h0 + h1 * m1 + h2 * m2)), 1e-12);
+  // The dispatcher prices it: fewer copies over the NIC, a shorter dispatch.
+  ClusterSpec c = test_cluster();
+  c.intra_node.bandwidth = 1e18;
+  const Bytes b = 64 * kMiB;
+  EXPECT_LT(dedup_all_to_all_time(c, ep64, b, b, 256, 8, 8, 4), dedup_all_to_all_time(c, ep64, b, b, 256, 8));
+  // Bad groupings are refused.
+  EXPECT_THROW(remote_node_traffic(g, 16, 2, 3, 1), ConfigError);  // 3 does not divide 16
+  EXPECT_THROW(remote_node_traffic(g, 16, 2, 4, 5), ConfigError);  // 5 of 4 groups
+  EXPECT_THROW(remote_node_traffic(g, 16, 8, 4, 1), ConfigError);  // top-8 from one group of 4
 }
 
 TEST(Cluster, GroupsThatStraddleNodesCountByTheirWorstPlacedMember) {
@@ -660,4 +724,29 @@ TEST(LayerCost, GroupedQueryAttentionAndWideHeadsAreWhatTheyCompute) {
   EXPECT_THROW(MoEModel(cfg, arena, ModelParallel{}), ConfigError);
   m.num_key_value_heads = 3;  // does not divide 8 heads
   EXPECT_THROW(m.validate(), ConfigError);
+}
+
+// Group-limited routing (HF n_group, topk_group): read from DeepSeek-V3's config,
+// validated, refused by the engine's router, and priced by the DeepEP dispatcher.
+TEST(LayerCost, GroupLimitedRoutingIsReadValidatedAndOnlySimulated) {
+  const std::filesystem::path root = MOEFLEX_SOURCE_DIR;
+  const ModelConfig ds = load_model("deepseek-v3", root);
+  EXPECT_EQ(ds.n_group, 8);
+  EXPECT_EQ(ds.topk_group, 4);
+  EXPECT_TRUE(ds.group_limited());
+  EXPECT_FALSE(load_model("kimi-k2-1t", root).group_limited());  // 1 group of 1
+  ModelConfig c = test::small_moe_config(2, 1, 4, true);         // 4 experts, top-2
+  c.n_group = 2;
+  c.topk_group = 1;
+  EXPECT_NO_THROW(c.validate());
+  Arena arena;
+  EXPECT_THROW(MoEModel(c, arena, ModelParallel{}), ConfigError);
+  c.n_group = 3;  // does not divide 4 experts
+  EXPECT_THROW(c.validate(), ConfigError);
+  c.n_group = 2;
+  c.topk_group = 3;  // more groups than there are
+  EXPECT_THROW(c.validate(), ConfigError);
+  c.n_group = 4;
+  c.topk_group = 1;  // top-2 from one group of 1 expert
+  EXPECT_THROW(c.validate(), ConfigError);
 }

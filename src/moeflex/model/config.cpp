@@ -34,6 +34,8 @@ void for_each_field(ModelConfig& c, F&& f) {
   f("shared_expert_intermediate_size", c.shared_expert_intermediate_size);
   f("first_k_dense_replace", c.first_k_dense_replace);
   f("intermediate_size", c.intermediate_size);
+  f("n_group", c.n_group);
+  f("topk_group", c.topk_group);
   f("norm_topk_prob", c.norm_topk_prob);
   f("router_aux_loss_coef", c.router_aux_loss_coef);
   f("router_z_loss_coef", c.router_z_loss_coef);
@@ -99,6 +101,14 @@ void ModelConfig::validate() const {
     rule(num_experts_per_tok >= 1 && num_experts_per_tok <= num_experts, "num_experts_per_tok",
          fmt::format("must be in [1, num_experts={}] (got {})", num_experts, num_experts_per_tok));
     rule(moe_intermediate_size >= 1, "moe_intermediate_size", "must be at least 1");
+    rule(n_group >= 1 && num_experts % n_group == 0, "n_group",
+         fmt::format("must divide num_experts {} into equal groups (got {})", num_experts, n_group));
+    rule(topk_group >= 1 && topk_group <= n_group, "topk_group",
+         fmt::format("must be in [1, n_group={}] (got {})", n_group, topk_group));
+    if (group_limited())
+      rule(num_experts_per_tok <= topk_group * (num_experts / n_group), "topk_group",
+           fmt::format("{} groups of {} experts hold fewer than num_experts_per_tok = {}", topk_group,
+                       num_experts / n_group, num_experts_per_tok));
     rule(n_shared_experts >= 0, "n_shared_experts", "must not be negative");
     rule(shared_expert_intermediate_size >= 0, "shared_expert_intermediate_size", "must not be negative");
   }

@@ -37,6 +37,13 @@ struct ModelConfig {
   std::int64_t shared_expert_intermediate_size = 0;  ///< fs; 0 means n_shared_experts * f
   std::int64_t first_k_dense_replace = 0;      ///< leading layers with a dense MLP
   std::int64_t intermediate_size = 1024;       ///< width of those dense MLPs
+  /// Group-limited routing (DeepSeek-V2/V3's "device/node-limited routing"; HF n_group
+  /// and topk_group): the experts form n_group equal groups, and a token's top-k
+  /// experts come from the topk_group groups it scores best. 1 and 1: no limit.
+  /// Priced by the simulator (its DeepEP dispatcher crosses to fewer nodes); the
+  /// training engine's router does not implement it and refuses a limit.
+  std::int64_t n_group = 1;
+  std::int64_t topk_group = 1;
   bool norm_topk_prob = true;                  ///< renormalise top-k weights to sum 1
   double router_aux_loss_coef = 0.01;          ///< Switch load-balancing loss coefficient
   double router_z_loss_coef = 0.0;             ///< router z-loss coefficient
@@ -88,6 +95,8 @@ struct ModelConfig {
                                                : n_shared_experts * moe_intermediate_size;
   }
   bool is_moe_layer(std::int64_t l) const { return l >= first_k_dense_replace; }
+  /// True when a token's experts are limited to topk_group of n_group groups.
+  bool group_limited() const { return n_group > 1 && topk_group < n_group; }
 
   /// Throws ConfigError naming the field and the rule broken.
   void validate() const;

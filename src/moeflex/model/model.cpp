@@ -44,6 +44,12 @@ MoEModel::MoEModel(const ModelConfig& cfg, Arena& arena, const ModelParallel& pa
                     "num_attention_heads = {}; head_dim {} and num_key_value_heads {} (wider heads, "
                     "GQA) are priced by the simulator only",
                     cfg_.hidden_size / cfg_.num_attention_heads, cfg_.head_dim(), cfg_.kv_heads()));
+  if (cfg_.group_limited())
+    throw ConfigError(
+        fmt::format("model: group-limited routing (n_group {}, topk_group {}) is priced by the "
+                    "simulator only; the training engine's router picks from all experts (set "
+                    "both to 1)",
+                    cfg_.n_group, cfg_.topk_group));
   adt_ = cfg_.bf16 ? DType::bf16 : DType::f32;
   if (!be_.host_memory()) {
     if (dispatcher_.active())

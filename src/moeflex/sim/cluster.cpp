@@ -264,14 +264,46 @@ Seconds all_to_all_time(const ClusterSpec& c, const GroupPlacement& g, Bytes sen
   return alpha + std::max(intra, inter);
 }
 
-RemoteNodeTraffic remote_node_traffic(const GroupPlacement& g, std::int64_t E, std::int64_t k) {
+namespace {
+// n choose r in floating point (0 outside 0 <= r <= n).
+double choose(std::int64_t n, std::int64_t r) {
+  if (r < 0 || r > n) return 0;
+  double v = 1;
+  for (std::int64_t i = 0; i < r; ++i) v = v * double(n - i) / double(i + 1);
+  return v;
+}
+// The chance that none of k experts drawn uniformly without replacement from `pool`
+// falls among `held` of them (held may be fractional: an expected count).
+double none_among(double pool, double held, std::int64_t k) {
+  double miss = 1;
+  for (std::int64_t i = 0; i < k; ++i) miss *= std::max(0.0, (pool - held - double(i)) / (pool - double(i)));
+  return miss;
+}
+}  // namespace
+
+RemoteNodeTraffic remote_node_traffic(const GroupPlacement& g, std::int64_t E, std::int64_t k, std::int64_t groups,
+                                      std::int64_t groups_per_token) {
   check_config(k >= 1 && k <= E, fmt::format("remote_node_traffic: top-{} of {} experts", k, E));
+  check_config(
+      groups >= 1 && E % groups == 0 && groups_per_token >= 1 && groups_per_token <= groups &&
+          k <= groups_per_token * (E / groups),
+      fmt::format("remote_node_traffic: top-{} of {} experts from {} of {} groups", k, E, groups_per_token, groups));
   RemoteNodeTraffic t;
   const double n = g.size;
+  const bool limited = groups_per_token < groups;
+  const double per_group = double(E / groups), pool = double(groups_per_token) * per_group;
   auto add_node = [&](double c) {
     const double experts = double(E) * c / n;
-    double miss = 1;
-    for (std::int64_t i = 0; i < k; ++i) miss *= std::max(0.0, (double(E) - experts - double(i)) / double(E - i));
+    double miss = 0;
+    if (!limited) {
+      miss = none_among(double(E), experts, k);
+    } else {
+      // The node's experts span m groups, a of each; j of those m are among the chosen.
+      const std::int64_t m = std::max<std::int64_t>(1, std::int64_t(std::ceil(experts / per_group - 1e-9)));
+      const double a = experts / double(m), all = choose(groups, groups_per_token);
+      for (std::int64_t j = 0; j <= std::min(m, groups_per_token); ++j)
+        miss += choose(m, j) * choose(groups - m, groups_per_token - j) / all * none_among(pool, double(j) * a, k);
+    }
     const double hit = 1 - miss;
     if (hit <= 0) return;
     t.copies += hit;
@@ -284,13 +316,14 @@ RemoteNodeTraffic remote_node_traffic(const GroupPlacement& g, std::int64_t E, s
 }
 
 Seconds dedup_all_to_all_time(const ClusterSpec& c, const GroupPlacement& g, Bytes send_bytes, Bytes recv_bytes,
-                              std::int64_t num_experts, std::int64_t top_k) {
+                              std::int64_t num_experts, std::int64_t top_k, std::int64_t groups,
+                              std::int64_t groups_per_token) {
   if (g.size <= 1) return 0;
   if (g.ranks_per_node >= g.size) return all_to_all_time(c, g, send_bytes, recv_bytes);
   const double b = double(std::max(send_bytes, recv_bytes));
   const double n = g.size, rpn = g.ranks_per_node;
   const double row = b * n / ((n - 1) * double(top_k));  // one token's row
-  const RemoteNodeTraffic t = remote_node_traffic(g, num_experts, top_k);
+  const RemoteNodeTraffic t = remote_node_traffic(g, num_experts, top_k, groups, groups_per_token);
   const double intra = (b * (rpn - 1) / (n - 1) + row * t.forwards) / c.intra_node.bandwidth;
   const double inter = row * t.copies / c.inter_node.bandwidth;
   return c.inter_node.latency + std::max(intra, inter);

@@ -160,12 +160,23 @@ Seconds all_to_all_time(const ClusterSpec& c, const GroupPlacement& g, Bytes sen
 /// the NVLink hops from the receiving GPU to the other holders (experts expected on
 /// the node given it holds one, at most one hop per GPU). Remote nodes: the n - rpn
 /// remote members in nodes of full_node, the last one partial.
+/// With group-limited routing (`groups` G equal groups of E / G experts, a token's
+/// experts drawn from `groups_per_token` Gk of them chosen uniformly; DeepSeek-V3: 8
+/// groups, 4 a token, so a token reaches at most 4 nodes when each node holds whole
+/// groups), a node holding m groups' worth of experts (a = E c / n / m of each, m =
+/// ceil(E c / n / (E / G)), 1 when the node holds part of one group) misses with
+/// probability sum_j Hyp(j; G, m, Gk) prod_{i<k} (P - j a - i) / (P - i), P = Gk E / G
+/// the experts of the chosen groups, Hyp the hypergeometric chance that j of the
+/// node's m groups are among the Gk chosen. Every expert is still chosen with
+/// probability k / E, so the rows a node receives are unchanged; they come in fewer,
+/// fuller copies.
 struct RemoteNodeTraffic {
   double copies = 0;
   double forwards = 0;
 };
-/// ConfigError unless 1 <= k <= E.
-RemoteNodeTraffic remote_node_traffic(const GroupPlacement& g, std::int64_t E, std::int64_t k);
+/// ConfigError unless 1 <= k <= E, G divides E, 1 <= Gk <= G and k <= Gk E / G.
+RemoteNodeTraffic remote_node_traffic(const GroupPlacement& g, std::int64_t E, std::int64_t k, std::int64_t groups = 1,
+                                      std::int64_t groups_per_token = 1);
 
 /// The dispatch or combine of a node-deduplicating dispatcher (DeepEP's internode
 /// kernels, with which DeepSeek-V3 and Megatron-Core's "flex" dispatcher train): a
@@ -176,9 +187,11 @@ RemoteNodeTraffic remote_node_traffic(const GroupPlacement& g, std::int64_t E, s
 /// b n / ((n - 1) k). Inter-node bytes per rank: that x copies; intra-node:
 /// all_to_all_time's share plus that x forwards (so with top-1 and NVLink the
 /// bottleneck it costs more than all_to_all_time: the forwards are real traffic).
-/// With the group in one node it is all_to_all_time.
+/// With the group in one node it is all_to_all_time. `groups`, `groups_per_token`:
+/// the model's group-limited routing (remote_node_traffic).
 Seconds dedup_all_to_all_time(const ClusterSpec& c, const GroupPlacement& g, Bytes send_bytes, Bytes recv_bytes,
-                              std::int64_t num_experts, std::int64_t top_k);
+                              std::int64_t num_experts, std::int64_t top_k, std::int64_t groups = 1,
+                              std::int64_t groups_per_token = 1);
 
 /// One point-to-point message between neighbouring pipeline stages:
 /// alpha + bytes / beta over the intra- or inter-node link.

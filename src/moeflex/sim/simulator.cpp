@@ -153,6 +153,8 @@ PlanTimeline empty_timeline(const StepPlan& plan) {
 }  // namespace
 
 Seconds segment_time(const ActionCost::Segment& g, double cores) {
+  if (!(cores > 0)) throw Error(fmt::format("segment_time: {} cores (must be > 0)", cores));
+  if (!std::is_sorted(g.each.begin(), g.each.end())) throw Error("segment_time: Segment::each is not sorted");
   if (g.each.empty()) return std::max(g.T, g.D / cores);
   const std::size_t n = g.each.size();
   Seconds t = 0, done = 0;
@@ -161,7 +163,7 @@ Seconds segment_time(const ActionCost::Segment& g, double cores) {
     t += (g.each[k] - done) / rate;
     done = g.each[k];
   }
-  return std::max(t, g.T);
+  return t;
 }
 
 namespace {
@@ -182,7 +184,11 @@ PlanTimeline run_plan_shared(const StepPlan& plan, const std::function<ActionCos
     bool pair = false;       // an overlapped F&B pair: two actions end together
     std::vector<ActionCost::Segment> parts;
     std::size_t part = 0;    // the segment running
-    double left = 0;         // fraction of that segment still to run
+    double left = 0;         // fraction of that segment still to run (a segment of alike processes)
+    // A segment of uneven processes (Segment::each) runs as processor sharing, exactly:
+    // `done` is the work each still-running process has done, `ended` how many have ended.
+    std::size_t ended = 0;
+    Seconds done = 0;
     Seconds T = 0, comm = 0, start = 0;
     Seconds waiting_since = 0;  // when not running: when its wait (polling, then sleep) began
   };
@@ -242,6 +248,8 @@ PlanTimeline run_plan_shared(const StepPlan& plan, const std::function<ActionCos
             R.start = t;
             R.part = 0;
             R.left = 1;
+            R.ended = 0;
+            R.done = 0;
             R.on = !R.parts.empty();
             if (!R.on) {  // nothing to run
               tl.times[std::size_t(r)][i] = {t, t};
@@ -265,8 +273,13 @@ PlanTimeline run_plan_shared(const StepPlan& plan, const std::function<ActionCos
       const auto& R = run[std::size_t(r)];
       if (R.on) {
         const auto& g = R.parts[R.part];
-        rate[std::size_t(r)] = 1.0 / segment_time(g, p * share);
-        next = std::min(next, t + R.left / rate[std::size_t(r)]);
+        if (g.each.empty()) {
+          rate[std::size_t(r)] = 1.0 / segment_time(g, p * share);
+          next = std::min(next, t + R.left / rate[std::size_t(r)]);
+        } else {  // each still-running process's speed, until the next one ends
+          rate[std::size_t(r)] = std::min(1.0, p * share / double(g.each.size() - R.ended));
+          next = std::min(next, t + (g.each[R.ended] - R.done) / rate[std::size_t(r)]);
+        }
       } else {
         if (t < R.waiting_since + sh.poll_seconds) next = std::min(next, R.waiting_since + sh.poll_seconds);
         if (pc[std::size_t(r)] < plan.actions[std::size_t(r)].size()) {
@@ -287,13 +300,23 @@ PlanTimeline run_plan_shared(const StepPlan& plan, const std::function<ActionCos
     for (int r = 0; r < P; ++r) {
       auto& R = run[std::size_t(r)];
       if (!R.on) continue;
-      const Seconds ends = t - dt + R.left / rate[std::size_t(r)];
-      if (ends > t + 1e-12 * std::max<Seconds>(t, 1e-9)) {  // still in this segment
-        R.left -= rate[std::size_t(r)] * dt;
-        continue;
+      const auto& g = R.parts[R.part];
+      const double tol = 1e-12 * std::max<Seconds>(t, 1e-9);
+      if (g.each.empty()) {
+        const Seconds ends = t - dt + R.left / rate[std::size_t(r)];
+        if (ends > t + tol) {  // still in this segment
+          R.left -= rate[std::size_t(r)] * dt;
+          continue;
+        }
+      } else {
+        R.done += rate[std::size_t(r)] * dt;
+        while (R.ended < g.each.size() && g.each[R.ended] <= R.done + tol) ++R.ended;
+        if (R.ended < g.each.size()) continue;  // some of its processes still work
       }
       if (++R.part < R.parts.size()) {  // the next segment, at its own rate from the next event on
         R.left = 1;
+        R.ended = 0;
+        R.done = 0;
         continue;
       }
       std::size_t& i = pc[std::size_t(r)];
@@ -550,7 +573,7 @@ struct Simulation {
     if (lc.a2a_send_bytes > 0 || lc.a2a_recv_bytes > 0) {
       t += 2 * (o.dispatcher == "deepep"
                     ? dedup_all_to_all_time(o.cluster, ep_group, lc.a2a_send_bytes, lc.a2a_recv_bytes, cfg.num_experts,
-                                            cfg.num_experts_per_tok)
+                                            cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group)
                     : all_to_all_time(o.cluster, ep_group, lc.a2a_send_bytes, lc.a2a_recv_bytes));
     }
     if (lc.tp_collective_bytes > 0) t += 4 * all_gather_time(o.cluster, tp_group, lc.tp_collective_bytes);
@@ -788,9 +811,13 @@ struct Simulation {
     std::vector<const LayerCost*> out;
     const int k = moe_index[std::size_t(l)];
     if (o.loads.per_rank() && k >= 0) {
+      // The recorded data-parallel ranks' loads; with tp > 1 each stands for its tp
+      // processes (the engine records tp 1), so the group is tp x dp processes as below.
       const double balanced = double(MoERows::balanced(cfg, n_rank).received);
-      for (int q = 0; q < p.dp; ++q)
-        out.push_back(&layer_at(l, double(o.loads.rows(it, mb, k, q).received) / balanced));
+      for (int q = 0; q < p.dp; ++q) {
+        const LayerCost* lc = &layer_at(l, double(o.loads.rows(it, mb, k, q).received) / balanced);
+        for (int t = 0; t < p.tp; ++t) out.push_back(lc);
+      }
       return out;
     }
     const double cold = p.ep > 1 ? std::max(0.0, (double(p.ep) - hot) / double(p.ep - 1)) : 1.0;
@@ -1049,9 +1076,10 @@ SimReport simulate(const SimOptions& o) {
           if (!shared) continue;
           if (sim.moe_index[std::size_t(l)] >= 0 && par.ep > 1) {
             // The layer without expert rows is the same on every rank; the expert
-            // rows (grouped GEMMs, SwiGLU) differ, between dispatch and combine.
-            // A process done with its rows polls until the group's combine, for at most
-            // kCommPollSeconds (CoreSharing::poll_seconds): x + min(T - x, poll) each.
+            // rows (grouped GEMMs, SwiGLU) differ, between dispatch and combine: a
+            // segment of each process's own time (Segment::each, processor sharing).
+            // D, the demand, counts a process done with its rows as polling until the
+            // group's combine for at most kCommPollSeconds: x + min(T - x, poll) each.
             const LayerCost& e = sim.layer_at(l, 0.0);
             const auto group = sim.group_layers(it, mb, l, rt);
             ActionCost::Segment xf, xb;
@@ -1123,6 +1151,7 @@ SimReport simulate(const SimOptions& o) {
           if (w_each_known && par.ep > 1) {
             w_all.each = std::move(w_each);
             std::sort(w_all.each.begin(), w_all.each.end());
+            w_all.T = w_all.each.back();  // no synchronisation inside: the slowest process's own sum
           }
           w.segments.push_back(w_all);
         }

@@ -234,8 +234,9 @@ struct ActionCost {
 /// processes_per_rank processes (its data-parallel replicas, in lock step through
 /// their collectives). Generalized processor sharing (Kleinrock 1967; Linux CFS
 /// approximates it): while N processes compute, each gets min(1, cores / N) of a
-/// core; a process waiting for a message yields its core (Open MPI's
-/// yield-when-idle under oversubscription) and does not count in N. An action of
+/// core; a process waiting for a message naps (moeflex's communicator on an
+/// oversubscribed node, comm::host_oversubscribed) and does not count in N after its
+/// first poll_seconds. An action of
 /// critical time T = compute + comm (its slowest process with a core of its own)
 /// and demand D (ActionCost::demand) then progresses at the rate
 /// 1 / max(T, D / (p x min(1, cores / N))) of itself per second, p = processes_per_rank:
@@ -254,15 +255,17 @@ struct CoreSharing {
 };
 
 /// How long a Segment takes when its group of n processes gets `cores` cores' worth
-/// of time (`cores` = processes_per_rank x min(1, cores / N), CoreSharing). Processes
-/// that do alike (`each` empty): max(T, D / cores). Otherwise processor sharing
-/// among the group (Kleinrock 1967; CFS shares a core's time equally among its
-/// runnable processes): with x_1 <= ... <= x_n, while n - k + 1 of them still work
-/// each runs at min(1, cores / (n - k + 1)), so the segment ends after
+/// of time throughout (`cores` = processes_per_rank x min(1, cores / N), CoreSharing).
+/// Processes that do alike (`each` empty): max(T, D / cores). Otherwise processor
+/// sharing among the group (Kleinrock 1967; CFS shares a core's time equally among
+/// its runnable processes): with x_1 <= ... <= x_n, while n - k + 1 of them still
+/// work each runs at min(1, cores / (n - k + 1)), so the segment ends after
 /// sum_k (x_k - x_(k-1)) / min(1, cores / (n - k + 1)). On 2 cores, 4 processes of
 /// 1, 1, 1 and 2 ms take 3 ms (all at half speed for 2 ms, then the last alone),
 /// where max(T, D / cores) gives 2.5 ms: only a scheduler that ran the longest first
-/// could reach that. `cores` > 0.
+/// could reach that. run_plan follows the same sharing event by event, so a group
+/// whose cores change partway (another pipeline rank starts or ends) is exact too.
+/// Throws Error for cores <= 0 or an unsorted `each`.
 Seconds segment_time(const ActionCost::Segment& g, double cores);
 
 /// The communicator's polling phase on an oversubscribed node (CoreSharing::

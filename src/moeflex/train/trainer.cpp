@@ -231,14 +231,20 @@ extern "C" void on_stop_signal(int sig) {
 }
 
 // Ranks of this job on this node, from the launcher's environment (Open MPI, MPICH /
-// Hydra, Slurm); `world_size` when none says (one node assumed).
-int ranks_on_this_node(int world_size) {
+// Hydra, Slurm); 0 when none says.
+int launcher_local_ranks() {
   for (const char* var : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"})
     if (const char* v = std::getenv(var)) {
       const int n = std::atoi(v);
       if (n >= 1) return n;
     }
-  return world_size;
+  return 0;
+}
+
+// launcher_local_ranks, or `world_size` when the launcher does not say (one node assumed).
+int ranks_on_this_node(int world_size) {
+  const int n = launcher_local_ranks();
+  return n >= 1 ? n : world_size;
 }
 
 // Lists why each checkpoint directory of `root` is unusable (for the resume error).
@@ -415,8 +421,11 @@ TrainResult run_training(const TrainOptions& opts) {
     omp_set_num_threads(threads);
     openblas_set_num_threads(threads);
   }
-  // More threads on this node than cores: waiting ranks nap instead of yielding.
-  const int node_threads = ranks_on_this_node(world_size) * omp_get_max_threads();
+  // More threads on this node than cores: waiting ranks nap instead of yielding. Only
+  // when the launcher says how many ranks share the node (a multi-node job without
+  // that must not be taken for one node); cores as the host counts them (a cpuset
+  // smaller than the host is not seen).
+  const int node_threads = launcher_local_ranks() * omp_get_max_threads();
   const int node_cores = std::max(1, int(std::thread::hardware_concurrency()));
   comm::set_host_oversubscribed(world_size > 1 && node_threads > node_cores);
   Progress progress(opts.progress && rank0, t.steps);

@@ -18,6 +18,7 @@
 # REPEAT=N runs all configs N times, one round after the other (OUT/round1..N; with
 # CALIBRATE=1 each round calibrates its own profile first), and compares medians over
 # the rounds, listing each round's errors: see the comment at run_round.
+# With REPEAT, IN_SITU=1 fits each round separately, just before its runs.
 # IN_SITU=1 first trains a separate fit run (OUT/in-situ-fit: dp 2, EP 1, policy none,
 # seed 7, 6 steps, --profile-ops; a layout and seed none of the checked runs has), adds
 # its ops to the profile (`moeflex calibrate --from-run`, OUT/in-situ.json) and
@@ -53,17 +54,22 @@ else
   echo "profile: data/hardware/this-machine.json, written $(date -u -r data/hardware/this-machine.json +%Y-%m-%dT%H:%MZ)" \
     "($prof_age min ago$( ((prof_age > 180)) && echo '; CALIBRATE=1 measures it again'))"
 fi
-if [[ "${IN_SITU:-0}" == 1 ]]; then
-  PROFILE=${HARDWARE_PROFILE:-data/hardware/this-machine.json}
-  if [[ "${SIM_ONLY:-0}" != 1 || ! -f "$OUT/in-situ-fit/op_times.json" ]]; then
-    rm -rf "${OUT:?}/in-situ-fit"
+# The in-situ profile of DIR: BASE plus the ops of a fit run trained into DIR/in-situ-fit
+# (kept under SIM_ONLY); writes DIR/in-situ.json and DIR/cluster-in-situ.json.
+in_situ() {
+  local dir=$1 base=$2
+  if [[ "${SIM_ONLY:-0}" != 1 || ! -f "$dir/in-situ-fit/op_times.json" ]]; then
+    rm -rf "${dir:?}/in-situ-fit"
     mpirun --allow-run-as-root --oversubscribe -np 2 -x OMP_NUM_THREADS=1 "$BIN" train --config "$CFG" --steps 6 \
-      --threads 1 --dp 2 --seed 7 --profile-ops --hardware-profile "$PROFILE" --out "$OUT/in-situ-fit" --quiet \
-      > "$OUT/in-situ-fit.train.log" 2>&1
+      --threads 1 --dp 2 --seed 7 --profile-ops --hardware-profile "$base" --out "$dir/in-situ-fit" --quiet \
+      > "$dir/in-situ-fit.train.log" 2>&1
   fi
-  "$BIN" calibrate --from-run "$OUT/in-situ-fit" --base "$PROFILE" --out "$OUT/in-situ.json" > /dev/null
-  sed "s#\"profile\": *\"[^\"]*\"#\"profile\": \"$(realpath "$OUT/in-situ.json")\"#" \
-    configs/clusters/this-machine.json > "$OUT/cluster-in-situ.json"
+  "$BIN" calibrate --from-run "$dir/in-situ-fit" --base "$base" --out "$dir/in-situ.json" > /dev/null
+  sed "s#\"profile\": *\"[^\"]*\"#\"profile\": \"$(realpath "$dir/in-situ.json")\"#" \
+    configs/clusters/this-machine.json > "$dir/cluster-in-situ.json"
+}
+if [[ "${IN_SITU:-0}" == 1 && "$REPEAT" -le 1 ]]; then
+  in_situ "$OUT" "${HARDWARE_PROFILE:-data/hardware/this-machine.json}"
   CLUSTER="$OUT/cluster-in-situ.json"
   echo "in situ: the profile plus the ops of $OUT/in-situ-fit ($CLUSTER)"
 fi
@@ -134,6 +140,12 @@ else
       sed "s#\"profile\": *\"[^\"]*\"#\"profile\": \"$(realpath "$dir/this-machine.json")\"#" \
         configs/clusters/this-machine.json > "$dir/cluster.json"
       cl="$dir/cluster.json"
+    fi
+    if [[ "${IN_SITU:-0}" == 1 && -z "${CLUSTER:-}" ]]; then  # this round's own fit, on its profile
+      base=${HARDWARE_PROFILE:-data/hardware/this-machine.json}
+      [[ -f "$dir/this-machine.json" ]] && base="$dir/this-machine.json"
+      in_situ "$dir" "$base"
+      cl="$dir/cluster-in-situ.json"
     fi
     echo "round $k of $REPEAT: $dir (cluster $cl; load $(cut -d' ' -f1-3 /proc/loadavg))"
     run_round "$dir" "$cl"

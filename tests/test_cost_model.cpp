@@ -81,6 +81,20 @@ TEST(HardwareProfile, DeviceRoundTripsReadsOldFilesAsACpusAndRefusesOthers) {
   EXPECT_NE(msg.find("\"tpu\""), std::string::npos) << msg;
 }
 
+TEST(HardwareProfile, TimeSharingEfficiencyRoundTripsDefaultsToOneAndIsChecked) {
+  HardwareProfile p = hand_profile();
+  p.time_sharing_efficiency = 0.87;
+  EXPECT_EQ(HardwareProfile::from_json(p.to_json(), "hw.json").time_sharing_efficiency, 0.87);
+  nlohmann::json j = p.to_json();
+  j.erase("time_sharing_efficiency");  // a file written before the field: not measured
+  EXPECT_EQ(HardwareProfile::from_json(j, "hw.json").time_sharing_efficiency, 1.0);
+  for (const double bad : {0.0, -0.5, 1.5}) {
+    j["time_sharing_efficiency"] = bad;
+    const std::string msg = message_of([&] { HardwareProfile::from_json(j, "hw.json"); });
+    EXPECT_NE(msg.find("'time_sharing_efficiency'"), std::string::npos) << msg;
+  }
+}
+
 TEST(HardwareProfile, ErrorsNameTheFileAndTheField) {
   // A directory given for the file (e.g. calibrate's --out): a DataError naming it.
   const std::string dir = ::testing::TempDir();
@@ -642,6 +656,14 @@ TEST(CostModel, RejectsAnIncompleteProfile) {
 // The bound is loose on purpose (`moeflex calibrate` prints the real figure), and a
 // burst of load from other processes can still spoil one ~2 s attempt, so up to
 // three attempts are made; the numbers must be sane in every one.
+// Twice as many single-threaded GEMM loops as cores get a share of the ideal split of
+// the cores: well above nothing (the loops do run), at most all of it.
+TEST(Calibrate, TimeSharingEfficiencyIsAShareOfTheIdealSplit) {
+  const double eta = measure_time_sharing(0.3);
+  EXPECT_GT(eta, 0.3);
+  EXPECT_LE(eta, 1.0);
+}
+
 TEST(Calibrate, QuickCalibrationIsSaneAndKeepsTheHeldOutShapesOut) {
   constexpr int kAttempts = 3;
   constexpr double kLooseBound = 0.5;
@@ -660,6 +682,8 @@ TEST(Calibrate, QuickCalibrationIsSaneAndKeepsTheHeldOutShapesOut) {
     for (double v : {p.memory_bandwidth, p.h2d_bandwidth, p.d2h_bandwidth}) EXPECT_TRUE(std::isfinite(v) && v > 0);
     EXPECT_GE(p.launch_overhead, 0.0);
     EXPECT_GE(p.copy_latency, 0.0);
+    EXPECT_GT(p.time_sharing_efficiency, 0.0);  // measured with one thread
+    EXPECT_LE(p.time_sharing_efficiency, 1.0);
     for (const char* op : {op_names::kRmsnormForward, op_names::kSwigluBackward, op_names::kRope,
                            op_names::kAttentionForward, op_names::kAttentionBackward,
                            op_names::kCrossEntropyForward, op_names::kCopyH2D,

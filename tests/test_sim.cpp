@@ -180,6 +180,11 @@ TEST(Sim, CoreSharingStretchesByTheCoresEachProcessGets) {
   EXPECT_NEAR(run_plan(plan, imbalanced, instant, false, CoreSharing{1, 2}).makespan, m * 1.5 * 3.0, 1e-9);
   // With two cores each process has its own: the hot one decides (T).
   EXPECT_DOUBLE_EQ(run_plan(plan, imbalanced, instant, false, CoreSharing{2, 2}).makespan, m * 3.0);
+  // Time slicing's loss (HardwareProfile::time_sharing_efficiency) stretches only an
+  // oversubscribed group: 2 processes on 1 core at 80% take 1 / 0.8 of the work; on
+  // 2 cores, nothing changes.
+  EXPECT_NEAR(run_plan(plan, unit, instant, false, CoreSharing{1, 2, 0, 0.8}).makespan, 2 * m * 3.0 / 0.8, 1e-9);
+  EXPECT_DOUBLE_EQ(run_plan(plan, imbalanced, instant, false, CoreSharing{2, 2, 0, 0.8}).makespan, m * 3.0);
 }
 
 // Processes doing different work between two synchronisations (the expert rows of

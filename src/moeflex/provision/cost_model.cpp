@@ -4,7 +4,7 @@
 //    "threads": 2,
 //    "launch_overhead_s": ..., "memory_bandwidth_Bps": ...,
 //    "h2d_bandwidth_Bps": ..., "d2h_bandwidth_Bps": ..., "copy_latency_s": ...,
-//    "all_to_all_bandwidth_Bps": 0, "all_to_all_latency_s": 0,
+//    "all_to_all_bandwidth_Bps": 0, "all_to_all_latency_s": 0, "time_sharing_efficiency": 1,
 //    "gemm": [{"M": .., "N": .., "K": .., "flops_per_s": .., "layout": "nt"}, ...],
 //    "op_tables": {"rmsnorm_forward": [{"bytes": .., "seconds": ..}, ...], ...}}
 // A sample's "layout" is "nt", "nn" or "tn", or absent (GemmLayout::any); version 1
@@ -237,6 +237,7 @@ nlohmann::json HardwareProfile::to_json() const {
   j["copy_latency_s"] = copy_latency;
   j["all_to_all_bandwidth_Bps"] = all_to_all_bandwidth;
   j["all_to_all_latency_s"] = all_to_all_latency;
+  j["time_sharing_efficiency"] = time_sharing_efficiency;
   json g = json::array();
   for (const GemmSample& s : gemm) {
     json e = {{"M", s.M}, {"N", s.N}, {"K", s.K}, {"flops_per_s", s.rate}};
@@ -280,7 +281,7 @@ HardwareProfile HardwareProfile::from_json(const nlohmann::json& j, const std::s
   only_known_keys(j,
                   {"format", "version", "name", "device", "threads", "launch_overhead_s", "memory_bandwidth_Bps",
                    "h2d_bandwidth_Bps", "d2h_bandwidth_Bps", "copy_latency_s", "all_to_all_bandwidth_Bps",
-                   "all_to_all_latency_s", "gemm", "op_tables", "in_situ"},
+                   "all_to_all_latency_s", "time_sharing_efficiency", "gemm", "op_tables", "in_situ"},
                   source, "");
 
   HardwareProfile p;
@@ -300,6 +301,12 @@ HardwareProfile HardwareProfile::from_json(const nlohmann::json& j, const std::s
   p.copy_latency = non_negative(j, "copy_latency_s", source, "copy_latency_s");
   p.all_to_all_bandwidth = non_negative(j, "all_to_all_bandwidth_Bps", source, "all_to_all_bandwidth_Bps");
   p.all_to_all_latency = non_negative(j, "all_to_all_latency_s", source, "all_to_all_latency_s");
+  if (j.contains("time_sharing_efficiency")) {  // absent in files before the field: not measured
+    const json& e = j["time_sharing_efficiency"];
+    if (!e.is_number() || !(e.get<double>() > 0 && e.get<double>() <= 1))
+      bad_field(source, "time_sharing_efficiency", fmt::format("must be a number in (0, 1] (got {})", e.dump()));
+    p.time_sharing_efficiency = e.get<double>();
+  }
 
   const json& g = member(j, "gemm", source, "gemm");
   if (!g.is_array() || g.empty()) bad_field(source, "gemm", "must be a non-empty array of {M, N, K, flops_per_s}");

@@ -217,6 +217,13 @@ struct HardwareProfile {
   /// them between its ranks (calibrate.cpp, measure_link); 0 = not measured (one process).
   BytesPerSecond all_to_all_bandwidth = 0;
   Seconds all_to_all_latency = 0;
+  /// Throughput of single-threaded compute when twice as many processes as cores,
+  /// free to migrate, share the host's cores (as `mpirun --oversubscribe` runs them),
+  /// over the ideal equal split of the calibrated per-core rate: time slicing,
+  /// migrations and the caches they cool cost the rest (calibrate.cpp,
+  /// measure_time_sharing; 0.955-0.988 on this 2-core VM). In (0, 1]; 1 = not measured.
+  /// The simulator's CoreSharing applies it whenever processes outnumber cores.
+  double time_sharing_efficiency = 1.0;
   /// Optional per-op-family tables (op_names::), points sorted by bytes. A family
   /// without a table is costed as generic elementwise work.
   std::map<std::string, std::vector<OpSample>> op_tables;

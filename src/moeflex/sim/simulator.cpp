@@ -265,7 +265,8 @@ PlanTimeline run_plan_shared(const StepPlan& plan, const std::function<ActionCos
     // Computing ranks, and waiting ones still polling (the first poll_seconds of a wait).
     int active = 0;
     for (const auto& R : run) active += R.on || t < R.waiting_since + sh.poll_seconds ? 1 : 0;
-    const double share = std::min(1.0, double(sh.cores) / (double(active) * p));
+    const double want = double(active) * p;  // processes computing (or still polling)
+    const double share = want > double(sh.cores) ? sh.efficiency * double(sh.cores) / want : 1.0;
     // The next event: an action ending or a message arriving for a waiting rank.
     Seconds next = std::numeric_limits<Seconds>::infinity();
     std::vector<double> rate(std::size_t(P), 0);
@@ -1176,7 +1177,9 @@ SimReport simulate(const SimOptions& o) {
           }
         },
         [&](const Action&) { return msg_time; }, o.overlap_pair_comm,
-        shared ? CoreSharing{o.cluster.host_cores, par.dp * par.tp, kCommPollSeconds} : CoreSharing{});
+        shared ? CoreSharing{o.cluster.host_cores, par.dp * par.tp, kCommPollSeconds,
+                             o.cluster.profile.time_sharing_efficiency}
+               : CoreSharing{});
     if (o.breakdown) {
       add_breakdown(rep.ops, step_ops, 1.0 / iters);
       OpTally& opt = rep.ops[{"optimizer", "optimizer_step"}];

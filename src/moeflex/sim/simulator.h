@@ -239,7 +239,8 @@ struct ActionCost {
 /// first poll_seconds. An action of
 /// critical time T = compute + comm (its slowest process with a core of its own)
 /// and demand D (ActionCost::demand) then progresses at the rate
-/// 1 / max(T, D / (p x min(1, cores / N))) of itself per second, p = processes_per_rank:
+/// 1 / max(T, D / (p x min(1, cores / N))) of itself per second (cores / N times the
+/// efficiency when N > cores), p = processes_per_rank:
 /// the group's share of the cores bounds it, and so does its slowest process. An
 /// action given as segments (one per synchronisation, ActionCost::segments) runs
 /// them in turn, each at its own rate, 1 / segment_time (processor sharing among the
@@ -252,6 +253,10 @@ struct CoreSharing {
   /// step's collectives) polls this long before it sleeps, competing for the cores
   /// meanwhile (counted in N).
   Seconds poll_seconds = 0;
+  /// While processes outnumber the cores, the share each gets is scaled by this
+  /// (HardwareProfile::time_sharing_efficiency: time slicing and migrations cost the
+  /// rest); 1 with a core for each.
+  double efficiency = 1.0;
 };
 
 /// How long a Segment takes when its group of n processes gets `cores` cores' worth

@@ -30,6 +30,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <omp.h>
+#include <sched.h>
 #include <sys/resource.h>
 #include <time.h>
 #include <unistd.h>
@@ -48,6 +49,7 @@
 #include <random>
 #include <set>
 #include <memory>
+#include <thread>
 #include <tuple>
 
 #include "moeflex/comm/communicator.h"
@@ -136,6 +138,8 @@ constexpr int kMaxRepeats = 101;        ///< repeats of one measurement, at most
 constexpr int kPreemptedRetries = 3;    ///< attempts at a visit the scheduler interrupts (the last one counts)
 constexpr double kWallBudgetFactor = 3;  ///< wall time a phase may take, in budgets (see run_jobs)
 constexpr int kMinRepeats = 5;          ///< repeats of one measurement, at least (while the budget lasts)
+constexpr Seconds kTimeSharingSeconds = 1.5;       ///< each phase of measure_time_sharing, at most
+constexpr double kTimeSharingBudgetShare = 0.025;  ///< and at most this share of the budget
 /// A measurement's time is this quantile of its repeats (the median; a lower
 /// quartile, which shrugs off more of the load from elsewhere, was no steadier on a
 /// busy 2-core machine).
@@ -1096,6 +1100,73 @@ void measure_link(HardwareProfile& p) {
   p.all_to_all_bandwidth = 1.0 / per_byte;
 }
 
+// ---- cores shared by more processes than there are ------------------------------------------
+
+/// Rounds of a mix of single-threaded work run until `until`; returns how many. A round:
+/// GEMMs of 512 x 1024 x 256 (weights and activations within a core's caches),
+/// 512 x 4096 x 256 (an LM head's: a 8 MiB output through the shared cache) and
+/// 1024 x 256 x 1024 (an expert's down projection), and y += x over 4 Mi floats.
+long work_loop(Clock::time_point until) {
+  struct G {
+    std::int64_t M, N, K;
+    std::vector<float> a, b, c;
+  };
+  std::vector<G> gs;
+  for (auto [M, N, K] :
+       {std::tuple<std::int64_t, std::int64_t, std::int64_t>{512, 1024, 256}, {512, 4096, 256}, {1024, 256, 1024}})
+    gs.push_back({M, N, K, std::vector<float>(std::size_t(M * K), 0.5f), std::vector<float>(std::size_t(N * K), 0.25f),
+                  std::vector<float>(std::size_t(M * N), 0.0f)});
+  std::vector<float> x(std::size_t(1) << 22, 1.0f), y(std::size_t(1) << 22, 0.0f);
+  long count = 0;
+  while (Clock::now() < until) {
+    for (G& g : gs)
+      ops::gemm<float>(false, true, g.M, g.N, g.K, 1.0f, g.a.data(), g.K, g.b.data(), g.K, 0.0f, g.c.data(), g.N);
+    for (std::size_t i = 0; i < x.size(); ++i) y[i] += x[i];
+    ++count;
+  }
+  return count;
+}
+
+}  // namespace
+
+double measure_time_sharing(Seconds seconds) {
+  const std::unique_ptr<comm::Communicator> world = comm::make_world_communicator();
+  const int n = world->size();
+  const int cores = std::max(1, int(std::thread::hardware_concurrency()));
+  const auto span = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+  work_loop(Clock::now() + span / 10);  // warm BLAS up
+  world->barrier();
+  double counts[2] = {double(work_loop(Clock::now() + span)), 0};
+  // Phase 2: unbound (mpirun binds 2 ranks to a core each; more it leaves free), with
+  // ceil(2 cores / ranks) threads a rank.
+  cpu_set_t bound, all;
+  const bool have_mask = sched_getaffinity(0, sizeof(bound), &bound) == 0;
+  CPU_ZERO(&all);
+  for (int c = 0; c < std::min(cores, CPU_SETSIZE); ++c) CPU_SET(c, &all);
+  if (have_mask) sched_setaffinity(0, sizeof(all), &all);
+  const int per_rank = (2 * cores + n - 1) / n;
+  world->barrier();
+  const Clock::time_point until = Clock::now() + span;
+  std::vector<long> got(std::size_t(per_rank), 0);
+  std::vector<std::thread> helpers;
+  for (int h = 1; h < per_rank; ++h)
+    helpers.emplace_back([&, h] {
+      omp_set_num_threads(1);  // this thread's own OpenMP setting (BLAS must not fan out)
+      got[std::size_t(h)] = work_loop(until);
+    });
+  got[0] = work_loop(until);
+  for (auto& t : helpers) t.join();
+  if (have_mask) sched_setaffinity(0, sizeof(bound), &bound);
+  for (long g : got) counts[1] += double(g);
+  if (n > 1) world->all_reduce_sum(counts, 2);
+  // Phase 1 ran min(n, cores) cores' worth: the ideal of phase 2 is that per-core rate x cores.
+  const double ideal = counts[0] / double(std::min(n, cores)) * double(cores);
+  if (!(ideal > 0)) return 1.0;
+  return std::clamp(counts[1] / ideal, 1e-3, 1.0);
+}
+
+namespace {
+
 std::string host_name() {
   char buf[256] = {0};
   if (gethostname(buf, sizeof(buf) - 1) != 0) return "this-machine";
@@ -1337,6 +1408,10 @@ HardwareProfile calibrate_phases(int threads, Seconds budget, HeldOut* held, std
   // The link first, while the ranks of an mpirun calibration start together.
   note("link between ranks ...");
   measure_link(p);
+  if (threads == 1) {  // what the single-threaded ranks of an oversubscribed run get of the cores
+    note("cores shared by twice as many threads ...");
+    p.time_sharing_efficiency = measure_time_sharing(std::min(kTimeSharingSeconds, kTimeSharingBudgetShare * budget));
+  }
   // Memory first: the op tables' stage 1 reads the bandwidth.
   note("memory bandwidth and copies ...");
   measure_memory(p, full, (1.0 - kGemmShare - kOpShare) * budget, held ? memory_jobs : nullptr);
@@ -1416,6 +1491,8 @@ int run_calibrate_command(const std::string& out_path, int threads, double budge
   if (profile.all_to_all_bandwidth > 0)
     fmt::print("link between the ranks (all-to-all): latency {:.1f} us, bandwidth {:.2f} GB/s\n",
                1e6 * profile.all_to_all_latency, profile.all_to_all_bandwidth / 1e9);
+  fmt::print("cores shared by twice as many threads: {:.1f}% of the ideal split\n",
+             100 * profile.time_sharing_efficiency);
   if (profile.op_tables.count(op_names::kOptimizerStep))
     for (const OpSample& s : profile.op_tables.at(op_names::kOptimizerStep))
       fmt::print("optimizer step (zero_grads, norm, clip, AdamW) of {:.1f} M parameters: {:.2f} ms\n",

@@ -531,10 +531,10 @@ TEST(Presets, ModelsHaveTheirPublishedParameterCounts) {
   struct P {
     const char* name;
     double params;
-    double tol;  // relative; GQA and head_dim are modelled, MLA is approximated as multi-head attention
+    double tol;  // relative; GQA, head_dim and MLA are modelled
   };
   for (const P& p :
-       {P{"deepseek-v3", 671e9, 0.01}, P{"mixtral-8x7b", 46.7e9, 0.001}, P{"mixtral-8x22b", 141e9, 0.005},
+       {P{"deepseek-v3", 671e9, 0.001}, P{"mixtral-8x7b", 46.7e9, 0.001}, P{"mixtral-8x22b", 141e9, 0.005},
         P{"qwen3-30b-a3b", 30.5e9, 0.002}, P{"qwen3-235b-a22b", 235e9, 0.001}, P{"kimi-k2-1t", 1.04e12, 0.02}}) {
     const ModelConfig c = load_model(p.name, root);
     EXPECT_NEAR(double(c.num_params()), p.params, p.tol * p.params) << p.name;
@@ -728,6 +728,64 @@ TEST(LayerCost, GroupedQueryAttentionAndWideHeadsAreWhatTheyCompute) {
   Arena arena;
   EXPECT_THROW(MoEModel(cfg, arena, ModelParallel{}), ConfigError);
   m.num_key_value_heads = 3;  // does not divide 8 heads
+  EXPECT_THROW(m.validate(), ConfigError);
+}
+
+// Multi-head latent attention (DeepSeek-V2/V3): parameters, activation widths, FLOPs
+// and the priced ops of a dense layer with hidden 64, 4 heads, q_lora 32, kv_lora 16,
+// q/k heads of 16 + 8 (rope), v heads of 12.
+TEST(LayerCost, MultiHeadLatentAttentionIsWhatItComputes) {
+  ModelConfig m = test::small_moe_config(1, 1, 4, true);
+  m.hidden_size = 64;
+  m.num_attention_heads = 4;
+  m.q_lora_rank = 32;
+  m.kv_lora_rank = 16;
+  m.qk_nope_head_dim = 16;
+  m.qk_rope_head_dim = 8;
+  m.v_head_dim = 12;
+  m.validate();
+  EXPECT_TRUE(m.mla());
+  EXPECT_FALSE(m.engine_attention());
+  EXPECT_EQ(m.q_width(), 96);
+  EXPECT_EQ(m.k_width(), 96);
+  EXPECT_EQ(m.v_width(), 48);
+  EXPECT_EQ(m.attn_out_width(), 48);
+  // q: 64x32 down, its norm 32, 32x96 up; kv: 64x(16+8) down, norm 16, 16x(4 x (16+12)) up; o 48x64.
+  const std::int64_t params = 64 * 32 + 32 + 32 * 96 + 64 * 24 + 16 + 16 * 4 * 28 + 48 * 64;
+  EXPECT_EQ(m.attention_params(), params);
+  const std::int64_t B = 2, S = 32, n = B * S, d = 64;
+  EXPECT_DOUBLE_EQ(layer_forward_flops(m, 0, B, S),
+                   2.0 * n * (params - 48) + 2.0 * B * 4 * S * S * (24 + 12) + 6.0 * n * d * m.intermediate_size);
+  const auto acts = layer_activations(m, 0, B, S, MoERows{}, false);
+  auto bytes = [&](const char* name) {
+    for (const auto& a : acts)
+      if (a.name == name) return a.bytes;
+    return Bytes(-1);
+  };
+  EXPECT_EQ(bytes("attn.q"), n * 96 * 4);
+  EXPECT_EQ(bytes("attn.k"), n * 96 * 4);
+  EXPECT_EQ(bytes("attn.v"), n * 48 * 4);
+  EXPECT_EQ(bytes("attn.out"), n * 48 * 4);
+  // The forward's GEMMs: the MLP's (the same as in a multi-head layer of the same FFN)
+  // and MLA's five; the core priced at (24 + 12) / 2-wide heads; the latents' 2 norms.
+  const CostModel c(gemm_only_profile());
+  const LayerWork w{B, S, {}, 1, 1, false, 4, true};
+  const LayerCost mla = layer_cost(c, m, 0, w);
+  ModelConfig mha = m;
+  mha.kv_lora_rank = mha.q_lora_rank = 0;
+  mha.validate();
+  const LayerCost plain = layer_cost(c, mha, 0, w);
+  const std::pair<std::string, std::string> lf{"forward", "linear_forward"};
+  const Seconds mlp = plain.ops.at(lf).seconds - 3 * c.linear_forward(n, d, 64) - c.linear_forward(n, 64, d);
+  const Seconds five = c.linear_forward(n, d, 32) + c.linear_forward(n, 32, 96) + c.linear_forward(n, d, 24) +
+                       c.linear_forward(n, 16, 112) + c.linear_forward(n, 48, d);
+  EXPECT_NEAR(mla.ops.at(lf).seconds, mlp + five, 1e-12 * (mlp + five));
+  EXPECT_DOUBLE_EQ(mla.ops.at({"forward", "attention_forward"}).seconds, c.attention_forward(B, S, 4, 18));
+  EXPECT_EQ(mla.ops.at({"forward", "rmsnorm_forward"}).count, plain.ops.at({"forward", "rmsnorm_forward"}).count + 2);
+  // Only the simulator runs it.
+  Arena arena;
+  EXPECT_THROW(MoEModel(m, arena, ModelParallel{}), ConfigError);
+  m.qk_rope_head_dim = 7;  // RoPE needs an even width
   EXPECT_THROW(m.validate(), ConfigError);
 }
 

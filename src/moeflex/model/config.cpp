@@ -24,6 +24,11 @@ void for_each_field(ModelConfig& c, F&& f) {
   f("num_attention_heads", c.num_attention_heads);
   f("head_dim", c.head_dim_override);
   f("num_key_value_heads", c.num_key_value_heads);
+  f("q_lora_rank", c.q_lora_rank);
+  f("kv_lora_rank", c.kv_lora_rank);
+  f("qk_nope_head_dim", c.qk_nope_head_dim);
+  f("qk_rope_head_dim", c.qk_rope_head_dim);
+  f("v_head_dim", c.v_head_dim);
   f("max_position_embeddings", c.max_position_embeddings);
   f("rope_theta", c.rope_theta);
   f("rms_norm_eps", c.rms_norm_eps);
@@ -89,6 +94,15 @@ void ModelConfig::validate() const {
   rule(num_key_value_heads >= 0 && kv_heads() >= 1 && num_attention_heads % kv_heads() == 0, "num_key_value_heads",
        fmt::format("must divide num_attention_heads {}, or be 0 for multi-head attention (got {})", num_attention_heads,
                    num_key_value_heads));
+  rule(q_lora_rank >= 0 && kv_lora_rank >= 0, "kv_lora_rank",
+       fmt::format("q_lora_rank {} and kv_lora_rank {} must not be negative", q_lora_rank, kv_lora_rank));
+  if (mla()) {
+    rule(qk_rope_head_dim >= 2 && qk_rope_head_dim % 2 == 0, "qk_rope_head_dim",
+         fmt::format("must be even and at least 2 with kv_lora_rank > 0 (MLA; got {})", qk_rope_head_dim));
+    rule(qk_nope_head_dim >= 0, "qk_nope_head_dim", fmt::format("must not be negative (got {})", qk_nope_head_dim));
+    rule(v_head_dim >= 1, "v_head_dim",
+         fmt::format("must be at least 1 with kv_lora_rank > 0 (MLA; got {})", v_head_dim));
+  }
   rule(max_position_embeddings >= 2, "max_position_embeddings", "must be at least 2");
   rule(rope_theta > 0, "rope_theta", "must be positive");
   rule(capacity_factor >= 0, "capacity_factor",
@@ -120,8 +134,17 @@ void ModelConfig::validate() const {
        fmt::format("must be 0 (off) or a positive row count (got {})", expert_chunk_rows));
 }
 
+std::int64_t ModelConfig::attention_params() const {
+  const std::int64_t d = hidden_size;
+  if (!mla()) return 2 * d * (q_width() + kv_width());  // q, o; k, v
+  const std::int64_t q = q_lora_rank > 0 ? d * q_lora_rank + q_lora_rank + q_lora_rank * q_width() : d * q_width();
+  const std::int64_t kv = d * (kv_lora_rank + qk_rope_head_dim) + kv_lora_rank +
+                          kv_lora_rank * num_attention_heads * (qk_nope_head_dim + v_head_dim);
+  return q + kv + attn_out_width() * d;
+}
+
 std::int64_t ModelConfig::num_params() const {
-  const std::int64_t d = hidden_size, attn = 2 * d * (q_width() + kv_width());  // q, o; k, v
+  const std::int64_t d = hidden_size, attn = attention_params();
   std::int64_t p = vocab_size * d * (tie_word_embeddings ? 1 : 2) + d;
   for (std::int64_t l = 0; l < num_hidden_layers; ++l) {
     p += 2 * d + attn;
@@ -132,7 +155,7 @@ std::int64_t ModelConfig::num_params() const {
 }
 
 std::int64_t ModelConfig::num_active_params() const {
-  const std::int64_t d = hidden_size, attn = 2 * d * (q_width() + kv_width());
+  const std::int64_t d = hidden_size, attn = attention_params();
   std::int64_t p = vocab_size * d * (tie_word_embeddings ? 1 : 2) + d;
   for (std::int64_t l = 0; l < num_hidden_layers; ++l) {
     p += 2 * d + attn;

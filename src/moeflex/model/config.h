@@ -27,6 +27,16 @@ struct ModelConfig {
   std::int64_t num_attention_heads = 4;        ///< H; head_dim = d / H unless head_dim is given, even
   std::int64_t head_dim_override = 0;          ///< HF head_dim (TOML/JSON key "head_dim"); 0: d / H
   std::int64_t num_key_value_heads = 0;        ///< GQA key/value heads, dividing H; 0: H (multi-head)
+  /// Multi-head latent attention (MLA, DeepSeek-V2/V3; the HF fields of the same
+  /// names), on when kv_lora_rank > 0: q = W_uq rmsnorm(W_dq x) (W_q x without
+  /// q_lora_rank), [c_kv, k_rope] = W_dkv x, [k_nope, v] = W_ukv rmsnorm(c_kv); q and k
+  /// heads are qk_nope_head_dim + qk_rope_head_dim wide (RoPE on the last part; k_rope
+  /// shared by the heads), v and the attention output v_head_dim. Simulator only.
+  std::int64_t q_lora_rank = 0;
+  std::int64_t kv_lora_rank = 0;
+  std::int64_t qk_nope_head_dim = 0;
+  std::int64_t qk_rope_head_dim = 0;
+  std::int64_t v_head_dim = 0;
   std::int64_t max_position_embeddings = 256;  ///< longest sequence
   double rope_theta = 10000.0;                 ///< RoPE base
   double rms_norm_eps = 1e-5;                  ///< RMSNorm epsilon
@@ -81,15 +91,27 @@ struct ModelConfig {
   }
   /// Key/value heads (GQA): num_key_value_heads when given, else num_attention_heads (MHA).
   std::int64_t kv_heads() const { return num_key_value_heads > 0 ? num_key_value_heads : num_attention_heads; }
-  /// Widths of q (and of the attention output) and of k and v: heads x head_dim.
-  std::int64_t q_width() const { return num_attention_heads * head_dim(); }
+  /// True for multi-head latent attention (kv_lora_rank > 0).
+  bool mla() const { return kv_lora_rank > 0; }
+  /// Width of a q or k head: qk_nope_head_dim + qk_rope_head_dim with MLA, else head_dim.
+  std::int64_t qk_head_dim() const { return mla() ? qk_nope_head_dim + qk_rope_head_dim : head_dim(); }
+  /// Widths of q (heads x qk_head_dim) and, without MLA, of k and v (kv heads x head_dim).
+  std::int64_t q_width() const { return num_attention_heads * qk_head_dim(); }
   std::int64_t kv_width() const { return kv_heads() * head_dim(); }
+  /// Widths of k, of v and of the attention output (o_proj's input): kv_width,
+  /// kv_width and q_width, or with MLA heads x qk_head_dim, heads x v_head_dim twice.
+  std::int64_t k_width() const { return mla() ? num_attention_heads * qk_head_dim() : kv_width(); }
+  std::int64_t v_width() const { return mla() ? num_attention_heads * v_head_dim : kv_width(); }
+  std::int64_t attn_out_width() const { return mla() ? num_attention_heads * v_head_dim : q_width(); }
+  /// Parameters of one layer's attention projections (norm weights of MLA's latents
+  /// included, the layer's input norm not): q, k, v, o, or MLA's down and up projections.
+  std::int64_t attention_params() const;
   /// Key/value heads on one of `tp` tensor-parallel ranks: kv_heads / tp, at least one
   /// (fewer kv heads than ranks are replicated).
   std::int64_t kv_heads_per_rank(int tp) const { return std::max<std::int64_t>(kv_heads() / std::max(tp, 1), 1); }
   /// True for the attention moeflex's training engine runs: multi-head, head_dim =
   /// hidden_size / num_attention_heads (the simulator also prices GQA and wider heads).
-  bool engine_attention() const { return q_width() == hidden_size && kv_heads() == num_attention_heads; }
+  bool engine_attention() const { return !mla() && q_width() == hidden_size && kv_heads() == num_attention_heads; }
   std::int64_t shared_width() const {
     return shared_expert_intermediate_size > 0 ? shared_expert_intermediate_size
                                                : n_shared_experts * moe_intermediate_size;

@@ -152,6 +152,61 @@ std::vector<std::int64_t> even_groups(std::int64_t rows, std::int64_t experts) {
   return g;
 }
 
+namespace {
+
+/// Multi-head latent attention's projections, RoPE and core (ModelConfig::mla; the
+/// simulator's only: the engine runs multi-head attention). H heads on this rank;
+/// the down projections (d -> q_lora_rank, d -> kv_lora_rank + qk_rope_head_dim) are
+/// whole on every tensor-parallel rank, the up projections and o split by heads, as
+/// Megatron-Core's MLA. The core is priced as attention with (qk + v) / 2-wide heads:
+/// q k^T over qk_head_dim and p v over v_head_dim, the same FLOPs.
+void mla_attention(const CostModel& c, const ModelConfig& cfg, std::int64_t B, std::int64_t S, std::int64_t H,
+                   std::int64_t ns, bool split, Acc& a) {
+  constexpr Phase F = Phase::forward, B_ = Phase::backward_input, W = Phase::backward_weight;
+  const std::int64_t n = B * S, d = cfg.hidden_size, ql = cfg.q_lora_rank, kl = cfg.kv_lora_rank;
+  const std::int64_t rp = cfg.qk_rope_head_dim, qk = cfg.qk_head_dim(), vd = cfg.v_head_dim;
+  const std::int64_t dq = H * qk, dkv = H * (cfg.qk_nope_head_dim + vd), dout = H * vd, hd = (qk + vd) / 2;
+  const int qn = ql > 0 ? 2 : 1;  // q's GEMMs: down and up, or one
+  auto q_gemms = [&](bool dx, bool dw) {
+    return ql > 0 ? c.linear_backward(n, d, ql, dx, dw) + c.linear_backward(n, ql, dq, dx, dw)
+                  : c.linear_backward(n, d, dq, dx, dw);
+  };
+  auto kv_gemms = [&](bool dx, bool dw) {
+    return c.linear_backward(n, d, kl + rp, dx, dw) + c.linear_backward(n, kl, dkv, dx, dw);
+  };
+  const Seconds q_fwd = ql > 0 ? c.linear_forward(n, d, ql) + c.linear_forward(n, ql, dq) : c.linear_forward(n, d, dq);
+  const Seconds kv_fwd = c.linear_forward(n, d, kl + rp) + c.linear_forward(n, kl, dkv);
+  const Seconds norms_f = (ql > 0 ? c.rmsnorm_forward(n, ql) : 0) + c.rmsnorm_forward(n, kl);
+  const Seconds norms_b = (ql > 0 ? c.rmsnorm_backward(n, ql) : 0) + c.rmsnorm_backward(n, kl);
+  const Seconds rope = c.rope(B, S, H, rp) + c.rope(B, S, 1, rp);  // q's rope part, the shared k_rope
+  a.add(F, "linear_forward", q_fwd + kv_fwd, qn + 2);
+  a.add(F, "rmsnorm_forward", norms_f, qn);
+  a.add(F, "rope_forward", rope, 2);
+  a.add(F, "attention_forward", c.attention_forward(B, S, H, hd));
+  a.add(F, "linear_forward", c.linear_forward(n, dout, d));
+  a.add(F, "add_inplace", add_inplace(c, ns * d));
+  if (split) a.add(B_, "copy", copy(c, ns * d));  // o_proj's dy for its deferred dW
+  a.add(B_, "linear_backward_dx", c.linear_backward(n, dout, d, true, false));
+  a.add(B_, "attention_backward", c.attention_backward(B, S, H, hd));
+  a.add(B_, "rope_backward", rope, 2);
+  a.add(B_, "linear_backward_dx", q_gemms(true, false) + kv_gemms(true, false), qn + 2);
+  a.add(B_, "rmsnorm_backward", norms_b, qn);
+  a.add(W, "linear_backward_dw", c.linear_backward(n, dout, d, false, true));
+  a.add(W, "linear_backward_dw", q_gemms(false, true) + kv_gemms(false, true), qn + 2);
+  const Seconds q_norm = ql > 0 ? c.rmsnorm_forward(n, ql) : 0;
+  a.rebuild(
+      "attn.q",
+      {{"linear_forward", q_fwd, qn}, {"rmsnorm_forward", q_norm, qn - 1}, {"rope_forward", c.rope(B, S, H, rp), 1}});
+  a.rebuild("attn.k", {{"linear_forward", kv_fwd, 2},
+                       {"rmsnorm_forward", c.rmsnorm_forward(n, kl), 1},
+                       {"rope_forward", c.rope(B, S, 1, rp), 1}});
+  a.rebuild("attn.v", {{"linear_forward", kv_fwd, 2}, {"rmsnorm_forward", c.rmsnorm_forward(n, kl), 1}});
+  a.rebuild("attn.probs", {{"attention_forward", c.attention_forward(B, S, H, hd), 1}});
+  a.rebuild("attn.out", {{"attention_forward", c.attention_forward(B, S, H, hd), 1}});
+}
+
+}  // namespace
+
 LayerCost layer_cost(const CostModel& c, const ModelConfig& cfg, int layer, const LayerWork& wk) {
   LayerCost lc;
   Acc a{lc, wk.breakdown};
@@ -167,29 +222,34 @@ LayerCost layer_cost(const CostModel& c, const ModelConfig& cfg, int layer, cons
 
   // ---- attention block (model.cpp attention_forward / attention_backward)
   a.add(F, "rmsnorm_forward", c.rmsnorm_forward(ns, d));
-  a.add(F, "linear_forward", c.linear_forward(n, d, dh) + 2 * c.linear_forward(n, d, dkv), 3);
-  a.add(F, "rope_forward", c.rope(B, S, H, hd) + c.rope(B, S, KVh, hd), 2);
-  a.add(F, "attention_forward", c.attention_forward(B, S, H, hd));
-  a.add(F, "linear_forward", c.linear_forward(n, dh, d));
-  a.add(F, "add_inplace", add_inplace(c, ns * d));
-  if (split) a.add(B_, "copy", copy(c, ns * d));  // o_proj's dy for its deferred dW
-  a.add(B_, "linear_backward_dx", c.linear_backward(n, dh, d, true, false));
-  a.add(B_, "attention_backward", c.attention_backward(B, S, H, hd));
-  a.add(B_, "rope_backward", c.rope(B, S, H, hd) + c.rope(B, S, KVh, hd), 2);
-  a.add(B_, "linear_backward_dx",
-        c.linear_backward(n, d, dh, true, false) + 2 * c.linear_backward(n, d, dkv, true, false), 3);
+  if (cfg.mla()) {
+    mla_attention(c, cfg, B, S, H, ns, split, a);
+  } else {
+    a.add(F, "linear_forward", c.linear_forward(n, d, dh) + 2 * c.linear_forward(n, d, dkv), 3);
+    a.add(F, "rope_forward", c.rope(B, S, H, hd) + c.rope(B, S, KVh, hd), 2);
+    a.add(F, "attention_forward", c.attention_forward(B, S, H, hd));
+    a.add(F, "linear_forward", c.linear_forward(n, dh, d));
+    a.add(F, "add_inplace", add_inplace(c, ns * d));
+    if (split) a.add(B_, "copy", copy(c, ns * d));  // o_proj's dy for its deferred dW
+    a.add(B_, "linear_backward_dx", c.linear_backward(n, dh, d, true, false));
+    a.add(B_, "attention_backward", c.attention_backward(B, S, H, hd));
+    a.add(B_, "rope_backward", c.rope(B, S, H, hd) + c.rope(B, S, KVh, hd), 2);
+    a.add(B_, "linear_backward_dx",
+          c.linear_backward(n, d, dh, true, false) + 2 * c.linear_backward(n, d, dkv, true, false), 3);
+    a.add(W, "linear_backward_dw", c.linear_backward(n, dh, d, false, true));
+    a.add(W, "linear_backward_dw",
+          c.linear_backward(n, d, dh, false, true) + 2 * c.linear_backward(n, d, dkv, false, true), 3);
+    a.rebuild("attn.q", {{"linear_forward", c.linear_forward(n, d, dh), 1}, {"rope_forward", c.rope(B, S, H, hd), 1}});
+    a.rebuild("attn.k",
+              {{"linear_forward", c.linear_forward(n, d, dkv), 1}, {"rope_forward", c.rope(B, S, KVh, hd), 1}});
+    a.rebuild("attn.v", {{"linear_forward", c.linear_forward(n, d, dkv), 1}});
+    a.rebuild("attn.probs", {{"attention_forward", c.attention_forward(B, S, H, hd), 1}});
+    a.rebuild("attn.out", {{"attention_forward", c.attention_forward(B, S, H, hd), 1}});
+  }
   a.add(B_, "rmsnorm_backward", c.rmsnorm_backward(ns, d));
   a.add(B_, "add_inplace", add_inplace(c, ns * d));
-  a.add(W, "linear_backward_dw", c.linear_backward(n, dh, d, false, true));
-  a.add(W, "linear_backward_dw",
-        c.linear_backward(n, d, dh, false, true) + 2 * c.linear_backward(n, d, dkv, false, true), 3);
   a.rebuild("attn_norm.out", {{"rmsnorm_forward", c.rmsnorm_forward(ns, d), 1}});
   a.rebuild("attn_norm.rstd", {{"rmsnorm_forward", c.rmsnorm_forward(ns, d), 1}});
-  a.rebuild("attn.q", {{"linear_forward", c.linear_forward(n, d, dh), 1}, {"rope_forward", c.rope(B, S, H, hd), 1}});
-  a.rebuild("attn.k", {{"linear_forward", c.linear_forward(n, d, dkv), 1}, {"rope_forward", c.rope(B, S, KVh, hd), 1}});
-  a.rebuild("attn.v", {{"linear_forward", c.linear_forward(n, d, dkv), 1}});
-  a.rebuild("attn.probs", {{"attention_forward", c.attention_forward(B, S, H, hd), 1}});
-  a.rebuild("attn.out", {{"attention_forward", c.attention_forward(B, S, H, hd), 1}});
 
   // ---- FFN block (ffn_forward / ffn_backward)
   a.add(F, "rmsnorm_forward", c.rmsnorm_forward(ns, d));
@@ -329,6 +389,9 @@ double layer_forward_flops(const ModelConfig& cfg, int layer, std::int64_t B, st
   const double kv = double(cfg.kv_heads());
   double f = 2 * n * d * (2 * H * hd + 2 * kv * hd)             // q and o (H heads), k and v (kv heads)
              + 4 * double(B) * H * double(S) * double(S) * hd;  // scores and weighted sum, full S x S
+  if (cfg.mla())  // the projections' GEMMs (their norms' few weights aside); q k^T over qk, p v over v
+    f = 2 * n * double(cfg.attention_params() - cfg.q_lora_rank - cfg.kv_lora_rank) +
+        2 * double(B) * H * double(S) * double(S) * double(cfg.qk_head_dim() + cfg.v_head_dim);
   if (!cfg.is_moe_layer(layer)) return f + 6 * n * d * double(cfg.intermediate_size);
   f += 2 * n * d * double(cfg.num_experts);  // router
   f += 6 * n * d * double(cfg.num_experts_per_tok * cfg.moe_intermediate_size + cfg.shared_width());

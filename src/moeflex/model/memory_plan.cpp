@@ -115,12 +115,14 @@ std::vector<ActivationSpec> layer_activations(const ModelConfig& cfg, int layer,
   add("attn_norm.in", "residual", n * d, false, {});
   add("attn_norm.out", "rmsnorm", n * d, true, {"attn_norm.in"});
   add("attn_norm.rstd", "rmsnorm", n, true, {"attn_norm.in"});
-  const std::int64_t qw = cfg.q_width(), kvw = cfg.kv_width();  // d, d for multi-head attention
-  add("attn.q", "rope", n * qw, true, {"attn_norm.out"});
-  add("attn.k", "rope", n * kvw, true, {"attn_norm.out"});
-  add("attn.v", "linear", n * kvw, true, {"attn_norm.out"});
+  // d each for multi-head attention; GQA's k and v narrower; MLA's q and k heads
+  // qk_head_dim wide, v and the output v_head_dim (its latents are not kept: they are
+  // rebuilt with q and k, and small, 2112 a token for DeepSeek-V3's 81920 of q, k, v, o)
+  add("attn.q", "rope", n * cfg.q_width(), true, {"attn_norm.out"});
+  add("attn.k", "rope", n * cfg.k_width(), true, {"attn_norm.out"});
+  add("attn.v", "linear", n * cfg.v_width(), true, {"attn_norm.out"});
   add("attn.probs", "attention", B * H * S * S, true, {"attn.q", "attn.k", "attn.v"});
-  add("attn.out", "attention", n * qw, true, {"attn.q", "attn.k", "attn.v"});
+  add("attn.out", "attention", n * cfg.attn_out_width(), true, {"attn.q", "attn.k", "attn.v"});
   auto mlp = [&](const std::string& prefix, std::int64_t w) {
     add(prefix + ".gate_out", "linear", n * w, true, {"ffn_norm.out"});
     add(prefix + ".up_out", "linear", n * w, true, {"ffn_norm.out"});
@@ -193,7 +195,7 @@ Bytes rebuild_extra_bytes(const ModelConfig& cfg, std::int64_t B, std::int64_t S
   const Bytes probs = rounded(B * cfg.num_attention_heads * S * S, ab);
   if (name.ends_with("norm.rstd")) return rounded(n * d, ab);
   if (name.ends_with("norm.out")) return rounded(n, 4);
-  if (name == "attn.probs") return rounded(n * cfg.q_width(), ab);
+  if (name == "attn.probs") return rounded(n * cfg.attn_out_width(), ab);
   if (name == "attn.out") return probs;
   if (name == "router.probs") return 2 * rounded(n * cfg.num_experts_per_tok, 4);
   if (name == "router.topk_w") return rounded(n * cfg.num_experts, 4) + rounded(n * cfg.num_experts_per_tok, 4);
@@ -236,10 +238,12 @@ const MemoryWalk::LayerSpecs& MemoryWalk::specs_of(int layer, const MoERows& row
   for (const auto& [k, v] : specs_)
     if (k == key) return *v;
   const bool shared = cfg_.n_shared_experts > 0 || cfg_.shared_expert_intermediate_size > 0;
-  const std::array<std::int64_t, 17> full{cfg_.hidden_size,
+  const std::array<std::int64_t, 19> full{cfg_.hidden_size,
                                           cfg_.num_attention_heads,
-                                          cfg_.head_dim(),
-                                          cfg_.kv_heads(),
+                                          cfg_.q_width(),
+                                          cfg_.k_width(),
+                                          cfg_.v_width(),
+                                          cfg_.attn_out_width(),
                                           cfg_.num_experts,
                                           cfg_.num_experts_per_tok,
                                           cfg_.moe_intermediate_size,
@@ -254,7 +258,7 @@ const MemoryWalk::LayerSpecs& MemoryWalk::specs_of(int layer, const MoERows& row
                                           ep,
                                           ab_};
   constexpr std::size_t kMemo = 256;
-  thread_local std::deque<std::pair<std::array<std::int64_t, 17>, std::unique_ptr<LayerSpecs>>> memo;
+  thread_local std::deque<std::pair<std::array<std::int64_t, 19>, std::unique_ptr<LayerSpecs>>> memo;
   for (const auto& [k, v] : memo)
     if (k == full) {
       specs_.emplace_back(key, v.get());
@@ -448,7 +452,8 @@ void MemoryWalk::get(int mb, int layer, int id) {
       break;
     case Rebuild::attn_probs:  // o and probs, one returned
     case Rebuild::attn_out: {
-      const Bytes o = rounded(n * cfg_.q_width(), ab_), p = rounded(B_ * cfg_.num_attention_heads * S_ * S_, ab_);
+      const Bytes o = rounded(n * cfg_.attn_out_width(), ab_),
+                  p = rounded(B_ * cfg_.num_attention_heads * S_ * S_, ab_);
       alloc(o);
       alloc(p);
       free(s->specs->rebuild[pos] == Rebuild::attn_probs ? o : p);
@@ -637,12 +642,12 @@ void MemoryWalk::run(const std::vector<WalkAction>& actions, std::size_t from, c
 
 void MemoryWalk::attention_forward(int mb, int l, const LayerSpecs& specs, const ProvisionFn& provision) {
   const std::int64_t n = B_ * S_, d = cfg_.hidden_size;
-  const std::int64_t qw = cfg_.q_width(), kvw = cfg_.kv_width();  // d, d for multi-head attention
   alloc(rounded(n * d, ab_));                                    // a
   alloc(rounded(n, 4));                                          // rstd
-  alloc(rounded(n * qw, ab_));                                   // q
-  for (int i = 0; i < 2; ++i) alloc(rounded(n * kvw, ab_));      // k, v
-  alloc(rounded(n * qw, ab_));                                   // o
+  alloc(rounded(n * cfg_.q_width(), ab_));                       // q
+  alloc(rounded(n * cfg_.k_width(), ab_));                       // k
+  alloc(rounded(n * cfg_.v_width(), ab_));                       // v
+  alloc(rounded(n * cfg_.attn_out_width(), ab_));                // o
   alloc(rounded(B_ * cfg_.num_attention_heads * S_ * S_, ab_));  // probs
   alloc(rounded(n * d, ab_));                                    // h, the next residual
   land();  // a decision point
@@ -809,8 +814,10 @@ const MemoryWalk::LayerSummary& MemoryWalk::summary_of(int l, const MoERows& row
   const bool moe = cfg_.is_moe_layer(l), shared = cfg_.n_shared_experts > 0 || cfg_.shared_expert_intermediate_size > 0;
   const SummaryKey key{cfg_.hidden_size,
                        cfg_.num_attention_heads,
-                       cfg_.head_dim(),
-                       cfg_.kv_heads(),
+                       cfg_.q_width(),
+                       cfg_.k_width(),
+                       cfg_.v_width(),
+                       cfg_.attn_out_width(),
                        cfg_.num_experts,
                        cfg_.num_experts_per_tok,
                        cfg_.moe_intermediate_size,
@@ -1032,10 +1039,12 @@ void MemoryWalk::ffn_backward(int mb, int l) {
 void MemoryWalk::attention_backward(int mb, int l) {
   const std::int64_t n = B_ * S_, d = cfg_.hidden_size;
   const Bytes probs = rounded(B_ * cfg_.num_attention_heads * S_ * S_, ab_);
-  const Bytes dq = rounded(n * cfg_.q_width(), ab_), dkv = rounded(n * cfg_.kv_width(), ab_);
-  alloc(dq);                               // dq
-  for (int i = 0; i < 2; ++i) alloc(dkv);  // dk, dv
-  alloc(dq);                               // dout (o_proj's dx)
+  const Bytes dq = rounded(n * cfg_.q_width(), ab_),
+              dkv = rounded(n * cfg_.k_width(), ab_) + rounded(n * cfg_.v_width(), ab_);
+  const Bytes dout = rounded(n * cfg_.attn_out_width(), ab_);
+  alloc(dq);     // dq
+  alloc(dkv);    // dk, dv
+  alloc(dout);   // dout (o_proj's dx)
   if (split_) {  // attn.o_proj.dy, a copy of the residual gradient kept for o_proj's dW
     alloc(rounded(n * d, ab_));
     keep(mb, rounded(n * d, ab_));
@@ -1045,14 +1054,14 @@ void MemoryWalk::attention_backward(int mb, int l) {
   for (const int id : IDS("attn.q", "attn.k", "attn.v", "attn.probs")) get(mb, l, id);
   alloc(probs);  // dprobs
   free(probs);
-  free(dq);  // dout
+  free(dout);
   get(mb, l, ID("attn_norm.out"));
   alloc(rounded(n * d, ab_));  // da
   if (split_) {  // dq, dk, dv wait for the W of q, k, v, with the norm's output
-    keep(mb, dq + 2 * dkv);
+    keep(mb, dq + dkv);
     pin(mb, l, ID("attn_norm.out"));
   } else {
-    free(dq + 2 * dkv);  // dq, dk, dv after their GEMMs
+    free(dq + dkv);  // dq, dk, dv after their GEMMs
   }
   get(mb, l, ID("attn_norm.in"));
   get(mb, l, ID("attn_norm.rstd"));

@@ -41,9 +41,9 @@ MoEModel::MoEModel(const ModelConfig& cfg, Arena& arena, const ModelParallel& pa
   if (!cfg_.engine_attention())
     throw ConfigError(
         fmt::format("model: the training engine runs multi-head attention with head_dim = hidden_size / "
-                    "num_attention_heads = {}; head_dim {} and num_key_value_heads {} (wider heads, "
-                    "GQA) are priced by the simulator only",
-                    cfg_.hidden_size / cfg_.num_attention_heads, cfg_.head_dim(), cfg_.kv_heads()));
+                    "num_attention_heads = {}; head_dim {}, num_key_value_heads {} and kv_lora_rank {} (wider "
+                    "heads, GQA, MLA) are priced by the simulator only",
+                    cfg_.hidden_size / cfg_.num_attention_heads, cfg_.head_dim(), cfg_.kv_heads(), cfg_.kv_lora_rank));
   if (cfg_.group_limited())
     throw ConfigError(
         fmt::format("model: group-limited routing (n_group {}, topk_group {}) is priced by the "

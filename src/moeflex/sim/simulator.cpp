@@ -453,10 +453,26 @@ void for_each_param_tensor(const ModelConfig& cfg, const ParallelSpec& par, cons
   for (auto [first, last] : ranges) {
     for (int l = first; l < last; ++l) {
       add(d, false);
-      add(d * q_width, false);   // q
-      add(d * kv_width, false);  // k
-      add(d * kv_width, false);  // v
-      add(d * q_width, false);   // o
+      if (cfg.mla()) {  // MLA's down projections and latent norms whole on every tp rank, the rest split
+        const double ql = double(cfg.q_lora_rank), kl = double(cfg.kv_lora_rank), H = cfg.num_attention_heads;
+        const double qk = double(cfg.qk_head_dim()), vd = double(cfg.v_head_dim), rp = double(cfg.qk_rope_head_dim);
+        if (ql > 0) {
+          add(d * ql, false);
+          add(ql, false);
+          add(ql * H * qk / tp, false);
+        } else {
+          add(d * H * qk / tp, false);
+        }
+        add(d * (kl + rp), false);
+        add(kl, false);
+        add(kl * H * (double(cfg.qk_nope_head_dim) + vd) / tp, false);
+        add(H * vd * d / tp, false);  // o
+      } else {
+        add(d * q_width, false);   // q
+        add(d * kv_width, false);  // k
+        add(d * kv_width, false);  // v
+        add(d * q_width, false);   // o
+      }
       add(d, false);
       if (cfg.is_moe_layer(l)) {
         add(double(cfg.num_experts) * d, false);

@@ -58,7 +58,11 @@ fi
 # (kept under SIM_ONLY); writes DIR/in-situ.json and DIR/cluster-in-situ.json.
 in_situ() {
   local dir=$1 base=$2
-  if [[ "${SIM_ONLY:-0}" != 1 || ! -f "$dir/in-situ-fit/op_times.json" ]]; then
+  if [[ "${SIM_ONLY:-0}" == 1 && ! -f "$dir/in-situ-fit/op_times.json" ]]; then
+    echo "sim_check: SIM_ONLY=1 IN_SITU=1 but $dir holds no fit run (in-situ-fit; run without SIM_ONLY)" >&2
+    exit 2
+  fi
+  if [[ "${SIM_ONLY:-0}" != 1 ]]; then
     rm -rf "${dir:?}/in-situ-fit"
     mpirun --allow-run-as-root --oversubscribe -np 2 -x OMP_NUM_THREADS=1 "$BIN" train --config "$CFG" --steps 6 \
       --threads 1 --dp 2 --seed 7 --profile-ops --hardware-profile "$base" --out "$dir/in-situ-fit" --quiet \
@@ -68,6 +72,10 @@ in_situ() {
   sed "s#\"profile\": *\"[^\"]*\"#\"profile\": \"$(realpath "$dir/in-situ.json")\"#" \
     configs/clusters/this-machine.json > "$dir/cluster-in-situ.json"
 }
+if [[ "${IN_SITU:-0}" == 1 && -n "${CLUSTER:-}" ]]; then
+  echo "sim_check: IN_SITU=1 builds its own cluster from this machine's profile; unset CLUSTER (or IN_SITU)" >&2
+  exit 2
+fi
 if [[ "${IN_SITU:-0}" == 1 && "$REPEAT" -le 1 ]]; then
   in_situ "$OUT" "${HARDWARE_PROFILE:-data/hardware/this-machine.json}"
   CLUSTER="$OUT/cluster-in-situ.json"

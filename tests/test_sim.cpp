@@ -228,6 +228,16 @@ TEST(Sim, ProcessorSharingFollowsTheCoresAGroupGetsAsTheyChange) {
   auto instant = [](const Action&) { return 0.0; };
   const PlanTimeline tl = run_plan(plan, cost, instant, false, CoreSharing{2, 2});
   EXPECT_NEAR(tl.makespan, 6.0, 1e-9);
+  // Processes done with their part leave the cores to everyone: 4 processes a stage on
+  // 4 cores, stage 0's F1 of 0, 0, 0 and 3 s. From 1 s, its one live process and stage
+  // 1's four share the 4 cores at 4/5 each: stage 1's F0 (1 s each) ends at 2.25 s, when
+  // the long process has done 1 s; alone, it ends at 4.25 s; stage 1's F1 at 5.25 s.
+  auto freed = [](int rank, const Action& a) -> ActionCost {
+    if (a.kind != ActionKind::Forward) return {};
+    if (rank == 0 && a.microbatch == 1) return {3.0, 0, 3.0, {{3.0, 3.0, {0.0, 0.0, 0.0, 3.0}}}};
+    return {1.0, 0, 4.0, {}};
+  };
+  EXPECT_NEAR(run_plan(plan, freed, instant, false, CoreSharing{4, 4}).makespan, 5.25, 1e-9);
 }
 
 // Group-limited routing: a token's experts come from Gk of G groups, so with whole

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <fstream>
 #include <initializer_list>
 #include <numeric>
@@ -265,12 +266,10 @@ Seconds all_to_all_time(const ClusterSpec& c, const GroupPlacement& g, Bytes sen
 }
 
 namespace {
-// n choose r in floating point (0 outside 0 <= r <= n).
-double choose(std::int64_t n, std::int64_t r) {
-  if (r < 0 || r > n) return 0;
-  double v = 1;
-  for (std::int64_t i = 0; i < r; ++i) v = v * double(n - i) / double(i + 1);
-  return v;
+// log(n choose r) (-inf outside 0 <= r <= n): through lgamma, finite for any group count.
+double log_choose(std::int64_t n, std::int64_t r) {
+  if (r < 0 || r > n) return -std::numeric_limits<double>::infinity();
+  return std::lgamma(double(n) + 1) - std::lgamma(double(r) + 1) - std::lgamma(double(n - r) + 1);
 }
 // The chance that none of k experts drawn uniformly without replacement from `pool`
 // falls among `held` of them (held may be fractional: an expected count).
@@ -300,9 +299,10 @@ RemoteNodeTraffic remote_node_traffic(const GroupPlacement& g, std::int64_t E, s
     } else {
       // The node's experts span m groups, a of each; j of those m are among the chosen.
       const std::int64_t m = std::max<std::int64_t>(1, std::int64_t(std::ceil(experts / per_group - 1e-9)));
-      const double a = experts / double(m), all = choose(groups, groups_per_token);
+      const double a = experts / double(m), all = log_choose(groups, groups_per_token);
       for (std::int64_t j = 0; j <= std::min(m, groups_per_token); ++j)
-        miss += choose(m, j) * choose(groups - m, groups_per_token - j) / all * none_among(pool, double(j) * a, k);
+        miss += std::exp(log_choose(m, j) + log_choose(groups - m, groups_per_token - j) - all) *
+                none_among(pool, double(j) * a, k);
     }
     const double hit = 1 - miss;
     if (hit <= 0) return;

@@ -262,10 +262,18 @@ PlanTimeline run_plan_shared(const StepPlan& plan, const std::function<ActionCos
       }
     }
     if (all_done()) break;
-    // Computing ranks, and waiting ones still polling (the first poll_seconds of a wait).
-    int active = 0;
-    for (const auto& R : run) active += R.on || t < R.waiting_since + sh.poll_seconds ? 1 : 0;
-    const double want = double(active) * p;  // processes computing (or still polling)
+    // Processes that want a core: a computing rank's p (in a segment of uneven work,
+    // only those not done with it), and a waiting rank's p still polling (the first
+    // poll_seconds of a wait). Each gets `share` of a core.
+    double want = 0;
+    for (const auto& R : run) {
+      if (R.on) {
+        const auto& g = R.parts[R.part];
+        want += g.each.empty() ? p : double(g.each.size() - R.ended);
+      } else if (t < R.waiting_since + sh.poll_seconds) {
+        want += p;
+      }
+    }
     const double share = want > double(sh.cores) ? sh.efficiency * double(sh.cores) / want : 1.0;
     // The next event: an action ending or a message arriving for a waiting rank.
     Seconds next = std::numeric_limits<Seconds>::infinity();
@@ -278,7 +286,7 @@ PlanTimeline run_plan_shared(const StepPlan& plan, const std::function<ActionCos
           rate[std::size_t(r)] = 1.0 / segment_time(g, p * share);
           next = std::min(next, t + R.left / rate[std::size_t(r)]);
         } else {  // each still-running process's speed, until the next one ends
-          rate[std::size_t(r)] = std::min(1.0, p * share / double(g.each.size() - R.ended));
+          rate[std::size_t(r)] = std::min(1.0, share);
           next = std::min(next, t + (g.each[R.ended] - R.done) / rate[std::size_t(r)]);
         }
       } else {

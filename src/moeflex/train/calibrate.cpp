@@ -70,6 +70,7 @@
 #include "moeflex/train/safetensors.h"
 
 extern "C" void openblas_set_num_threads(int);
+extern "C" int openblas_get_num_threads(void);
 
 namespace moeflex {
 namespace {
@@ -140,6 +141,7 @@ constexpr double kWallBudgetFactor = 3;  ///< wall time a phase may take, in bud
 constexpr int kMinRepeats = 5;          ///< repeats of one measurement, at least (while the budget lasts)
 constexpr Seconds kTimeSharingSeconds = 1.5;       ///< each phase of measure_time_sharing, at most
 constexpr double kTimeSharingBudgetShare = 0.025;  ///< and at most this share of the budget
+constexpr double kTimeSharingFloor = 0.8;          ///< below: not time slicing's loss (a busy host, a CPU quota)
 /// A measurement's time is this quantile of its repeats (the median; a lower
 /// quartile, which shrugs off more of the load from elsewhere, was no steadier on a
 /// busy 2-core machine).
@@ -1105,7 +1107,7 @@ void measure_link(HardwareProfile& p) {
 /// Rounds of a mix of single-threaded work run until `until`; returns how many. A round:
 /// GEMMs of 512 x 1024 x 256 (weights and activations within a core's caches),
 /// 512 x 4096 x 256 (an LM head's: a 8 MiB output through the shared cache) and
-/// 1024 x 256 x 1024 (an expert's down projection), and y += x over 4 Mi floats.
+/// 1024 x 256 x 1024 (an expert's down projection), and y += x over 1 Mi floats.
 long work_loop(Clock::time_point until) {
   struct G {
     std::int64_t M, N, K;
@@ -1116,7 +1118,7 @@ long work_loop(Clock::time_point until) {
        {std::tuple<std::int64_t, std::int64_t, std::int64_t>{512, 1024, 256}, {512, 4096, 256}, {1024, 256, 1024}})
     gs.push_back({M, N, K, std::vector<float>(std::size_t(M * K), 0.5f), std::vector<float>(std::size_t(N * K), 0.25f),
                   std::vector<float>(std::size_t(M * N), 0.0f)});
-  std::vector<float> x(std::size_t(1) << 22, 1.0f), y(std::size_t(1) << 22, 0.0f);
+  std::vector<float> x(std::size_t(1) << 20, 1.0f), y(std::size_t(1) << 20, 0.0f);
   long count = 0;
   while (Clock::now() < until) {
     for (G& g : gs)
@@ -1133,36 +1135,68 @@ double measure_time_sharing(Seconds seconds) {
   const std::unique_ptr<comm::Communicator> world = comm::make_world_communicator();
   const int n = world->size();
   const int cores = std::max(1, int(std::thread::hardware_concurrency()));
+  // Phase 1 gives the per-core rate only with a rank on every core, as mpirun binds 2
+  // ranks on 2 cores; otherwise (one process, fewer or more ranks than cores, ranks on
+  // several hosts) the field stays unmeasured. Every rank decides alike: no collective
+  // is left half-entered.
+  if (n != cores) return 1.0;
+  const int omp_before = omp_get_max_threads(), blas_before = openblas_get_num_threads();
+  omp_set_num_threads(1);
+  openblas_set_num_threads(1);
+  struct Restore {  // the thread counts and the binding, however this ends
+    int omp, blas;
+    bool mask = false;
+    cpu_set_t bound{};
+    ~Restore() {
+      if (mask) sched_setaffinity(0, sizeof(bound), &bound);
+      omp_set_num_threads(omp);
+      openblas_set_num_threads(blas);
+    }
+  } restore{omp_before, blas_before};
   const auto span = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
   work_loop(Clock::now() + span / 10);  // warm BLAS up
   world->barrier();
-  double counts[2] = {double(work_loop(Clock::now() + span)), 0};
-  // Phase 2: unbound (mpirun binds 2 ranks to a core each; more it leaves free), with
-  // ceil(2 cores / ranks) threads a rank.
-  cpu_set_t bound, all;
-  const bool have_mask = sched_getaffinity(0, sizeof(bound), &bound) == 0;
+  double counts[3] = {double(work_loop(Clock::now() + span)), 0, 0};  // phase 1, phase 2, failures
+  // Phase 2: unbound (mpirun leaves more than 2 ranks free), two threads a rank.
+  cpu_set_t all;
   CPU_ZERO(&all);
   for (int c = 0; c < std::min(cores, CPU_SETSIZE); ++c) CPU_SET(c, &all);
-  if (have_mask) sched_setaffinity(0, sizeof(all), &all);
-  const int per_rank = (2 * cores + n - 1) / n;
+  restore.mask = sched_getaffinity(0, sizeof(restore.bound), &restore.bound) == 0;
+  if (!restore.mask || sched_setaffinity(0, sizeof(all), &all) != 0) counts[2] = 1;
   world->barrier();
   const Clock::time_point until = Clock::now() + span;
-  std::vector<long> got(std::size_t(per_rank), 0);
-  std::vector<std::thread> helpers;
-  for (int h = 1; h < per_rank; ++h)
-    helpers.emplace_back([&, h] {
+  long helper = 0;
+  bool helper_failed = false;
+  std::thread t([&] {
+    try {
       omp_set_num_threads(1);  // this thread's own OpenMP setting (BLAS must not fan out)
-      got[std::size_t(h)] = work_loop(until);
-    });
-  got[0] = work_loop(until);
-  for (auto& t : helpers) t.join();
-  if (have_mask) sched_setaffinity(0, sizeof(bound), &bound);
-  for (long g : got) counts[1] += double(g);
-  if (n > 1) world->all_reduce_sum(counts, 2);
-  // Phase 1 ran min(n, cores) cores' worth: the ideal of phase 2 is that per-core rate x cores.
-  const double ideal = counts[0] / double(std::min(n, cores)) * double(cores);
-  if (!(ideal > 0)) return 1.0;
-  return std::clamp(counts[1] / ideal, 1e-3, 1.0);
+      helper = work_loop(until);
+    } catch (...) {
+      helper_failed = true;
+    }
+  });
+  long mine = 0;
+  try {
+    mine = work_loop(until);
+  } catch (...) {
+    counts[2] = 1;
+  }
+  t.join();
+  if (helper_failed) counts[2] = 1;
+  counts[1] = double(mine + helper);
+  if (n > 1) world->all_reduce_sum(counts, 3);
+  // Phase 1 ran a rank a core: the ideal of phase 2 is the same throughput.
+  if (counts[2] > 0 || !(counts[0] > 0)) return 1.0;
+  const double eta = counts[1] / counts[0];
+  if (eta < kTimeSharingFloor) {  // another load or a CPU quota, not time slicing: keep 1
+    if (world->rank() == 0)
+      fmt::print(
+          "warning: cores shared by twice as many threads got {:.0f}% of the ideal split, below {:.0f}%: "
+          "the host is busy or capped; time_sharing_efficiency left at 1\n",
+          100 * eta, 100 * kTimeSharingFloor);
+    return 1.0;
+  }
+  return std::min(eta, 1.0);
 }
 
 namespace {

@@ -38,14 +38,16 @@ inline constexpr const char* kDefaultHardwareProfilePath = "data/hardware/this-m
 /// about `budget` seconds. Sets the process's OpenMP and BLAS thread counts.
 HardwareProfile calibrate(int threads, Seconds budget = kDefaultCalibrationBudget);
 
-/// The profile's time_sharing_efficiency: every rank of the job (all at once, a
-/// collective when under mpirun) runs a single-threaded loop of mixed work (three
-/// GEMMs of an MoE layer's sizes and a streaming add; calibrate.cpp, work_loop) for
-/// `seconds` as launched (a core each, as mpirun binds up to 2 ranks), then, free of
-/// any binding, with ceil(2 cores / ranks) threads each for `seconds` more: twice as
-/// many threads as the host's cores. Returns the rounds of the second phase over the
-/// ideal, the first phase's per-core rate times the cores, clamped to (0, 1]. On this
-/// 2-core VM, 2026-11-30, with 2 ranks: 95.5-98.8%.
+/// The profile's time_sharing_efficiency: with as many ranks as the host has cores
+/// (`mpirun -np 2` here, which binds a rank to each core), every rank runs a
+/// single-threaded loop of mixed work (three GEMMs of an MoE layer's sizes and a
+/// streaming add; calibrate.cpp, work_loop) for `seconds` as launched, then, free of
+/// the binding, on two threads for `seconds` more: twice as many threads as cores.
+/// Returns the second phase's rounds over the first's, at most 1. Returns 1 (not
+/// measured) for any other rank count, on any failure, and below 0.8, which is
+/// another load or a CPU quota rather than time slicing (a warning says so). Sets
+/// one OpenMP and BLAS thread meanwhile and restores the counts and the binding. On
+/// this 2-core VM, 2026-11-30: 95.5-99.4%.
 double measure_time_sharing(Seconds seconds);
 
 /// The 1-minute load average from /proc/loadavg, or -1 where there is none.

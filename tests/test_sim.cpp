@@ -275,6 +275,12 @@ TEST(Cluster, GroupLimitedRoutingCrossesToFewerNodes) {
   c.intra_node.bandwidth = 1e18;
   const Bytes b = 64 * kMiB;
   EXPECT_LT(dedup_all_to_all_time(c, ep64, b, b, 256, 8, 8, 4), dedup_all_to_all_time(c, ep64, b, b, 256, 8));
+  // Many groups: the hypergeometric stays finite (C(1024, 512) overflows a double) and
+  // below the unlimited case (2 experts a group, 512 of 1024 groups a token).
+  const double many = remote_node_traffic(ep64, 2048, 8, 1024, 512).copies;
+  EXPECT_TRUE(std::isfinite(many));
+  EXPECT_LE(many, remote_node_traffic(ep64, 2048, 8).copies + 1e-9);
+  EXPECT_GT(many, 0.5 * remote_node_traffic(ep64, 2048, 8).copies);
   // Bad groupings are refused.
   EXPECT_THROW(remote_node_traffic(g, 16, 2, 3, 1), ConfigError);  // 3 does not divide 16
   EXPECT_THROW(remote_node_traffic(g, 16, 2, 4, 5), ConfigError);  // 5 of 4 groups

@@ -31,6 +31,13 @@ using namespace moeflex::sim;
 namespace {
 
 constexpr FlopsPerSecond kRate = test::kGemmOnlyRate;
+
+/// The bytes of the activation named `name` among `acts`, -1 if absent.
+Bytes activation_bytes(const std::vector<ActivationSpec>& acts, const char* name) {
+  for (const auto& a : acts)
+    if (a.name == name) return a.bytes;
+  return Bytes(-1);
+}
 using test::gemm_only_profile;
 
 ClusterSpec test_cluster() {
@@ -721,11 +728,8 @@ TEST(LayerCost, GroupedQueryAttentionAndWideHeadsAreWhatTheyCompute) {
   const double attn = 2.0 * n * d * (2 * 128 + 2 * 32) + 4.0 * B * 8 * S * S * 16;
   EXPECT_DOUBLE_EQ(layer_forward_flops(m, 0, B, S), attn + 6.0 * n * d * m.intermediate_size);
   // Activations: q and the attention output n x 128, k and v n x 32.
-  const auto acts = layer_activations(m, 0, B, S, MoERows{}, false);
-  auto bytes = [&](const char* name) {
-    for (const auto& a : acts)
-      if (a.name == name) return a.bytes;
-    return Bytes(-1);
+  const auto bytes = [acts = layer_activations(m, 0, B, S, MoERows{}, false)](const char* name) {
+    return activation_bytes(acts, name);
   };
   EXPECT_EQ(bytes("attn.q"), n * 128 * 4);
   EXPECT_EQ(bytes("attn.k"), n * 32 * 4);
@@ -772,11 +776,8 @@ TEST(LayerCost, MultiHeadLatentAttentionIsWhatItComputes) {
   const std::int64_t B = 2, S = 32, n = B * S, d = 64;
   EXPECT_DOUBLE_EQ(layer_forward_flops(m, 0, B, S),
                    2.0 * n * (params - 48) + 2.0 * B * 4 * S * S * (24 + 12) + 6.0 * n * d * m.intermediate_size);
-  const auto acts = layer_activations(m, 0, B, S, MoERows{}, false);
-  auto bytes = [&](const char* name) {
-    for (const auto& a : acts)
-      if (a.name == name) return a.bytes;
-    return Bytes(-1);
+  const auto bytes = [acts = layer_activations(m, 0, B, S, MoERows{}, false)](const char* name) {
+    return activation_bytes(acts, name);
   };
   EXPECT_EQ(bytes("attn.q"), n * 96 * 4);
   EXPECT_EQ(bytes("attn.k"), n * 96 * 4);

@@ -154,18 +154,48 @@ std::vector<std::int64_t> even_groups(std::int64_t rows, std::int64_t experts) {
 
 namespace {
 
-/// Multi-head latent attention's projections, RoPE and core (ModelConfig::mla; the
-/// simulator's only: the engine runs multi-head attention). H heads on this rank;
-/// the down projections (d -> q_lora_rank, d -> kv_lora_rank + qk_rope_head_dim) are
-/// whole on every tensor-parallel rank, the up projections and o split by heads, as
-/// Megatron-Core's MLA. The core is priced as attention with (qk + v) / 2-wide heads:
-/// q k^T over qk_head_dim and p v over v_head_dim, the same FLOPs.
-void mla_attention(const CostModel& c, const ModelConfig& cfg, std::int64_t B, std::int64_t S, std::int64_t H,
-                   std::int64_t ns, bool split, Acc& a) {
-  constexpr Phase F = Phase::forward, B_ = Phase::backward_input, W = Phase::backward_weight;
+/// One layer's attention on this rank, as the ops price it: the projections into q,
+/// k and v (their GEMMs' forward, dx and dW, and how many), the latent RMSNorms
+/// between them (MLA only), RoPE on q and k, the core (H heads of core_hd) and o_proj
+/// (out_width -> d).
+struct AttentionOps {
+  Seconds in_f = 0, in_dx = 0, in_dw = 0;
+  double in_calls = 0;
+  Seconds norms_f = 0, norms_b = 0;
+  double norm_calls = 0;
+  Seconds rope = 0;
+  std::int64_t H = 0, core_hd = 0, out_width = 0;
+};
+
+/// Multi-head (or grouped-query) attention as model.cpp runs it: q, k, v one GEMM
+/// each, H heads of hd for q and o, KVh for k and v. Adds the q, k, v rebuilds.
+AttentionOps multi_head_attention(const CostModel& c, std::int64_t B, std::int64_t S, std::int64_t d, std::int64_t H,
+                                  std::int64_t KVh, std::int64_t hd, Acc& a) {
+  const std::int64_t n = B * S, dh = H * hd, dkv = KVh * hd;
+  AttentionOps o;
+  o.in_f = c.linear_forward(n, d, dh) + 2 * c.linear_forward(n, d, dkv);
+  o.in_dx = c.linear_backward(n, d, dh, true, false) + 2 * c.linear_backward(n, d, dkv, true, false);
+  o.in_dw = c.linear_backward(n, d, dh, false, true) + 2 * c.linear_backward(n, d, dkv, false, true);
+  o.in_calls = 3;
+  o.rope = c.rope(B, S, H, hd) + c.rope(B, S, KVh, hd);
+  o.H = H, o.core_hd = hd, o.out_width = dh;
+  a.rebuild("attn.q", {{"linear_forward", c.linear_forward(n, d, dh), 1}, {"rope_forward", c.rope(B, S, H, hd), 1}});
+  a.rebuild("attn.k", {{"linear_forward", c.linear_forward(n, d, dkv), 1}, {"rope_forward", c.rope(B, S, KVh, hd), 1}});
+  a.rebuild("attn.v", {{"linear_forward", c.linear_forward(n, d, dkv), 1}});
+  return o;
+}
+
+/// Multi-head latent attention's projections (ModelConfig::mla; the simulator's only:
+/// the engine runs multi-head attention). H heads on this rank; the down projections
+/// (d -> q_lora_rank, d -> kv_lora_rank + qk_rope_head_dim) are whole on every
+/// tensor-parallel rank, the up projections and o split by heads, as Megatron-Core's
+/// MLA. The core is priced as attention with (qk + v) / 2-wide heads: q k^T over
+/// qk_head_dim and p v over v_head_dim, the same FLOPs. Adds the q, k, v rebuilds.
+AttentionOps latent_attention(const CostModel& c, const ModelConfig& cfg, std::int64_t B, std::int64_t S,
+                              std::int64_t H, Acc& a) {
   const std::int64_t n = B * S, d = cfg.hidden_size, ql = cfg.q_lora_rank, kl = cfg.kv_lora_rank;
   const std::int64_t rp = cfg.qk_rope_head_dim, qk = cfg.qk_head_dim(), vd = cfg.v_head_dim;
-  const std::int64_t dq = H * qk, dkv = H * (cfg.qk_nope_head_dim + vd), dout = H * vd, hd = (qk + vd) / 2;
+  const std::int64_t dq = H * qk, dkv = H * (cfg.qk_nope_head_dim + vd);
   const int qn = ql > 0 ? 2 : 1;  // q's GEMMs: down and up, or one
   auto q_gemms = [&](bool dx, bool dw) {
     return ql > 0 ? c.linear_backward(n, d, ql, dx, dw) + c.linear_backward(n, ql, dq, dx, dw)
@@ -176,24 +206,17 @@ void mla_attention(const CostModel& c, const ModelConfig& cfg, std::int64_t B, s
   };
   const Seconds q_fwd = ql > 0 ? c.linear_forward(n, d, ql) + c.linear_forward(n, ql, dq) : c.linear_forward(n, d, dq);
   const Seconds kv_fwd = c.linear_forward(n, d, kl + rp) + c.linear_forward(n, kl, dkv);
-  const Seconds norms_f = (ql > 0 ? c.rmsnorm_forward(n, ql) : 0) + c.rmsnorm_forward(n, kl);
-  const Seconds norms_b = (ql > 0 ? c.rmsnorm_backward(n, ql) : 0) + c.rmsnorm_backward(n, kl);
-  const Seconds rope = c.rope(B, S, H, rp) + c.rope(B, S, 1, rp);  // q's rope part, the shared k_rope
-  a.add(F, "linear_forward", q_fwd + kv_fwd, qn + 2);
-  a.add(F, "rmsnorm_forward", norms_f, qn);
-  a.add(F, "rope_forward", rope, 2);
-  a.add(F, "attention_forward", c.attention_forward(B, S, H, hd));
-  a.add(F, "linear_forward", c.linear_forward(n, dout, d));
-  a.add(F, "add_inplace", add_inplace(c, ns * d));
-  if (split) a.add(B_, "copy", copy(c, ns * d));  // o_proj's dy for its deferred dW
-  a.add(B_, "linear_backward_dx", c.linear_backward(n, dout, d, true, false));
-  a.add(B_, "attention_backward", c.attention_backward(B, S, H, hd));
-  a.add(B_, "rope_backward", rope, 2);
-  a.add(B_, "linear_backward_dx", q_gemms(true, false) + kv_gemms(true, false), qn + 2);
-  a.add(B_, "rmsnorm_backward", norms_b, qn);
-  a.add(W, "linear_backward_dw", c.linear_backward(n, dout, d, false, true));
-  a.add(W, "linear_backward_dw", q_gemms(false, true) + kv_gemms(false, true), qn + 2);
   const Seconds q_norm = ql > 0 ? c.rmsnorm_forward(n, ql) : 0;
+  AttentionOps o;
+  o.in_f = q_fwd + kv_fwd;
+  o.in_dx = q_gemms(true, false) + kv_gemms(true, false);
+  o.in_dw = q_gemms(false, true) + kv_gemms(false, true);
+  o.in_calls = qn + 2;
+  o.norms_f = q_norm + c.rmsnorm_forward(n, kl);
+  o.norms_b = (ql > 0 ? c.rmsnorm_backward(n, ql) : 0) + c.rmsnorm_backward(n, kl);
+  o.norm_calls = qn;
+  o.rope = c.rope(B, S, H, rp) + c.rope(B, S, 1, rp);  // q's rope part, the shared k_rope
+  o.H = H, o.core_hd = (qk + vd) / 2, o.out_width = H * vd;
   a.rebuild(
       "attn.q",
       {{"linear_forward", q_fwd, qn}, {"rmsnorm_forward", q_norm, qn - 1}, {"rope_forward", c.rope(B, S, H, rp), 1}});
@@ -201,8 +224,32 @@ void mla_attention(const CostModel& c, const ModelConfig& cfg, std::int64_t B, s
                        {"rmsnorm_forward", c.rmsnorm_forward(n, kl), 1},
                        {"rope_forward", c.rope(B, S, 1, rp), 1}});
   a.rebuild("attn.v", {{"linear_forward", kv_fwd, 2}, {"rmsnorm_forward", c.rmsnorm_forward(n, kl), 1}});
-  a.rebuild("attn.probs", {{"attention_forward", c.attention_forward(B, S, H, hd), 1}});
-  a.rebuild("attn.out", {{"attention_forward", c.attention_forward(B, S, H, hd), 1}});
+  return o;
+}
+
+/// The attention block's ops after its input norm (model.cpp attention_forward /
+/// attention_backward), whichever attention `o` describes, and the core's rebuilds.
+/// `ns`: this rank's tokens of the residual stream (sequence-parallel shard).
+void price_attention(const CostModel& c, const AttentionOps& o, std::int64_t B, std::int64_t S, std::int64_t ns,
+                     std::int64_t d, bool split, Acc& a) {
+  constexpr Phase F = Phase::forward, B_ = Phase::backward_input, W = Phase::backward_weight;
+  const std::int64_t n = B * S;
+  a.add(F, "linear_forward", o.in_f, o.in_calls);
+  if (o.norm_calls > 0) a.add(F, "rmsnorm_forward", o.norms_f, o.norm_calls);
+  a.add(F, "rope_forward", o.rope, 2);
+  a.add(F, "attention_forward", c.attention_forward(B, S, o.H, o.core_hd));
+  a.add(F, "linear_forward", c.linear_forward(n, o.out_width, d));
+  a.add(F, "add_inplace", add_inplace(c, ns * d));
+  if (split) a.add(B_, "copy", copy(c, ns * d));  // o_proj's dy for its deferred dW
+  a.add(B_, "linear_backward_dx", c.linear_backward(n, o.out_width, d, true, false));
+  a.add(B_, "attention_backward", c.attention_backward(B, S, o.H, o.core_hd));
+  a.add(B_, "rope_backward", o.rope, 2);
+  a.add(B_, "linear_backward_dx", o.in_dx, o.in_calls);
+  if (o.norm_calls > 0) a.add(B_, "rmsnorm_backward", o.norms_b, o.norm_calls);
+  a.add(W, "linear_backward_dw", c.linear_backward(n, o.out_width, d, false, true));
+  a.add(W, "linear_backward_dw", o.in_dw, o.in_calls);
+  a.rebuild("attn.probs", {{"attention_forward", c.attention_forward(B, S, o.H, o.core_hd), 1}});
+  a.rebuild("attn.out", {{"attention_forward", c.attention_forward(B, S, o.H, o.core_hd), 1}});
 }
 
 }  // namespace
@@ -216,36 +263,15 @@ LayerCost layer_cost(const CostModel& c, const ModelConfig& cfg, int layer, cons
   const std::int64_t ns = n / tp;  // tokens of this rank's sequence-parallel shard
   // q and the attention output are H heads wide, k and v KVh (GQA; KVh = H for the
   // engine's multi-head attention); with tp, each rank holds its share of the heads.
-  const std::int64_t H = cfg.num_attention_heads / tp, hd = cfg.head_dim(), dh = H * hd;
-  const std::int64_t KVh = cfg.kv_heads_per_rank(tp), dkv = KVh * hd;
+  const std::int64_t H = cfg.num_attention_heads / tp, hd = cfg.head_dim();
+  const std::int64_t KVh = cfg.kv_heads_per_rank(tp);
   const bool split = wk.split_backward;
 
   // ---- attention block (model.cpp attention_forward / attention_backward)
   a.add(F, "rmsnorm_forward", c.rmsnorm_forward(ns, d));
-  if (cfg.mla()) {
-    mla_attention(c, cfg, B, S, H, ns, split, a);
-  } else {
-    a.add(F, "linear_forward", c.linear_forward(n, d, dh) + 2 * c.linear_forward(n, d, dkv), 3);
-    a.add(F, "rope_forward", c.rope(B, S, H, hd) + c.rope(B, S, KVh, hd), 2);
-    a.add(F, "attention_forward", c.attention_forward(B, S, H, hd));
-    a.add(F, "linear_forward", c.linear_forward(n, dh, d));
-    a.add(F, "add_inplace", add_inplace(c, ns * d));
-    if (split) a.add(B_, "copy", copy(c, ns * d));  // o_proj's dy for its deferred dW
-    a.add(B_, "linear_backward_dx", c.linear_backward(n, dh, d, true, false));
-    a.add(B_, "attention_backward", c.attention_backward(B, S, H, hd));
-    a.add(B_, "rope_backward", c.rope(B, S, H, hd) + c.rope(B, S, KVh, hd), 2);
-    a.add(B_, "linear_backward_dx",
-          c.linear_backward(n, d, dh, true, false) + 2 * c.linear_backward(n, d, dkv, true, false), 3);
-    a.add(W, "linear_backward_dw", c.linear_backward(n, dh, d, false, true));
-    a.add(W, "linear_backward_dw",
-          c.linear_backward(n, d, dh, false, true) + 2 * c.linear_backward(n, d, dkv, false, true), 3);
-    a.rebuild("attn.q", {{"linear_forward", c.linear_forward(n, d, dh), 1}, {"rope_forward", c.rope(B, S, H, hd), 1}});
-    a.rebuild("attn.k",
-              {{"linear_forward", c.linear_forward(n, d, dkv), 1}, {"rope_forward", c.rope(B, S, KVh, hd), 1}});
-    a.rebuild("attn.v", {{"linear_forward", c.linear_forward(n, d, dkv), 1}});
-    a.rebuild("attn.probs", {{"attention_forward", c.attention_forward(B, S, H, hd), 1}});
-    a.rebuild("attn.out", {{"attention_forward", c.attention_forward(B, S, H, hd), 1}});
-  }
+  const AttentionOps attn =
+      cfg.mla() ? latent_attention(c, cfg, B, S, H, a) : multi_head_attention(c, B, S, d, H, KVh, hd, a);
+  price_attention(c, attn, B, S, ns, d, wk.split_backward, a);
   a.add(B_, "rmsnorm_backward", c.rmsnorm_backward(ns, d));
   a.add(B_, "add_inplace", add_inplace(c, ns * d));
   a.rebuild("attn_norm.out", {{"rmsnorm_forward", c.rmsnorm_forward(ns, d), 1}});

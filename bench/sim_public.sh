@@ -15,9 +15,10 @@ RUNS=(
   "DeepSeek-V3, 1024 H100, TP2 PP8 VPP4 EP64|deepseek-v3|tp=2,pp=8,vpp=4,ep=64,dp=64|interleaved|1024|4096|adaptive|alltoall"
   "Qwen3-235B-A22B, 256 H100, TP4 PP8 VPP4 EP8|qwen3-235b-a22b|tp=4,pp=8,vpp=4,ep=8,dp=8|interleaved|2048|4096|none|deepep"
   "Qwen3-235B-A22B, 256 H100, TP2 PP8 VPP4 EP32|qwen3-235b-a22b|tp=2,pp=8,vpp=4,ep=32,dp=16|interleaved|2048|4096|moe-light|deepep"
+  "Qwen3-235B-A22B, 256 H100, TP2 PP8 VPP4 EP32 +1f1b overlap|qwen3-235b-a22b|tp=2,pp=8,vpp=4,ep=32,dp=16|1f1b-overlap|2048|4096|moe-light|deepep"
   "Qwen3-235B-A22B, 256 H100, TP2 PP32 VPP3 EP8|qwen3-235b-a22b|tp=2,pp=32,vpp=3,ep=8,dp=4|interleaved|2048|4096|moe-light|alltoall"
 )
-printf "%-44s %8s %12s %9s %9s %9s %9s\n" "run" "MFU" "TFLOP/s/GPU" "step s" "dispatch" "peak GiB" "limit GiB"
+printf "%-58s %8s %12s %9s %9s %9s %9s\n" "run" "MFU" "TFLOP/s/GPU" "step s" "dispatch" "peak GiB" "limit GiB"
 i=0
 for r in "${RUNS[@]}"; do
   IFS='|' read -r name model par sched gb seq pol disp <<< "$r"
@@ -27,7 +28,7 @@ for r in "${RUNS[@]}"; do
 import json, sys
 s = json.load(open(sys.argv[1]))
 oom = "  (over: out of memory in the simulator)" if s["ooms"] > 0 else ""
-print(f"{sys.argv[3]:<44} {100 * s['mfu']:7.1f}% {s['mfu'] * float(sys.argv[2]) / 1e12:12.0f} {s['step_time_s']:9.2f} "
+print(f"{sys.argv[3]:<58} {100 * s['mfu']:7.1f}% {s['mfu'] * float(sys.argv[2]) / 1e12:12.0f} {s['step_time_s']:9.2f} "
       f"{s['dispatcher']:>9} {s['peak_bytes'] / 2**30:9.1f} {s['memory_limit_bytes'] / 2**30:9.1f}{oom}")
 PY
   i=$((i + 1))

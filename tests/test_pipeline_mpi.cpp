@@ -114,10 +114,13 @@ const Case kCases[] = {
     {2, 2, 1, 1, 2, "interleaved", false, 4},
     {2, 2, 1, 1, 2, "dualpipev", false, 4},
     {2, 2, 1, 1, 2, "dualpipev", true, 5},
-    {2, 2, 1, 1, 1, "1f1b", false, 3, 3, true},          // 3 layers padded to 4
-    {2, 2, 1, 1, 1, "1f1b", true, 3, 5, false, {1, 4}},  // uneven split
-    {2, 2, 1, 1, 2, "interleaved", false, 2, 7, true},   // 7 layers padded to 8
+    {2, 2, 1, 1, 1, "1f1b", false, 3, 3, true},            // 3 layers padded to 4
+    {2, 2, 1, 1, 1, "1f1b", true, 3, 5, false, {1, 4}},    // uneven split
+    {2, 2, 1, 1, 2, "interleaved", false, 2, 7, true},     // 7 layers padded to 8
     {2, 2, 1, 1, 1, "1f1b", true, 3, 4, false, {}, true},  // bf16
+    {2, 2, 1, 1, 2, "1f1b-overlap", false, 4},             // Megatron-Core's combined 1F1B: F&B pairs
+    {2, 2, 1, 1, 1, "1f1b-overlap", true, 4},
+    {2, 1, 2, 2, 1, "1f1b-overlap", false, 3},  // no pipeline: F0, (F1 B0), (F2 B1), B2 under EP
     // world 4
     {4, 4, 1, 1, 1, "1f1b", false, 4},
     {4, 4, 1, 1, 1, "zb-h1", true, 5},
@@ -127,6 +130,7 @@ const Case kCases[] = {
     {4, 2, 2, 2, 2, "dualpipev", false, 4},
     {4, 2, 2, 2, 1, "zb-h1", false, 3, 4, false, {}, true},  // bf16
     {4, 2, 2, 1, 2, "interleaved", true, 2},
+    {4, 2, 2, 2, 2, "1f1b-overlap", true, 4},
 };
 
 }  // namespace

@@ -84,7 +84,8 @@ TEST(ScheduleValidate, AcceptsEveryGeneratorOverManyShapes) {
       if (m % p == 0)
         for (int v = 1; v <= 4; ++v) {
           EXPECT_NO_THROW(validate(interleaved_1f1b(p, m, v))) << "v=" << v;
-          ++plans;
+          EXPECT_NO_THROW(validate(combined_1f1b(p, m, v))) << "v=" << v;
+          plans += 2;
         }
     }
     for (int m = 2 * p; m <= 4 * p + 1; ++m) {
@@ -92,7 +93,7 @@ TEST(ScheduleValidate, AcceptsEveryGeneratorOverManyShapes) {
       ++plans;
     }
   }
-  EXPECT_EQ(plans, 648);
+  EXPECT_EQ(plans, 776);
 }
 
 TEST(ScheduleValidate, GeneratorsHaveTheDocumentedShape) {
@@ -268,6 +269,55 @@ TEST(ScheduleValidate, RejectsAMisplacedOverlapFlag) {
       << msg;
 }
 
+TEST(ScheduleValidate, RejectsAPairWhoseBackwardNeedsItsForward) {
+  StepPlan plan = one_f_one_b(1, 2);  // F0 B0 F1 B1
+  plan.actions[0][0].overlapped_with_next = true;
+  const std::string msg = validation_error(plan);
+  EXPECT_NE(msg.find("its backward cannot be the same micro-batch and stage as its forward"), std::string::npos) << msg;
+}
+
+TEST(ScheduleValidate, CombinedOneFOneBPairsEverySteadyForwardWithAnotherMicroBatchsBackward) {
+  // Megatron-Core's combined 1F1B without a pipeline: F0, (F1 B0), (F2 B1), B2.
+  EXPECT_EQ(combined_1f1b(1, 3, 1).format_table(false),
+            "1f1b-overlap: 1 ranks, 3 micro-batches, 1 stages\n"
+            "rank 0 | F0 F1+B0 F2+B1 B2\n");
+  for (int p = 1; p <= 6; ++p)
+    for (int v = 1; v <= 3; ++v)
+      for (int m = p; m <= 4 * p; m += p) {
+        const StepPlan in = interleaved_1f1b(p, m, v), co = combined_1f1b(p, m, v);
+        for (int r = 0; r < p; ++r) {
+          // The same compute actions in the same order, but one forward earlier:
+          // the k-th backward follows the (k + warm-up + 1)-th forward.
+          std::vector<Action> fi, fc, bi, bc;
+          int pairs = 0, warmup = -1, seen_f = 0;
+          for (const Action& a : in.actions[r]) {
+            if (a.kind == F) fi.push_back(a);
+            if (a.kind == B) bi.push_back(a);
+          }
+          bool paired = false;  // the previous compute action opened a pair
+          for (std::size_t i = 0; i < co.actions[r].size(); ++i) {
+            Action a = co.actions[r][i];
+            if (a.kind == B && warmup < 0) warmup = seen_f - (paired ? 1 : 0);  // forwards before the steady phase
+            if (is_compute(a.kind)) paired = a.overlapped_with_next;
+            if (a.kind == F) ++seen_f;
+            pairs += a.overlapped_with_next ? 1 : 0;
+            a.overlapped_with_next = false;
+            if (a.kind == F) {
+              fc.push_back(a);
+            } else if (a.kind == B) {
+              bc.push_back(a);
+            }
+          }
+          EXPECT_EQ(fc, fi);
+          EXPECT_EQ(bc, bi);
+          const int total = m * v;
+          const int expected_warmup = m == p ? total : std::min((p - r - 1) * 2 + (v - 1) * p + 1, total);
+          EXPECT_EQ(warmup, expected_warmup) << "p=" << p << " v=" << v << " m=" << m << " r=" << r;
+          EXPECT_EQ(pairs, total - expected_warmup) << "p=" << p << " v=" << v << " m=" << m << " r=" << r;
+        }
+      }
+}
+
 // ---------------------------------------------------------------------------
 // Bubbles in unit-cost virtual time equal the closed forms.
 
@@ -301,6 +351,38 @@ TEST(ScheduleBubble, InterleavedIdleIsOneFOneBsDividedByV) {
           ASSERT_NEAR(closed_form_bubble("interleaved", p, chunk), (p - 1) * expected, kExact);
         }
     }
+}
+
+TEST(ScheduleBubble, CombinedOneFOneBKeepsInterleavedsBubbleAndHidesWhatItsPairsSave) {
+  // Drawn at full cost (a pair takes F + B) and without message latency, the extra
+  // warm-up forward costs no time: every rank idles as in interleaved. A pair that takes `saved` less
+  // (its all-to-alls hidden under the other half's compute) shortens the step by
+  // at least the pairs of the busiest rank times `saved`.
+  for (const Costs c : {Costs{1, 2, 0}, Costs{2, 3, 1}, Costs{1, 1, 1}})
+    for (int p = 1; p <= 6; ++p)
+      for (int v = 1; v <= 3; ++v)
+        for (int m = p; m <= 4 * p; m += p) {
+          const SimResult in = simulate(interleaved_1f1b(p, m, v), c);
+          const StepPlan plan = combined_1f1b(p, m, v);
+          const SimResult co = simulate(plan, c);
+          ASSERT_NEAR(co.makespan, in.makespan, kExact) << "p=" << p << " v=" << v << " m=" << m;
+          for (int r = 0; r < p; ++r) ASSERT_NEAR(co.ranks[r].idle, in.ranks[r].idle, kExact);
+          ASSERT_NEAR(closed_form_bubble("1f1b-overlap", p, c), co.ranks[0].idle, kExact);
+          const double saved = 0.25 * (c.forward + c.backward_input + c.backward_weight);
+          Costs hidden = c;
+          hidden.overlapped_pair = c.forward + c.backward_input + c.backward_weight - saved;
+          int most_pairs = 0;
+          for (const auto& list : plan.actions) {
+            int pairs = 0;
+            for (const Action& a : list) pairs += a.overlapped_with_next ? 1 : 0;
+            most_pairs = std::max(most_pairs, pairs);
+          }
+          EXPECT_LE(simulate(plan, hidden).makespan, in.makespan - most_pairs * saved + kExact)
+              << "p=" << p << " v=" << v << " m=" << m;
+          if (m > p) {
+            EXPECT_GT(most_pairs, 0);
+          }
+        }
 }
 
 TEST(ScheduleBubble, ZbH1Idle_pMinus1_TimesFPlusBMinusW_WhenWIsTheSmallest) {
@@ -384,6 +466,15 @@ TEST(ScheduleMemory, PeakInFlightMatchesThePublishedCounts) {
                 << "v=" << v << " r=" << r;
         }
     }
+  // Combined 1F1B: interleaved's count plus the extra warm-up forward.
+  for (int p = 1; p <= 6; ++p)
+    for (int v = 1; v <= 3; ++v)
+      for (int m = p; m <= 4 * p; m += p) {
+        const SimResult in = simulate(interleaved_1f1b(p, m, v)), co = simulate(combined_1f1b(p, m, v));
+        for (int r = 0; r < p; ++r)
+          EXPECT_EQ(co.ranks[r].peak_activations, std::min(in.ranks[r].peak_activations + 1, m * v))
+              << "p=" << p << " v=" << v << " m=" << m << " r=" << r;
+      }
   // DualPipeV (README table: PP + 1 with PP = 2p stages) on every rank.
   for (int p = 1; p <= 8; ++p)
     for (int m = 2 * p; m <= 4 * p + 1; ++m)
@@ -417,10 +508,19 @@ TEST(ScheduleGenerators, RefuseBadArgumentsNamingTheRule) {
     make_schedule("chimera", 2, 4);
     FAIL();
   } catch (const ConfigError& e) {
-    EXPECT_STREQ(e.what(), "schedule: unknown name \"chimera\" (known: gpipe, 1f1b, interleaved, zb-h1, dualpipev)");
+    EXPECT_STREQ(
+        e.what(),
+        "schedule: unknown name \"chimera\" (known: gpipe, 1f1b, interleaved, 1f1b-overlap, zb-h1, dualpipev)");
   }
   for (const std::string& name : schedule_names())
-    EXPECT_EQ(make_schedule(name, 2, 4, name == "interleaved" ? 2 : 1).schedule, name);
+    EXPECT_EQ(make_schedule(name, 2, 4, schedule_takes_vpp(name) ? 2 : 1).schedule, name);
+  // A misspelt name is named as unknown, not as a schedule that takes no --vpp.
+  try {
+    make_schedule("1F1B-overlap", 2, 4, 2);
+    FAIL();
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(std::string(e.what()).rfind("schedule: unknown name \"1F1B-overlap\" (known: ", 0), 0u) << e.what();
+  }
 }
 
 TEST(SchedulePlan, MessageTagsAreUniqueAndMatchBetweenSendAndRecv) {

@@ -135,3 +135,87 @@ TEST(Search, ACpuEngineClusterGetsOnlyLayoutsTheEngineRuns) {
   for (const auto& c : cpu.top) EXPECT_EQ(c.parallel.tp, 1) << c.parallel.str();
   EXPECT_LT(cpu.enumerated, gpu.enumerated);
 }
+
+// A layout whose adaptive candidate gives bit for bit its `none` candidate's result
+// (the budget lets adaptive save everything) takes one row, listing both policies; the
+// next slot goes to another layout.
+TEST(Search, IdenticalResultsOfTwoPoliciesShareOneRow) {
+  search::SearchOptions o = small_search();
+  o.schedules = {"1f1b"};
+  o.micro_batch_sizes = {1};
+  o.tps = {1};
+  o.top = 2;
+  // Each policy alone: the same best layout with the same figures.
+  o.policies = {"none"};
+  const search::SearchResult none = search::search(o);
+  o.policies = {"adaptive"};
+  const search::SearchResult adaptive = search::search(o);
+  ASSERT_EQ(none.top.size(), 2u);
+  ASSERT_EQ(adaptive.top.size(), 2u);
+  const search::Candidate& n = none.top[0];
+  const search::Candidate& a = adaptive.top[0];
+  ASSERT_EQ(n.parallel.str(), a.parallel.str());
+  ASSERT_EQ(n.step_time, a.step_time);
+  ASSERT_EQ(n.peak_bytes, a.peak_bytes);
+  ASSERT_EQ(n.spike_peak_bytes, a.spike_peak_bytes);
+  ASSERT_EQ(n.recompute_time, a.recompute_time);
+  EXPECT_EQ(none.merged, 0);
+  // Both: one row for that layout, then the second-best layout (not the same one again).
+  o.policies = {"none", "adaptive"};
+  const search::SearchResult both = search::search(o);
+  ASSERT_EQ(both.top.size(), 2u);
+  const search::Candidate& row = both.top[0];
+  EXPECT_EQ(row.parallel.str(), n.parallel.str());
+  EXPECT_EQ(row.policy, "none");
+  EXPECT_EQ(row.equivalent_policies, (std::vector<std::string>{"none", "adaptive"}));
+  EXPECT_EQ(row.policy_label(), "none=adaptive");
+  EXPECT_EQ(row.step_time, n.step_time);
+  EXPECT_EQ(row.peak_bytes, n.peak_bytes);
+  EXPECT_NE(both.top[1].parallel.str(), row.parallel.str());
+  EXPECT_EQ(both.top[1].parallel.str(), none.top[1].parallel.str());
+  EXPECT_GE(both.merged, 1);
+  // The JSON keeps `policy` a policy name and lists the equivalent ones.
+  const auto j = both.to_json(o);
+  EXPECT_EQ(j["merged"], both.merged);
+  EXPECT_EQ(j["top"][0]["policy"], "none");
+  EXPECT_EQ(j["top"][0]["equivalent_policies"], nlohmann::json({"none", "adaptive"}));
+  EXPECT_EQ(j["top"][1]["equivalent_policies"].size(), 1u);
+  EXPECT_NE(both.format(o).find("none=adaptive"), std::string::npos);
+}
+
+// Under a budget where the spike does not fit without recomputation, adaptive's result
+// differs from none's (none risks an OOM, adaptive recomputes under the spike): both
+// rows stay.
+TEST(Search, DifferentResultsOfTwoPoliciesKeepTheirRows) {
+  search::SearchOptions o = small_search();
+  o.schedules = {"1f1b"};
+  o.micro_batch_sizes = {1};
+  o.tps = {1};
+  o.policies = {"none"};
+  o.top = 50;  // every layout
+  // A layout with expert parallelism, where a spike raises the peak.
+  search::Candidate n;
+  for (const auto& c : search::search(o).top)
+    if (c.parallel.ep > 1 && c.spike_peak_bytes > c.peak_bytes) {
+      n = c;
+      break;
+    }
+  ASSERT_GT(n.parallel.ep, 1);
+  // A budget between none's calm and spike peaks.
+  o.cluster.device_memory = (n.peak_bytes + n.spike_peak_bytes) / 2;
+  o.policies = {"none", "adaptive"};
+  const search::SearchResult r = search::search(o);
+  const search::Candidate *none = nullptr, *adaptive = nullptr;
+  for (const auto& c : r.top) {
+    if (c.parallel.str() != n.parallel.str()) continue;
+    EXPECT_EQ(c.equivalent_policies.size(), 1u) << c.policy_label();
+    if (c.policy == "none") none = &c;
+    if (c.policy == "adaptive") adaptive = &c;
+  }
+  ASSERT_NE(none, nullptr);
+  ASSERT_NE(adaptive, nullptr);
+  EXPECT_GT(none->oom_probability, 0);
+  EXPECT_EQ(adaptive->oom_probability, 0);
+  EXPECT_LE(adaptive->spike_peak_bytes, o.cluster.usable_memory());
+  EXPECT_LT(adaptive->spike_peak_bytes, none->spike_peak_bytes);
+}

@@ -294,6 +294,127 @@ TEST(Cluster, GroupLimitedRoutingCrossesToFewerNodes) {
   EXPECT_THROW(remote_node_traffic(g, 16, 8, 4, 1), ConfigError);  // top-8 from one group of 4
 }
 
+namespace {
+
+/// What each worst-placed member of an EP group sees, found rank by rank: groups of n
+/// consecutive ranks tile a world of gpn-GPU nodes, member i holds experts
+/// [i E / n, (i + 1) E / n); for every member whose node holds the fewest of its group,
+/// the expert range [lo, hi) of each other node its group touches.
+std::vector<std::vector<std::pair<int, int>>> worst_members_remote_nodes(int n, int gpn, int E) {
+  struct View {
+    int on_node;
+    std::vector<std::pair<int, int>> remote;
+  };
+  std::vector<View> views;
+  for (int q = 0; q < gpn; ++q) {           // group starts q n: their offsets in a node repeat within gpn groups
+    std::vector<std::pair<int, int>> runs;  // members [first, last) per node, in order
+    for (int i = 0; i < n; ++i) {
+      if (i == 0 || (q * n + i) / gpn != (q * n + i - 1) / gpn) runs.push_back({i, i});
+      runs.back().second = i + 1;
+    }
+    for (std::size_t a = 0; a < runs.size(); ++a) {
+      View v{runs[a].second - runs[a].first, {}};
+      for (std::size_t b = 0; b < runs.size(); ++b)
+        if (b != a) v.remote.push_back({runs[b].first * E / n, runs[b].second * E / n});
+      views.push_back(v);
+    }
+  }
+  int fewest = n;
+  for (const View& v : views) fewest = std::min(fewest, v.on_node);
+  std::vector<std::vector<std::pair<int, int>>> worst;
+  for (const View& v : views)
+    if (v.on_node == fewest) worst.push_back(v.remote);
+  return worst;
+}
+
+/// Copies by brute force: every choice of `chosen` of the E / per groups, then of k of
+/// their experts, equally likely; the mean number of `nodes` holding one of the k.
+double brute_force_copies(int E, int groups, int chosen, int k, const std::vector<std::pair<int, int>>& nodes) {
+  const int per = E / groups;
+  double sum = 0;
+  int group_sets = 0;
+  for (unsigned A = 0; A < (1u << groups); ++A) {
+    if (__builtin_popcount(A) != chosen) continue;
+    unsigned pool = 0;
+    for (int g = 0; g < groups; ++g)
+      if (A >> g & 1) pool |= ((1u << per) - 1) << (g * per);
+    double hits = 0;
+    int draws = 0;
+    for (unsigned S = pool;; S = (S - 1) & pool) {  // every subset of the pool
+      if (__builtin_popcount(S) == k) {
+        ++draws;
+        for (const auto& [lo, hi] : nodes) hits += (S >> lo & ((1u << (hi - lo)) - 1)) != 0 ? 1 : 0;
+      }
+      if (S == 0) break;
+    }
+    sum += hits / draws;
+    ++group_sets;
+  }
+  return sum / group_sets;
+}
+
+}  // namespace
+
+// Group-limited routing when nodes straddle group boundaries: the copies equal a
+// brute-force count over every (groups, experts) choice of a token, for the
+// worst-placed member of the group that sends the most (aligned nodes: 4 experts a node
+// in groups of 3 give nodes of 3 + 1, 2 + 2 and 1 + 3, which are hit unequally).
+TEST(Cluster, GroupLimitedRoutingIsExactWhenNodesStraddleGroups) {
+  // 12 experts in 4 groups of 3; EP groups of n ranks on gpn-GPU nodes: nodes of 5
+  // experts (1 + 3 + 1 of groups), 4 (3 + 1, 2 + 2, ...), 8, 9 (3 whole groups) and 3
+  // (one whole group: the closed form held there before).
+  const int E = 12, G = 4;
+  int straddling = 0;
+  for (const auto& [n, gpn] : std::vector<std::pair<int, int>>{{12, 5}, {12, 4}, {6, 4}, {4, 3}, {12, 3}}) {
+    const GroupPlacement g = place_group(n, 1, gpn);
+    const auto worst = worst_members_remote_nodes(n, gpn, E);
+    ASSERT_FALSE(worst.empty());
+    for (const auto& nodes : worst)
+      for (const auto& [lo, hi] : nodes) straddling += lo / 3 != (hi - 1) / 3 && (lo % 3 != 0 || hi % 3 != 0);
+    for (int chosen = 1; chosen < G; ++chosen)
+      for (int k = 1; k <= std::min(3, 3 * chosen); ++k) {
+        // The member sending the most copies of those with the fewest peers on their node.
+        double most = 0;
+        for (const auto& nodes : worst) most = std::max(most, brute_force_copies(E, G, chosen, k, nodes));
+        EXPECT_NEAR(remote_node_traffic(g, E, k, G, chosen).copies, most, 1e-12)
+            << "ep " << n << " on " << gpn << "-GPU nodes, top-" << k << " from " << chosen << " of 4 groups";
+      }
+  }
+  EXPECT_GT(straddling, 0);
+  // (Nodes of 5 experts, top-2 from 2 of 4 groups: 1.4333 copies; spreading each
+  // node's experts evenly over the groups it touches, the closed form used until
+  // 2026-11-30, gave 1.4444.)
+  EXPECT_NEAR(remote_node_traffic(place_group(12, 1, 5), E, 2, G, 2).copies, 43.0 / 30, 1e-12);
+
+  // DeepSeek-V3 on 6-GPU nodes (EP 64: 4 experts a rank, 24 a node, groups of 32),
+  // top-8 from 4 of 8 groups: the copies of each worst-placed member, summed node by
+  // node over the 70 choices of groups, each a draw of 8 of the 128 chosen experts:
+  // 4.60, where the even split gave 4.31 (and 1.83 against 1.37 with 1 of 8 groups).
+  const auto worst = worst_members_remote_nodes(64, 6, 256);
+  const double dsv3 = remote_node_traffic(place_group(64, 1, 6), 256, 8, 8, 4).copies;
+  ASSERT_FALSE(worst.empty());
+  for (const auto& nodes : worst) {  // members alone at either end of a group: mirror images
+    double copies = 0;
+    for (const auto& [lo, hi] : nodes) {
+      double miss = 0;
+      int sets = 0;
+      for (unsigned A = 0; A < 256; ++A) {
+        if (__builtin_popcount(A) != 4) continue;
+        ++sets;
+        int held = 0;
+        for (int e = lo; e < hi; ++e) held += A >> (e / 32) & 1;
+        double p = 1;
+        for (int i = 0; i < 8; ++i) p *= std::max(0.0, (128.0 - held - i) / (128.0 - i));
+        miss += p;
+      }
+      copies += 1 - miss / sets;
+    }
+    EXPECT_NEAR(dsv3, copies, 1e-9);
+  }
+  // The experts must split into whole experts a rank.
+  EXPECT_THROW(remote_node_traffic(place_group(12, 1, 8), 16, 2, 4, 2), ConfigError);
+}
+
 TEST(Cluster, GroupsThatStraddleNodesCountByTheirWorstPlacedMember) {
   // Aligned groups: a node's worth each.
   EXPECT_EQ(place_group(16, 1, 8).ranks_per_node, 8);
@@ -406,14 +527,70 @@ TEST(Sim, PeakEqualsMemoryWalkAndPersistentEqualsTheArena) {
 }
 
 TEST(Sim, ShortenedWalkKeepsThePeak) {
-  for (const std::string s : {"1f1b", "zb-h1", "interleaved", "dualpipev"}) {
+  for (const std::string s : {"1f1b", "zb-h1", "interleaved", "1f1b-overlap", "dualpipev"}) {
     SimOptions o = small_options(s, 2, 24);
-    if (s == "interleaved") o.parallel.vpp = 2;
+    if (schedule_takes_vpp(s)) o.parallel.vpp = 2;
     const Bytes shortened = simulate(o).peak_bytes;  // walks 2 pp x chunks + 2 micro-batches of 24
-    const int chunks = s == "interleaved" || s == "dualpipev" ? 2 : 1;
+    const int chunks = schedule_takes_vpp(s) || s == "dualpipev" ? 2 : 1;
     o.global_batch = 2 * (2 * 2 * chunks + 2);        // a step that short, walked whole
     EXPECT_EQ(simulate(o).peak_bytes, shortened) << s;
   }
+}
+
+TEST(Sim, CombinedOneFOneBHidesThePairsAllToAllsForOneMoreMicroBatch) {
+  // Megatron-Core's EP overlap (1f1b-overlap) against interleaved, same layout:
+  // pp 2 x vpp 2, dp 2 folded into ep 2, expert all-to-alls over a slow link so
+  // that they matter.
+  auto options = [](const std::string& schedule, bool overlap) {
+    SimOptions o = small_options(schedule, 2, 8);
+    o.model.hidden_size *= 4;  // compute of the order of the all-to-alls
+    o.model.intermediate_size *= 4;
+    o.model.moe_intermediate_size *= 4;
+    o.parallel = {1, 2, 2, 2, 2};  // tp, pp, vpp, ep, dp
+    o.global_batch = 2 * 2 * 8;    // 8 micro-batches per dp rank
+    o.cluster.gpus_per_node = 1;   // every all-to-all crosses nodes
+    o.cluster.inter_node = {1e-6, 2e9};
+    o.overlap_pair_comm = overlap;
+    return o;
+  };
+  const SimReport in = simulate(options("interleaved", true));
+  const SimReport paired = simulate(options("1f1b-overlap", true));
+  const SimReport drawn = simulate(options("1f1b-overlap", false));  // pairs at full cost
+  // The all-to-alls' exposed part (exposed_comm less the data-parallel reduction).
+  const Seconds a2a_in = in.exposed_comm - in.dp_reduce_time, a2a_paired = paired.exposed_comm - paired.dp_reduce_time;
+  ASSERT_GT(a2a_in, 0.1 * in.step_time);
+  EXPECT_LT(a2a_paired, 0.5 * a2a_in);
+  EXPECT_LT(paired.step_time, in.step_time);
+  EXPECT_LT(paired.step_time, drawn.step_time);
+  // Without the overlap a pair is its F then its B: the step is interleaved's,
+  // give or take the pair's sends, which wait for both halves.
+  EXPECT_NEAR(drawn.step_time, in.step_time, 0.1 * in.step_time);
+  // One more micro-batch in flight: a higher peak, on the same per-micro-batch bytes.
+  EXPECT_GT(paired.peak_bytes, in.peak_bytes);
+  EXPECT_EQ(paired.peak_bytes, drawn.peak_bytes);
+}
+
+TEST(Sim, APairHidesOnlyItsAllToAllsEachUnderTheOtherHalfsCompute) {
+  ActionCost f{1.0, 3.0, 0, {}}, b{5.0, 1.0, 0, {}};
+  f.overlappable = 2.0;  // of f's 3 s of comm, 2 are all-to-alls; 1 tensor-parallel
+  b.overlappable = 1.0;
+  EXPECT_DOUBLE_EQ(pair_exposed_comm(f, b, false), 4.0);
+  EXPECT_DOUBLE_EQ(pair_exposed_comm(f, b, true), 1.0);  // the tp second stays; both all-to-alls hide
+  // A forward's all-to-alls hide under the backward's compute only, not under their own half's.
+  ActionCost f2{1.0, 2.0, 0, {}}, b2{0.5, 0.0, 0, {}};
+  f2.overlappable = 2.0;
+  EXPECT_DOUBLE_EQ(pair_exposed_comm(f2, b2, true), 1.5);  // a pooled rule would give 2 - 1.5 = 0.5
+  // Through the simulator: without expert parallelism, a bf16 pair hides nothing.
+  SimOptions o = small_options("interleaved", 2, 8);
+  o.parallel = {2, 2, 2, 1, 1};  // tp 2 (its collectives priced), ep 1
+  o.overlap_pair_comm = true;
+  o.global_batch = 2 * 8;
+  const SimReport in = simulate(o);
+  ASSERT_GT(in.exposed_comm, 0);
+  o.schedule = "1f1b-overlap";
+  const SimReport paired = simulate(o);
+  EXPECT_GE(paired.step_time, in.step_time - 1e-12);
+  EXPECT_NEAR(paired.exposed_comm, in.exposed_comm, 1e-12);
 }
 
 TEST(Sim, OomAndRestartCostExactlyWhenTheWalkExceedsMemory) {

@@ -107,7 +107,8 @@ int main(int argc, char** argv) {
   train->add_option("--vpp", vpp, "virtual pipeline stages per rank (parallel.vpp)");
   bool pad_layers = false;
   train->add_flag("--pad-layers", pad_layers, "pad with empty layers so pp x vpp divides the layer count");
-  train->add_option("--schedule", schedule, "pipeline schedule: gpipe, 1f1b, interleaved, zb-h1, dualpipev");
+  train->add_option("--schedule", schedule,
+                    "pipeline schedule: gpipe, 1f1b, interleaved, 1f1b-overlap, zb-h1, dualpipev");
   std::int64_t expert_chunk_rows = -1;
   train->add_option("--expert-chunk-rows", expert_chunk_rows,
                     "received rows the routed experts process at a time, 0 = off (model.expert_chunk_rows)")

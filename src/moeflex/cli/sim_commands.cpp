@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "moeflex/core/error.h"
+#include "moeflex/schedule/generators.h"
 #include "moeflex/search/search.h"
 #include "moeflex/sim/presets.h"
 #include "moeflex/sim/simulator.h"
@@ -122,7 +123,8 @@ void add_sim_commands(CLI::App& app) {
                 "and num_experts and may exceed dp; expert-DP = tp x dp / ep. tp > 1 means sequence parallelism (n / "
                 "tp tokens a rank). No context parallelism");
   s->add_option("--schedule", f.schedule,
-                "gpipe, 1f1b, interleaved, zb-h1, dualpipev (default 1f1b; interleaved when vpp > 1)");
+                "gpipe, 1f1b, interleaved, 1f1b-overlap (Megatron-Core's EP A2A overlap), zb-h1, dualpipev (default "
+                "1f1b; interleaved when vpp > 1)");
   s->add_option("--policy", f.policy, "none, full, selective, moe-light, moe-medium, moe-full, threshold[=R], adaptive")
       ->capture_default_str();
   s->add_option("--micro-batch-size", f.micro_batch_size, "sequences per micro-batch (default 1, or the run config's)")
@@ -148,7 +150,7 @@ void add_sim_commands(CLI::App& app) {
   q->add_option("--out", f.out, "write the result as JSON");
   q->add_option("--schedules", f.schedules,
                 "comma-separated schedules to try, e.g. 1f1b,interleaved (default all: gpipe, 1f1b, interleaved, "
-                "zb-h1, dualpipev)");
+                "1f1b-overlap (with ep > 1), zb-h1, dualpipev)");
   q->add_option("--policies", f.policies,
                 "comma-separated provisioning policies to try (default none, selective, moe-full, full, adaptive)");
 }
@@ -242,8 +244,7 @@ bool run_sim_commands() {
     o.checkpoint_interval = f.checkpoint_interval;
     o.threads = f.search_threads;
     o.dispatcher = f.dispatcher;
-    if (f.search->count("--schedules") > 0)
-      o.schedules = list_of("--schedules", f.schedules, {"gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev"});
+    if (f.search->count("--schedules") > 0) o.schedules = list_of("--schedules", f.schedules, schedule_names());
     if (f.search->count("--policies") > 0)
       o.policies = list_of("--policies", f.policies,
                            {"none", "selective", "moe-light", "moe-medium", "moe-full", "full", "adaptive"});

@@ -30,6 +30,18 @@ StepPlan one_f_one_b(int p, int m);
 /// them when m == p). Requires m % p == 0, as Megatron does.
 StepPlan interleaved_1f1b(int p, int m, int v);
 
+/// Megatron-Core's combined 1F1B, "1F1B A2A overlap"
+/// (--overlap-moe-expert-parallel-comm; megatron/core/pipeline_parallel/
+/// combined_1f1b.py), registered as "1f1b-overlap": the interleaved order above
+/// with one more warm-up forward per rank, and each steady-state forward flagged
+/// overlapped_with_next with the backward of another micro-batch that follows
+/// it, so that one's expert all-to-alls can hide under the other's compute (the
+/// simulator's overlap_pair_comm; the engine runs the pair back to back). With
+/// p = 1 it is Megatron's combined_1f1b_schedule_for_no_pipelining: F0, then
+/// (F(i+1), B(i)) pairs, then the last B. Up to one more micro-batch in flight
+/// than interleaved. Requires m % p == 0.
+StepPlan combined_1f1b(int p, int m, int v);
+
 /// ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", section 3.1): the
 /// F/B order of 1F1B with the backward split into B (input gradient) and W
 /// (weight gradient); rank r defers its W by r micro-batches so that the
@@ -45,11 +57,16 @@ StepPlan zb_h1(int p, int m);
 /// overlapped_with_next followed by its Backward. Requires m >= 2p.
 StepPlan dualpipev(int p, int m);
 
-/// The names `--schedule` accepts: gpipe, 1f1b, interleaved, zb-h1, dualpipev.
+/// The names `--schedule` accepts: gpipe, 1f1b, interleaved, 1f1b-overlap, zb-h1,
+/// dualpipev.
 const std::vector<std::string>& schedule_names();
 
+/// Whether `name` holds --vpp model chunks per rank (interleaved, 1f1b-overlap);
+/// the others hold one (DualPipeV's two are implied).
+bool schedule_takes_vpp(const std::string& name);
+
 /// The generator named `name`; `v` (chunks per rank) is used by "interleaved"
-/// and must be 1 for the others (DualPipeV's two chunks per rank are implied).
+/// and "1f1b-overlap" and must be 1 for the others (DualPipeV's two chunks per rank are implied).
 /// Throws ConfigError on an unknown name, listing the known ones.
 StepPlan make_schedule(const std::string& name, int p, int m, int v = 1);
 

@@ -61,8 +61,15 @@ StepPlan one_f_one_b(int p, int m) {
   return plan;
 }
 
-StepPlan interleaved_1f1b(int p, int m, int v) {
-  const std::string name = "interleaved";
+namespace {
+
+// Megatron's interleaved 1F1B; with `overlap`, Megatron-Core's combined 1F1B
+// (--overlap-moe-expert-parallel-comm): one more warm-up forward, and every
+// steady-state forward runs as an overlapped pair with the backward after it.
+// The extra forward is what makes the pair possible: without it the steady
+// phase's backward would need the forward it is paired with (on the last rank,
+// B(k) consumes the output of the F just before it).
+StepPlan interleaved_plan(const std::string& name, int p, int m, int v, bool overlap) {
   require_pm(name, p, m);
   require(v >= 1, name, "vpp", v, "needs at least one model chunk per rank");
   require(m % p == 0, name, "num_microbatches", m,
@@ -80,14 +87,14 @@ StepPlan interleaved_1f1b(int p, int m, int v) {
     auto forward_stage = [&](int k) { return ((k % (p * v)) / p) * p + r; };
     auto backward_stage = [&](int k) { return (v - 1 - (k % (p * v)) / p) * p + r; };
 
-    const int warmup = m == p ? total : std::min((p - r - 1) * 2 + (v - 1) * p, total);
+    const int warmup = m == p ? total : std::min((p - r - 1) * 2 + (v - 1) * p + (overlap ? 1 : 0), total);
     const int steady = total - warmup;
     const int cooldown = warmup;
     int next_f = 0, next_b = 0;
     for (int i = 0; i < warmup; ++i, ++next_f)
       emit(plan, r, ActionKind::Forward, microbatch(next_f), forward_stage(next_f));
     for (int i = 0; i < steady; ++i, ++next_f, ++next_b) {
-      emit(plan, r, ActionKind::Forward, microbatch(next_f), forward_stage(next_f));
+      emit(plan, r, ActionKind::Forward, microbatch(next_f), forward_stage(next_f), /*overlapped_with_next=*/overlap);
       emit(plan, r, ActionKind::Backward, microbatch(next_b), backward_stage(next_b));
     }
     for (int i = 0; i < cooldown; ++i, ++next_b)
@@ -98,5 +105,11 @@ StepPlan interleaved_1f1b(int p, int m, int v) {
   insert_communication(plan);
   return plan;
 }
+
+}  // namespace
+
+StepPlan interleaved_1f1b(int p, int m, int v) { return interleaved_plan("interleaved", p, m, v, false); }
+
+StepPlan combined_1f1b(int p, int m, int v) { return interleaved_plan("1f1b-overlap", p, m, v, true); }
 
 }  // namespace moeflex

@@ -144,6 +144,14 @@ SimResult simulate(const StepPlan& plan, const Costs& costs) {
 Seconds closed_form_bubble(const std::string& schedule, int p, const Costs& c) {
   const Seconds F = c.forward, B = c.backward_input, W = c.backward_weight;
   if (schedule == "gpipe" || schedule == "1f1b" || schedule == "interleaved") return (p - 1) * (F + B + W);
+  // A pair drawn at F + B + W, with zero message latency: interleaved's bubble.
+  if (schedule == "1f1b-overlap") {
+    if (c.overlapped_pair >= 0 || c.comm != 0)
+      throw ConfigError(
+          "closed_form_bubble: 1f1b-overlap has a closed form only with pairs drawn at F + B + W and no "
+          "message latency (a pair's sends wait for both halves)");
+    return (p - 1) * (F + B + W);
+  }
   if (schedule == "zb-h1") return (p - 1) * (F + B - W);
   if (schedule == "dualpipev") {
     const Seconds pair = c.overlapped_pair >= 0 ? c.overlapped_pair : F + B + W;

@@ -65,6 +65,9 @@ SimResult simulate(const StepPlan& plan, const Costs& costs = {});
 ///  dualpipev     (p-1)(F&B + (B+W) - 3W)                 exact when F = B >= W and
 ///                (DualPipe README: (PP/2-1)(F&B+B-3W),   F&B = F+B+W (the README
 ///                 PP = 2p stages, B there = our B+W)     figure's proportions)
+///  1f1b-overlap  as interleaved                           with pairs at F+B+W (Costs::
+///                                                         overlapped_pair < 0) and comm 0;
+///                                                         throws ConfigError otherwise
 /// "Exact" was established by simulation over p <= 8, m in [p, 4p] (tests and
 /// docs/schedules.md). Throws ConfigError for an unknown schedule.
 Seconds closed_form_bubble(const std::string& schedule, int p, const Costs& costs);

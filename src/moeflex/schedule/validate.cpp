@@ -104,6 +104,12 @@ class Validator {
              !is_input_backward(list[i + 1].kind)))
           fail(where(plan_, r, i) +
                ": only a Forward followed by a Backward or BackwardInput can form an overlapped F&B pair");
+        // The two halves of a pair run at once, so the backward cannot consume the
+        // forward it is paired with.
+        if (a.overlapped_with_next && list[i + 1].microbatch == a.microbatch && list[i + 1].stage == a.stage)
+          fail(where(plan_, r, i) +
+               ": an overlapped F&B pair runs its halves at once, so its backward cannot be "
+               "the same micro-batch and stage as its forward");
       }
     }
   }

@@ -8,10 +8,13 @@
 #include <chrono>
 #include <cmath>
 #include <exception>
+#include <map>
 #include <mutex>
 #include <thread>
+#include <tuple>
 
 #include "moeflex/comm/layout.h"
+#include "moeflex/schedule/generators.h"
 #include "moeflex/core/error.h"
 
 namespace moeflex::search {
@@ -34,16 +37,53 @@ double expected_effective(double tgs, Seconds step, double p_oom, const SearchOp
   return tgs * step / (step + loss);
 }
 
+/// Whether two walked candidates differ at most in their policy: the same layout,
+/// schedule and micro-batches, and bit for bit the same simulated result (step time,
+/// recompute time, bubble, calm and spike peaks, OOM risk). Close is not the same.
+bool same_result(const Candidate& a, const Candidate& b) {
+  return a.parallel.str() == b.parallel.str() && a.schedule == b.schedule && a.micro_batch_size == b.micro_batch_size &&
+         a.num_microbatches == b.num_microbatches && a.step_time == b.step_time &&
+         a.recompute_time == b.recompute_time && a.tgs == b.tgs && a.effective_tgs == b.effective_tgs &&
+         a.mfu == b.mfu && a.bubble == b.bubble && a.peak_bytes == b.peak_bytes &&
+         a.spike_peak_bytes == b.spike_peak_bytes && a.oom_probability == b.oom_probability;
+}
+
+/// Adds `policy` to `row`'s equivalent policies, kept in the order of `order` (the
+/// search's policies); the first of them becomes the row's policy.
+void join_policy(Candidate& row, const std::string& policy, const std::vector<std::string>& order) {
+  row.equivalent_policies.push_back(policy);
+  auto rank = [&](const std::string& p) { return std::find(order.begin(), order.end(), p) - order.begin(); };
+  std::stable_sort(row.equivalent_policies.begin(), row.equivalent_policies.end(),
+                   [&](const std::string& x, const std::string& y) { return rank(x) < rank(y); });
+  row.policy = row.equivalent_policies.front();
+}
+
 }  // namespace
 
+std::string Candidate::policy_label() const {
+  if (equivalent_policies.size() <= 1) return policy;
+  std::string s;
+  for (const auto& p : equivalent_policies) s += (s.empty() ? "" : "=") + p;
+  return s;
+}
+
 json Candidate::to_json() const {
-  return {{"parallel", parallel.str()},       {"schedule", schedule},
-          {"policy", policy},                 {"micro_batch_size", micro_batch_size},
-          {"num_microbatches", num_microbatches}, {"step_time_s", step_time},
-          {"tgs", tgs},                       {"effective_tgs", effective_tgs},
-          {"mfu", mfu},                       {"bubble_fraction", bubble},
-          {"peak_bytes", peak_bytes},         {"spike_peak_bytes", spike_peak_bytes},
-          {"oom_probability", oom_probability}};
+  return {
+      {"parallel", parallel.str()},
+      {"schedule", schedule},
+      {"policy", policy},
+      {"micro_batch_size", micro_batch_size},
+      {"num_microbatches", num_microbatches},
+      {"step_time_s", step_time},
+      {"tgs", tgs},
+      {"effective_tgs", effective_tgs},
+      {"mfu", mfu},
+      {"bubble_fraction", bubble},
+      {"peak_bytes", peak_bytes},
+      {"spike_peak_bytes", spike_peak_bytes},
+      {"oom_probability", oom_probability},
+      {"recompute_s", recompute_time},
+      {"equivalent_policies", equivalent_policies.empty() ? std::vector<std::string>{policy} : equivalent_policies}};
 }
 
 SearchResult search(const SearchOptions& o) {
@@ -100,6 +140,8 @@ SearchResult search(const SearchOptions& o) {
         for (const auto& sched : o.schedules) {
           std::vector<int> vpps = {1};
           if (sched == "interleaved") vpps = o.vpps;
+          // Megatron-Core's EP overlap: with virtual pipelining when pp > 1, alone without.
+          if (sched == "1f1b-overlap" && pp > 1) vpps = o.vpps;
           for (int vpp : vpps) {
             for (int mbs : o.micro_batch_sizes) {
               for (const auto& pol : o.policies) {
@@ -119,9 +161,15 @@ SearchResult search(const SearchOptions& o) {
                 const int stages = pp * (dualv ? 2 : vpp);
                 bool ok = G % per == 0 && E % ep == 0 && cfg.num_attention_heads % tp == 0 &&
                           tp <= o.cluster.gpus_per_node && (mbs * o.seq_len) % tp == 0 && stages <= L &&
-                          !(pp == 1 && (sched != "1f1b" || vpp != 1));  // one schedule suffices without a pipeline
+                          // without a pipeline, 1f1b suffices (and 1f1b-overlap, whose pairs hide comm)
+                          !(pp == 1 && ((sched != "1f1b" && sched != "1f1b-overlap") || vpp != 1));
                 const int m = ok ? int(G / per) : 0;
                 if (ok && sched == "interleaved") ok = m % pp == 0 && pp > 1;
+                // Megatron-Core's EP overlap hides expert all-to-alls: none without EP, none on
+                // a cluster whose pairs hide nothing (fp32 processes: overlap_pair_comm), and
+                // no pair at all when m == pp (all forwards first): interleaved's plan with more
+                // memory, never better.
+                if (ok && sched == "1f1b-overlap") ok = m % pp == 0 && m > pp && ep > 1 && o.cluster.element_bytes < 4;
                 if (ok && dualv) ok = m >= 2 * pp;
                 if (ok && m > 4096) ok = false;
                 if (!ok) {
@@ -153,14 +201,31 @@ SearchResult search(const SearchOptions& o) {
   }
   // 3. times at the calm load, no walks: independent simulations, spread over threads
   // (the shared layer-cost cache is locked; each result goes to its own slot).
+  // Without its memory walk an adaptive candidate saves everything (the simulator
+  // times it as `none`), so a layout's adaptive and none candidates take one
+  // simulation: `unique` lists the candidates simulated, `source[i]` the one whose
+  // times candidate i takes.
+  std::vector<std::size_t> unique, source(timed.size());
   {
-    const int threads = std::max(1, std::min<int>(o.threads > 0 ? o.threads : int(std::thread::hardware_concurrency()),
-                                                  int(timed.size())));
+    std::map<std::tuple<std::string, std::string, std::string, std::int64_t>, std::size_t> first;
+    for (std::size_t i = 0; i < timed.size(); ++i) {
+      const Candidate& c = timed[i];
+      const auto key = std::make_tuple(c.parallel.str(), c.schedule, c.policy == "adaptive" ? "none" : c.policy,
+                                       std::int64_t(c.micro_batch_size));
+      const auto [at, fresh] = first.emplace(key, i);
+      source[i] = at->second;
+      if (fresh) unique.push_back(i);
+    }
+  }
+  {
+    const int threads = std::max(
+        1, std::min<int>(o.threads > 0 ? o.threads : int(std::thread::hardware_concurrency()), int(unique.size())));
     std::atomic<std::size_t> next{0}, done{0};
     std::exception_ptr failure;
     std::mutex failure_mu;
     auto work = [&] {
-      for (std::size_t i; (i = next.fetch_add(1)) < timed.size();) {
+      for (std::size_t u; (u = next.fetch_add(1)) < unique.size();) {
+        const std::size_t i = unique[u];
         try {
           Candidate& c = timed[i];
           const sim::SimReport r = sim::simulate(options_for(c, false));
@@ -169,7 +234,7 @@ SearchResult search(const SearchOptions& o) {
           c.mfu = r.mfu;
           c.bubble = r.bubble_fraction;
           ++done;
-          report([&] { return fmt::format("timing: {}/{} candidates", done.load(), timed.size()); });
+          report([&] { return fmt::format("timing: {}/{} simulations", done.load(), unique.size()); });
         } catch (const ConfigError& e) {  // a layout the rules of step 1 let through: name it
           const Candidate& c = timed[i];
           std::lock_guard lk(failure_mu);
@@ -177,11 +242,11 @@ SearchResult search(const SearchOptions& o) {
             failure = std::make_exception_ptr(
                 ConfigError(fmt::format("search: simulating {} {} {} mbs {}: {}", c.parallel.str(), c.schedule,
                                         c.policy, c.micro_batch_size, e.what())));
-          next = timed.size();
+          next = unique.size();
         } catch (...) {
           std::lock_guard lk(failure_mu);
           if (!failure) failure = std::current_exception();
-          next = timed.size();
+          next = unique.size();
         }
       }
     };
@@ -190,7 +255,17 @@ SearchResult search(const SearchOptions& o) {
     work();
     for (auto& t : pool) t.join();
     if (failure) std::rethrow_exception(failure);
+    for (std::size_t i = 0; i < timed.size(); ++i) {
+      if (source[i] == i) continue;
+      const Candidate& s = timed[source[i]];
+      Candidate& c = timed[i];
+      c.step_time = s.step_time;
+      c.tgs = c.effective_tgs = s.tgs;
+      c.mfu = s.mfu;
+      c.bubble = s.bubble;
+    }
     res.timed = std::int64_t(timed.size());
+    res.simulations = std::int64_t(unique.size());
   }
   // 4. memory walks in order of the bound, branch and bound on the objective.
   const bool by_memory = o.objective == "memory";
@@ -200,6 +275,7 @@ SearchResult search(const SearchOptions& o) {
     return by_memory ? a.peak_bytes < b.peak_bytes : a.tgs > b.tgs;
   });
   std::vector<Candidate> best;
+  std::vector<Candidate> below;  // walked, fit, and pushed out of the top
   auto worst_kept = [&]() { return best.size() < std::size_t(o.top) ? -1.0 : by_memory ? -double(best.back().peak_bytes) : best.back().effective_tgs; };
   for (Candidate& c : timed) {
     const double bound = by_memory ? -double(c.peak_bytes) : c.tgs;
@@ -220,21 +296,46 @@ SearchResult search(const SearchOptions& o) {
     c.step_time = r.step_time;
     c.tgs = r.tgs;
     c.mfu = r.mfu;
+    c.bubble = r.bubble_fraction;
+    c.recompute_time = r.recompute_time;
     c.peak_bytes = r.peak_bytes;
     c.spike_peak_bytes = r.spike_peak_bytes;
     c.oom_probability = r.spike_peak_bytes > limit ? o.loads.probability_above(o.loads.calm_max) : 0.0;
     c.effective_tgs = expected_effective(c.tgs, c.step_time, c.oom_probability, o);
+    c.equivalent_policies = {c.policy};
+    // The same result as a row kept (or pushed out) under another policy: one row for
+    // both (adaptive whose budget lets it save everything is `none`).
+    Candidate* twin = nullptr;
+    for (auto* rows : {&best, &below})
+      for (Candidate& b : *rows)
+        if (!twin && same_result(b, c)) twin = &b;
+    if (twin) {
+      join_policy(*twin, c.policy, o.policies);
+      ++res.merged;
+      continue;
+    }
     best.push_back(c);
     std::sort(best.begin(), best.end(), [&](const Candidate& a, const Candidate& b) {
       return by_memory ? a.peak_bytes < b.peak_bytes : a.effective_tgs > b.effective_tgs;
     });
-    if (best.size() > std::size_t(o.top)) best.pop_back();
+    if (best.size() > std::size_t(o.top)) {
+      below.push_back(std::move(best.back()));
+      best.pop_back();
+    }
   }
-  if (best.empty())
+  if (best.empty()) {
+    if (smallest_persistent < 0)  // nothing passed the layout and schedule rules
+      throw ConfigError(fmt::format(
+          "no layout of {} for {} on {} GPUs passes the layout and schedule rules ({} combinations, all invalid): tp "
+          "divides the heads and fits a node, ep divides tp x dp and the experts, the global batch {} splits into dp "
+          "x micro-batch size, interleaved and 1f1b-overlap need m % pp == 0 (1f1b-overlap also ep > 1, m > pp and a "
+          "bf16 cluster), dualpipev m >= 2 pp",
+          o.cluster.name, cfg.num_params(), o.gpus, res.enumerated, G));
     throw ConfigError(fmt::format("no layout of {} for {} on {} GPUs fits {:.2f} GiB per device (smallest persistent "
                                   "footprint seen: {:.2f} GiB; {} combinations, {} invalid)",
                                   o.cluster.name, cfg.num_params(), o.gpus, double(limit) / double(kGiB),
                                   double(smallest_persistent) / double(kGiB), res.enumerated, res.invalid));
+  }
   res.top = std::move(best);
   res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return res;
@@ -253,7 +354,9 @@ json SearchResult::to_json(const SearchOptions& o) const {
           {"invalid", invalid},
           {"no_fit", no_fit},
           {"timed", timed},
+          {"simulations", simulations},
           {"walked", walked},
+          {"merged", merged},
           {"seconds", seconds},
           {"loads", o.loads.describe()},
           {"dispatcher", o.dispatcher},
@@ -263,18 +366,23 @@ json SearchResult::to_json(const SearchOptions& o) const {
 std::string SearchResult::format(const SearchOptions& o) const {
   std::string s = fmt::format(
       "{}-parameter model on {} x {}, global batch {} x {} tokens, {} dispatcher: {} combinations, {} invalid, {} do "
-      "not fit, {} timed, {} walked, {:.1f} s\n\n",
+      "not fit, {} timed ({} simulations), {} walked, {} merged into a row of another policy with the same result, "
+      "{:.1f} s\n\n",
       format_count(double(o.model.num_params())), o.gpus, o.cluster.name, o.global_batch_or_default(), o.seq_len,
-      o.dispatcher, enumerated, invalid, no_fit, timed, walked, seconds);
-  s += fmt::format("{:>3} {:<30} {:<12} {:<10} {:>3} {:>4} {:>9} {:>9} {:>6} {:>7} {:>9} {:>9} {:>6}\n", "#",
-                   "layout", "schedule", "policy", "mbs", "m", "TGS", "eff. TGS", "MFU", "bubble", "peak GiB",
-                   "spike GiB", "P(oom)");
+      o.dispatcher, enumerated, invalid, no_fit, timed, simulations, walked, merged, seconds);
+  // A merged row's policy lists its equivalent policies: none=adaptive.
+  std::size_t w = 10;
+  for (const auto& c : top) w = std::max(w, c.policy_label().size());
+  s += fmt::format("{:>3} {:<30} {:<12} {:<{}} {:>3} {:>4} {:>9} {:>9} {:>6} {:>7} {:>9} {:>9} {:>6}\n", "#", "layout",
+                   "schedule", "policy", w, "mbs", "m", "TGS", "eff. TGS", "MFU", "bubble", "peak GiB", "spike GiB",
+                   "P(oom)");
   int i = 0;
   for (const auto& c : top)
-    s += fmt::format("{:>3} {:<30} {:<12} {:<10} {:>3} {:>4} {:>9.1f} {:>9.1f} {:>5.1f}% {:>6.1f}% {:>9.2f} {:>9.2f} {:>6.3f}\n",
-                     ++i, c.parallel.str(), c.schedule, c.policy, c.micro_batch_size, c.num_microbatches, c.tgs,
-                     c.effective_tgs, 100 * c.mfu, 100 * c.bubble, double(c.peak_bytes) / double(kGiB),
-                     double(c.spike_peak_bytes) / double(kGiB), c.oom_probability);
+    s += fmt::format(
+        "{:>3} {:<30} {:<12} {:<{}} {:>3} {:>4} {:>9.1f} {:>9.1f} {:>5.1f}% {:>6.1f}% {:>9.2f} {:>9.2f} {:>6.3f}\n",
+        ++i, c.parallel.str(), c.schedule, c.policy_label(), w, c.micro_batch_size, c.num_microbatches, c.tgs,
+        c.effective_tgs, 100 * c.mfu, 100 * c.bubble, double(c.peak_bytes) / double(kGiB),
+        double(c.spike_peak_bytes) / double(kGiB), c.oom_probability);
   return s;
 }
 

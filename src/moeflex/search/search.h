@@ -15,6 +15,8 @@
 //    micro-batch) in descending TGS order until no remaining upper bound can
 //    enter the top K (branch and bound). A static policy whose spike does not fit
 //    pays the expected OOM cost; a layout whose calm load does not fit is dropped.
+//    Candidates that differ only in policy and whose walked results are identical
+//    (adaptive with a budget that lets it save everything is `none`) share one row.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -40,8 +42,8 @@ struct SearchOptions {
   std::int64_t global_batch_or_default() const { return global_batch > 0 ? global_batch : 2 * std::int64_t(gpus); }
   std::vector<int> micro_batch_sizes = {1, 2, 4};
   std::vector<int> tps = {1, 2, 4, 8};    ///< tp sizes tried ({1} on a CPU-engine cluster: per_tensor_gradient_reduce)
-  std::vector<int> vpps = {2, 4};         ///< for the interleaved schedule
-  std::vector<std::string> schedules = {"gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev"};
+  std::vector<int> vpps = {2, 4};         ///< for interleaved, and 1f1b-overlap with pp > 1
+  std::vector<std::string> schedules = {"gpipe", "1f1b", "interleaved", "1f1b-overlap", "zb-h1", "dualpipev"};
   std::vector<std::string> policies = {"none", "selective", "moe-full", "full", "adaptive"};
   sim::LoadModel loads;                   ///< spike ratio and probability for the OOM risk
   Seconds restart_seconds = 284;
@@ -70,7 +72,15 @@ struct Candidate {
   Bytes peak_bytes = 0;      ///< calm load
   Bytes spike_peak_bytes = 0;
   double oom_probability = 0;  ///< per iteration
+  Seconds recompute_time = 0;  ///< per iteration on the critical rank (walked candidates)
   bool walked = false;       ///< memory known (else only its lower bound)
+  /// The policies whose candidates of this layout gave bit for bit this result (step
+  /// time, recompute time, peaks, OOM risk), in the order of SearchOptions::policies,
+  /// `policy` first: {"none", "adaptive"} when the budget lets adaptive save
+  /// everything. The search keeps one row for them (SearchResult::merged).
+  std::vector<std::string> equivalent_policies;
+  /// `policy`, or the equivalent policies joined by '=' ("none=adaptive").
+  std::string policy_label() const;
   nlohmann::json to_json() const;
 };
 
@@ -79,8 +89,15 @@ struct SearchResult {
   std::int64_t enumerated = 0;    ///< combinations looked at
   std::int64_t invalid = 0;       ///< dropped by the layout and schedule rules
   std::int64_t no_fit = 0;        ///< dropped by memory (lower bound or walk)
-  std::int64_t timed = 0;         ///< simulated for time
+  std::int64_t timed = 0;         ///< timed (at the calm load, without memory walks)
+  /// Simulations of the timing pass: an adaptive candidate is timed as its none
+  /// sibling (without the walk it saves everything), so the two take one.
+  std::int64_t simulations = 0;
   std::int64_t walked = 0;        ///< simulated with memory walks
+  /// Walked candidates whose result equals a row's under another policy (same layout,
+  /// schedule and micro-batch size): listed in that row's equivalent_policies, not
+  /// given a row of their own.
+  std::int64_t merged = 0;
   Seconds seconds = 0;
   nlohmann::json to_json(const SearchOptions& o) const;
   std::string format(const SearchOptions& o) const;

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <initializer_list>
 #include <numeric>
+#include <utility>
 #include <vector>
 
 #include "moeflex/core/error.h"
@@ -278,6 +279,54 @@ double none_among(double pool, double held, std::int64_t k) {
   for (std::int64_t i = 0; i < k; ++i) miss *= std::max(0.0, (pool - held - double(i)) / (pool - double(i)));
   return miss;
 }
+// Group-limited routing: the chance that a node holding experts [lo, hi) gets none of a
+// token's k experts, drawn from `chosen` of `groups` groups of `per_group` experts (the
+// groups uniformly, then the experts uniformly among theirs). The node touches m groups
+// with c_1..c_m of its experts; with A the touched groups among the chosen ones,
+//   P(miss) = sum_A C(groups - m, chosen - |A|) / C(groups, chosen) C(P - c_A, k) / C(P, k),
+// P = chosen x per_group, c_A the node's experts in A. Subsets with the same counts
+// are summed together: (count v, n_v groups with it), j_v of them chosen in
+// C(n_v, j_v) ways; a contiguous range has at most 3 counts (a partial group, whole
+// groups, a partial group), so this is exact and cheap for any number of groups.
+double grouped_miss(std::int64_t lo, std::int64_t hi, std::int64_t groups, std::int64_t per_group, std::int64_t chosen,
+                    std::int64_t k) {
+  struct Count {
+    std::int64_t experts, groups;
+  };
+  std::vector<Count> counts;
+  auto add = [&](std::int64_t experts, std::int64_t n) {
+    if (n <= 0) return;
+    for (Count& c : counts)
+      if (c.experts == experts) {
+        c.groups += n;
+        return;
+      }
+    counts.push_back({experts, n});
+  };
+  const std::int64_t g_lo = lo / per_group, g_hi = (hi - 1) / per_group;
+  if (g_lo == g_hi) {
+    add(hi - lo, 1);
+  } else {
+    add((g_lo + 1) * per_group - lo, 1);
+    add(per_group, g_hi - g_lo - 1);
+    add(hi - g_hi * per_group, 1);
+  }
+  const std::int64_t touched = g_hi - g_lo + 1;
+  const double pool = double(chosen * per_group), all = log_choose(groups, chosen);
+  double miss = 0;
+  // Choose j of counts[i]'s groups, then recurse; J groups and `held` experts so far.
+  auto sum = [&](auto& self, std::size_t i, std::int64_t J, std::int64_t held, double log_ways) -> void {
+    if (i == counts.size()) {
+      const double w = log_ways + log_choose(groups - touched, chosen - J) - all;
+      if (std::isfinite(w)) miss += std::exp(w) * none_among(pool, double(held), k);
+      return;
+    }
+    for (std::int64_t j = 0; j <= std::min(counts[i].groups, chosen - J); ++j)
+      self(self, i + 1, J + j, held + j * counts[i].experts, log_ways + log_choose(counts[i].groups, j));
+  };
+  sum(sum, 0, 0, 0, 0.0);
+  return miss;
+}
 }  // namespace
 
 RemoteNodeTraffic remote_node_traffic(const GroupPlacement& g, std::int64_t E, std::int64_t k, std::int64_t groups,
@@ -287,31 +336,51 @@ RemoteNodeTraffic remote_node_traffic(const GroupPlacement& g, std::int64_t E, s
       groups >= 1 && E % groups == 0 && groups_per_token >= 1 && groups_per_token <= groups &&
           k <= groups_per_token * (E / groups),
       fmt::format("remote_node_traffic: top-{} of {} experts from {} of {} groups", k, E, groups_per_token, groups));
-  RemoteNodeTraffic t;
-  const double n = g.size;
   const bool limited = groups_per_token < groups;
-  const double per_group = double(E / groups), pool = double(groups_per_token) * per_group;
-  auto add_node = [&](double c) {
-    const double experts = double(E) * c / n;
+  check_config(!limited || E % g.size == 0,
+               fmt::format("remote_node_traffic: group-limited routing needs whole experts a rank ({} experts over "
+                           "{} ranks)",
+                           E, g.size));
+  const double n = g.size;
+  // One node's share of a token's traffic: members [first, first + members), member i
+  // holding experts [i E / n, (i + 1) E / n).
+  auto node = [&](int first, int members) {
+    const double c = members;
     double miss = 0;
     if (!limited) {
-      miss = none_among(double(E), experts, k);
+      miss = none_among(double(E), double(E) * c / n, k);
     } else {
-      // The node's experts span m groups, a of each; j of those m are among the chosen.
-      const std::int64_t m = std::max<std::int64_t>(1, std::int64_t(std::ceil(experts / per_group - 1e-9)));
-      const double a = experts / double(m), all = log_choose(groups, groups_per_token);
-      for (std::int64_t j = 0; j <= std::min(m, groups_per_token); ++j)
-        miss += std::exp(log_choose(m, j) + log_choose(groups - m, groups_per_token - j) - all) *
-                none_among(pool, double(j) * a, k);
+      const std::int64_t per_rank = E / g.size;
+      miss = grouped_miss(first * per_rank, (first + members) * per_rank, groups, E / groups, groups_per_token, k);
     }
+    RemoteNodeTraffic t;
     const double hit = 1 - miss;
-    if (hit <= 0) return;
-    t.copies += hit;
-    t.forwards += hit * std::min(double(k) * c / n / hit, c) * (c - 1) / c;
+    if (hit <= 0) return t;
+    t.copies = hit;
+    t.forwards = hit * std::min(double(k) * c / n / hit, c) * (c - 1) / c;
+    return t;
   };
+  // Node runs in member order: the worst-placed member's node first, [0, rpn), then
+  // full_node members a node, the last the rest (cluster.h: the real layout, or its
+  // mirror image, for a member with rpn < full_node on its node).
   const int remote = g.size - g.ranks_per_node, full = std::max(g.full_node, 1);
-  for (int q = 0; q < remote / full; ++q) add_node(full);
-  if (remote % full > 0) add_node(remote % full);
+  std::vector<std::pair<int, int>> runs = {{0, g.ranks_per_node}};
+  for (int first = g.ranks_per_node; first < g.size; first += full)
+    runs.push_back({first, std::min(full, g.size - first)});
+  // Aligned (every node holds full_node members): every member is worst-placed, and with
+  // group-limited routing the nodes differ; the one whose node is hit least sends the most.
+  std::vector<std::size_t> locals = {0};
+  if (limited && remote > 0 && g.ranks_per_node == full && g.size % full == 0)
+    for (std::size_t j = 1; j < runs.size(); ++j) locals.push_back(j);
+  std::vector<RemoteNodeTraffic> per(runs.size());
+  for (std::size_t i = 0; i < runs.size(); ++i)
+    if (locals.size() > 1 || i > 0) per[i] = node(runs[i].first, runs[i].second);
+  std::size_t local = 0;
+  for (std::size_t j : locals)
+    if (per[j].copies < per[local].copies) local = j;
+  RemoteNodeTraffic t;
+  for (std::size_t i = 0; i < runs.size(); ++i)
+    if (i != local) t.copies += per[i].copies, t.forwards += per[i].forwards;
   return t;
 }
 

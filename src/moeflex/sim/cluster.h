@@ -163,22 +163,38 @@ Seconds all_to_all_time(const ClusterSpec& c, const GroupPlacement& g, Bytes sen
 /// With group-limited routing (`groups` G equal groups of E / G experts, a token's
 /// experts drawn from `groups_per_token` Gk of them chosen uniformly; DeepSeek-V3: 8
 /// groups, 4 a token, so a token reaches at most 4 nodes when each node holds whole
-/// groups), a node holding m groups' worth of experts (a = E c / n / m of each, m =
-/// ceil(E c / n / (E / G)), 1 when the node holds part of one group) misses with
-/// probability sum_j Hyp(j; G, m, Gk) prod_{i<k} (P - j a - i) / (P - i), P = Gk E / G
-/// the experts of the chosen groups, Hyp the hypergeometric chance that j of the
-/// node's m groups are among the Gk chosen. Every expert is still chosen with
-/// probability k / E, so the rows a node receives are unchanged; they come in fewer,
-/// fuller copies. Exact when each node holds whole groups or part of one (a
-/// DeepSeek-V3 layout on 8-GPU nodes); when nodes straddle group boundaries (24
-/// experts a node, groups of 32) the even split a is an approximation, off by up to
-/// 8% in copies for DeepSeek-V3's 4 of 8 groups and 30% with 1 of 8 (an exact
-/// per-node count checked it, 2026-11-30).
+/// groups), the miss chance of a node follows from which experts it holds: member i
+/// holds experts [i E / n, (i + 1) E / n) (E / n whole experts a rank, else
+/// ConfigError), members [0, rpn) share the worst-placed member's node and the remote
+/// nodes hold the next full_node members each, the last the rest. A node touching m
+/// groups with c_1..c_m of its experts misses with probability
+///   sum over subsets A of its m groups of C(G - m, Gk - |A|) / C(G, Gk) x C(P - c_A, k) / C(P, k),
+/// P = Gk E / G the experts of the chosen groups, c_A the node's experts in A (through
+/// lgamma; subsets whose groups hold equal counts are summed together, and a node's
+/// contiguous experts have at most 3 distinct counts, so any G is cheap). Every expert
+/// is still chosen with probability k / E, so the rows a node receives are unchanged;
+/// they come in fewer, fuller copies. When every node holds full_node members
+/// (rpn = full_node), every member is worst-placed, and with group-limited routing
+/// their nodes differ (4 experts a node in groups of 3: 3 + 1, 2 + 2, 1 + 3): the
+/// result is the member that sends the most copies, whose node is hit least. Exact
+/// under uniform routing for groups of consecutive ranks (EP groups; also strides
+/// dividing gpus_per_node), nodes straddling group boundaries included: a stride-1
+/// group's node runs are [a, gpus_per_node, ..., b], so a member with rpn < full_node
+/// on its node sees the layout above or its mirror image, which maps groups onto
+/// groups. Other strides, and groups wider than kExactPlacementSpan, take the same
+/// layout as an approximation (as are the forwards, from the expected count above).
+/// Until 2026-11-30 a node's experts were spread evenly over the groups it touches,
+/// off by up to 8% in copies with DeepSeek-V3's 4 of 8 groups and 30% with 1 of 8 (EP 64
+/// on 6-GPU nodes, 24 experts a node in groups of 32: 4.31 copies against the exact
+/// 4.60, and 1.37 against 1.83).
+/// `Cluster.GroupLimitedRoutingIsExactWhenNodesStraddleGroups` checks it against a
+/// brute-force count over every choice of groups and experts.
 struct RemoteNodeTraffic {
   double copies = 0;
   double forwards = 0;
 };
-/// ConfigError unless 1 <= k <= E, G divides E, 1 <= Gk <= G and k <= Gk E / G.
+/// ConfigError unless 1 <= k <= E, G divides E, 1 <= Gk <= G, k <= Gk E / G and, with
+/// Gk < G, n divides E.
 RemoteNodeTraffic remote_node_traffic(const GroupPlacement& g, std::int64_t E, std::int64_t k, std::int64_t groups = 1,
                                       std::int64_t groups_per_token = 1);
 

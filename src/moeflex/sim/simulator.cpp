@@ -166,6 +166,12 @@ Seconds segment_time(const ActionCost::Segment& g, double cores) {
   return t;
 }
 
+Seconds pair_exposed_comm(const ActionCost& f, const ActionCost& b, bool overlap) {
+  if (!overlap) return f.comm + b.comm;
+  return (f.comm - f.overlappable) + (b.comm - b.overlappable) + std::max<Seconds>(0, f.overlappable - b.compute) +
+         std::max<Seconds>(0, b.overlappable - f.compute);
+}
+
 namespace {
 
 /// run_plan under core sharing (see CoreSharing): a global event loop in virtual
@@ -230,8 +236,7 @@ PlanTimeline run_plan_shared(const StepPlan& plan, const std::function<ActionCos
               const ActionCost b = cost(r, acts[i + 1]);
               const Seconds both = c.compute + c.comm + b.compute + b.comm;
               const Seconds compute = c.compute + b.compute;
-              const Seconds comm =
-                  overlap_pair_comm ? std::max<Seconds>(0, c.comm + b.comm - compute) : c.comm + b.comm;
+              const Seconds comm = pair_exposed_comm(c, b, overlap_pair_comm);
               for (const auto& g : segments_of(b)) R.parts.push_back(g);
               const double scale = both > 0 ? (compute + comm) / both : 0;  // hidden comm shortens every segment
               for (auto& g : R.parts) {
@@ -394,7 +399,7 @@ PlanTimeline run_plan(const StepPlan& plan, const std::function<ActionCost(int, 
         } else if (a.overlapped_with_next && i + 1 < acts.size()) {
           const ActionCost f = cost(r, a), b = cost(r, acts[i + 1]);
           const Seconds compute = f.compute + b.compute;
-          const Seconds comm = overlap_pair_comm ? std::max<Seconds>(0, f.comm + b.comm - compute) : f.comm + b.comm;
+          const Seconds comm = pair_exposed_comm(f, b, overlap_pair_comm);
           tl.times[std::size_t(r)][i] = tl.times[std::size_t(r)][i + 1] = {t, t + compute + comm};
           tl.busy[std::size_t(r)] += compute + comm;
           tl.comm[std::size_t(r)] += comm;
@@ -592,15 +597,19 @@ struct Simulation {
     return cache->layers.emplace(k, std::move(lc)).first->second;
   }
 
-  /// Blocking collectives of one layer, forward or backward.
-  Seconds layer_comm(const LayerCost& lc) const {
-    Seconds t = 0;
-    if (lc.a2a_send_bytes > 0 || lc.a2a_recv_bytes > 0) {
-      t += 2 * (o.dispatcher == "deepep"
+  /// The expert all-to-alls of one layer (dispatch and combine), forward or backward.
+  Seconds layer_a2a(const LayerCost& lc) const {
+    if (lc.a2a_send_bytes <= 0 && lc.a2a_recv_bytes <= 0) return 0;
+    return 2 * (o.dispatcher == "deepep"
                     ? dedup_all_to_all_time(o.cluster, ep_group, lc.a2a_send_bytes, lc.a2a_recv_bytes, cfg.num_experts,
                                             cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group)
                     : all_to_all_time(o.cluster, ep_group, lc.a2a_send_bytes, lc.a2a_recv_bytes));
-    }
+  }
+
+  /// Blocking collectives of one layer, forward or backward: its all-to-alls and the
+  /// tensor-parallel all-gathers / reduce-scatters.
+  Seconds layer_comm(const LayerCost& lc) const {
+    Seconds t = layer_a2a(lc);
     if (lc.tp_collective_bytes > 0) t += 4 * all_gather_time(o.cluster, tp_group, lc.tp_collective_bytes);
     return t;
   }
@@ -622,8 +631,13 @@ struct Simulation {
     if (o.dispatcher != "alltoall" && o.dispatcher != "deepep")
       throw ConfigError(fmt::format("--dispatcher '{}': alltoall or deepep", o.dispatcher));
     const bool dualv = o.schedule == "dualpipev";
-    if (o.schedule != "interleaved" && p.vpp != 1)
-      throw ConfigError(fmt::format("vpp {} needs --schedule interleaved (dualpipev holds 2 chunks by itself)", p.vpp));
+    if (std::find(schedule_names().begin(), schedule_names().end(), o.schedule) == schedule_names().end())
+      make_schedule(o.schedule, 1, 1);  // throws ConfigError listing the known names
+    if (!schedule_takes_vpp(o.schedule) && p.vpp != 1)
+      throw ConfigError(
+          fmt::format("vpp {} needs --schedule interleaved or 1f1b-overlap (dualpipev holds 2 chunks by "
+                      "itself)",
+                      p.vpp));
     const int v = dualv ? 2 : p.vpp;
     // The layout's own checks on the expert layers' view of a stage (MoE parallel
     // folding, expert tensor parallelism 1): its tp x dp ranks are ep x expert_dp, so
@@ -652,7 +666,7 @@ struct Simulation {
     int mw = m;
     if (o.schedule != "gpipe") {
       mw = std::min(m, 2 * p.pp * v + 2);
-      if (o.schedule == "interleaved") mw = std::min(m, (mw + p.pp - 1) / p.pp * p.pp);
+      if (schedule_takes_vpp(o.schedule)) mw = std::min(m, (mw + p.pp - 1) / p.pp * p.pp);
     }
     if (o.loads.per_rank()) {
       // A per-rank replay walks every recorded micro-batch in its own place.
@@ -1030,9 +1044,18 @@ SimReport simulate(const SimOptions& o) {
         std::vector<double> spiked = mb_ratio;
         spiked[0] = std::max(spiked[0], o.spike_check);
         std::vector<std::string> pol_spiked = pol;
-        if (adaptive) pol_spiked[0] = adaptive_levels().back();  // the spike gets the most-saving level
-        rep.spike_peak_bytes = std::max(rep.spike_peak_bytes,
-                                        sim.rank_bytes(persist[std::size_t(r)], sim.walk(r, -1, spiked, pol_spiked)));
+        Bytes spike = sim.rank_bytes(persist[std::size_t(r)], sim.walk(r, -1, spiked, pol_spiked));
+        if (adaptive) {
+          // The spike gets the cheapest level from its calm one up whose walk fits (as
+          // the iteration's own choice above), the most-saving one when none fits.
+          const auto& L = adaptive_levels();
+          for (auto lv = std::size_t(std::find(L.begin(), L.end(), pol[0]) - L.begin()) + 1;
+               spike > sim.limit && lv < L.size(); ++lv) {
+            pol_spiked[0] = L[lv];
+            spike = sim.rank_bytes(persist[std::size_t(r)], sim.walk(r, -1, spiked, pol_spiked));
+          }
+        }
+        rep.spike_peak_bytes = std::max(rep.spike_peak_bytes, spike);
       }
     }
     if (!o.walk_memory)
@@ -1068,11 +1091,13 @@ SimReport simulate(const SimOptions& o) {
         for (int l = si.first_layer; l < si.last_layer; ++l) {
           const double rt = sim.ratio(it, mb, l);
           const LayerCost& lc = sim.layer_at(l, rt);
-          const Seconds comm = sim.layer_comm(lc);
+          const Seconds comm = sim.layer_comm(lc), a2a = sim.layer_a2a(lc);
           f.compute += lc.forward;
           f.comm += comm;
+          f.overlappable += a2a;
           b.compute += lc.backward_input;
           b.comm += comm;
+          b.overlappable += a2a;
           w.compute += lc.backward_weight;
           std::set<std::string> dropped;
           if (pol != "none" || o.cluster.flash_attention) {
@@ -1195,6 +1220,7 @@ SimReport simulate(const SimOptions& o) {
             case ActionKind::BackwardWeight: return W[i];
             default: {  // a whole backward: B's segments, then W's
               ActionCost c{Bi[i].compute + W[i].compute, Bi[i].comm, 0, Bi[i].segments};
+              c.overlappable = Bi[i].overlappable;
               c.segments.insert(c.segments.end(), W[i].segments.begin(), W[i].segments.end());
               return c;
             }
@@ -1275,8 +1301,9 @@ SimReport simulate(const SimOptions& o) {
                       {"dur", msg_time * 1e6}, {"args", {{"mb", a.microbatch}, {"stage", a.stage}}}});
       } else if (is_compute(a.kind)) {
         if (i > 0 && acts[i - 1].overlapped_with_next) continue;  // the pair is drawn once
-        const std::string name = fmt::format("{}{} s{}{}", to_string(a.kind), a.microbatch, a.stage,
-                                             a.overlapped_with_next ? "+pair" : "");
+        std::string name = fmt::format("{}{} s{}", to_string(a.kind), a.microbatch, a.stage);
+        if (a.overlapped_with_next && i + 1 < acts.size())  // the pair's backward, named beside its forward
+          name += fmt::format(" + {}{} s{}", to_string(acts[i + 1].kind), acts[i + 1].microbatch, acts[i + 1].stage);
         ev.push_back({{"name", name}, {"cat", "compute"}, {"ph", "X"}, {"pid", r}, {"tid", 0}, {"ts", iv.start * 1e6},
                       {"dur", (iv.end - iv.start) * 1e6},
                       {"args", {{"mb", a.microbatch}, {"stage", a.stage},

@@ -114,7 +114,9 @@ struct SimOptions {
   /// false: skip the memory walks (times only; adaptive then runs at level none).
   bool walk_memory = true;
   /// > 0: also walk each rank with micro-batch 0 at this ratio and the others at
-  /// the iteration's loads, into SimReport::spike_peak_bytes (the search's OOM check).
+  /// the iteration's loads, into SimReport::spike_peak_bytes (the search's OOM check);
+  /// adaptive gives micro-batch 0 the cheapest level from its calm one up that fits
+  /// (the most-saving one when none does), as it provisions a spike.
   double spike_check = 0;
   /// Shared cost model and layer times (the search); null: the simulation builds its own.
   std::shared_ptr<SimCache> cache;
@@ -227,7 +229,21 @@ struct ActionCost {
   /// 1 / segment_time(segment, cores of the group) (sum of T: compute + comm; of D:
   /// demand). Empty: one segment {compute + comm, demand}.
   std::vector<Segment> segments;
+  /// The part of `comm` an overlapped F&B pair can hide under the other half's
+  /// compute (the expert all-to-alls, run on their own stream; the tensor-parallel
+  /// collectives stay exposed): see pair_exposed_comm.
+  Seconds overlappable = 0;
 };
+
+/// The exposed comm of an overlapped F&B pair (DualPipe's F&B, Megatron-Core's
+/// combined 1F1B): without `overlap`, both halves' comm. With it, each half's
+/// all-to-alls (ActionCost::overlappable) hide under the *other* half's compute,
+/// cross-wise as in DeepSeek-V3's overlap (arXiv 2412.19437, section 3.2.1: the
+/// forward's dispatch and combine under the backward's compute and vice versa), and
+/// what they cannot hide, and the rest of the comm, stays exposed:
+///   (f.comm - f.overlappable) + (b.comm - b.overlappable)
+///   + max(0, f.overlappable - b.compute) + max(0, b.overlappable - f.compute).
+Seconds pair_exposed_comm(const ActionCost& f, const ActionCost& b, bool overlap);
 
 /// Ranks that are processes time-sharing fewer host cores (this-machine under
 /// `mpirun --oversubscribe`). Each pipeline rank of the plan stands for
@@ -291,9 +307,8 @@ struct PlanTimeline {
 };
 
 /// Runs `plan` in virtual time: ranks run their actions in order; a compute action
-/// takes cost(rank, action); an overlapped F&B pair takes both halves' compute, and
-/// their blocking comm either added (overlap_pair_comm false) or hidden under the
-/// pair's compute up to its length; a Send never blocks and its message arrives
+/// takes cost(rank, action); an overlapped F&B pair takes both halves' compute and
+/// pair_exposed_comm(F, B, overlap_pair_comm) of their comm; a Send never blocks and its message arrives
 /// message_time(send) later; a Recv waits for it. Throws ScheduleError on deadlock.
 /// With `sharing` (cores < the plan's ranks x processes_per_rank), compute actions
 /// stretch as CoreSharing describes, in a global event loop; otherwise (and then

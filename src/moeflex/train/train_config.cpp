@@ -115,10 +115,11 @@ void RunConfig::validate() const {
   rule(parallel.vpp >= 1, "parallel.vpp: must be at least 1");
   // The schedules' own requirements on the micro-batches per step, named in the
   // config's terms (schedule/ names them num_microbatches).
-  if (parallel.schedule == "interleaved")
+  if (parallel.schedule == "interleaved" || parallel.schedule == "1f1b-overlap")
     rule(t.grad_accum % parallel.pp == 0,
-         fmt::format("train.grad_accum (--grad-accum, micro-batches per step) = {}: the interleaved schedule needs a "
-                     "multiple of parallel.pp = {}", t.grad_accum, parallel.pp));
+         fmt::format("train.grad_accum (--grad-accum, micro-batches per step) = {}: the {} schedule needs a "
+                     "multiple of parallel.pp = {}",
+                     t.grad_accum, parallel.schedule, parallel.pp));
   if (parallel.schedule == "dualpipev")
     rule(t.grad_accum >= 2 * parallel.pp,
          fmt::format("train.grad_accum (--grad-accum, micro-batches per step) = {}: the dualpipev schedule needs at "

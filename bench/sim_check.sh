@@ -89,6 +89,9 @@ CONFIGS=(
   "pp2-1f1b|2|--pp 2|pp=2,dp=1|1f1b|none"
   "pp2-gpipe|2|--pp 2 --schedule gpipe|pp=2,dp=1|gpipe|none"
   "pp2-zbh1-selective|2|--pp 2 --schedule zb-h1 --policy selective|pp=2,dp=1|zb-h1|selective"
+  "pp2-interleaved|2|--pp 2 --vpp 2 --schedule interleaved|pp=2,vpp=2,dp=1|interleaved|none"
+  "pp2-dualpipev|2|--pp 2 --vpp 2 --schedule dualpipev|pp=2,dp=1|dualpipev|none"
+  "pp2-1f1b-overlap|2|--pp 2 --vpp 2 --schedule 1f1b-overlap|pp=2,vpp=2,dp=1|1f1b-overlap|none"
   "pp2-dp2-ep2|4|--pp 2 --ep 2|pp=2,dp=2,ep=2|1f1b|none"
   "dp4-ep4-none|4|--ep 4|pp=1,dp=4,ep=4|1f1b|none"
 )
@@ -106,7 +109,8 @@ run_round() {
       rm -rf "${dir:?}/$name"
       # shellcheck disable=SC2086
       mpirun --allow-run-as-root --oversubscribe -np "$np" -x OMP_NUM_THREADS=1 "$BIN" train --config "$CFG" \
-        --steps "$STEPS" --threads 1 $flags --out "$dir/$name" --quiet > "$dir/$name.train.log" 2>&1
+        --steps "$STEPS" --threads 1 $flags --out "$dir/$name" --quiet > "$dir/$name.train.log" 2>&1 ||
+        { echo "sim_check: training $name failed ($dir/$name.train.log):" >&2; tail -3 "$dir/$name.train.log" >&2; exit 1; }
     fi
     loads="$dir/$name/loads.jsonl"
     [[ -f "$loads" ]] || loads="$dir/$name/metrics.jsonl"
@@ -114,10 +118,11 @@ run_round() {
     dp=$(sed 's/.*dp=\([0-9]*\).*/\1/' <<< "$par")
     "$BIN" simulate --model "$CFG" --cluster "$cl" --parallel "$par" --schedule "$sched" --policy "$pol" \
       --global-batch $((4 * 4 * dp)) --loads "$loads" --iterations "$iters" \
-      --out "$dir/$name/sim" > "$dir/$name.sim.log"
+      --out "$dir/$name/sim" > "$dir/$name.sim.log" 2>&1 ||
+      { echo "sim_check: simulating $name failed ($dir/$name.sim.log):" >&2; tail -3 "$dir/$name.sim.log" >&2; exit 1; }
   done
 }
-# REPEAT=N (N > 1): N rounds of all 8 configs, one after the other, in OUT/round1..N;
+# REPEAT=N (N > 1): N rounds of all 11 configs, one after the other, in OUT/round1..N;
 # with CALIBRATE=1 each round first calibrates its own profile (OUT/roundK/this-
 # machine.json, data/hardware/ untouched). The table compares, per config, the median
 # over rounds of the measured step with the median of the predicted one, and lists

@@ -326,15 +326,18 @@ SearchResult search(const SearchOptions& o) {
   if (best.empty()) {
     if (smallest_persistent < 0)  // nothing passed the layout and schedule rules
       throw ConfigError(fmt::format(
-          "no layout of {} for {} on {} GPUs passes the layout and schedule rules ({} combinations, all invalid): tp "
+          "no layout of {} for the {}-parameter model on {} GPUs passes the layout and schedule rules ({} "
+          "combinations, all invalid): tp "
           "divides the heads and fits a node, ep divides tp x dp and the experts, the global batch {} splits into dp "
           "x micro-batch size, interleaved and 1f1b-overlap need m % pp == 0 (1f1b-overlap also ep > 1, m > pp and a "
           "bf16 cluster), dualpipev m >= 2 pp",
-          o.cluster.name, cfg.num_params(), o.gpus, res.enumerated, G));
-    throw ConfigError(fmt::format("no layout of {} for {} on {} GPUs fits {:.2f} GiB per device (smallest persistent "
-                                  "footprint seen: {:.2f} GiB; {} combinations, {} invalid)",
-                                  o.cluster.name, cfg.num_params(), o.gpus, double(limit) / double(kGiB),
-                                  double(smallest_persistent) / double(kGiB), res.enumerated, res.invalid));
+          o.cluster.name, format_count(double(cfg.num_params())), o.gpus, res.enumerated, G));
+    throw ConfigError(
+        fmt::format("no layout of {} for the {}-parameter model on {} GPUs fits {:.2f} GiB per device "
+                    "(smallest persistent "
+                    "footprint seen: {:.2f} GiB; {} combinations, {} invalid)",
+                    o.cluster.name, format_count(double(cfg.num_params())), o.gpus, double(limit) / double(kGiB),
+                    double(smallest_persistent) / double(kGiB), res.enumerated, res.invalid));
   }
   res.top = std::move(best);
   res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

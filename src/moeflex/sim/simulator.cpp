@@ -200,7 +200,8 @@ PlanTimeline run_plan_shared(const StepPlan& plan, const std::function<ActionCos
   };
   auto segments_of = [&](const ActionCost& c) {
     if (!c.segments.empty()) return c.segments;
-    return std::vector<ActionCost::Segment>{{c.compute + c.comm, c.demand > 0 ? c.demand : (c.compute + c.comm) * p}};
+    return std::vector<ActionCost::Segment>{
+        {c.compute + c.comm, c.demand > 0 ? c.demand : (c.compute + c.comm) * p, {}}};
   };
   std::vector<Running> run(static_cast<std::size_t>(P));
   std::vector<std::size_t> pc(std::size_t(P), 0);
@@ -1079,7 +1080,7 @@ SimReport simulate(const SimOptions& o) {
         // expert all-to-alls); the weight gradients have none (one segment).
         const double dp = par.dp * par.tp;
         auto same = [&](ActionCost& a, Seconds t) {  // work every process does alike
-          if (shared && t > 0) a.segments.push_back({t, t * dp});
+          if (shared && t > 0) a.segments.push_back({t, t * dp, {}});
         };
         ActionCost::Segment w_all;
         // Each process's weight gradients (the expert rows differ), for w_all.each.
@@ -1191,8 +1192,9 @@ SimReport simulate(const SimOptions& o) {
           w.compute += sim.head.backward_weight;
           same(f, sim.head.forward);
           // the head's backward runs first in B
-          if (shared) b.segments.insert(b.segments.begin(), {sim.head.backward_input + head_rc,
-                                                             (sim.head.backward_input + head_rc) * dp});
+          if (shared)
+            b.segments.insert(b.segments.begin(),
+                              {sim.head.backward_input + head_rc, (sim.head.backward_input + head_rc) * dp, {}});
           w_all.T += sim.head.backward_weight;
           w_all.D += sim.head.backward_weight * dp;
           add_w(sim.head.backward_weight);

@@ -1,6 +1,7 @@
 #include "moeflex/train/generate.h"
 
 #include <fmt/format.h>
+#include <malloc.h>
 
 #include <algorithm>
 #include <map>
@@ -103,6 +104,14 @@ std::string generate_text(const GenerateOptions& opts) {
     const std::size_t start = ids.size() > std::size_t(ctx) ? ids.size() - std::size_t(ctx) : 0;
     std::vector<std::int32_t> window(ids.begin() + std::ptrdiff_t(start), ids.end());
     model.forward_eval(window.data(), nullptr, 1, std::int64_t(window.size()), logits.data());
+#ifdef __GLIBC__
+    // Each call's tensors change size (the window grows to the context; the routing
+    // moves the expert rows), and glibc's heap kept what they freed: 1.3 GB of
+    // resident memory after 512 tokens of the default model, 2.9 GB after 1024.
+    // Returning the free pages every 32 tokens holds it near 250 MB (+4% time;
+    // every call: 140 MB, +50%).
+    if ((i + 1) % 32 == 0) malloc_trim(0);
+#endif
     std::int32_t next = 0;
     if (opts.temperature <= 0) {
       next = std::int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());

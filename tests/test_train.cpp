@@ -324,10 +324,19 @@ TEST(Train, RunFoldersAreNeverTakenOverOrRewritten) {
   EXPECT_TRUE(fs::is_directory(multi / "rank00001" / "checkpoints"));
   const fs::path killed = fresh_dir("killed");
   fs::create_directories(killed);
+  std::ofstream(killed / "config.toml") << "# written first by every run\n";
   std::ofstream(killed / "metrics.jsonl") << "{\"step\": 1, \"loss\": 8.0}\n";
   EXPECT_NE(message_of([&] { run_training(options(small_run(2), killed)); }).find("before its first complete checkpoint"),
             std::string::npos);
   EXPECT_EQ(losses(killed).size(), 1u);
+  // Another command's output (a `moeflex simulate --out` folder: a summary, no config.toml).
+  const fs::path simulated = fresh_dir("simulated");
+  fs::create_directories(simulated);
+  std::ofstream(simulated / "summary.json") << "{\"step_time_s\": 1.0}\n";
+  EXPECT_NE(message_of([&] { run_training(options(small_run(2), simulated)); })
+                .find("holds another command's output (a summary.json or metrics.jsonl without a run's config.toml"),
+            std::string::npos);
+  EXPECT_EQ(nlohmann::json::parse(std::ifstream(simulated / "summary.json"))["step_time_s"], 1.0);
   // A folder a refused run left (config.toml only) is taken over.
   const fs::path refused = fresh_dir("refused");
   fs::create_directories(refused);

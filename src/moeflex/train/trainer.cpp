@@ -468,6 +468,15 @@ TrainResult run_training(const TrainOptions& opts) {
   TokenDataset data = TokenDataset::open(data_dir);
 
   if (!opts.resume && holds_a_run(run_dir)) {
+    // Every training run writes its config.toml first; a summary without one is
+    // another command's output (`moeflex simulate --out`), not a run to resume.
+    bool checkpoints = false;
+    for (const fs::path& root : checkpoint_roots(run_dir)) checkpoints = checkpoints || fs::exists(root / "checkpoints");
+    if (!fs::exists(run_dir / "config.toml") && !checkpoints)
+      throw ConfigError(fmt::format("'{}' holds another command's output (a summary.json or metrics.jsonl without a "
+                                    "run's config.toml, e.g. `moeflex simulate --out`), not a training run: use "
+                                    "another --out",
+                                    run_dir.string()));
     if (!holds_a_checkpoint(run_dir))  // it ended before its first checkpoint: nothing to resume
       throw ConfigError(fmt::format("run directory '{}' holds a run that ended before its first complete checkpoint "
                                     "(it has metrics, a summary or a checkpoints folder); it cannot be resumed: use "

@@ -612,6 +612,7 @@ TrainResult run_training(const TrainOptions& opts) {
     }
   } restore{old_int, old_term};
   bool restart_limit_reached = false;  // on_oom = restart gave up: every rank throws at the same step
+  std::int64_t running_step = -1;      // the step in progress (0-based), for an OOM's message
   try {
     const int B = int(t.micro_batch_size), S = int(t.seq_len);
     const std::int64_t M = t.grad_accum;
@@ -1037,6 +1038,7 @@ TrainResult run_training(const TrainOptions& opts) {
     // Arena fragmentation handling so far on this rank: compactions, bytes moved, bytes evicted.
     double defrag_seen[3] = {0, 0, 0};
     for (std::int64_t step = start_step; step < t.steps; ++step) {
+      running_step = step;
       const auto t0 = Clock::now();
       const double cpu0 = process_cpu_seconds();
       my_run_peak = std::max(my_run_peak, arena.peak());  // this rank's peak over the run so far
@@ -1249,7 +1251,12 @@ TrainResult run_training(const TrainOptions& opts) {
       }
     }
     finish_op_times();
-  } catch (const OutOfMemoryError& e) {
+  } catch (const OutOfMemoryError& oom) {
+    // A step that ran out says which (a restart that gave up already names it).
+    const OutOfMemoryError e =
+        running_step >= 0 && !restart_limit_reached
+            ? OutOfMemoryError(oom, fmt::format("step {} of {} ran out of device memory", running_step + 1, t.steps))
+            : oom;
     if (!state_placed)  // not a step that ran out: the budget cannot hold the model state at all
       throw ConfigError(fmt::format(
           "--device-memory {} cannot hold this rank's model state (weights{}, gradients and AdamW moments): it ran "
@@ -1272,6 +1279,7 @@ TrainResult run_training(const TrainOptions& opts) {
       comm::abort_job(e.what(), 3);
     }
     write_summary(seconds_since(t_start));
+    if (running_step >= 0 && !restart_limit_reached) throw e;
     throw;
   } catch (const Error& e) {
     if (!opts.resume && res.steps_run == 0) {  // refused before its first step: no trace files are left behind

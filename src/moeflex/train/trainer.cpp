@@ -152,8 +152,9 @@ class Progress {
  public:
   Progress(bool enabled, std::int64_t total) : enabled_(enabled), total_(total), tty_(isatty(fileno(stderr))) {}
   /// `provisioned_steps`: steps of the run so far that recomputed or offloaded anything.
-  void update(std::int64_t step, double loss, double val, double tps, Bytes peak, Bytes budget, double recomputed,
-              double offloaded, std::int64_t provisioned_steps) {
+  /// `val`: the last validation loss, evaluated after step `val_step` (0: before training).
+  void update(std::int64_t step, double loss, double val, std::int64_t val_step, double tps, Bytes peak, Bytes budget,
+              double recomputed, double offloaded, std::int64_t provisioned_steps) {
     if (!enabled_) return;
     const int width = 24;
     const int filled = int(double(width) * double(step) / double(std::max<std::int64_t>(total_, 1)));
@@ -161,8 +162,9 @@ class Progress {
     bar.resize(std::size_t(width), ' ');
     std::string line = fmt::format(
         "step {:>5}/{} [{}] loss {:.4f} | val {} | {:.0f} tok/s | mem {} / {} | recomp {:.0f}% offl {:.0f}% "
-        "(on {} step{} so far)", step, total_, bar, loss, std::isnan(val) ? std::string("-") : fmt::format("{:.4f}", val),
-        tps, format_bytes(peak), format_bytes(budget), 100.0 * recomputed, 100.0 * offloaded, provisioned_steps,
+        "(on {} step{} so far)",
+        step, total_, bar, loss, std::isnan(val) ? std::string("-") : fmt::format("{:.4f} @{}", val, val_step), tps,
+        format_bytes(peak), format_bytes(budget), 100.0 * recomputed, 100.0 * offloaded, provisioned_steps,
         provisioned_steps == 1 ? "" : "s");
     if (tty_) {
       fmt::print(stderr, "\r{}\x1b[K", line);
@@ -1233,9 +1235,9 @@ TrainResult run_training(const TrainOptions& opts) {
         res.decisions = decisions_before + std::int64_t(sorted.size());
         res.decision_seconds_p99 = sorted[std::min(sorted.size() - 1, std::size_t(0.99 * double(sorted.size())))];
       }
-      progress.update(step + 1, sum.ce, last_val, double(step_tokens) / dt, std::int64_t(peak), arena.budget(),
-                      all_bytes > 0 ? provisioned[1] / all_bytes : 0.0, all_bytes > 0 ? offl / all_bytes : 0.0,
-                      res.provisioned_steps);
+      progress.update(step + 1, sum.ce, last_val, res.final_val_step, double(step_tokens) / dt, std::int64_t(peak),
+                      arena.budget(), all_bytes > 0 ? provisioned[1] / all_bytes : 0.0,
+                      all_bytes > 0 ? offl / all_bytes : 0.0, res.provisioned_steps);
       // A stop request must be seen by every rank at the same step.
       double stop_flag = g_stop_requested ? 1.0 : 0.0;
       if (world_size > 1) world->all_reduce_max(&stop_flag, 1);

@@ -580,6 +580,10 @@ TEST(Sim, APairHidesOnlyItsAllToAllsEachUnderTheOtherHalfsCompute) {
   ActionCost f2{1.0, 2.0, 0, {}}, b2{0.5, 0.0, 0, {}};
   f2.overlappable = 2.0;
   EXPECT_DOUBLE_EQ(pair_exposed_comm(f2, b2, true), 1.5);  // a pooled rule would give 2 - 1.5 = 0.5
+  // What a half may hide is part of its comm: an overlappable above it is clamped.
+  ActionCost f3{1.0, 1.0, 0, {}}, b3{5.0, 0.0, 0, {}};
+  f3.overlappable = 2.0;
+  EXPECT_DOUBLE_EQ(pair_exposed_comm(f3, b3, true), 0.0);
   // Through the simulator: without expert parallelism, a bf16 pair hides nothing.
   SimOptions o = small_options("interleaved", 2, 8);
   o.parallel = {2, 2, 2, 1, 1};  // tp 2 (its collectives priced), ep 1

@@ -40,11 +40,17 @@ double expected_effective(double tgs, Seconds step, double p_oom, const SearchOp
 /// Whether two walked candidates differ at most in their policy: the same layout,
 /// schedule and micro-batches, and bit for bit the same simulated result (step time,
 /// recompute time, bubble, calm and spike peaks, OOM risk). Close is not the same.
+/// The same layout, schedule and micro-batches: two candidates that differ at most in
+/// their policy.
+bool siblings(const Candidate& a, const Candidate& b) {
+  const sim::ParallelSpec &x = a.parallel, &y = b.parallel;
+  return x.tp == y.tp && x.pp == y.pp && x.vpp == y.vpp && x.ep == y.ep && x.dp == y.dp && a.schedule == b.schedule &&
+         a.micro_batch_size == b.micro_batch_size && a.num_microbatches == b.num_microbatches;
+}
+
 bool same_result(const Candidate& a, const Candidate& b) {
-  return a.parallel.str() == b.parallel.str() && a.schedule == b.schedule && a.micro_batch_size == b.micro_batch_size &&
-         a.num_microbatches == b.num_microbatches && a.step_time == b.step_time &&
-         a.recompute_time == b.recompute_time && a.tgs == b.tgs && a.effective_tgs == b.effective_tgs &&
-         a.mfu == b.mfu && a.bubble == b.bubble && a.peak_bytes == b.peak_bytes &&
+  return siblings(a, b) && a.step_time == b.step_time && a.recompute_time == b.recompute_time && a.tgs == b.tgs &&
+         a.effective_tgs == b.effective_tgs && a.mfu == b.mfu && a.bubble == b.bubble && a.peak_bytes == b.peak_bytes &&
          a.spike_peak_bytes == b.spike_peak_bytes && a.oom_probability == b.oom_probability;
 }
 
@@ -271,15 +277,34 @@ SearchResult search(const SearchOptions& o) {
   const bool by_memory = o.objective == "memory";
   if (!by_memory && o.objective != "tgs")
     throw ConfigError(fmt::format("--objective '{}': expected tgs or memory", o.objective));
+  // Ties broken by layout, schedule, micro-batch size and the order of the policies, so
+  // that the walks, and which of two equal rows is kept, do not depend on the sort.
+  auto policy_rank = [&](const std::string& p) {
+    return std::find(o.policies.begin(), o.policies.end(), p) - o.policies.begin();
+  };
   std::sort(timed.begin(), timed.end(), [&](const Candidate& a, const Candidate& b) {
-    return by_memory ? a.peak_bytes < b.peak_bytes : a.tgs > b.tgs;
+    const double ka = by_memory ? -double(a.peak_bytes) : a.tgs, kb = by_memory ? -double(b.peak_bytes) : b.tgs;
+    if (ka != kb) return ka > kb;
+    const sim::ParallelSpec &x = a.parallel, &y = b.parallel;
+    const auto la = std::make_tuple(x.tp, x.pp, x.vpp, x.ep, x.dp, a.schedule, a.micro_batch_size);
+    const auto lb = std::make_tuple(y.tp, y.pp, y.vpp, y.ep, y.dp, b.schedule, b.micro_batch_size);
+    if (la != lb) return la < lb;
+    return policy_rank(a.policy) < policy_rank(b.policy);
   });
   std::vector<Candidate> best;
   std::vector<Candidate> below;  // walked, fit, and pushed out of the top
   auto worst_kept = [&]() { return best.size() < std::size_t(o.top) ? -1.0 : by_memory ? -double(best.back().peak_bytes) : best.back().effective_tgs; };
   for (Candidate& c : timed) {
     const double bound = by_memory ? -double(c.peak_bytes) : c.tgs;
-    if (best.size() >= std::size_t(o.top) && bound <= worst_kept()) break;
+    if (best.size() >= std::size_t(o.top)) {
+      const double worst = worst_kept();
+      if (bound < worst) break;
+      // At the bound of the last row kept, only a sibling of a kept row is walked: it may
+      // join that row (adaptive timed as none has none's bound); anything else ties at
+      // best and would not displace it.
+      if (bound == worst && std::none_of(best.begin(), best.end(), [&](const Candidate& b) { return siblings(b, c); }))
+        continue;
+    }
     report([&] { return fmt::format("memory walks: {} walked of {} candidates, {} kept", res.walked, timed.size(), best.size()); });
     // Adaptive provisioning below the trainer's minimum budget would be refused by `moeflex train`.
     if (c.policy == "adaptive" && sim::adaptive_minimum_budget(options_for(c, true)) > limit) {

@@ -168,8 +168,10 @@ Seconds segment_time(const ActionCost::Segment& g, double cores) {
 
 Seconds pair_exposed_comm(const ActionCost& f, const ActionCost& b, bool overlap) {
   if (!overlap) return f.comm + b.comm;
-  return (f.comm - f.overlappable) + (b.comm - b.overlappable) + std::max<Seconds>(0, f.overlappable - b.compute) +
-         std::max<Seconds>(0, b.overlappable - f.compute);
+  // What a half may hide is part of its comm: clamped to [0, comm].
+  const Seconds fo = std::clamp<Seconds>(f.overlappable, 0, std::max<Seconds>(0, f.comm));
+  const Seconds bo = std::clamp<Seconds>(b.overlappable, 0, std::max<Seconds>(0, b.comm));
+  return (f.comm - fo) + (b.comm - bo) + std::max<Seconds>(0, fo - b.compute) + std::max<Seconds>(0, bo - f.compute);
 }
 
 namespace {

@@ -1,7 +1,9 @@
 #include "moeflex/train/generate.h"
 
 #include <fmt/format.h>
+#if __has_include(<malloc.h>)
 #include <malloc.h>
+#endif
 
 #include <algorithm>
 #include <map>

@@ -5,9 +5,10 @@
 # x tp 4, 1F1B, 64 micro-batches of 1 x 6144 tokens per pipeline, the default load
 # distribution (97.1% of iterations <= 1.2x, 2.9% spike to <= 2.6x), 284 s cold
 # restarts and checkpoints every 50 iterations. Saving everything fits the calm
-# iterations but not every spike under a 54 GiB budget (MEMORY): 8 OOMs in 300
+# iterations but not every spike under a 55 GiB budget (MEMORY): 7 OOMs in 300
 # iterations, all spikes (52.5 GiB until MLA was modelled, 2026-11-30; MLA's q and k
-# heads of 192 and v heads of 128 hold more than the multi-head approximation's 56). Prints effective MFU per policy
+# heads of 192 and v heads of 128 hold more than the multi-head approximation's 56;
+# 54 GiB until MLA's latents joined the memory walk). Prints effective MFU per policy
 # next to BaGuaLu-2's figures (30.0% aggressive static with OOMs, 24.6% full
 # recompute, adaptive ~1.14x the baseline).
 set -euo pipefail
@@ -16,7 +17,7 @@ BIN=${BIN:-build/moeflex}
 ITER=${ITER:-300}
 # The per-device budget: saving everything fits calm iterations but not the larger
 # spikes, as BaGuaLu-2's aggressive setting; the 64 GB device has 60 GiB usable.
-MEMORY=${MEMORY:-54GiB}
+MEMORY=${MEMORY:-55GiB}
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
 for pol in none full adaptive; do

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <set>
 
 #include "model_fixtures.h"
 #include "moeflex/core/arena.h"
@@ -964,6 +965,17 @@ TEST(LayerCost, MultiHeadLatentAttentionIsWhatItComputes) {
   EXPECT_EQ(bytes("attn.k"), n * 96 * 4);
   EXPECT_EQ(bytes("attn.v"), n * 48 * 4);
   EXPECT_EQ(bytes("attn.out"), n * 48 * 4);
+  // The latents: q's normed and pre-norm [n, 32], kv's [n, 16] twice and the rope key [n, 8].
+  EXPECT_EQ(bytes("attn.q_latent"), n * 2 * 32 * 4);
+  EXPECT_EQ(bytes("attn.kv_latent"), n * (2 * 16 + 8) * 4);
+  for (const auto& a : layer_activations(m, 0, B, S, MoERows{}, false)) {
+    const std::vector<std::string> want = a.name == "attn.q" ? std::vector<std::string>{"attn.q_latent"}
+                                          : a.name == "attn.k" || a.name == "attn.v"
+                                              ? std::vector<std::string>{"attn.kv_latent"}
+                                          : a.name.ends_with("_latent") ? std::vector<std::string>{"attn_norm.out"}
+                                                                        : a.inputs;
+    EXPECT_EQ(a.inputs, want) << a.name;
+  }
   // The forward's GEMMs: the MLP's (the same as in a multi-head layer of the same FFN)
   // and MLA's five; the core priced at (24 + 12) / 2-wide heads; the latents' 2 norms.
   const CostModel c(gemm_only_profile());
@@ -980,6 +992,30 @@ TEST(LayerCost, MultiHeadLatentAttentionIsWhatItComputes) {
   EXPECT_NEAR(mla.ops.at(lf).seconds, mlp + five, 1e-12 * (mlp + five));
   EXPECT_DOUBLE_EQ(mla.ops.at({"forward", "attention_forward"}).seconds, c.attention_forward(B, S, 4, 18));
   EXPECT_EQ(mla.ops.at({"forward", "rmsnorm_forward"}).count, plain.ops.at({"forward", "rmsnorm_forward"}).count + 2);
+  // Rebuilds: a head from its latent (up projection, rope), a latent from the input
+  // (down projection, norm); rebuilding both is the whole projection once.
+  auto rebuilt = [&](std::set<std::string> names) {
+    return mla.recompute_total([&](const std::string& x) { return names.count(x) > 0; });
+  };
+  EXPECT_DOUBLE_EQ(rebuilt({"attn.q"}), c.linear_forward(n, 32, 96) + c.rope(B, S, 4, 8));
+  EXPECT_DOUBLE_EQ(rebuilt({"attn.q_latent"}), c.linear_forward(n, d, 32) + c.rmsnorm_forward(n, 32));
+  EXPECT_DOUBLE_EQ(rebuilt({"attn.kv_latent"}), c.linear_forward(n, d, 24) + c.rmsnorm_forward(n, 16));
+  EXPECT_DOUBLE_EQ(rebuilt({"attn.v"}), c.linear_forward(n, 16, 112));
+  // The simulator walks the latents under every policy: a step holds them (none), or
+  // rebuilds them (full), and costs more memory than without them.
+  {
+    SimOptions o = small_options("1f1b", 1, 2);
+    o.model = m;
+    o.cluster.element_bytes = 4;
+    const SimReport none = simulate(o);
+    o.policy = "full";
+    const SimReport full = simulate(o);
+    EXPECT_LT(full.peak_bytes, none.peak_bytes);
+    o.policy = "adaptive";
+    EXPECT_NO_THROW(simulate(o));
+    o.policy = "selective";
+    EXPECT_NO_THROW(simulate(o));
+  }
   // Only the simulator runs it.
   Arena arena;
   EXPECT_THROW(MoEModel(m, arena, ModelParallel{}), ConfigError);

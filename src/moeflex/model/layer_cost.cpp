@@ -217,13 +217,19 @@ AttentionOps latent_attention(const CostModel& c, const ModelConfig& cfg, std::i
   o.norm_calls = qn;
   o.rope = c.rope(B, S, H, rp) + c.rope(B, S, 1, rp);  // q's rope part, the shared k_rope
   o.H = H, o.core_hd = (qk + vd) / 2, o.out_width = H * vd;
-  a.rebuild(
-      "attn.q",
-      {{"linear_forward", q_fwd, qn}, {"rmsnorm_forward", q_norm, qn - 1}, {"rope_forward", c.rope(B, S, H, rp), 1}});
-  a.rebuild("attn.k", {{"linear_forward", kv_fwd, 2},
-                       {"rmsnorm_forward", c.rmsnorm_forward(n, kl), 1},
-                       {"rope_forward", c.rope(B, S, 1, rp), 1}});
-  a.rebuild("attn.v", {{"linear_forward", kv_fwd, 2}, {"rmsnorm_forward", c.rmsnorm_forward(n, kl), 1}});
+  // The latents (memory_plan: saved, or rebuilt from the attention's input) and the
+  // heads from them: a rebuilt q costs its up projection and rope, its latent the down
+  // projection and norm.
+  if (ql > 0) {
+    a.rebuild("attn.q_latent", {{"linear_forward", c.linear_forward(n, d, ql), 1}, {"rmsnorm_forward", q_norm, 1}});
+    a.rebuild("attn.q", {{"linear_forward", c.linear_forward(n, ql, dq), 1}, {"rope_forward", c.rope(B, S, H, rp), 1}});
+  } else {
+    a.rebuild("attn.q", {{"linear_forward", q_fwd, 1}, {"rope_forward", c.rope(B, S, H, rp), 1}});
+  }
+  a.rebuild("attn.kv_latent",
+            {{"linear_forward", c.linear_forward(n, d, kl + rp), 1}, {"rmsnorm_forward", c.rmsnorm_forward(n, kl), 1}});
+  a.rebuild("attn.k", {{"linear_forward", c.linear_forward(n, kl, dkv), 1}, {"rope_forward", c.rope(B, S, 1, rp), 1}});
+  a.rebuild("attn.v", {{"linear_forward", c.linear_forward(n, kl, dkv), 1}});
   return o;
 }
 

@@ -116,11 +116,22 @@ std::vector<ActivationSpec> layer_activations(const ModelConfig& cfg, int layer,
   add("attn_norm.out", "rmsnorm", n * d, true, {"attn_norm.in"});
   add("attn_norm.rstd", "rmsnorm", n, true, {"attn_norm.in"});
   // d each for multi-head attention; GQA's k and v narrower; MLA's q and k heads
-  // qk_head_dim wide, v and the output v_head_dim (its latents are not kept: they are
-  // rebuilt with q and k, and small, 2112 a token for DeepSeek-V3's 81920 of q, k, v, o)
-  add("attn.q", "rope", n * cfg.q_width(), true, {"attn_norm.out"});
-  add("attn.k", "rope", n * cfg.k_width(), true, {"attn_norm.out"});
-  add("attn.v", "linear", n * cfg.v_width(), true, {"attn_norm.out"});
+  // qk_head_dim wide, v and the output v_head_dim.
+  if (cfg.mla()) {
+    // MLA's latents, the up projections' inputs (normed) and their norms' inputs: q's
+    // [n, q_lora_rank] twice (without q_lora_rank q has none), kv's [n, kv_lora_rank]
+    // twice and the shared rope key [n, qk_rope_head_dim]; 4160 a token for DeepSeek-V3.
+    if (cfg.q_lora_rank > 0) add("attn.q_latent", "linear", n * 2 * cfg.q_lora_rank, true, {"attn_norm.out"});
+    add("attn.kv_latent", "linear", n * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim), true, {"attn_norm.out"});
+    const std::string q_in = cfg.q_lora_rank > 0 ? "attn.q_latent" : "attn_norm.out";
+    add("attn.q", "rope", n * cfg.q_width(), true, {q_in});
+    add("attn.k", "rope", n * cfg.k_width(), true, {"attn.kv_latent"});
+    add("attn.v", "linear", n * cfg.v_width(), true, {"attn.kv_latent"});
+  } else {
+    add("attn.q", "rope", n * cfg.q_width(), true, {"attn_norm.out"});
+    add("attn.k", "rope", n * cfg.k_width(), true, {"attn_norm.out"});
+    add("attn.v", "linear", n * cfg.v_width(), true, {"attn_norm.out"});
+  }
   add("attn.probs", "attention", B * H * S * S, true, {"attn.q", "attn.k", "attn.v"});
   add("attn.out", "attention", n * cfg.attn_out_width(), true, {"attn.q", "attn.k", "attn.v"});
   auto mlp = [&](const std::string& prefix, std::int64_t w) {
@@ -564,6 +575,7 @@ void MemoryWalk::finish_forward(int mb, const StageSpec& st, int l, SavePoint po
   const LayerSpecs& specs = specs_of(l, r, st.ep());
   if (point == SavePoint::attention) {
     save(mb, l, specs, IDS("attn_norm.in", "attn_norm.out", "attn_norm.rstd", "attn.q", "attn.k", "attn.v", "attn.probs", "attn.out"), provision);
+    save(mb, l, specs, mla_latents(), provision);
     ffn_forward(mb, l, specs, r, st.ep_size, provision);
   } else if (point == SavePoint::dense_ffn) {
     save(mb, l, specs, IDS("dense.gate_out", "dense.up_out", "dense.act"), provision);
@@ -644,6 +656,8 @@ void MemoryWalk::attention_forward(int mb, int l, const LayerSpecs& specs, const
   const std::int64_t n = B_ * S_, d = cfg_.hidden_size;
   alloc(rounded(n * d, ab_));                                    // a
   alloc(rounded(n, 4));                                          // rstd
+  for (const int id : mla_latents())                             // MLA: the latents, before the up projections
+    alloc(Arena::round_up(specs.specs[std::size_t(specs.pos[std::size_t(id)])].bytes));
   alloc(rounded(n * cfg_.q_width(), ab_));                       // q
   alloc(rounded(n * cfg_.k_width(), ab_));                       // k
   alloc(rounded(n * cfg_.v_width(), ab_));                       // v
@@ -652,6 +666,7 @@ void MemoryWalk::attention_forward(int mb, int l, const LayerSpecs& specs, const
   alloc(rounded(n * d, ab_));                                    // h, the next residual
   land();  // a decision point
   save(mb, l, specs, IDS("attn_norm.in", "attn_norm.out", "attn_norm.rstd", "attn.q", "attn.k", "attn.v", "attn.probs", "attn.out"), provision);
+  save(mb, l, specs, mla_latents(), provision);
 }
 
 void MemoryWalk::mlp_forward(int mb, int l, const LayerSpecs& specs, bool shared, std::int64_t w,
@@ -1055,6 +1070,16 @@ void MemoryWalk::attention_backward(int mb, int l) {
   alloc(probs);  // dprobs
   free(probs);
   free(dout);
+  // MLA: the up projections' backward reads the latents and writes their gradients,
+  // which the norms and the down projections' backward then consume.
+  Bytes dlatent = 0;  // d of q's latent [n, q_lora_rank] and of kv's [n, kv_lora_rank + qk_rope_head_dim]
+  for (const int id : mla_latents()) {
+    get(mb, l, id);
+    if (split_) pin(mb, l, id);  // the up projections' deferred dW reads them
+  }
+  if (cfg_.mla())
+    dlatent = rounded(n * cfg_.q_lora_rank, ab_) + rounded(n * (cfg_.kv_lora_rank + cfg_.qk_rope_head_dim), ab_);
+  alloc(dlatent);
   get(mb, l, ID("attn_norm.out"));
   alloc(rounded(n * d, ab_));  // da
   if (split_) {  // dq, dk, dv wait for the W of q, k, v, with the norm's output
@@ -1063,10 +1088,17 @@ void MemoryWalk::attention_backward(int mb, int l) {
   } else {
     free(dq + dkv);  // dq, dk, dv after their GEMMs
   }
+  free(dlatent);
   get(mb, l, ID("attn_norm.in"));
   get(mb, l, ID("attn_norm.rstd"));
   alloc(rounded(n * d, ab_));     // dtmp
   free(2 * rounded(n * d, ab_));  // dtmp, da
+}
+
+const std::vector<int>& MemoryWalk::mla_latents() const {
+  static const std::vector<int> none;
+  if (!cfg_.mla()) return none;
+  return cfg_.q_lora_rank > 0 ? IDS("attn.q_latent", "attn.kv_latent") : IDS("attn.kv_latent");
 }
 
 std::vector<WalkAction> walk_actions(const StepPlan& plan, int rank, std::vector<std::size_t>* walk_at) {

@@ -353,6 +353,8 @@ class MemoryWalk {
   /// The part of a layer's backward after its prefetch: FFN, attention, release.
   void backward_body(int mb, int l);
   void attention_backward(int mb, int l);
+  /// MLA's latent entries of a layer (ModelConfig::mla; empty otherwise), by id.
+  const std::vector<int>& mla_latents() const;
   void ffn_backward(int mb, int l);
   void mlp_backward(int mb, int l, bool shared, std::int64_t width);
   /// The summary of layer `l`'s forward at the floor with `rows` (memoized per thread).

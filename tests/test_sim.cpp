@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <set>
+#include <thread>
 
 #include "model_fixtures.h"
 #include "moeflex/core/arena.h"
@@ -1000,7 +1001,9 @@ TEST(LayerCost, MultiHeadLatentAttentionIsWhatItComputes) {
   EXPECT_DOUBLE_EQ(rebuilt({"attn.q"}), c.linear_forward(n, 32, 96) + c.rope(B, S, 4, 8));
   EXPECT_DOUBLE_EQ(rebuilt({"attn.q_latent"}), c.linear_forward(n, d, 32) + c.rmsnorm_forward(n, 32));
   EXPECT_DOUBLE_EQ(rebuilt({"attn.kv_latent"}), c.linear_forward(n, d, 24) + c.rmsnorm_forward(n, 16));
-  EXPECT_DOUBLE_EQ(rebuilt({"attn.v"}), c.linear_forward(n, 16, 112));
+  // kv's up projection [16 -> 4 x (16 + 12)] is k's nope part and v: each rebuilds its share.
+  EXPECT_DOUBLE_EQ(rebuilt({"attn.k"}), c.linear_forward(n, 16, 64) + c.rope(B, S, 1, 8));
+  EXPECT_DOUBLE_EQ(rebuilt({"attn.v"}), c.linear_forward(n, 16, 48));
   // The simulator walks the latents under every policy: a step holds them (none), or
   // rebuilds them (full), and costs more memory than without them.
   {
@@ -1025,6 +1028,40 @@ TEST(LayerCost, MultiHeadLatentAttentionIsWhatItComputes) {
 
 // Group-limited routing (HF n_group, topk_group): read from DeepSeek-V3's config,
 // validated, refused by the engine's router, and priced by the DeepEP dispatcher.
+// The walk's per-thread memos key on the latents' sizes: two MLA models with the same
+// head widths but other latents walk their own (a review found the second reusing the
+// first's lists: a wrong peak, or an activation missing).
+TEST(Sim, MlaVariantsWithTheSameHeadWidthsWalkTheirOwnLatents) {
+  ModelConfig a = test::small_moe_config(1, 1, 4, true);
+  a.hidden_size = 64;
+  a.num_attention_heads = 4;
+  a.q_lora_rank = 32;
+  a.kv_lora_rank = 16;
+  a.qk_nope_head_dim = 16;
+  a.qk_rope_head_dim = 8;
+  a.v_head_dim = 12;
+  ModelConfig b = a, q0 = a;
+  b.kv_lora_rank = 64;
+  q0.q_lora_rank = 0;
+  for (const std::string policy : {"none", "full"}) {
+    SimOptions o = small_options("zb-h1", 2, 4);  // a split backward too
+    o.model = a;
+    o.policy = policy;
+    const Bytes pa = simulate(o).peak_bytes;
+    for (const ModelConfig& m : {b, q0}) {
+      o.model = m;
+      Bytes after = 0, fresh = 0;
+      EXPECT_NO_THROW(after = simulate(o).peak_bytes) << policy;
+      std::thread([&] { fresh = simulate(o).peak_bytes; }).join();  // its own memos
+      EXPECT_EQ(after, fresh) << policy << " kv " << m.kv_lora_rank << " q " << m.q_lora_rank;
+    }
+    o.model = b;
+    if (policy == "none") {
+      EXPECT_GT(simulate(o).peak_bytes, pa);  // larger latents held
+    }
+  }
+}
+
 TEST(LayerCost, GroupLimitedRoutingIsReadValidatedAndOnlySimulated) {
   const std::filesystem::path root = MOEFLEX_SOURCE_DIR;
   const ModelConfig ds = load_model("deepseek-v3", root);

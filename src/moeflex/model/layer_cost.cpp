@@ -228,8 +228,10 @@ AttentionOps latent_attention(const CostModel& c, const ModelConfig& cfg, std::i
   }
   a.rebuild("attn.kv_latent",
             {{"linear_forward", c.linear_forward(n, d, kl + rp), 1}, {"rmsnorm_forward", c.rmsnorm_forward(n, kl), 1}});
-  a.rebuild("attn.k", {{"linear_forward", c.linear_forward(n, kl, dkv), 1}, {"rope_forward", c.rope(B, S, 1, rp), 1}});
-  a.rebuild("attn.v", {{"linear_forward", c.linear_forward(n, kl, dkv), 1}});
+  // kv's up projection makes k's nope part and v: each rebuild its share of the GEMM.
+  a.rebuild("attn.k", {{"linear_forward", c.linear_forward(n, kl, H * cfg.qk_nope_head_dim), 1},
+                       {"rope_forward", c.rope(B, S, 1, rp), 1}});
+  a.rebuild("attn.v", {{"linear_forward", c.linear_forward(n, kl, H * vd), 1}});
   return o;
 }
 

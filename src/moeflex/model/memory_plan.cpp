@@ -249,7 +249,7 @@ const MemoryWalk::LayerSpecs& MemoryWalk::specs_of(int layer, const MoERows& row
   for (const auto& [k, v] : specs_)
     if (k == key) return *v;
   const bool shared = cfg_.n_shared_experts > 0 || cfg_.shared_expert_intermediate_size > 0;
-  const std::array<std::int64_t, 19> full{cfg_.hidden_size,
+  const std::array<std::int64_t, 22> full{cfg_.hidden_size,
                                           cfg_.num_attention_heads,
                                           cfg_.q_width(),
                                           cfg_.k_width(),
@@ -261,6 +261,9 @@ const MemoryWalk::LayerSpecs& MemoryWalk::specs_of(int layer, const MoERows& row
                                           cfg_.intermediate_size,
                                           shared ? cfg_.shared_width() : -1,
                                           cfg_.vocab_size,
+                                          cfg_.q_lora_rank,  // MLA's latents (layer_activations)
+                                          cfg_.kv_lora_rank,
+                                          cfg_.qk_rope_head_dim,
                                           B_,
                                           S_,
                                           kind,
@@ -269,7 +272,7 @@ const MemoryWalk::LayerSpecs& MemoryWalk::specs_of(int layer, const MoERows& row
                                           ep,
                                           ab_};
   constexpr std::size_t kMemo = 256;
-  thread_local std::deque<std::pair<std::array<std::int64_t, 19>, std::unique_ptr<LayerSpecs>>> memo;
+  thread_local std::deque<std::pair<std::array<std::int64_t, 22>, std::unique_ptr<LayerSpecs>>> memo;
   for (const auto& [k, v] : memo)
     if (k == full) {
       specs_.emplace_back(key, v.get());
@@ -845,7 +848,10 @@ const MemoryWalk::LayerSummary& MemoryWalk::summary_of(int l, const MoERows& row
                        moe ? rows.received : 0,
                        ep_size > 1,
                        moe ? cfg_.expert_chunk_rows : 0,
-                       ab_};
+                       ab_,
+                       cfg_.q_lora_rank,  // MLA's latents (layer_activations)
+                       cfg_.kv_lora_rank,
+                       cfg_.qk_rope_head_dim};
   // Per thread, kept for the process (a few kinds and worst-case rows in practice);
   // beyond kMemo, further summaries live as long as this walk.
   constexpr std::size_t kMemo = 256;
@@ -1075,10 +1081,11 @@ void MemoryWalk::attention_backward(int mb, int l) {
   Bytes dlatent = 0;  // d of q's latent [n, q_lora_rank] and of kv's [n, kv_lora_rank + qk_rope_head_dim]
   for (const int id : mla_latents()) {
     get(mb, l, id);
-    if (split_) pin(mb, l, id);  // the up projections' deferred dW reads them
+    pin(mb, l, id);  // under a split, the up projections' deferred dW reads them
   }
   if (cfg_.mla())
-    dlatent = rounded(n * cfg_.q_lora_rank, ab_) + rounded(n * (cfg_.kv_lora_rank + cfg_.qk_rope_head_dim), ab_);
+    dlatent = (cfg_.q_lora_rank > 0 ? rounded(n * cfg_.q_lora_rank, ab_) : 0) +
+              rounded(n * (cfg_.kv_lora_rank + cfg_.qk_rope_head_dim), ab_);
   alloc(dlatent);
   get(mb, l, ID("attn_norm.out"));
   alloc(rounded(n * d, ab_));  // da
@@ -1088,7 +1095,11 @@ void MemoryWalk::attention_backward(int mb, int l) {
   } else {
     free(dq + dkv);  // dq, dk, dv after their GEMMs
   }
-  free(dlatent);
+  if (split_) {  // the down projections' deferred dW reads them, with the norm's output
+    keep(mb, dlatent);
+  } else {
+    free(dlatent);
+  }
   get(mb, l, ID("attn_norm.in"));
   get(mb, l, ID("attn_norm.rstd"));
   alloc(rounded(n * d, ab_));     // dtmp

@@ -262,7 +262,8 @@ class MemoryWalk {
     std::vector<Provision> floor;  ///< by position: most_memory_saving
     std::vector<Rebuild> rebuild;  ///< by position
   };
-  /// Most activations one layer keeps (an MoE layer with a shared expert keeps 25).
+  /// Most activations one layer keeps (an MoE layer with a shared expert keeps 25, 27
+  /// with MLA's latents).
   static constexpr int kMaxLayerActivations = 32;
   /// One saved activation of the symbolic stash.
   struct Entry {
@@ -385,7 +386,7 @@ class MemoryWalk {
   bool probe_ = false, probe_landed_ = false;
   Bytes probe_pre_peak_ = 0, probe_pre_end_ = 0;
   /// What a LayerSummary depends on (see summary_of).
-  using SummaryKey = std::array<std::int64_t, 19>;
+  using SummaryKey = std::array<std::int64_t, 22>;
   std::deque<std::pair<SummaryKey, LayerSummary>> local_summaries_;  // beyond the per-thread memo
   void land();
 };

@@ -57,6 +57,21 @@ ClusterSpec test_cluster() {
   return c;
 }
 
+// A dense-first MLA model: hidden 64, 4 heads, q_lora 32, kv_lora 16, q/k heads of
+// 16 + 8 (rope), v heads of 12.
+ModelConfig small_mla_config() {
+  ModelConfig m = test::small_moe_config(1, 1, 4, true);
+  m.hidden_size = 64;
+  m.num_attention_heads = 4;
+  m.q_lora_rank = 32;
+  m.kv_lora_rank = 16;
+  m.qk_nope_head_dim = 16;
+  m.qk_rope_head_dim = 8;
+  m.v_head_dim = 12;
+  m.validate();
+  return m;
+}
+
 SimOptions small_options(const std::string& schedule, int pp, int m) {
   SimOptions o;
   o.model = test::small_moe_config(4, 1, 8, true);
@@ -938,15 +953,7 @@ TEST(LayerCost, GroupedQueryAttentionAndWideHeadsAreWhatTheyCompute) {
 // and the priced ops of a dense layer with hidden 64, 4 heads, q_lora 32, kv_lora 16,
 // q/k heads of 16 + 8 (rope), v heads of 12.
 TEST(LayerCost, MultiHeadLatentAttentionIsWhatItComputes) {
-  ModelConfig m = test::small_moe_config(1, 1, 4, true);
-  m.hidden_size = 64;
-  m.num_attention_heads = 4;
-  m.q_lora_rank = 32;
-  m.kv_lora_rank = 16;
-  m.qk_nope_head_dim = 16;
-  m.qk_rope_head_dim = 8;
-  m.v_head_dim = 12;
-  m.validate();
+  ModelConfig m = small_mla_config();
   EXPECT_TRUE(m.mla());
   EXPECT_FALSE(m.engine_attention());
   EXPECT_EQ(m.q_width(), 96);
@@ -1026,20 +1033,11 @@ TEST(LayerCost, MultiHeadLatentAttentionIsWhatItComputes) {
   EXPECT_THROW(m.validate(), ConfigError);
 }
 
-// Group-limited routing (HF n_group, topk_group): read from DeepSeek-V3's config,
-// validated, refused by the engine's router, and priced by the DeepEP dispatcher.
 // The walk's per-thread memos key on the latents' sizes: two MLA models with the same
 // head widths but other latents walk their own (a review found the second reusing the
 // first's lists: a wrong peak, or an activation missing).
 TEST(Sim, MlaVariantsWithTheSameHeadWidthsWalkTheirOwnLatents) {
-  ModelConfig a = test::small_moe_config(1, 1, 4, true);
-  a.hidden_size = 64;
-  a.num_attention_heads = 4;
-  a.q_lora_rank = 32;
-  a.kv_lora_rank = 16;
-  a.qk_nope_head_dim = 16;
-  a.qk_rope_head_dim = 8;
-  a.v_head_dim = 12;
+  const ModelConfig a = small_mla_config();
   ModelConfig b = a, q0 = a;
   b.kv_lora_rank = 64;
   q0.q_lora_rank = 0;
@@ -1062,6 +1060,8 @@ TEST(Sim, MlaVariantsWithTheSameHeadWidthsWalkTheirOwnLatents) {
   }
 }
 
+// Group-limited routing (HF n_group, topk_group): read from DeepSeek-V3's config,
+// validated, refused by the engine's router, and priced by the DeepEP dispatcher.
 TEST(LayerCost, GroupLimitedRoutingIsReadValidatedAndOnlySimulated) {
   const std::filesystem::path root = MOEFLEX_SOURCE_DIR;
   const ModelConfig ds = load_model("deepseek-v3", root);

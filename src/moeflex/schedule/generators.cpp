@@ -44,12 +44,15 @@ const std::vector<std::string>& schedule_names() {
   return names;
 }
 
+void require_known_schedule(const std::string& name) {
+  if (std::find(schedule_names().begin(), schedule_names().end(), name) != schedule_names().end()) return;
+  std::string known;
+  for (const std::string& n : schedule_names()) known += (known.empty() ? "" : ", ") + n;
+  throw ConfigError("schedule: unknown name \"" + name + "\" (known: " + known + ")");
+}
+
 StepPlan make_schedule(const std::string& name, int p, int m, int v) {
-  if (std::find(schedule_names().begin(), schedule_names().end(), name) == schedule_names().end()) {
-    std::string known;
-    for (const std::string& n : schedule_names()) known += (known.empty() ? "" : ", ") + n;
-    throw ConfigError("schedule: unknown name \"" + name + "\" (known: " + known + ")");
-  }
+  require_known_schedule(name);
   if (!schedule_takes_vpp(name))
     schedule_detail::require(v == 1, name, "vpp", v, "only the interleaved and 1f1b-overlap schedules take --vpp > 1");
   if (name == "gpipe") return gpipe(p, m);

@@ -61,6 +61,9 @@ StepPlan dualpipev(int p, int m);
 /// dualpipev.
 const std::vector<std::string>& schedule_names();
 
+/// Throws ConfigError unless `name` is one of schedule_names(), listing them.
+void require_known_schedule(const std::string& name);
+
 /// Whether `name` holds --vpp model chunks per rank (interleaved, 1f1b-overlap);
 /// the others hold one (DualPipeV's two are implied).
 bool schedule_takes_vpp(const std::string& name);

@@ -634,8 +634,7 @@ struct Simulation {
     if (o.dispatcher != "alltoall" && o.dispatcher != "deepep")
       throw ConfigError(fmt::format("--dispatcher '{}': alltoall or deepep", o.dispatcher));
     const bool dualv = o.schedule == "dualpipev";
-    if (std::find(schedule_names().begin(), schedule_names().end(), o.schedule) == schedule_names().end())
-      make_schedule(o.schedule, 1, 1);  // throws ConfigError listing the known names
+    require_known_schedule(o.schedule);
     if (!schedule_takes_vpp(o.schedule) && p.vpp != 1)
       throw ConfigError(
           fmt::format("vpp {} needs --schedule interleaved or 1f1b-overlap (dualpipev holds 2 chunks by "

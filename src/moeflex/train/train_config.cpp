@@ -13,6 +13,7 @@
 #include "moeflex/core/error.h"
 #include "moeflex/ops/imbalance.h"
 #include "moeflex/provision/policies.h"
+#include "moeflex/schedule/generators.h"
 #include "moeflex/train/default_config.h"
 
 namespace moeflex {
@@ -115,7 +116,7 @@ void RunConfig::validate() const {
   rule(parallel.vpp >= 1, "parallel.vpp: must be at least 1");
   // The schedules' own requirements on the micro-batches per step, named in the
   // config's terms (schedule/ names them num_microbatches).
-  if (parallel.schedule == "interleaved" || parallel.schedule == "1f1b-overlap")
+  if (schedule_takes_vpp(parallel.schedule))  // interleaved, 1f1b-overlap
     rule(t.grad_accum % parallel.pp == 0,
          fmt::format("train.grad_accum (--grad-accum, micro-batches per step) = {}: the {} schedule needs a "
                      "multiple of parallel.pp = {}",

@@ -317,11 +317,16 @@ bool holds_a_checkpoint(const fs::path& run_dir) {
 // Whether `run_dir` holds a run that trained (whatever its rank count): its metrics,
 // summary or checkpoints. A folder with only config.toml and tokenizer.model is a
 // run refused before its first step, which a new run may take over.
-bool holds_a_run(const fs::path& run_dir) {
-  if (fs::exists(run_dir / "summary.json") || fs::exists(run_dir / "metrics.jsonl")) return true;
+// Whether any rank's checkpoints folder exists in `run_dir`, complete or not.
+bool has_checkpoints_folder(const fs::path& run_dir) {
   for (const fs::path& root : checkpoint_roots(run_dir))
     if (fs::exists(root / "checkpoints")) return true;
   return false;
+}
+
+bool holds_a_run(const fs::path& run_dir) {
+  return fs::exists(run_dir / "summary.json") || fs::exists(run_dir / "metrics.jsonl") ||
+         has_checkpoints_folder(run_dir);
 }
 
 }  // namespace
@@ -472,9 +477,7 @@ TrainResult run_training(const TrainOptions& opts) {
   if (!opts.resume && holds_a_run(run_dir)) {
     // Every training run writes its config.toml first; a summary without one is
     // another command's output (`moeflex simulate --out`), not a run to resume.
-    bool checkpoints = false;
-    for (const fs::path& root : checkpoint_roots(run_dir)) checkpoints = checkpoints || fs::exists(root / "checkpoints");
-    if (!fs::exists(run_dir / "config.toml") && !checkpoints)
+    if (!fs::exists(run_dir / "config.toml") && !has_checkpoints_folder(run_dir))
       throw ConfigError(fmt::format("'{}' holds another command's output (a summary.json or metrics.jsonl without a "
                                     "run's config.toml, e.g. `moeflex simulate --out`), not a training run: use "
                                     "another --out",

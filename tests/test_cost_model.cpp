@@ -14,6 +14,7 @@
 #include <set>
 #include <thread>
 
+#include "moeflex/comm/wait_policy.h"
 #include "moeflex/core/error.h"
 #include "moeflex/provision/cost_model.h"
 #include "moeflex/train/calibrate.h"
@@ -94,6 +95,26 @@ TEST(HardwareProfile, TimeSharingEfficiencyRoundTripsDefaultsToOneAndIsChecked) 
     j["time_sharing_efficiency"] = bad;
     const std::string msg = message_of([&] { HardwareProfile::from_json(j, "hw.json"); });
     EXPECT_NE(msg.find("'time_sharing_efficiency'"), std::string::npos) << msg;
+  }
+}
+
+TEST(HardwareProfile, NapCostRoundTripsDefaultsToNotMeasuredAndIsChecked) {
+  HardwareProfile p = hand_profile();
+  p.nap_cost = 24e-6;
+  p.nap_overshoot = 70e-6;
+  const HardwareProfile q = HardwareProfile::from_json(p.to_json(), "hw.json");
+  EXPECT_EQ(q.nap_cost, 24e-6);
+  EXPECT_EQ(q.nap_overshoot, 70e-6);
+  nlohmann::json j = p.to_json();
+  j.erase("nap_cost_s");  // a file written before the fields: not measured
+  j.erase("nap_overshoot_s");
+  EXPECT_EQ(HardwareProfile::from_json(j, "hw.json").nap_cost, 0.0);
+  EXPECT_EQ(HardwareProfile::from_json(j, "hw.json").nap_overshoot, 0.0);
+  for (const char* key : {"nap_cost_s", "nap_overshoot_s"}) {
+    nlohmann::json k = p.to_json();
+    k[key] = -1e-6;
+    const std::string msg = message_of([&] { HardwareProfile::from_json(k, "hw.json"); });
+    EXPECT_NE(msg.find(fmt::format("'{}'", key)), std::string::npos) << msg;
   }
 }
 
@@ -665,6 +686,18 @@ TEST(Calibrate, TimeSharingEfficiencyNeedsARankOnEveryCore) {
   omp_set_num_threads(2);
   EXPECT_EQ(measure_time_sharing(0.2), 1.0);
   EXPECT_EQ(omp_get_max_threads(), 2);
+}
+
+// A napping thread on the computing one's core costs it some of the core, less than
+// the nap lasts; a nap lasts at least as long as asked. Timing on a shared machine:
+// up to three attempts (a burst of other load can make one read 0).
+TEST(Calibrate, NapCostIsSomeButLessThanTheNapsLength) {
+  NapCost n;
+  for (int attempt = 0; attempt < 3 && !(n.cost > 0); ++attempt) n = measure_nap_cost(0.1);
+  EXPECT_GT(n.cost, 0.0);
+  EXPECT_LT(n.cost, n.overshoot + comm::kMinPollSleepOversubscribed);
+  EXPECT_GE(n.overshoot, 0.0);
+  EXPECT_LT(n.overshoot, 0.01);  // a nap of 100 us does not last 10 ms
 }
 
 TEST(Calibrate, QuickCalibrationIsSaneAndKeepsTheHeldOutShapesOut) {

@@ -264,6 +264,72 @@ TEST(Sim, ProcessorSharingFollowsTheCoresAGroupGetsAsTheyChange) {
   EXPECT_NEAR(run_plan(plan, freed, instant, false, CoreSharing{4, 4}).makespan, 5.25, 1e-9);
 }
 
+// A napping process (comm/wait_policy.h) costs the computing ones nap_cost a nap:
+// nap_cost / (nap + overshoot) of a core, the nap growing with the wait.
+TEST(Sim, NapShareFollowsTheCommunicatorsNaps) {
+  CoreSharing sh{1, 1, 0, 1.0, 25e-6, 75e-6};
+  Seconds end = 0;
+  EXPECT_DOUBLE_EQ(nap_share(sh, 0, &end), 25.0 / 175);  // the shortest nap, 100 us
+  EXPECT_DOUBLE_EQ(end, 2e-3);
+  EXPECT_DOUBLE_EQ(nap_share(sh, 1.9e-3, &end), 25.0 / 175);
+  // 2-4 ms: the nap of 2.83 ms waited (its geometric middle), a twentieth.
+  EXPECT_NEAR(nap_share(sh, 3e-3, &end), 25e-6 / (std::sqrt(8e-6) / 20 + 75e-6), 1e-12);
+  EXPECT_DOUBLE_EQ(end, 4e-3);
+  EXPECT_NEAR(nap_share(sh, 17e-3, &end), 25e-6 / (std::sqrt(16e-3 * 20e-3) / 20 + 75e-6), 1e-12);
+  EXPECT_DOUBLE_EQ(end, 20e-3);  // the last growing piece ends where the nap reaches 1 ms
+  EXPECT_DOUBLE_EQ(nap_share(sh, 25e-3, &end), 25.0 / 1075);
+  EXPECT_TRUE(std::isinf(end));
+  // At a piece's end exactly, the next piece (the event loop stops there).
+  EXPECT_NEAR(nap_share(sh, 2e-3, &end), 25e-6 / (std::sqrt(8e-6) / 20 + 75e-6), 1e-12);
+  sh.nap_cost = 0;
+  EXPECT_EQ(nap_share(sh, 0, &end), 0.0);
+}
+
+// Two ranks on one core, GPipe over 2 stages, one micro-batch, a 1 ms forward and
+// free backwards: while one rank computes, the other naps and takes 1/7 of the core
+// (25 us a 175 us nap), so each forward takes 8/7 ms. A 10 ms forward outlasts the
+// shortest naps: the waiting rank's share falls piece by piece (2, 4, 8, 16 ms).
+// Two processes of one rank that finish unevenly: the one done naps beside the other.
+TEST(Sim, NappingRanksTakeTheirShareOfTheCores) {
+  const StepPlan plan = make_schedule("gpipe", 2, 1, 1);
+  auto instant = [](const Action&) { return 0.0; };
+  const CoreSharing sh{1, 1, 0, 1.0, 25e-6, 75e-6};
+  auto forward = [](Seconds f) {
+    return [f](int, const Action& a) -> ActionCost { return {a.kind == ActionKind::Forward ? f : 0.0, 0, 0, {}}; };
+  };
+  CoreSharing free_naps = sh;
+  free_naps.nap_cost = 0;
+  EXPECT_NEAR(run_plan(plan, forward(1e-3), instant, false, free_naps).makespan, 2e-3, 1e-15);
+  EXPECT_NEAR(run_plan(plan, forward(1e-3), instant, false, sh).makespan, 2 * 8e-3 / 7, 1e-15);
+  // 10 ms of work at 1 / (1 + share) while the other waits: 2 ms, then 2 ms, 4 ms, ...
+  auto share = [](Seconds lo, Seconds hi) { return 25e-6 / (std::sqrt(lo * hi) / 20 + 75e-6); };
+  double left = 10e-3, t = 0;
+  const double bounds[] = {0, 2e-3, 4e-3, 8e-3, 16e-3};
+  for (int k = 0; k < 4 && left > 0; ++k) {
+    const double s = k == 0 ? 25.0 / 175 : share(bounds[k], bounds[k + 1]);
+    const double span = bounds[k + 1] - bounds[k], work = span / (1 + s);
+    if (work >= left) {
+      t += left * (1 + s);
+      left = 0;
+    } else {
+      t += span;
+      left -= work;
+    }
+  }
+  ASSERT_EQ(left, 0);
+  EXPECT_NEAR(run_plan(plan, forward(10e-3), instant, false, sh).makespan, 2 * t, 1e-12);
+  // One rank of 2 processes on 1 core, of 1 and 3 ms: both at half speed until 2 ms,
+  // then the long one at 7/8 while the other naps (until its wait reaches 2 ms:
+  // 1.75 ms of work), and its last 0.25 ms at 1 / (1 + the 2-4 ms share).
+  const StepPlan one = make_schedule("1f1b", 1, 1, 1);
+  auto uneven = [](int, const Action& a) -> ActionCost {
+    if (a.kind != ActionKind::Forward) return {};
+    return {3e-3, 0, 4e-3, {{3e-3, 4e-3, {1e-3, 3e-3}}}};
+  };
+  const CoreSharing two{1, 2, 0, 1.0, 25e-6, 75e-6};
+  EXPECT_NEAR(run_plan(one, uneven, instant, false, two).makespan, 4e-3 + 0.25e-3 * (1 + share(2e-3, 4e-3)), 1e-12);
+}
+
 // Group-limited routing: a token's experts come from Gk of G groups, so with whole
 // groups on each node it reaches fewer nodes, each with more of its rows.
 TEST(Cluster, GroupLimitedRoutingCrossesToFewerNodes) {

@@ -11,27 +11,13 @@
 #include <thread>
 
 #include "moeflex/comm/single_process.h"
+#include "moeflex/comm/wait_policy.h"
 
 namespace moeflex::comm {
 
 namespace {
 
-// Watchdog polling (see the file comment of the header): spin this many MPI_Test
-// calls first (latency of small messages), then yield the core until the wait
-// has lasted kYieldPhase, then sleep a fiftieth of the time waited so far, capped.
-// On an oversubscribed node (host_oversubscribed) the yield phase is skipped and the
-// naps are longer: each nap costs its process 16-20 us of CPU here (the sleep's
-// system call and two context switches, measured), taken from a rank that computes.
-// dp4-ep4 of bench/sim_check.sh on 2 cores: 1.33 -> 1.31 s per step with naps of
-// max(100 us, waited / 20) instead of max(20 us, waited / 50) (medians of 3 pairs;
-// 2-8% in an earlier set with 200 us).
-constexpr int kSpinPolls = 200;
-constexpr Seconds kYieldPhase = 2e-3;
-constexpr Seconds kMinPollSleep = 20e-6;
-constexpr Seconds kMaxPollSleep = 1e-3;
-constexpr double kPollSleepDivisor = 50;
-constexpr Seconds kMinPollSleepOversubscribed = 100e-6;
-constexpr double kPollSleepDivisorOversubscribed = 20;
+// Watchdog polling (see the file comment of the header): comm/wait_policy.h.
 
 // The ordered all-reduce works on pieces of at most this many elements, so every
 // count and displacement handed to MPI fits its `int`.
@@ -255,10 +241,7 @@ void MpiCommunicator::wait(MPI_Request& req, MPI_Status* status, const std::stri
     if (waited < kYieldPhase && !shared) {
       std::this_thread::yield();
     } else {
-      const Seconds nap =
-          shared ? std::clamp(waited / kPollSleepDivisorOversubscribed, kMinPollSleepOversubscribed, kMaxPollSleep)
-                 : std::clamp(waited / kPollSleepDivisor, kMinPollSleep, kMaxPollSleep);
-      std::this_thread::sleep_for(std::chrono::duration<double>(nap));
+      std::this_thread::sleep_for(std::chrono::duration<double>(poll_nap_seconds(waited, shared)));
     }
   }
 }

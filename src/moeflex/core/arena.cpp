@@ -3,9 +3,11 @@
 #include "moeflex/core/device.h"
 #include "moeflex/core/tensor.h"
 
+#include <malloc.h>
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -39,8 +41,40 @@ OutOfMemoryError::OutOfMemoryError(const OutOfMemoryError& cause, const std::str
       largest_free_block(cause.largest_free_block), budget(cause.budget), category(cause.category),
       op(cause.op) {}
 
+namespace {
+// Heap blocks of the unlimited arena and of overflow mode, aligned to kAlignment by
+// hand: malloc(size + kAlignment + a pointer), the block's start kept just below
+// the aligned address. Unlike aligned_alloc (glibc's memalign asks for size + alignment + a
+// header and splits), a freed block of a size is exactly what the next request of
+// that size asks for, so a step's activations come back from the heap unfaulted.
+void* heap_allocate(Bytes size) {
+  void* raw = std::malloc(static_cast<std::size_t>(size + Arena::kAlignment) + sizeof(void*));
+  if (!raw) return nullptr;
+  const auto a = (reinterpret_cast<std::uintptr_t>(raw) + sizeof(void*) + Arena::kAlignment - 1) &
+                 ~std::uintptr_t(Arena::kAlignment - 1);
+  reinterpret_cast<void**>(a)[-1] = raw;  // a - raw is in [8, 8 + kAlignment)
+  return reinterpret_cast<void*>(a);
+}
+
+void heap_free(void* p) {
+  if (p) std::free(static_cast<void**>(p)[-1]);
+}
+}  // namespace
+
+bool retain_freed_heap() {
+  static const bool ok = [] {
+    // Set the mapping threshold first: setting either one also ends glibc's dynamic
+    // adjustment of both, which would otherwise still trim at twice the threshold.
+    const bool mmap_ok = mallopt(M_MMAP_THRESHOLD, int(Arena::kRetainedBlockLimit)) == 1;
+    const bool trim_ok = mallopt(M_TRIM_THRESHOLD, INT_MAX) == 1;
+    return mmap_ok && trim_ok;
+  }();
+  return ok;
+}
+
 Arena::Arena(Bytes budget) : budget_(budget) {
   if (budget_ == 0) throw ConfigError("device memory budget must be positive (got 0 bytes)");
+  if (budget_ < 0) retain_freed_heap();
   if (budget_ > 0) {
     if (budget_ < kAlignment)
       throw ConfigError(fmt::format("device memory budget must be at least {} B (got {} B)", kAlignment, budget_));
@@ -90,7 +124,7 @@ void Arena::reset_peaks() { stats_.reset_peaks(); }
 void* Arena::allocate(Bytes bytes, MemCategory category, std::string_view op) {
   const Bytes size = round_up(bytes < 1 ? 1 : bytes);
   if (unlimited()) {
-    void* p = std::aligned_alloc(kAlignment, static_cast<std::size_t>(size));
+    void* p = heap_allocate(size);
     if (!p) throw OutOfMemoryError(size, -1, -1, -1, category, std::string(op));
     stats_.account(category, size);
     return p;
@@ -123,7 +157,7 @@ void* Arena::allocate(Bytes bytes, MemCategory category, std::string_view op) {
   } catch (const OutOfMemoryError& oom) {
     if (!overflow_ || device_) throw;
     // Overflow mode: record the event and serve the request from the heap.
-    void* p = std::aligned_alloc(kAlignment, static_cast<std::size_t>(size));
+    void* p = heap_allocate(size);
     if (!p) throw Error(fmt::format("arena overflow: the host cannot provide {} for '{}'", format_bytes(size), op));
     if (oom_events_++ == 0) first_oom_ = oom;
     overflow_current_ += size;
@@ -139,13 +173,13 @@ void Arena::deallocate(void* ptr, Bytes bytes, MemCategory category) {
   const Bytes size = round_up(bytes < 1 ? 1 : bytes);
   stats_.account(category, -size);
   if (unlimited()) {
-    std::free(ptr);
+    heap_free(ptr);
     return;
   }
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr), lo = reinterpret_cast<std::uintptr_t>(base_);
   if (addr < lo || addr >= lo + static_cast<std::uintptr_t>(budget_)) {  // served from the heap in overflow mode
     overflow_current_ -= size;
-    std::free(ptr);
+    heap_free(ptr);
     return;
   }
   region_->deallocate(static_cast<Bytes>(addr - lo), size, category);

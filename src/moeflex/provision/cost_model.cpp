@@ -5,6 +5,7 @@
 //    "launch_overhead_s": ..., "memory_bandwidth_Bps": ...,
 //    "h2d_bandwidth_Bps": ..., "d2h_bandwidth_Bps": ..., "copy_latency_s": ...,
 //    "all_to_all_bandwidth_Bps": 0, "all_to_all_latency_s": 0, "time_sharing_efficiency": 1,
+//    "nap_cost_s": 0, "nap_overshoot_s": 0,
 //    "gemm": [{"M": .., "N": .., "K": .., "flops_per_s": .., "layout": "nt"}, ...],
 //    "op_tables": {"rmsnorm_forward": [{"bytes": .., "seconds": ..}, ...], ...}}
 // A sample's "layout" is "nt", "nn" or "tn", or absent (GemmLayout::any); version 1
@@ -238,6 +239,8 @@ nlohmann::json HardwareProfile::to_json() const {
   j["all_to_all_bandwidth_Bps"] = all_to_all_bandwidth;
   j["all_to_all_latency_s"] = all_to_all_latency;
   j["time_sharing_efficiency"] = time_sharing_efficiency;
+  j["nap_cost_s"] = nap_cost;
+  j["nap_overshoot_s"] = nap_overshoot;
   json g = json::array();
   for (const GemmSample& s : gemm) {
     json e = {{"M", s.M}, {"N", s.N}, {"K", s.K}, {"flops_per_s", s.rate}};
@@ -278,11 +281,12 @@ HardwareProfile HardwareProfile::from_json(const nlohmann::json& j, const std::s
                                                       : " (run `moeflex calibrate` again)"));
 
   // Every key save() writes; another is a typo or a field this moeflex would ignore.
-  only_known_keys(j,
-                  {"format", "version", "name", "device", "threads", "launch_overhead_s", "memory_bandwidth_Bps",
-                   "h2d_bandwidth_Bps", "d2h_bandwidth_Bps", "copy_latency_s", "all_to_all_bandwidth_Bps",
-                   "all_to_all_latency_s", "time_sharing_efficiency", "gemm", "op_tables", "in_situ"},
-                  source, "");
+  only_known_keys(
+      j,
+      {"format", "version", "name", "device", "threads", "launch_overhead_s", "memory_bandwidth_Bps",
+       "h2d_bandwidth_Bps", "d2h_bandwidth_Bps", "copy_latency_s", "all_to_all_bandwidth_Bps", "all_to_all_latency_s",
+       "time_sharing_efficiency", "nap_cost_s", "nap_overshoot_s", "gemm", "op_tables", "in_situ"},
+      source, "");
 
   HardwareProfile p;
   const json& name = member(j, "name", source, "name");
@@ -307,6 +311,9 @@ HardwareProfile HardwareProfile::from_json(const nlohmann::json& j, const std::s
       bad_field(source, "time_sharing_efficiency", fmt::format("must be a number in (0, 1] (got {})", e.dump()));
     p.time_sharing_efficiency = e.get<double>();
   }
+  // Absent in files before the fields: not measured.
+  if (j.contains("nap_cost_s")) p.nap_cost = non_negative(j, "nap_cost_s", source, "nap_cost_s");
+  if (j.contains("nap_overshoot_s")) p.nap_overshoot = non_negative(j, "nap_overshoot_s", source, "nap_overshoot_s");
 
   const json& g = member(j, "gemm", source, "gemm");
   if (!g.is_array() || g.empty()) bad_field(source, "gemm", "must be a non-empty array of {M, N, K, flops_per_s}");

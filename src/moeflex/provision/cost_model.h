@@ -224,6 +224,15 @@ struct HardwareProfile {
   /// measure_time_sharing; 0.955-0.988 on this 2-core VM). In (0, 1]; 1 = not measured.
   /// The simulator's CoreSharing applies it whenever processes outnumber cores.
   double time_sharing_efficiency = 1.0;
+  /// What a rank napping through a wait (comm/wait_policy.h) costs a rank computing
+  /// on the same core, per nap: core-seconds the computing rank loses (the nap's
+  /// system call, two context switches, the caches it refills), and the wall time a
+  /// nap lasts beyond the one asked for (timer slack and wake-up). Measured with
+  /// both on one core (calibrate.cpp, measure_nap_cost; here 22-28 us and 70 us
+  /// for 100 us naps). 0 = not measured: the simulator's CoreSharing then counts
+  /// a sleeping rank as free.
+  Seconds nap_cost = 0;
+  Seconds nap_overshoot = 0;
   /// Optional per-op-family tables (op_names::), points sorted by bytes. A family
   /// without a table is costed as generic elementwise work.
   std::map<std::string, std::vector<OpSample>> op_tables;

@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include "moeflex/comm/layout.h"
+#include "moeflex/comm/wait_policy.h"
 #include "moeflex/core/arena.h"
 #include "moeflex/core/error.h"
 #include "moeflex/model/layer_cost.h"
@@ -166,6 +167,28 @@ Seconds segment_time(const ActionCost::Segment& g, double cores) {
   return t;
 }
 
+double nap_share(const CoreSharing& sh, Seconds waited, Seconds* piece_end) {
+  // The waits at which the shortest nap starts to grow and the longest is reached.
+  constexpr Seconds w0 = comm::kMinPollSleepOversubscribed * comm::kPollSleepDivisorOversubscribed;
+  constexpr Seconds w1 = comm::kMaxPollSleep * comm::kPollSleepDivisorOversubscribed;
+  // A relative nudge: an event loop that stops exactly at a piece's end is in the next piece.
+  const Seconds w = std::max<Seconds>(0, waited) * (1 + 1e-12) + 1e-15;
+  Seconds nap = comm::kMinPollSleepOversubscribed;
+  if (w < w0) {
+    *piece_end = w0;
+  } else if (w >= w1) {
+    nap = comm::kMaxPollSleep;
+    *piece_end = std::numeric_limits<Seconds>::infinity();
+  } else {
+    Seconds lo = w0;
+    while (2 * lo <= w) lo *= 2;
+    const Seconds hi = std::min(2 * lo, w1);
+    *piece_end = hi;
+    nap = comm::poll_nap_seconds(std::sqrt(lo * hi), true);
+  }
+  return sh.nap_cost > 0 ? sh.nap_cost / (nap + sh.nap_overshoot) : 0.0;
+}
+
 Seconds pair_exposed_comm(const ActionCost& f, const ActionCost& b, bool overlap) {
   if (!overlap) return f.comm + b.comm;
   // What a half may hide is part of its comm: clamped to [0, comm].
@@ -197,6 +220,7 @@ PlanTimeline run_plan_shared(const StepPlan& plan, const std::function<ActionCos
     // `done` is the work each still-running process has done, `ended` how many have ended.
     std::size_t ended = 0;
     Seconds done = 0;
+    std::vector<Seconds> ended_at;  // when each ended process began to wait for the others
     Seconds T = 0, comm = 0, start = 0;
     Seconds waiting_since = 0;  // when not running: when its wait (polling, then sleep) began
   };
@@ -257,6 +281,7 @@ PlanTimeline run_plan_shared(const StepPlan& plan, const std::function<ActionCos
             R.part = 0;
             R.left = 1;
             R.ended = 0;
+            R.ended_at.clear();
             R.done = 0;
             R.on = !R.parts.empty();
             if (!R.on) {  // nothing to run
@@ -273,18 +298,32 @@ PlanTimeline run_plan_shared(const StepPlan& plan, const std::function<ActionCos
     // Processes that want a core: a computing rank's p (in a segment of uneven work,
     // only those not done with it), and a waiting rank's p still polling (the first
     // poll_seconds of a wait). Each gets `share` of a core.
+    // Napping processes (past their polls) count as nap_share of one; the next
+    // change of a nap's share is an event.
     double want = 0;
+    Seconds nap_event = std::numeric_limits<Seconds>::infinity();
+    const bool naps_cost = sh.nap_cost > 0;
+    auto napping = [&](Seconds since) {
+      Seconds end = 0;
+      const double s = nap_share(sh, t - since, &end);
+      nap_event = std::min(nap_event, since + end);
+      return s;
+    };
     for (const auto& R : run) {
       if (R.on) {
         const auto& g = R.parts[R.part];
         want += g.each.empty() ? p : double(g.each.size() - R.ended);
+        if (naps_cost)
+          for (const Seconds since : R.ended_at) want += napping(since);
       } else if (t < R.waiting_since + sh.poll_seconds) {
         want += p;
+      } else if (naps_cost) {
+        want += p * napping(R.waiting_since);
       }
     }
     const double share = want > double(sh.cores) ? sh.efficiency * double(sh.cores) / want : 1.0;
-    // The next event: an action ending or a message arriving for a waiting rank.
-    Seconds next = std::numeric_limits<Seconds>::infinity();
+    // The next event: an action ending, a message arriving for a waiting rank, or a nap's share changing.
+    Seconds next = nap_event;
     std::vector<double> rate(std::size_t(P), 0);
     for (int r = 0; r < P; ++r) {
       const auto& R = run[std::size_t(r)];
@@ -327,12 +366,16 @@ PlanTimeline run_plan_shared(const StepPlan& plan, const std::function<ActionCos
         }
       } else {
         R.done += rate[std::size_t(r)] * dt;
-        while (R.ended < g.each.size() && g.each[R.ended] <= R.done + tol) ++R.ended;
+        while (R.ended < g.each.size() && g.each[R.ended] <= R.done + tol) {
+          ++R.ended;
+          if (naps_cost) R.ended_at.push_back(t);
+        }
         if (R.ended < g.each.size()) continue;  // some of its processes still work
       }
       if (++R.part < R.parts.size()) {  // the next segment, at its own rate from the next event on
         R.left = 1;
         R.ended = 0;
+        R.ended_at.clear();
         R.done = 0;
         continue;
       }
@@ -1231,7 +1274,8 @@ SimReport simulate(const SimOptions& o) {
         },
         [&](const Action&) { return msg_time; }, o.overlap_pair_comm,
         shared ? CoreSharing{o.cluster.host_cores, par.dp * par.tp, kCommPollSeconds,
-                             o.cluster.profile.time_sharing_efficiency}
+                             o.cluster.profile.time_sharing_efficiency, o.cluster.profile.nap_cost,
+                             o.cluster.profile.nap_overshoot}
                : CoreSharing{});
     if (o.breakdown) {
       add_breakdown(rep.ops, step_ops, 1.0 / iters);

@@ -261,7 +261,9 @@ Seconds pair_exposed_comm(const ActionCost& f, const ActionCost& b, bool overlap
 /// action given as segments (one per synchronisation, ActionCost::segments) runs
 /// them in turn, each at its own rate, 1 / segment_time (processor sharing among the
 /// group's processes when their work differs). Waiting processes count in N during their
-/// first poll_seconds of polling.
+/// first poll_seconds of polling. After that it naps (comm/wait_policy.h), and each
+/// nap takes nap_cost of a core from the computing processes: a waiting process
+/// counts in N as nap_share() of a process.
 struct CoreSharing {
   int cores = 0;               ///< host cores; <= 0: no sharing (every process has a core)
   int processes_per_rank = 1;  ///< processes behind each pipeline rank
@@ -273,7 +275,23 @@ struct CoreSharing {
   /// (HardwareProfile::time_sharing_efficiency: time slicing and migrations cost the
   /// rest); 1 with a core for each.
   double efficiency = 1.0;
+  /// Core-seconds each nap of a waiting process takes from the computing ones, and
+  /// the wall time a nap lasts beyond the one asked for (HardwareProfile::nap_cost,
+  /// nap_overshoot); 0: a napping process is free.
+  Seconds nap_cost = 0;
+  Seconds nap_overshoot = 0;
 };
+
+/// The share of a core a process that has waited `waited` seconds takes from the
+/// computing ones under `sh` (CoreSharing): nap_cost / (nap + nap_overshoot), nap
+/// as an oversubscribed node's communicator takes it (comm::poll_nap_seconds). The
+/// nap grows with the wait, so the share is held constant over pieces of the wait
+/// for the event loop: below the wait at which the shortest nap starts growing
+/// (2 ms), the shortest nap's; then pieces that double up to the wait at which the
+/// nap stops growing (20 ms), each at the nap of its geometric middle; then the
+/// longest nap's. Sets `piece_end` to the wait at which the current piece ends
+/// (infinity in the last). 0 when nap_cost is 0.
+double nap_share(const CoreSharing& sh, Seconds waited, Seconds* piece_end);
 
 /// How long a Segment takes when its group of n processes gets `cores` cores' worth
 /// of time throughout (`cores` = processes_per_rank x min(1, cores / N), CoreSharing).

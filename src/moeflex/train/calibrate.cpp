@@ -49,10 +49,12 @@
 #include <random>
 #include <set>
 #include <memory>
+#include <atomic>
 #include <thread>
 #include <tuple>
 
 #include "moeflex/comm/communicator.h"
+#include "moeflex/comm/wait_policy.h"
 #include "moeflex/core/arena.h"
 #include "moeflex/core/error.h"
 #include "moeflex/ops/attention.h"
@@ -141,6 +143,7 @@ constexpr double kWallBudgetFactor = 3;  ///< wall time a phase may take, in bud
 constexpr int kMinRepeats = 5;          ///< repeats of one measurement, at least (while the budget lasts)
 constexpr Seconds kTimeSharingSeconds = 1.5;       ///< each phase of measure_time_sharing, at most
 constexpr double kTimeSharingBudgetShare = 0.025;  ///< and at most this share of the budget
+constexpr Seconds kNapCostSeconds = 0.3;           ///< each phase of measure_nap_cost (4 phases), at most
 constexpr double kTimeSharingFloor = 0.8;          ///< below: not time slicing's loss (a busy host, a CPU quota)
 /// A measurement's time is this quantile of its repeats (the median; a lower
 /// quartile, which shrugs off more of the load from elsewhere, was no steadier on a
@@ -1199,6 +1202,81 @@ double measure_time_sharing(Seconds seconds) {
   return std::min(eta, 1.0);
 }
 
+NapCost measure_nap_cost(Seconds seconds) {
+  const std::unique_ptr<comm::Communicator> world = comm::make_world_communicator();
+  const int cores = std::max(1, int(std::thread::hardware_concurrency()));
+  if (world->size() > cores) return {};  // ranks would share cores: no core of one's own to measure on
+  const int omp_before = omp_get_max_threads(), blas_before = openblas_get_num_threads();
+  omp_set_num_threads(1);
+  openblas_set_num_threads(1);
+  cpu_set_t bound;
+  const bool have_mask = sched_getaffinity(0, sizeof(bound), &bound) == 0;
+  struct Restore {  // the thread counts and the binding, however this ends
+    int omp, blas;
+    bool mask;
+    cpu_set_t bound;
+    ~Restore() {
+      if (mask) sched_setaffinity(0, sizeof(bound), &bound);
+      omp_set_num_threads(omp);
+      openblas_set_num_threads(blas);
+    }
+  } restore{omp_before, blas_before, have_mask, bound};
+  // This rank's core: the one it is bound to (mpirun binds a rank a core), else the one it runs on.
+  int core = have_mask && CPU_COUNT(&bound) == 1 ? -1 : sched_getcpu();
+  if (core < 0)
+    for (int c = 0; c < CPU_SETSIZE && core < 0; ++c)
+      if (CPU_ISSET(c, &bound)) core = c;
+  auto bind = [core] {
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(core, &one);
+    return sched_setaffinity(0, sizeof(one), &one) == 0;  // this thread
+  };
+  double sums[3] = {0, 0, 0};  // cost, overshoot, failures
+  if (!have_mask || core < 0 || !bind()) sums[2] = 1;
+  constexpr std::int64_t M = 256, N = 384, K = 256;  // an expert's up projection in the default model
+  std::vector<float> a(std::size_t(M * K), 0.5f), b(std::size_t(N * K), 0.25f), c(std::size_t(M * N), 0.0f);
+  const auto work = [&](Seconds s) {
+    const Clock::time_point until =
+        Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
+    long rounds = 0;
+    for (; Clock::now() < until; ++rounds)
+      ops::gemm<float>(false, true, M, N, K, 1.0f, a.data(), K, b.data(), K, 0.0f, c.data(), N);
+    return rounds;
+  };
+  constexpr int kPairs = 2;
+  if (sums[2] == 0) {
+    work(seconds / 10);  // warm up
+    for (int pair = 0; pair < kPairs; ++pair) {
+      const long alone = work(seconds);
+      std::atomic<bool> stop{false}, bound_ok{true};
+      long naps = 0;
+      Seconds napped = 0;
+      std::thread napper([&] {
+        if (!bind()) bound_ok = false;
+        const auto t0 = Clock::now();
+        while (!stop.load(std::memory_order_relaxed) && bound_ok) {
+          std::this_thread::sleep_for(std::chrono::duration<double>(comm::kMinPollSleepOversubscribed));
+          ++naps;
+        }
+        napped = since(t0);
+      });
+      const long beside = work(seconds);
+      stop = true;
+      napper.join();
+      if (!bound_ok || naps == 0 || alone <= 0) {
+        sums[2] = 1;
+        break;
+      }
+      sums[0] += std::max(0.0, 1.0 - double(beside) / double(alone)) * seconds / double(naps) / kPairs;
+      sums[1] += std::max(0.0, napped / double(naps) - comm::kMinPollSleepOversubscribed) / kPairs;
+    }
+  }
+  if (world->size() > 1) world->all_reduce_sum(sums, 3);
+  if (sums[2] > 0) return {};
+  return {sums[0] / world->size(), sums[1] / world->size()};
+}
+
 namespace {
 
 std::string host_name() {
@@ -1445,6 +1523,10 @@ HardwareProfile calibrate_phases(int threads, Seconds budget, HeldOut* held, std
   if (threads == 1) {  // what the single-threaded ranks of an oversubscribed run get of the cores
     note("cores shared by twice as many threads ...");
     p.time_sharing_efficiency = measure_time_sharing(std::min(kTimeSharingSeconds, kTimeSharingBudgetShare * budget));
+    note("what a napping rank costs a computing one ...");
+    const NapCost nap = measure_nap_cost(std::min(kNapCostSeconds, kTimeSharingBudgetShare * budget));
+    p.nap_cost = nap.cost;
+    p.nap_overshoot = nap.overshoot;
   }
   // Memory first: the op tables' stage 1 reads the bandwidth.
   note("memory bandwidth and copies ...");
@@ -1527,6 +1609,11 @@ int run_calibrate_command(const std::string& out_path, int threads, double budge
                1e6 * profile.all_to_all_latency, profile.all_to_all_bandwidth / 1e9);
   fmt::print("cores shared by twice as many threads: {:.1f}% of the ideal split\n",
              100 * profile.time_sharing_efficiency);
+  if (profile.nap_cost > 0)
+    fmt::print(
+        "a rank napping beside a computing one: {:.1f} us of its core per {:.0f} us nap, which lasts {:.0f} us "
+        "longer\n",
+        1e6 * profile.nap_cost, 1e6 * comm::kMinPollSleepOversubscribed, 1e6 * profile.nap_overshoot);
   if (profile.op_tables.count(op_names::kOptimizerStep))
     for (const OpSample& s : profile.op_tables.at(op_names::kOptimizerStep))
       fmt::print("optimizer step (zero_grads, norm, clip, AdamW) of {:.1f} M parameters: {:.2f} ms\n",

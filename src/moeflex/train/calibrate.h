@@ -50,6 +50,23 @@ HardwareProfile calibrate(int threads, Seconds budget = kDefaultCalibrationBudge
 /// this 2-core VM, 2026-11-30: 95.5-99.4%.
 double measure_time_sharing(Seconds seconds);
 
+/// What a rank napping through a wait costs a rank computing on its core (the
+/// profile's nap_cost and nap_overshoot).
+struct NapCost {
+  Seconds cost = 0;       ///< core-seconds the computing rank loses per nap
+  Seconds overshoot = 0;  ///< wall time a nap lasts beyond the one asked for
+};
+
+/// Measures NapCost on this process's core: single-threaded GEMMs of an expert's
+/// shape (256 x 384 x 256) run for `seconds` alone, then for `seconds` beside a
+/// thread bound to the same core that naps as a waiting rank of an oversubscribed
+/// node does (comm/wait_policy.h, kMinPollSleepOversubscribed), twice. cost = the
+/// work lost (1 - with / alone) x seconds / naps. Every rank measures on its own
+/// core at once and the ranks' means are returned. Returns {0, 0} (not measured)
+/// with more ranks than cores or when the threads cannot be bound to one core.
+/// Sets one OpenMP and BLAS thread meanwhile and restores the counts and binding.
+NapCost measure_nap_cost(Seconds seconds);
+
 /// The 1-minute load average from /proc/loadavg, or -1 where there is none.
 double load_average();
 /// Load average per core above which calibrate and train warn that multi-threaded

@@ -52,5 +52,17 @@ t = json.load(open(f"{run}/trace.json"))["traceEvents"]
 assert {e["pid"] for e in t} == {0, 1, 2, 3}, "trace.json must merge the 4 ranks"
 assert any(e["ph"] == "X" and e["name"].startswith("Bi(") for e in t)
 assert any(e["ph"] == "C" and e["name"] == "device memory" for e in t)
+# Each traced step's tail on every rank: the gradient and loss reductions, then the
+# optimizer (clipping and AdamW), then the step's statistics, one after the other.
+for pid in range(4):
+    tail = sorted((e["ts"], e["name"], e["dur"]) for e in t if e["ph"] == "X" and e["pid"] == pid
+                  and e["name"] in ("dp all-reduce", "optimizer", "step stats"))
+    names = [n for _, n, _ in tail]
+    assert len(names) > 0 and names == ["dp all-reduce", "optimizer", "step stats"] * (len(names) // 3), names
+    for (t0, _, d0), (t1, _, _) in zip(tail, tail[1:]):
+        assert t1 >= t0 + d0 - 1e-3, (pid, tail)
+    last_compute = max(e["ts"] + e["dur"] for e in t if e["ph"] == "X" and e["pid"] == pid
+                       and e["name"][:2] in ("F(", "B(", "Bi", "W(") and e["ts"] < tail[0][0])
+    assert tail[0][0] >= last_compute - 1e-3, (pid, tail[0], last_compute)
 print("mpi_train_smoke: ok", s["final_val_loss"])
 PY

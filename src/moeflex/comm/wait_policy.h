@@ -9,8 +9,8 @@
 // (comm::host_oversubscribed: more processes than cores) it skips the yield phase,
 // which would keep it runnable, and naps longer, a twentieth of the time waited
 // in [100 us, 1 ms]: every nap costs a core 20-30 us here (its system call, two
-// context switches and the caches the computing rank refills; calibrate's
-// nap_cost_seconds), taken from a rank that computes. dp4-ep4 of
+// context switches and the caches the computing rank refills; the hardware
+// profile's nap_cost_s, HardwareProfile::nap_cost), taken from a rank that computes. dp4-ep4 of
 // bench/sim_check.sh on 2 cores: 1.33 -> 1.31 s per step with these naps instead
 // of the others (medians of 3 pairs; 2-8% in an earlier set with 200 us).
 #pragma once

@@ -63,8 +63,8 @@ void heap_free(void* p) {
 
 bool retain_freed_heap() {
   static const bool ok = [] {
-    // Set the mapping threshold first: setting either one also ends glibc's dynamic
-    // adjustment of both, which would otherwise still trim at twice the threshold.
+    // Setting either one ends glibc's dynamic adjustment of both (which raises the
+    // thresholds as mapped blocks are freed, and trims at twice the mapping one).
     const bool mmap_ok = mallopt(M_MMAP_THRESHOLD, int(Arena::kRetainedBlockLimit)) == 1;
     const bool trim_ok = mallopt(M_TRIM_THRESHOLD, INT_MAX) == 1;
     return mmap_ok && trim_ok;

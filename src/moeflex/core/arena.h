@@ -119,7 +119,8 @@ class Device;
 /// --ep 2 on 2 ranks: 7,400 faults, about 29 MiB, per rank and step; with it, and
 /// the arena's blocks from malloc rather than aligned_alloc, 170; pp2-dp2-ep2 on
 /// 2 cores 4-5% faster).
-/// Resident memory then stays at the run's peak, as with a caching allocator;
+/// Resident memory then stays at the heap's high-water mark (the arena's peak and
+/// whatever else the process allocated at that moment), as with a caching allocator;
 /// malloc_trim (generate does) still returns it. Idempotent, process-wide; returns
 /// false where glibc refused a setting (the run is only slower then).
 bool retain_freed_heap();

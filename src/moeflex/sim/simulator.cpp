@@ -171,7 +171,8 @@ double nap_share(const CoreSharing& sh, Seconds waited, Seconds* piece_end) {
   // The waits at which the shortest nap starts to grow and the longest is reached.
   constexpr Seconds w0 = comm::kMinPollSleepOversubscribed * comm::kPollSleepDivisorOversubscribed;
   constexpr Seconds w1 = comm::kMaxPollSleep * comm::kPollSleepDivisorOversubscribed;
-  // A relative nudge: an event loop that stops exactly at a piece's end is in the next piece.
+  // A nudge: a wait that ends exactly at a piece's end is in the next piece (the
+  // event loop adds its own, relative to the time, as well).
   const Seconds w = std::max<Seconds>(0, waited) * (1 + 1e-12) + 1e-15;
   Seconds nap = comm::kMinPollSleepOversubscribed;
   if (w < w0) {
@@ -200,8 +201,9 @@ Seconds pair_exposed_comm(const ActionCost& f, const ActionCost& b, bool overlap
 namespace {
 
 /// run_plan under core sharing (see CoreSharing): a global event loop in virtual
-/// time. Between two events (an action ends, a message arrives) the set of
-/// computing ranks is fixed, so each progresses at a constant rate.
+/// time. Between two events (an action or one of a segment's processes ends, a
+/// message arrives, a wait's polling ends, a nap's share changes) the set of
+/// computing ranks and what they share is fixed, so each progresses at a constant rate.
 PlanTimeline run_plan_shared(const StepPlan& plan, const std::function<ActionCost(int, const Action&)>& cost,
                              const std::function<Seconds(const Action&)>& message_time, bool overlap_pair_comm,
                              const CoreSharing& sh) {
@@ -297,31 +299,38 @@ PlanTimeline run_plan_shared(const StepPlan& plan, const std::function<ActionCos
     if (all_done()) break;
     // Processes that want a core: a computing rank's p (in a segment of uneven work,
     // only those not done with it), and a waiting rank's p still polling (the first
-    // poll_seconds of a wait). Each gets `share` of a core.
-    // Napping processes (past their polls) count as nap_share of one; the next
-    // change of a nap's share is an event.
-    double want = 0;
+    // poll_seconds of a wait); napping processes (past their polls) count as
+    // nap_share of one, and the next change of a nap's share is an event. Each gets
+    // `share` of a core; time slicing's loss (efficiency) only while the busy ones
+    // alone outnumber the cores (nap_cost is the naps' own).
+    double busy = 0, want = 0;
     Seconds nap_event = std::numeric_limits<Seconds>::infinity();
     const bool naps_cost = sh.nap_cost > 0;
+    // The wait so far, nudged by the event loop's tolerance: at a piece's end, the
+    // next piece, even where t is large and t - since rounds below the end.
+    const Seconds nudge = 1e-12 * std::max<Seconds>(t, 1e-9);
     auto napping = [&](Seconds since) {
       Seconds end = 0;
-      const double s = nap_share(sh, t - since, &end);
-      nap_event = std::min(nap_event, since + end);
+      const double s = nap_share(sh, t - since + nudge, &end);
+      nap_event =
+          std::min(nap_event, std::max(since + end, std::nextafter(t, std::numeric_limits<Seconds>::infinity())));
       return s;
     };
     for (const auto& R : run) {
       if (R.on) {
         const auto& g = R.parts[R.part];
-        want += g.each.empty() ? p : double(g.each.size() - R.ended);
+        busy += g.each.empty() ? p : double(g.each.size() - R.ended);
         if (naps_cost)
           for (const Seconds since : R.ended_at) want += napping(since);
       } else if (t < R.waiting_since + sh.poll_seconds) {
-        want += p;
+        busy += p;
       } else if (naps_cost) {
         want += p * napping(R.waiting_since);
       }
     }
-    const double share = want > double(sh.cores) ? sh.efficiency * double(sh.cores) / want : 1.0;
+    want += busy;
+    const double cores = double(sh.cores);
+    const double share = want > cores ? (busy > cores ? sh.efficiency : 1.0) * cores / want : 1.0;
     // The next event: an action ending, a message arriving for a waiting rank, or a nap's share changing.
     Seconds next = nap_event;
     std::vector<double> rate(std::size_t(P), 0);
@@ -1006,9 +1015,12 @@ SimReport simulate(const SimOptions& o) {
       opt_t = std::max(opt_t, rank_opt);
       optimizer_ops += rank_opt;
     }
-    rep.dp_reduce_time = dp_t;
-    // Every process runs its optimizer at once: with more than the host's cores they share them.
-    rep.optimizer_time = opt_t * (o.cluster.host_cores > 0 ? std::max(1.0, double(par.world()) / o.cluster.host_cores) : 1.0);
+    // Every process reduces its gradients and runs its optimizer at once (the CPU
+    // engine's reductions are its own copies and sums): with more processes than the
+    // host's cores they share them.
+    const double shared_by = o.cluster.host_cores > 0 ? std::max(1.0, double(par.world()) / o.cluster.host_cores) : 1.0;
+    rep.dp_reduce_time = dp_t * shared_by;
+    rep.optimizer_time = opt_t * shared_by;
   }
 
   // Model FLOPs of one iteration (all replicas).

@@ -256,7 +256,8 @@ Seconds pair_exposed_comm(const ActionCost& f, const ActionCost& b, bool overlap
 /// critical time T = compute + comm (its slowest process with a core of its own)
 /// and demand D (ActionCost::demand) then progresses at the rate
 /// 1 / max(T, D / (p x min(1, cores / N))) of itself per second (cores / N times the
-/// efficiency when N > cores), p = processes_per_rank:
+/// efficiency when the computing and polling processes alone outnumber the cores),
+/// p = processes_per_rank:
 /// the group's share of the cores bounds it, and so does its slowest process. An
 /// action given as segments (one per synchronisation, ActionCost::segments) runs
 /// them in turn, each at its own rate, 1 / segment_time (processor sharing among the

@@ -1140,9 +1140,11 @@ double measure_time_sharing(Seconds seconds) {
   const int cores = std::max(1, int(std::thread::hardware_concurrency()));
   // Phase 1 gives the per-core rate only with a rank on every core, as mpirun binds 2
   // ranks on 2 cores; otherwise (one process, fewer or more ranks than cores, ranks on
-  // several hosts) the field stays unmeasured. Every rank decides alike: no collective
-  // is left half-entered.
-  if (n != cores) return 1.0;
+  // several hosts) the field stays unmeasured. Every rank decides alike (hosts may
+  // differ in cores): no collective is left half-entered.
+  double skip = n != cores ? 1 : 0;
+  if (n > 1) world->all_reduce_max(&skip, 1);
+  if (skip > 0) return 1.0;
   const int omp_before = omp_get_max_threads(), blas_before = openblas_get_num_threads();
   omp_set_num_threads(1);
   openblas_set_num_threads(1);
@@ -1205,7 +1207,11 @@ double measure_time_sharing(Seconds seconds) {
 NapCost measure_nap_cost(Seconds seconds) {
   const std::unique_ptr<comm::Communicator> world = comm::make_world_communicator();
   const int cores = std::max(1, int(std::thread::hardware_concurrency()));
-  if (world->size() > cores) return {};  // ranks would share cores: no core of one's own to measure on
+  // More ranks than cores would share them: no core of one's own to measure on. Every
+  // rank decides alike (hosts may differ in cores).
+  double skip = world->size() > cores ? 1 : 0;
+  if (world->size() > 1) world->all_reduce_max(&skip, 1);
+  if (skip > 0) return {};
   const int omp_before = omp_get_max_threads(), blas_before = openblas_get_num_threads();
   omp_set_num_threads(1);
   openblas_set_num_threads(1);
@@ -1221,11 +1227,15 @@ NapCost measure_nap_cost(Seconds seconds) {
       openblas_set_num_threads(blas);
     }
   } restore{omp_before, blas_before, have_mask, bound};
-  // This rank's core: the one it is bound to (mpirun binds a rank a core), else the one it runs on.
-  int core = have_mask && CPU_COUNT(&bound) == 1 ? -1 : sched_getcpu();
-  if (core < 0)
-    for (int c = 0; c < CPU_SETSIZE && core < 0; ++c)
-      if (CPU_ISSET(c, &bound)) core = c;
+  // This rank's core: the one it is bound to (mpirun binds a rank a core), else the
+  // (rank mod n)-th of the n it may run on, so that unbound ranks of one host pick
+  // different cores (where it runs now is only a snapshot: two ranks can read the same).
+  int core = -1;
+  if (have_mask && CPU_COUNT(&bound) > 0) {
+    const int pick = CPU_COUNT(&bound) == 1 ? 0 : world->rank() % CPU_COUNT(&bound);
+    for (int c = 0, seen = 0; c < CPU_SETSIZE && core < 0; ++c)
+      if (CPU_ISSET(c, &bound) && seen++ == pick) core = c;
+  }
   auto bind = [core] {
     cpu_set_t one;
     CPU_ZERO(&one);
@@ -1261,7 +1271,14 @@ NapCost measure_nap_cost(Seconds seconds) {
         }
         napped = since(t0);
       });
-      const long beside = work(seconds);
+      long beside = 0;
+      try {
+        beside = work(seconds);
+      } catch (...) {  // the napper must be joined before anything unwinds past it
+        stop = true;
+        napper.join();
+        throw;
+      }
       stop = true;
       napper.join();
       if (!bound_ok || naps == 0 || alone <= 0) {
@@ -1591,11 +1608,15 @@ int run_calibrate_command(const std::string& out_path, int threads, double budge
              budget_seconds, budget_seconds >= kFullGridMinBudget ? "full" : "coarse",
              threads == 1 ? "thread's CPU" : "wall");
   // Other work on the cores makes every multi-threaded kernel wait for descheduled
-  // threads: the profile then describes a busy machine.
-  if (const double load = load_average(); load > kBusyLoadPerCore * omp_get_num_procs())
-    fmt::print("warning: the machine is busy (load average {:.1f} on {} cores): timings will be noisy{}; calibrate "
-               "on an idle machine for a faithful profile\n",
-               load, omp_get_num_procs(), threads == 1 ? "" : " and the profile pessimistic");
+  // threads: the profile then describes a busy machine. The load average is the
+  // host's, so it is set against the host's cores, not the ones this rank is bound to
+  // (one under `mpirun -np 2`).
+  const int host_cores = std::max(1, int(std::thread::hardware_concurrency()));
+  if (const double load = load_average(); load > kBusyLoadPerCore * host_cores)
+    fmt::print(
+        "warning: the machine is busy (load average {:.1f} on {} cores): timings will be noisy{}; calibrate "
+        "on an idle machine for a faithful profile\n",
+        load, host_cores, threads == 1 ? "" : " and the profile pessimistic");
   std::fflush(stdout);
   const auto t0 = Clock::now();
   const CalibrationResult result = calibrate_and_validate(threads, budget_seconds, true);

@@ -62,8 +62,9 @@ struct NapCost {
 /// thread bound to the same core that naps as a waiting rank of an oversubscribed
 /// node does (comm/wait_policy.h, kMinPollSleepOversubscribed), twice. cost = the
 /// work lost (1 - with / alone) x seconds / naps. Every rank measures on its own
-/// core at once and the ranks' means are returned. Returns {0, 0} (not measured)
-/// with more ranks than cores or when the threads cannot be bound to one core.
+/// core at once (its bound core, or the (rank mod n)-th of the n it may use) and the
+/// ranks' means are returned. Returns {0, 0} (not measured) with more ranks than
+/// cores on any rank's host, or when the threads cannot be bound to one core.
 /// Sets one OpenMP and BLAS thread meanwhile and restores the counts and binding.
 NapCost measure_nap_cost(Seconds seconds);
 

@@ -43,6 +43,7 @@ Replica::Replica(const ModelConfig& cfg, const std::string& schedule, const comm
 }
 
 void Replica::set_trace(train::TraceWriter* trace) {
+  trace_ = trace;
   executor_->set_trace(trace);
   for (auto& c : chunks_) {
     if (!trace) {
@@ -94,10 +95,13 @@ LossParts Replica::global_loss(LossParts local, double divide_by) {
 
 LossParts Replica::forward_backward(const BatchFn& batch) {
   const LossParts local = executor_->run_step(batch, 1.0 / double(M_ * layout_.dp()));
+  const double t0 = trace_ ? trace_->now_us() : 0.0;
   reduce_gradients(params(), groups_);
   if (cfg_.tie_word_embeddings && plan_.num_stages > 1)
     sync_tied_embedding(params(), groups_, cfg_.vocab_size * cfg_.hidden_size, arena_);
-  return global_loss(local, double(M_));
+  const LossParts loss = global_loss(local, double(M_));
+  if (trace_) trace_->complete("comm", "dp all-reduce", t0, trace_->now_us() - t0);
+  return loss;
 }
 
 double Replica::clip_grad_norm(double max_norm) { return clip_global_grad_norm(params(), groups_, max_norm); }

@@ -39,7 +39,8 @@ class Replica {
   double last_compute_seconds() const { return executor_->last_compute_seconds(); }
 
   /// Records the following steps into `trace` (null stops): compute and comm tracks
-  /// and a device-memory counter from the executor, and every copy of the chunks'
+  /// and a device-memory counter from the executor, the step's gradient and loss
+  /// reductions ("dp all-reduce" on the comm track), and every copy of the chunks'
   /// copy engines (offloads and prefetches, with their bytes) on a "copy" track.
   /// `trace` must outlive the recording: call set_trace(nullptr) before it goes.
   void set_trace(train::TraceWriter* trace);
@@ -63,6 +64,7 @@ class Replica {
   std::vector<std::unique_ptr<MoEModel>> chunks_;
   std::unique_ptr<PipelineExecutor> executor_;
   std::int64_t M_;
+  train::TraceWriter* trace_ = nullptr;
 };
 
 }  // namespace moeflex

@@ -1100,10 +1100,19 @@ TrainResult run_training(const TrainOptions& opts) {
         }
       }
       op_context().phase = OpPhase::optimizer;  // clipping and AdamW, for the op profiler
+      const double opt_us = tracing ? trace.now_us() : 0.0;
       const double gnorm = replica.clip_grad_norm(t.grad_clip);
       if (!std::isfinite(sum.total) || !std::isfinite(gnorm))
         throw Error(fmt::format("training diverged at step {}: loss {} and gradient norm {} (lower train.lr or "
                                 "model.initializer_range; the last checkpoint is kept)", step + 1, sum.total, gnorm));
+      // The forward/backward phase, for the bubble below: up to the optimizer step.
+      const double fb_seconds = seconds_since(t0);
+      const double lr = lr_at(step, t.warmup_steps, t.steps, t.lr, t.min_lr);
+      for (auto& o : opts_) o->step(lr);
+      op_context().phase = OpPhase::other;
+      const double stats_us = tracing ? trace.now_us() : 0.0;
+      if (tracing) trace.complete("compute", "optimizer", opt_us, stats_us - opt_us);
+      // The step's statistics over the ranks (the trace's "step stats").
       double provisioned[2] = {0, 0};  // bytes saved, recomputed (this step, all ranks)
       for (MoEModel* c : replica.chunks()) {
         provisioned[0] += double(c->stash().counters().saved);
@@ -1157,15 +1166,12 @@ TrainResult run_training(const TrainOptions& opts) {
       }
       // Pipeline bubble: the share of the forward/backward phase a rank spends not
       // computing (waiting for its peers), averaged over ranks.
-      const double fb_seconds = seconds_since(t0);
       double bubble = fb_seconds > 0 ? std::max(0.0, 1.0 - replica.last_compute_seconds() / fb_seconds) : 0.0;
       if (world_size > 1) {
         world->all_reduce_sum(&bubble, 1);
         bubble /= world_size;
       }
-      const double lr = lr_at(step, t.warmup_steps, t.steps, t.lr, t.min_lr);
-      for (auto& o : opts_) o->step(lr);
-      op_context().phase = OpPhase::other;
+      if (tracing) trace.complete("comm", "step stats", stats_us, trace.now_us() - stats_us);
       const double dt = seconds_since(t0);
       if (op_profiler) op_profiler->end_step(dt, thread_cpu_seconds() - thread_cpu0);
       const double step_cpu = process_cpu_seconds() - cpu0;

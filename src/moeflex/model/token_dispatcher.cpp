@@ -48,11 +48,16 @@ DispatchLayout TokenDispatcher::plan(const std::int32_t* counts) const {
 namespace {
 
 // Moves row blocks between source-major ([q][le]) and expert-major ([le][q]) order.
-// Rows are `row` bytes.
+// Rows are `row` bytes. The blocks of source `self` (this rank's rows for its own
+// experts, which never cross the network) are read from `self_src` (to expert-major)
+// or written to `self_dst` (to source-major) instead, where they lie in the same [le]
+// order: the exchange leaves them out, so they are copied once, here, not also by MPI.
 void reorder(const DispatchLayout& L, int P, std::int64_t E_local, const void* in_rows, void* out_rows, Bytes row,
-             bool to_expert_major) {
+             bool to_expert_major, int self, const void* self_src, void* self_dst) {
   const char* in = static_cast<const char*>(in_rows);
   char* out = static_cast<char*>(out_rows);
+  const char* own_src = static_cast<const char*>(self_src);
+  char* own_dst = static_cast<char*>(self_dst);
   std::vector<std::int64_t> src_off(std::size_t(P * E_local)), exp_off(std::size_t(P * E_local));
   std::int64_t o = 0;
   for (int q = 0; q < P; ++q)
@@ -66,13 +71,17 @@ void reorder(const DispatchLayout& L, int P, std::int64_t E_local, const void* i
       exp_off[std::size_t(q * E_local + le)] = o;
       o += L.recv_counts[std::size_t(q * E_local + le)];
     }
+  const std::int64_t self_first = src_off[std::size_t(self * E_local)];
   const std::int64_t blocks = P * E_local;
 #pragma omp parallel for schedule(static)
   for (std::int64_t b = 0; b < blocks; ++b) {
     const std::int64_t rows = L.recv_counts[std::size_t(b)];
-    const std::int64_t from = to_expert_major ? src_off[std::size_t(b)] : exp_off[std::size_t(b)];
-    const std::int64_t to = to_expert_major ? exp_off[std::size_t(b)] : src_off[std::size_t(b)];
-    std::memcpy(out + to * row, in + from * row, std::size_t(rows * row));
+    const bool mine = b / E_local == self;
+    const std::int64_t src = mine ? src_off[std::size_t(b)] - self_first : src_off[std::size_t(b)];
+    if (to_expert_major)
+      std::memcpy(out + exp_off[std::size_t(b)] * row, (mine ? own_src : in) + src * row, std::size_t(rows * row));
+    else
+      std::memcpy((mine ? own_dst : out) + src * row, in + exp_off[std::size_t(b)] * row, std::size_t(rows * row));
   }
 }
 
@@ -102,8 +111,12 @@ void TokenDispatcher::dispatch(const DispatchLayout& L, CView xp, View xe, std::
   for (auto& c : sc) c *= d;
   for (auto& c : rc) c *= d;
   const auto sd = displs(sc), rd = displs(rc);
+  // This rank's rows for its own experts stay out of the exchange: reorder takes them from xp.
+  const std::size_t self = std::size_t(ep_rank_);
+  sc[self] = rc[self] = 0;
   group_->all_to_all_v(xp.data, sc.data(), sd.data(), scratch.data, rc.data(), rd.data(), std::size_t(es));
-  reorder(L, ep_size_, e_local_, scratch.data, xe.data, es * d, /*to_expert_major=*/true);
+  reorder(L, ep_size_, e_local_, scratch.data, xe.data, es * d, /*to_expert_major=*/true, ep_rank_,
+          static_cast<const char*>(xp.data) + sd[self] * es, nullptr);
 }
 
 void TokenDispatcher::combine(const DispatchLayout& L, CView ye, View yp, std::int64_t d, View scratch) const {
@@ -112,11 +125,15 @@ void TokenDispatcher::combine(const DispatchLayout& L, CView ye, View yp, std::i
     std::memcpy(yp.data, ye.data, std::size_t(es * L.rows_received * d));
     return;
   }
-  reorder(L, ep_size_, e_local_, ye.data, scratch.data, es * d, /*to_expert_major=*/false);
   std::vector<std::int64_t> sc(L.recv_rows), rc(L.send_rows);
   for (auto& c : sc) c *= d;
   for (auto& c : rc) c *= d;
   const auto sd = displs(sc), rd = displs(rc);
+  // This rank's own experts' rows go straight to their place in yp, not through the exchange.
+  const std::size_t self = std::size_t(ep_rank_);
+  reorder(L, ep_size_, e_local_, ye.data, scratch.data, es * d, /*to_expert_major=*/false, ep_rank_, nullptr,
+          static_cast<char*>(yp.data) + rd[self] * es);
+  sc[self] = rc[self] = 0;
   group_->all_to_all_v(scratch.data, sc.data(), sd.data(), yp.data, rc.data(), rd.data(), std::size_t(es));
 }
 

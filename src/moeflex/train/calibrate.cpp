@@ -1067,11 +1067,12 @@ constexpr Bytes kLinkRingBytes = 256 * kMiB;
 /// (pairwise exchange, every peer's b at once: Hockney's alpha-beta per message).
 /// Stored as the profile's all_to_all_latency and all_to_all_bandwidth, which the
 /// this-machine cluster takes as its link. One process: nothing to measure, left 0.
-/// Every rank runs it (collectives); rank 0's fit is the one written.
-void measure_link(HardwareProfile& p) {
+/// Every rank runs it (collectives); rank 0's fit is the one written. Returns the
+/// medians, (bytes to each peer, seconds) for each size; none with one process.
+std::vector<std::pair<double, Seconds>> measure_link(HardwareProfile& p) {
   const std::unique_ptr<comm::Communicator> world = comm::make_world_communicator();
   const int n = world->size();
-  if (n < 2) return;
+  if (n < 2) return {};
   const Bytes max_b = kLinkBytes.back();
   const Bytes pair_bytes = 2 * max_b * n;
   const std::size_t ring = std::size_t(std::max<Bytes>(1, (kLinkRingBytes + pair_bytes - 1) / pair_bytes));
@@ -1103,6 +1104,7 @@ void measure_link(HardwareProfile& p) {
   const auto [alpha, per_byte] = fit_affine(pts);
   p.all_to_all_latency = alpha;
   p.all_to_all_bandwidth = 1.0 / per_byte;
+  return pts;
 }
 
 // ---- cores shared by more processes than there are ------------------------------------------
@@ -1536,7 +1538,13 @@ HardwareProfile calibrate_phases(int threads, Seconds budget, HeldOut* held, std
             *memory_jobs = HeldOut::jobs_of(held->memory_cases);
   // The link first, while the ranks of an mpirun calibration start together.
   note("link between ranks ...");
-  measure_link(p);
+  if (const auto pts = measure_link(p); progress && !pts.empty()) {  // the medians beside the fit through them
+    std::string line = "    all-to-all, bytes to each peer: median (fit)";
+    for (const auto& [b, t] : pts)
+      line += fmt::format("; {}: {:.0f} us ({:.0f})", format_bytes(Bytes(b)), 1e6 * t,
+                          1e6 * (p.all_to_all_latency + b / p.all_to_all_bandwidth));
+    fmt::print("{}\n", line);
+  }
   if (threads == 1) {  // what the single-threaded ranks of an oversubscribed run get of the cores
     note("cores shared by twice as many threads ...");
     p.time_sharing_efficiency = measure_time_sharing(std::min(kTimeSharingSeconds, kTimeSharingBudgetShare * budget));

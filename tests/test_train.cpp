@@ -240,6 +240,33 @@ TEST(Train, BadInputsGetClearErrors) {
       EXPECT_EQ(std::string(e.what()).find("this is JSON") != std::string::npos, json) << e.what();
     }
   }
+  // A hardware profile named by --hardware-profile must load even where the run would
+  // not price with it (no budget, no --profile-ops): refused, naming file and field,
+  // and no run folder is written.
+  {
+    const fs::path dir = fresh_dir("badprofile");
+    fs::create_directories(dir);
+    HardwareProfile hp;
+    hp.name = "test";
+    hp.threads = 1;
+    hp.gemm.push_back({64, 64, 64, 1e9, GemmLayout::any});
+    hp.memory_bandwidth = hp.h2d_bandwidth = hp.d2h_bandwidth = 1e10;
+    nlohmann::json j = hp.to_json();
+    j["nap_cost_s"] = -1;
+    const fs::path bad = dir / "hw.json";
+    std::ofstream(bad) << j.dump();
+    TrainOptions o = options(small_run(1), dir / "run");
+    o.hardware_profile = bad;
+    try {
+      run_training(o);
+      FAIL() << "a bad --hardware-profile was accepted";
+    } catch (const DataError& e) {
+      EXPECT_NE(std::string(e.what()).find("'nap_cost_s'"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(bad.string()), std::string::npos) << e.what();
+    }
+    EXPECT_FALSE(fs::exists(dir / "run"));
+    fs::remove_all(dir);
+  }
   EXPECT_THROW(RunConfig::from_toml_text("[model]\ncapacity_factor = nan\n", "x").validate(), ConfigError);
   EXPECT_THROW(RunConfig::from_toml_text("[parallel]\npp = 4294967297\n", "x"), ConfigError);
   // Strings with quotes and backslashes survive the resolved config.toml.

@@ -349,6 +349,9 @@ TrainResult run_training(const TrainOptions& opts) {
   if (!opts.hardware_profile.empty() && !fs::is_regular_file(opts.hardware_profile))
     throw DataError(fmt::format("--hardware-profile '{}' is not a file (run `moeflex calibrate --out {}`?)",
                                 opts.hardware_profile.string(), opts.hardware_profile.string()));
+  // A profile asked for by name must load, whether or not this run prices with it
+  // (only the adaptive planner and --profile-ops do): a bad one is refused up front.
+  if (!opts.hardware_profile.empty()) HardwareProfile::load(opts.hardware_profile);
   cfg.validate();
   const TrainConfig& t = cfg.train;
 

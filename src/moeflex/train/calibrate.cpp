@@ -1640,9 +1640,10 @@ int run_calibrate_command(const std::string& out_path, int threads, double budge
              100 * profile.time_sharing_efficiency);
   if (profile.nap_cost > 0)
     fmt::print(
-        "a rank napping beside a computing one: {:.1f} us of its core per {:.0f} us nap, which lasts {:.0f} us "
-        "longer\n",
-        1e6 * profile.nap_cost, 1e6 * comm::kMinPollSleepOversubscribed, 1e6 * profile.nap_overshoot);
+        "a waiting rank's naps on a shared core ({:.0f} us asked, {:.0f} us taken): each costs the rank computing "
+        "there {:.1f} us\n",
+        1e6 * comm::kMinPollSleepOversubscribed, 1e6 * (comm::kMinPollSleepOversubscribed + profile.nap_overshoot),
+        1e6 * profile.nap_cost);
   if (profile.op_tables.count(op_names::kOptimizerStep))
     for (const OpSample& s : profile.op_tables.at(op_names::kOptimizerStep))
       fmt::print("optimizer step (zero_grads, norm, clip, AdamW) of {:.1f} M parameters: {:.2f} ms\n",

@@ -1134,12 +1134,43 @@ long work_loop(Clock::time_point until) {
   return count;
 }
 
+/// The host's cores (not the ones this process is bound to), at least 1.
+int host_cores() { return std::max(1, int(std::thread::hardware_concurrency())); }
+
+/// For a measurement of single-threaded work: one OpenMP and one BLAS thread while
+/// it lives; the thread counts and the calling thread's CPU binding (read at
+/// construction; saved() says whether it could be) are restored however it ends.
+class SingleThreadedScope {
+ public:
+  SingleThreadedScope()
+      : omp_(omp_get_max_threads()),
+        blas_(openblas_get_num_threads()),
+        saved_(sched_getaffinity(0, sizeof(mask_), &mask_) == 0) {
+    omp_set_num_threads(1);
+    openblas_set_num_threads(1);
+  }
+  ~SingleThreadedScope() {
+    if (saved_) sched_setaffinity(0, sizeof(mask_), &mask_);
+    omp_set_num_threads(omp_);
+    openblas_set_num_threads(blas_);
+  }
+  SingleThreadedScope(const SingleThreadedScope&) = delete;
+  SingleThreadedScope& operator=(const SingleThreadedScope&) = delete;
+  bool saved() const { return saved_; }
+  const cpu_set_t& mask() const { return mask_; }
+
+ private:
+  int omp_, blas_;
+  cpu_set_t mask_{};
+  bool saved_;
+};
+
 }  // namespace
 
 double measure_time_sharing(Seconds seconds) {
   const std::unique_ptr<comm::Communicator> world = comm::make_world_communicator();
   const int n = world->size();
-  const int cores = std::max(1, int(std::thread::hardware_concurrency()));
+  const int cores = host_cores();
   // Phase 1 gives the per-core rate only with a rank on every core, as mpirun binds 2
   // ranks on 2 cores; otherwise (one process, fewer or more ranks than cores, ranks on
   // several hosts) the field stays unmeasured. Every rank decides alike (hosts may
@@ -1147,19 +1178,7 @@ double measure_time_sharing(Seconds seconds) {
   double skip = n != cores ? 1 : 0;
   if (n > 1) world->all_reduce_max(&skip, 1);
   if (skip > 0) return 1.0;
-  const int omp_before = omp_get_max_threads(), blas_before = openblas_get_num_threads();
-  omp_set_num_threads(1);
-  openblas_set_num_threads(1);
-  struct Restore {  // the thread counts and the binding, however this ends
-    int omp, blas;
-    bool mask = false;
-    cpu_set_t bound{};
-    ~Restore() {
-      if (mask) sched_setaffinity(0, sizeof(bound), &bound);
-      omp_set_num_threads(omp);
-      openblas_set_num_threads(blas);
-    }
-  } restore{omp_before, blas_before};
+  const SingleThreadedScope scope;
   const auto span = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
   work_loop(Clock::now() + span / 10);  // warm BLAS up
   world->barrier();
@@ -1168,8 +1187,7 @@ double measure_time_sharing(Seconds seconds) {
   cpu_set_t all;
   CPU_ZERO(&all);
   for (int c = 0; c < std::min(cores, CPU_SETSIZE); ++c) CPU_SET(c, &all);
-  restore.mask = sched_getaffinity(0, sizeof(restore.bound), &restore.bound) == 0;
-  if (!restore.mask || sched_setaffinity(0, sizeof(all), &all) != 0) counts[2] = 1;
+  if (!scope.saved() || sched_setaffinity(0, sizeof(all), &all) != 0) counts[2] = 1;
   world->barrier();
   const Clock::time_point until = Clock::now() + span;
   long helper = 0;
@@ -1208,27 +1226,15 @@ double measure_time_sharing(Seconds seconds) {
 
 NapCost measure_nap_cost(Seconds seconds) {
   const std::unique_ptr<comm::Communicator> world = comm::make_world_communicator();
-  const int cores = std::max(1, int(std::thread::hardware_concurrency()));
+  const int cores = host_cores();
   // More ranks than cores would share them: no core of one's own to measure on. Every
   // rank decides alike (hosts may differ in cores).
   double skip = world->size() > cores ? 1 : 0;
   if (world->size() > 1) world->all_reduce_max(&skip, 1);
   if (skip > 0) return {};
-  const int omp_before = omp_get_max_threads(), blas_before = openblas_get_num_threads();
-  omp_set_num_threads(1);
-  openblas_set_num_threads(1);
-  cpu_set_t bound;
-  const bool have_mask = sched_getaffinity(0, sizeof(bound), &bound) == 0;
-  struct Restore {  // the thread counts and the binding, however this ends
-    int omp, blas;
-    bool mask;
-    cpu_set_t bound;
-    ~Restore() {
-      if (mask) sched_setaffinity(0, sizeof(bound), &bound);
-      omp_set_num_threads(omp);
-      openblas_set_num_threads(blas);
-    }
-  } restore{omp_before, blas_before, have_mask, bound};
+  const SingleThreadedScope scope;
+  const bool have_mask = scope.saved();
+  const cpu_set_t& bound = scope.mask();
   // This rank's core: the one it is bound to (mpirun binds a rank a core), else the
   // (rank mod n)-th of the n it may run on, so that unbound ranks of one host pick
   // different cores (where it runs now is only a snapshot: two ranks can read the same).
@@ -1619,12 +1625,12 @@ int run_calibrate_command(const std::string& out_path, int threads, double budge
   // threads: the profile then describes a busy machine. The load average is the
   // host's, so it is set against the host's cores, not the ones this rank is bound to
   // (one under `mpirun -np 2`).
-  const int host_cores = std::max(1, int(std::thread::hardware_concurrency()));
-  if (const double load = load_average(); load > kBusyLoadPerCore * host_cores)
+  const int cores = host_cores();
+  if (const double load = load_average(); load > kBusyLoadPerCore * cores)
     fmt::print(
         "warning: the machine is busy (load average {:.1f} on {} cores): timings will be noisy{}; calibrate "
         "on an idle machine for a faithful profile\n",
-        load, host_cores, threads == 1 ? "" : " and the profile pessimistic");
+        load, cores, threads == 1 ? "" : " and the profile pessimistic");
   std::fflush(stdout);
   const auto t0 = Clock::now();
   const CalibrationResult result = calibrate_and_validate(threads, budget_seconds, true);

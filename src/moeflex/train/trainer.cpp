@@ -314,9 +314,6 @@ bool holds_a_checkpoint(const fs::path& run_dir) {
   return false;
 }
 
-// Whether `run_dir` holds a run that trained (whatever its rank count): its metrics,
-// summary or checkpoints. A folder with only config.toml and tokenizer.model is a
-// run refused before its first step, which a new run may take over.
 // Whether any rank's checkpoints folder exists in `run_dir`, complete or not.
 bool has_checkpoints_folder(const fs::path& run_dir) {
   for (const fs::path& root : checkpoint_roots(run_dir))
@@ -324,6 +321,9 @@ bool has_checkpoints_folder(const fs::path& run_dir) {
   return false;
 }
 
+// Whether `run_dir` holds a run that trained (whatever its rank count): its metrics,
+// summary or checkpoints. A folder with only config.toml and tokenizer.model is a
+// run refused before its first step, which a new run may take over.
 bool holds_a_run(const fs::path& run_dir) {
   return fs::exists(run_dir / "summary.json") || fs::exists(run_dir / "metrics.jsonl") ||
          has_checkpoints_folder(run_dir);

@@ -18,7 +18,12 @@ echo "bench: config $CONFIG, $THREADS threads, $STEPS steps x $ROUNDS rounds eac
 for r in $(seq 1 "$ROUNDS"); do
   OMP_NUM_THREADS=$THREADS "$BIN" train --config "$CONFIG" --steps "$STEPS" --threads "$THREADS" \
     --out "$tmp/moeflex_$r" --quiet > /dev/null
-  /usr/bin/python3 bench/torch_bench.py "$CONFIG" --threads "$THREADS" --steps "$STEPS" --warmup 3 \
+  # PyTorch's GEMMs go through the system's OpenBLAS too: give it the kernel set moeflex
+  # ran on (moeflex replaces OpenBLAS's SSE3 fallback for a CPU model it does not know).
+  core=$(/usr/bin/python3 -c 'import json,sys; print(json.load(open(sys.argv[1])).get("blas_core", ""))' \
+    "$tmp/moeflex_$r/summary.json")
+  [[ $r -gt 1 ]] || echo "BLAS kernels: OpenBLAS ${core:-?} for both"
+  OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-$core} /usr/bin/python3 bench/torch_bench.py "$CONFIG" --threads "$THREADS" --steps "$STEPS" --warmup 3 \
     > "$tmp/torch_$r.json" 2> "$tmp/torch_$r.log"
 done
 

@@ -34,6 +34,14 @@ if ((cores < 4)); then
 elif grep -q "waiting ranks sleep" "$out/resume.log"; then
   echo "an oversubscription note on $cores cores"; cat "$out/resume.log"; exit 1
 fi
+# OpenBLAS's generic SSE3 kernels ("Prescott", its choice for a CPU model it does not
+# know) are replaced by the ones the CPU runs: rank 0 alone says so, once.
+if [[ -z "${OPENBLAS_CORETYPE:-}" ]] && grep -qw avx2 /proc/cpuinfo; then
+  backend=$(/usr/bin/python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["blas_core"])' "$out/run/summary.json")
+  [[ $backend != *Prescott* ]] || { echo "a CPU with AVX2 trained on OpenBLAS's SSE3 kernels: $backend"; exit 1; }
+  n=$(grep -c "restarting with OPENBLAS_CORETYPE" "$out/resume.log" || true)
+  ((n <= 1)) || { echo "the BLAS restart note came $n times"; cat "$out/resume.log"; exit 1; }
+fi
 # generate gathers the stages and expert shards of every rank's checkpoint
 text=$("$bin" generate --run "$out/run" --prompt "The jury" --max-new-tokens 8 --temperature 0)
 [[ $text == "The jury"* ]] || { echo "generate failed: $text"; exit 1; }

@@ -112,6 +112,21 @@ struct LinearCase {
   Vec x = random_vec(n * in, 10), w = random_vec(out * in, 11), probe = random_vec(n * out, 12);
 };
 
+// Only OpenBLAS's fallback for a CPU model it does not know ("Prescott", SSE3) is
+// replaced, and by the best kernel set the CPU runs; any other choice stands.
+TEST(OpsDense, BlasCoreOverrideReplacesOnlyTheGenericFallback) {
+  const CpuIsa avx512{true, true}, avx2{true, false}, sse{false, false};
+  EXPECT_EQ(blas_core_override("Prescott", avx512), "SkylakeX");
+  EXPECT_EQ(blas_core_override("PRESCOTT", avx512), "SkylakeX");
+  EXPECT_EQ(blas_core_override("Prescott", avx2), "Haswell");
+  EXPECT_EQ(blas_core_override("Prescott", sse), "");
+  EXPECT_EQ(blas_core_override("Haswell", avx512), "");
+  EXPECT_EQ(blas_core_override("SkylakeX", avx512), "");
+  EXPECT_EQ(blas_core_override("Zen", avx2), "");
+  EXPECT_EQ(blas_core_override("", avx512), "");
+  EXPECT_FALSE(blas_core_name().empty());
+}
+
 TEST(OpsDense, LinearForwardMatchesNaive) {
   LinearCase c;
   Vec y(c.n * c.out, kNaN), ref(c.n * c.out);

@@ -9,6 +9,7 @@
 #include "moeflex/comm/mpi_communicator.h"
 #include "moeflex/core/arena.h"
 #include "moeflex/core/error.h"
+#include "moeflex/ops/blas.h"
 #include "moeflex/cli/sim_commands.h"
 #include "moeflex/train/calibrate.h"
 #include "moeflex/train/calibrate_device.h"
@@ -38,6 +39,9 @@ int fail(comm::MpiSession& mpi, const std::string& msg, int code) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // OpenBLAS chose its kernels when it was loaded; a CPU model it does not know got its
+  // SSE3 ones. Restart once with the kernels this CPU runs (before MPI or any thread).
+  ops::restart_with_fast_blas_kernels(argv);
   // Under mpirun / srun, MPI is initialised here and finalised at exit.
   comm::MpiSession mpi(&argc, &argv);
   CLI::App app{"moeflex: mixture-of-experts training with runtime-adaptive activation memory"};

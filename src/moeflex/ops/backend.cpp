@@ -117,7 +117,7 @@ std::int64_t permuted_rows(DType t, const std::int32_t* slot_of, std::int64_t nk
 class CpuBackend final : public Backend {
  public:
   DeviceKind kind() const override { return DeviceKind::cpu; }
-  std::string describe() const override { return "CPU (OpenBLAS + OpenMP)"; }
+  std::string describe() const override { return fmt::format("CPU (OpenBLAS {} + OpenMP)", blas_core_name()); }
   void zero(void* dst, Bytes bytes) override { std::memset(dst, 0, std::size_t(bytes)); }
   void copy(void* dst, const void* src, Bytes bytes) override { std::memcpy(dst, src, std::size_t(bytes)); }
   void copy_from_host(void* dst, const void* src, Bytes bytes) override { std::memcpy(dst, src, std::size_t(bytes)); }

@@ -6,7 +6,14 @@
 #include "moeflex/ops/blas.h"
 
 #include <cblas.h>
+#include <fmt/format.h>
+#include <unistd.h>
 
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <strings.h>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -58,5 +65,59 @@ template void gemm<float>(bool, bool, std::int64_t, std::int64_t, std::int64_t, 
                           const float*, std::int64_t, float, float*, std::int64_t);
 template void gemm<double>(bool, bool, std::int64_t, std::int64_t, std::int64_t, double, const double*,
                            std::int64_t, const double*, std::int64_t, double, double*, std::int64_t);
+
+}  // namespace moeflex::ops
+
+namespace moeflex::ops {
+
+std::string blas_core_name() {
+  const char* name = openblas_get_corename();
+  return name ? std::string(name) : std::string();
+}
+
+CpuIsa this_cpu_isa() {
+  __builtin_cpu_init();
+  CpuIsa isa;
+  isa.avx2_fma = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  isa.avx512 = isa.avx2_fma && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512cd") &&
+               __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+               __builtin_cpu_supports("avx512vl");
+  return isa;
+}
+
+std::string blas_core_override(const std::string& chosen, const CpuIsa& isa) {
+  // OpenBLAS spells its cores in mixed case; its fallback is "Prescott".
+  if (strcasecmp(chosen.c_str(), "prescott") != 0) return "";
+  if (isa.avx512) return "SkylakeX";
+  if (isa.avx2_fma) return "Haswell";
+  return "";
+}
+
+void restart_with_fast_blas_kernels(char** argv) {
+  if (std::getenv("OPENBLAS_CORETYPE")) return;
+  const std::string chosen = blas_core_name();
+  const std::string core = blas_core_override(chosen, this_cpu_isa());
+  if (core.empty()) return;
+  // Before MPI_Init the rank is only in the launcher's environment (Open MPI, PMIx, Slurm).
+  bool first = true;
+  for (const char* v : {"OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"})
+    if (const char* r = std::getenv(v)) {
+      first = std::strcmp(r, "0") == 0;
+      break;
+    }
+  if (setenv("OPENBLAS_CORETYPE", core.c_str(), 1) != 0) return;
+  if (first)
+    fmt::print(stderr,
+               "moeflex: OpenBLAS does not know this CPU model and chose its generic SSE3 kernels ({}); "
+               "restarting with OPENBLAS_CORETYPE={} (set OPENBLAS_CORETYPE to choose yourself)\n",
+               chosen, core);
+  std::fflush(stderr);
+  execv("/proc/self/exe", argv);
+  const int err = errno;
+  unsetenv("OPENBLAS_CORETYPE");
+  if (first)
+    fmt::print(stderr, "moeflex: warning: could not restart ({}); going on with OpenBLAS's {} kernels\n",
+               std::strerror(err), chosen);
+}
 
 }  // namespace moeflex::ops

@@ -25,6 +25,7 @@
 #include "moeflex/core/error.h"
 #include "moeflex/model/model.h"
 #include "moeflex/ops/backend.h"
+#include "moeflex/ops/blas.h"
 #ifdef MOEFLEX_HAVE_CUDA
 #include "moeflex/ops/cuda/backend.h"
 #endif
@@ -596,6 +597,7 @@ TrainResult run_training(const TrainOptions& opts) {
     s["val_loss_history"] = history;
     s["world_size"] = world_size;
     s["device"] = cfg.device;
+    s["blas_core"] = ops::blas_core_name();  // OpenBLAS's kernel set on the host (its GEMMs on the CPU)
     s["layout"] = {{"pp", layout.pp()}, {"dp", layout.dp()}, {"ep", layout.ep()}, {"vpp", layout.vpp()}};
     s["peak_device_bytes_per_rank"] = rank_peaks;
     s["wall_seconds"] = wall;

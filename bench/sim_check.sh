@@ -22,7 +22,13 @@
 # IN_SITU=1 first trains a separate fit run (OUT/in-situ-fit: dp 2, EP 1, policy none,
 # seed 7, 6 steps, --profile-ops; a layout and seed none of the checked runs has), adds
 # its ops to the profile (`moeflex calibrate --from-run`, OUT/in-situ.json) and
-# simulates on the this-machine cluster with that profile (OUT/cluster-in-situ.json).
+# simulates on the this-machine cluster with that profile.
+# Every run trains with --profile-ops on the profile it is simulated with (no step-time
+# cost measurable here: three alternating pairs within the noise), and the table's
+# "ops/prof" column is the run's measured op time over its predicted op time: how fast
+# the machine ran against its profile during that run. "err@ops" is the step error with
+# the prediction scaled by it, a diagnostic that separates the machine's drift from the
+# simulator (the target is the raw error). PROFILE_OPS=0 trains without the flag.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-build/moeflex}
@@ -55,7 +61,7 @@ else
     "($prof_age min ago$( ((prof_age > 180)) && echo '; CALIBRATE=1 measures it again'))"
 fi
 # The in-situ profile of DIR: BASE plus the ops of a fit run trained into DIR/in-situ-fit
-# (kept under SIM_ONLY); writes DIR/in-situ.json and DIR/cluster-in-situ.json.
+# (kept under SIM_ONLY); writes DIR/in-situ.json.
 in_situ() {
   local dir=$1 base=$2
   if [[ "${SIM_ONLY:-0}" == 1 && ! -f "$dir/in-situ-fit/op_times.json" ]]; then
@@ -69,18 +75,26 @@ in_situ() {
       > "$dir/in-situ-fit.train.log" 2>&1
   fi
   "$BIN" calibrate --from-run "$dir/in-situ-fit" --base "$base" --out "$dir/in-situ.json" > /dev/null
-  sed "s#\"profile\": *\"[^\"]*\"#\"profile\": \"$(realpath "$dir/in-situ.json")\"#" \
-    configs/clusters/this-machine.json > "$dir/cluster-in-situ.json"
 }
 if [[ "${IN_SITU:-0}" == 1 && -n "${CLUSTER:-}" ]]; then
   echo "sim_check: IN_SITU=1 builds its own cluster from this machine's profile; unset CLUSTER (or IN_SITU)" >&2
   exit 2
 fi
+# HP: the profile that prices the runs (simulate --hardware-profile; "" = the cluster's own).
+HP=""
 if [[ "${IN_SITU:-0}" == 1 && "$REPEAT" -le 1 ]]; then
   in_situ "$OUT" "${HARDWARE_PROFILE:-data/hardware/this-machine.json}"
-  CLUSTER="$OUT/cluster-in-situ.json"
-  echo "in situ: the profile plus the ops of $OUT/in-situ-fit ($CLUSTER)"
+  HP="$OUT/in-situ.json"
+  echo "in situ: the profile plus the ops of $OUT/in-situ-fit ($HP)"
 fi
+# The profile a cluster prices with (for train --profile-ops): HP, else the cluster
+# file's "profile" (relative to the repository), else none (a data-sheet cluster).
+profile_of() {
+  local cl=$1 hp=$2
+  if [[ -n "$hp" ]]; then echo "$hp"; return; fi
+  [[ -f "$cl" ]] || cl="configs/clusters/$cl.json"
+  /usr/bin/python3 -c 'import json,sys; print(json.load(open(sys.argv[1])).get("profile", ""))' "$cl"
+}
 # name | ranks | train flags | simulate --parallel | schedule | policy
 CONFIGS=(
   "dp2-ep2-none|2|--ep 2|pp=1,dp=2,ep=2|1f1b|none"
@@ -95,9 +109,13 @@ CONFIGS=(
   "pp2-dp2-ep2|4|--pp 2 --ep 2|pp=2,dp=2,ep=2|1f1b|none"
   "dp4-ep4-none|4|--ep 4|pp=1,dp=4,ep=4|1f1b|none"
 )
-# One round: every config trained into DIR and simulated on cluster CL.
+# One round: every config trained into DIR and simulated on cluster CL, priced by
+# profile HP ("" = the cluster's own).
 run_round() {
-  local dir=$1 cl=$2
+  local dir=$1 cl=$2 hp=$3
+  local prof ops_flags=()
+  prof=$(profile_of "$cl" "$hp")
+  [[ "${PROFILE_OPS:-1}" == 0 || -z "$prof" ]] || ops_flags=(--profile-ops --hardware-profile "$prof")
   mkdir -p "$dir"
   for c in "${CONFIGS[@]}"; do
     IFS='|' read -r name np flags par sched pol <<< "$c"
@@ -109,14 +127,15 @@ run_round() {
       rm -rf "${dir:?}/$name"
       # shellcheck disable=SC2086
       mpirun --allow-run-as-root --oversubscribe -np "$np" -x OMP_NUM_THREADS=1 "$BIN" train --config "$CFG" \
-        --steps "$STEPS" --threads 1 $flags --out "$dir/$name" --quiet > "$dir/$name.train.log" 2>&1 ||
+        --steps "$STEPS" --threads 1 $flags "${ops_flags[@]}" --out "$dir/$name" --quiet > "$dir/$name.train.log" 2>&1 ||
         { echo "sim_check: training $name failed ($dir/$name.train.log):" >&2; tail -3 "$dir/$name.train.log" >&2; exit 1; }
     fi
     loads="$dir/$name/loads.jsonl"
     [[ -f "$loads" ]] || loads="$dir/$name/metrics.jsonl"
     iters=$(wc -l < "$dir/$name/metrics.jsonl")
     dp=$(sed 's/.*dp=\([0-9]*\).*/\1/' <<< "$par")
-    "$BIN" simulate --model "$CFG" --cluster "$cl" --parallel "$par" --schedule "$sched" --policy "$pol" \
+    "$BIN" simulate --model "$CFG" --cluster "$cl" ${hp:+--hardware-profile "$hp"} --parallel "$par" \
+      --schedule "$sched" --policy "$pol" \
       --global-batch $((4 * 4 * dp)) --loads "$loads" --iterations "$iters" \
       --out "$dir/$name/sim" > "$dir/$name.sim.log" 2>&1 ||
       { echo "sim_check: simulating $name failed ($dir/$name.sim.log):" >&2; tail -3 "$dir/$name.sim.log" >&2; exit 1; }
@@ -132,7 +151,7 @@ run_round() {
 # "within 5%" by the noise as much as by the model.
 ROUNDS=()
 if ((REPEAT <= 1)); then
-  run_round "$OUT" "${CLUSTER:-this-machine}"
+  run_round "$OUT" "${CLUSTER:-this-machine}" "$HP"
   ROUNDS=("$OUT")
 else
   for ((k = 1; k <= REPEAT; k++)); do
@@ -143,25 +162,22 @@ else
     fi
     mkdir -p "$dir"
     # A round's own profile: calibrated now, or (SIM_ONLY) the one it was run with.
-    [[ "${CALIBRATE:-0}" == 1 || "${SIM_ONLY:-0}" == 1 ]] || rm -f "$dir/this-machine.json" "$dir/cluster.json"
+    [[ "${CALIBRATE:-0}" == 1 || "${SIM_ONLY:-0}" == 1 ]] || rm -f "$dir/this-machine.json"
     cl=${CLUSTER:-this-machine}
+    hp=""
     if [[ "${CALIBRATE:-0}" == 1 && -z "${CLUSTER:-}" && "${SIM_ONLY:-0}" != 1 ]]; then
       mpirun --allow-run-as-root --oversubscribe -np 2 -x OMP_NUM_THREADS=1 "$BIN" calibrate --threads 1 \
         --out "$dir/this-machine.json" > "$dir/calibrate.log"
     fi
-    if [[ -f "$dir/this-machine.json" && -z "${CLUSTER:-}" ]]; then
-      sed "s#\"profile\": *\"[^\"]*\"#\"profile\": \"$(realpath "$dir/this-machine.json")\"#" \
-        configs/clusters/this-machine.json > "$dir/cluster.json"
-      cl="$dir/cluster.json"
-    fi
+    [[ -f "$dir/this-machine.json" && -z "${CLUSTER:-}" ]] && hp="$dir/this-machine.json"
     if [[ "${IN_SITU:-0}" == 1 && -z "${CLUSTER:-}" ]]; then  # this round's own fit, on its profile
       base=${HARDWARE_PROFILE:-data/hardware/this-machine.json}
       [[ -f "$dir/this-machine.json" ]] && base="$dir/this-machine.json"
       in_situ "$dir" "$base"
-      cl="$dir/cluster-in-situ.json"
+      hp="$dir/in-situ.json"
     fi
-    echo "round $k of $REPEAT: $dir (cluster $cl; load $(cut -d' ' -f1-3 /proc/loadavg))"
-    run_round "$dir" "$cl"
+    echo "round $k of $REPEAT: $dir (cluster $cl${hp:+, profile $hp}; load $(cut -d' ' -f1-3 /proc/loadavg))"
+    run_round "$dir" "$cl" "$hp"
     ROUNDS+=("$dir")
   done
 fi
@@ -183,13 +199,20 @@ def one(out, name, np_):
         cpu = statistics.median(max(x["step_cpu_seconds"]) for x in C)
     except (OSError, KeyError, ValueError):
         pass
-    return (t_meas, s["step_time_s"], peak_meas, s["peak_bytes"], tgs_meas, s["tgs"], cpu)
-rows, per_round = [], []
+    speed = float("nan")  # the run's measured op time over its predicted (--profile-ops)
+    try:
+        o = json.load(open(f"{out}/{name}/op_times.json"))["ops"]
+        speed = o["measured_total_s"] / o["predicted_total_s"]
+    except (OSError, KeyError, ValueError, ZeroDivisionError):
+        pass
+    return (t_meas, s["step_time_s"], peak_meas, s["peak_bytes"], tgs_meas, s["tgs"], cpu, speed)
+rows, per_round, per_round_ops = [], [], []
 for c in configs:
     name, np_ = c.split("|")[0], int(c.split("|")[1])
     rs = [one(out, name, np_) for out in rounds]
     per_round.append([100 * (r[1] - r[0]) / r[0] for r in rs])
-    med = [statistics.median(r[i] for r in rs) for i in range(7)]
+    med = [statistics.median(r[i] for r in rs) for i in range(8)]
+    per_round_ops.append([100 * (r[1] * r[7] - r[0]) / r[0] for r in rs])
     med[2] = max(r[2] for r in rs)  # peaks: the largest measured, the largest predicted
     med[3] = max(r[3] for r in rs)
     rows.append((name, *med))
@@ -211,13 +234,16 @@ def spearman(a, b):
     return num / den if den else 0.0
 if n_rounds > 1:
     print(f"medians over {n_rounds} rounds (measured and predicted each); the last column lists each round's step error")
-print(f"{'config':<20} {'step meas':>10} {'step pred':>10} {'err':>7} {'cpu':>7} {'peak MiB meas':>14} {'pred':>9} {'err':>7} {'TGS meas':>9} {'pred':>9}"
+print(f"{'config':<20} {'step meas':>10} {'step pred':>10} {'err':>7} {'cpu':>7} {'peak MiB meas':>14} {'pred':>9} {'err':>7} {'TGS meas':>9} {'pred':>9} {'ops/prof':>8} {'err@ops':>8}"
       + ("  rounds" if n_rounds > 1 else ""))
-te, pe = [], []
-for (n, tm, tp, pm, pp, gm, gp, cpu), pr in zip(rows, per_round):
+te, pe, te_ops = [], [], []
+for (n, tm, tp, pm, pp, gm, gp, cpu, speed), pr, pro in zip(rows, per_round, per_round_ops):
     te.append(abs(tp - tm) / tm); pe.append(abs(pp - pm) / pm)
+    # err@ops: the median over rounds of each round's error at that run's own op speed
+    e_ops = statistics.median(pro)
+    te_ops.append(abs(e_ops) / 100)
     extra = "  " + " ".join(f"{e:+.1f}%" for e in pr) if n_rounds > 1 else ""
-    print(f"{n:<20} {tm:>10.4f} {tp:>10.4f} {100*(tp-tm)/tm:>+6.1f}% {cpu:>7.3f} {pm/2**20:>14.2f} {pp/2**20:>9.2f} {100*(pp-pm)/pm:>+6.2f}% {gm:>9.0f} {gp:>9.0f}{extra}")
+    print(f"{n:<20} {tm:>10.4f} {tp:>10.4f} {100*(tp-tm)/tm:>+6.1f}% {cpu:>7.3f} {pm/2**20:>14.2f} {pp/2**20:>9.2f} {100*(pp-pm)/pm:>+6.2f}% {gm:>9.0f} {gp:>9.0f} {speed:>8.3f} {e_ops:>+7.1f}%{extra}")
 rho = spearman([r[5] for r in rows], [r[6] for r in rows])
 print(f"\nmean |step error| {100*statistics.mean(te):.1f}% (max {100*max(te):.1f}%; target 5%), "
       f"within 5%: {sum(e <= 0.05 for e in te)}/{len(te)}")
@@ -232,6 +258,9 @@ mid = statistics.median(signed)
 rel = [e - mid for e in signed]
 print(f"relative to the set's median error ({100*mid:+.1f}%): within 5% {sum(abs(e) <= 0.05 for e in rel)}/{len(rel)}, "
       f"mean |error| {100*statistics.mean(abs(e) for e in rel):.1f}% (diagnostic; the target is absolute)")
+if not any(x != x for x in te_ops):
+    print(f"at each run's own op speed (ops/prof; a diagnostic of the simulator without the machine's drift): "
+          f"within 5% {sum(e <= 0.05 for e in te_ops)}/{len(te_ops)}, mean |error| {100*statistics.mean(te_ops):.1f}%")
 if n_rounds > 1:
     within = [sum(abs(pr[i]) <= 5 for pr in per_round) for i in range(n_rounds)]
     print("within 5% per round: " + ", ".join(f"{w}/{len(per_round)}" for w in within))

@@ -346,6 +346,30 @@ TEST(SimInputs, ClusterJsonRefusesUnknownKeysAndFractionalCounts) {
   }
 }
 
+// --hardware-profile: a calibrated profile prices a preset's devices (a data-sheet
+// cluster keeps its peak for MFU); one that does not exist is refused by name.
+TEST(SimInputs, AHardwareProfileReplacesTheClustersPricing) {
+  const fs::path root = MOEFLEX_SOURCE_DIR;
+  const fs::path d = scratch("profile");
+  HardwareProfile p = test::gemm_only_profile();
+  p.name = "measured elsewhere";
+  p.all_to_all_latency = 7e-6;
+  p.all_to_all_bandwidth = 3e9;
+  p.save(d / "p.json");
+  const ClusterSpec plain = load_cluster("h100", root);
+  const ClusterSpec priced = load_cluster("h100", root, (d / "p.json").string());
+  EXPECT_NE(plain.profile.name, "measured elsewhere");
+  EXPECT_EQ(priced.profile.name, "measured elsewhere");
+  EXPECT_EQ(priced.peak_flops, plain.peak_flops);  // the data sheet's, not the profile's best GEMM
+  EXPECT_EQ(priced.gpus_per_node, plain.gpus_per_node);
+  // A profile measured under mpirun carries its link between ranks.
+  EXPECT_EQ(priced.intra_node.bandwidth, 3e9);
+  EXPECT_EQ(priced.inter_node.latency, 7e-6);
+  const std::string msg = error_of<DataError>([&] { load_cluster("h100", root, (d / "none.json").string()); });
+  EXPECT_NE(msg.find("hardware profile " + (d / "none.json").string() + " does not exist"), std::string::npos) << msg;
+  fs::remove_all(d);
+}
+
 // ---- 5. --out, checked before the work (through the binary) -------------------------
 
 namespace {

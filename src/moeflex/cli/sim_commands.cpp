@@ -25,7 +25,8 @@ struct Flags {
   CLI::App* simulate = nullptr;
   CLI::App* search = nullptr;
   std::string model = "default", cluster = "this-machine", parallel, schedule, policy = "none", out, loads, imbalance,
-              trace_ranks = "0", objective = "tgs", memory, dispatcher = "alltoall", schedules, policies;
+              trace_ranks = "0", objective = "tgs", memory, dispatcher = "alltoall", schedules, policies,
+              hardware_profile;
   std::int64_t micro_batch_size = 0, seq_len = 0, global_batch = 0;
   int iterations = 1, gpus = 8, top = 10, checkpoint_interval = 50, search_threads = 0;
   double restart_seconds = 284;
@@ -96,6 +97,9 @@ void add_sim_commands(CLI::App& app) {
     c->add_option("--model", f.model, "preset name (configs/models), HF config.json, run config .toml, or 'default'")
         ->capture_default_str();
     c->add_option("--cluster", f.cluster, "preset name (configs/clusters) or cluster JSON")->capture_default_str();
+    c->add_option("--hardware-profile", f.hardware_profile,
+                  "a profile `moeflex calibrate` wrote (CPU, or --device cuda) that prices the cluster's devices "
+                  "instead of the cluster's own profile or data-sheet rates");
     c->add_option("--seq-len", f.seq_len, "tokens per sequence (default: 4096, or the run config's)")
         ->check(CLI::Range(std::int64_t(1), std::int64_t(1) << 24));
     c->add_option("--global-batch", f.global_batch,
@@ -183,10 +187,12 @@ bool run_sim_commands() {
   if (B <= 0) B = 1;
   CLI::App* const cmd = *f.simulate ? f.simulate : f.search;
   // Given but empty: a mistake (an unset shell variable), not "use the default".
-  for (const auto& [flag, value] : {std::pair<const char*, const std::string*>{"--memory", &f.memory}, {"--out", &f.out}})
+  for (const auto& [flag, value] : {std::pair<const char*, const std::string*>{"--memory", &f.memory},
+                                    {"--out", &f.out},
+                                    {"--hardware-profile", &f.hardware_profile}})
     if (cmd->count(flag) > 0 && value->empty())
       throw ConfigError(fmt::format("{} {} '': give a value, or leave the flag out", cmd->get_name(), flag));
-  sim::ClusterSpec cluster = sim::load_cluster(f.cluster, root);
+  sim::ClusterSpec cluster = sim::load_cluster(f.cluster, root, f.hardware_profile);
   if (!f.memory.empty()) {
     const Bytes limit = size_of(f.memory);
     if (limit > cluster.device_memory)

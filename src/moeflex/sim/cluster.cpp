@@ -177,7 +177,8 @@ json ClusterSpec::to_json() const {
           {"profile_name", profile.name}};
 }
 
-ClusterSpec load_cluster(const std::string& name_or_path, const std::filesystem::path& root) {
+ClusterSpec load_cluster(const std::string& name_or_path, const std::filesystem::path& root,
+                         const std::string& profile_override) {
   namespace fs = std::filesystem;
   fs::path path = name_or_path;
   const fs::path preset = root / "configs" / "clusters" / (name_or_path + ".json");
@@ -199,6 +200,17 @@ ClusterSpec load_cluster(const std::string& name_or_path, const std::filesystem:
     j = json::parse(in);
   } catch (const json::exception& e) {
     throw DataError(fmt::format("{}: not valid JSON ({})", path.string(), e.what()));
+  }
+  if (!profile_override.empty()) {
+    if (!fs::is_regular_file(profile_override))
+      throw DataError(
+          fmt::format("hardware profile {} does not exist (give a file `moeflex calibrate` wrote)", profile_override));
+    // The data sheet's peak stays the MFU denominator; the profile prices the ops.
+    if (!j.contains("peak_flops") && j.contains("device") && j["device"].is_object() &&
+        j["device"].contains("peak_flops"))
+      j["peak_flops"] = j["device"]["peak_flops"];
+    j.erase("device");
+    j["profile"] = fs::absolute(profile_override).string();
   }
   // A calibrated profile's path is relative to the repository root (where
   // `moeflex calibrate` writes it), other paths to the file's folder.

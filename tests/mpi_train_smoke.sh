@@ -58,6 +58,8 @@ assert [l["step"] for l in lines] == [1, 2, 3, 4], [l["step"] for l in lines]
 assert all(len(l["ep_received_tokens"]) > 0 and l["ep_imbalance"] >= 1.0 for l in lines)
 t = json.load(open(f"{run}/trace.json"))["traceEvents"]
 assert {e["pid"] for e in t} == {0, 1, 2, 3}, "trace.json must merge the 4 ranks"
+names = sorted((e["pid"], e["args"]["name"]) for e in t if e["ph"] == "M" and e["name"] == "process_name")
+assert names == [(r, f"rank {r}") for r in range(4)], names  # each rank named once
 assert any(e["ph"] == "X" and e["name"].startswith("Bi(") for e in t)
 assert any(e["ph"] == "C" and e["name"] == "device memory" for e in t)
 # Each traced step's tail on every rank: the gradient and loss reductions, then the

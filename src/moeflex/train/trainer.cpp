@@ -674,8 +674,8 @@ TrainResult run_training(const TrainOptions& opts) {
     // left to train writes none).
     const fs::path trace_path = run_dir / "trace.json";
     const bool trace_on = t.trace_steps > 0 && !(opts.resume && fs::exists(trace_path));
+    // (The writer names its process "rank <pid>" itself.)
     train::TraceWriter trace(world_size > 1 ? train::rank_trace_path(trace_path, rank) : trace_path, rank, trace_on);
-    trace.set_process_name(fmt::format("rank {}", rank));
     struct DetachTrace {  // the copy engines' observers point at `trace`: detached before it goes
       Replica& replica;
       ~DetachTrace() { replica.set_trace(nullptr); }

@@ -1,17 +1,22 @@
 #!/usr/bin/env python3
 """Op speed against the cost model by what the other ranks did meanwhile.
 
-Usage: bench/ops_beside.py RUN/trace.json   (a `moeflex train --profile-ops` run)
+Usage: bench/ops_beside.py RUN   (the directory, or its trace.json, of a run of
+`moeflex train --profile-ops` under mpirun)
 
 Each op of 0.3 ms or more on a rank's ops track (forward and backward, not the
 optimizer) is classed by how much of its time the other ranks spent inside ops of
 their own (the ranks' tracks share one clock): "others computing" (over 90%),
-"others waiting" (under 10%) or "mixed". Prints, per class, the op time and its
-measured / predicted ratio weighted by time. On cores that share execution units
-(hyperthreads), ops beside a polling rank run slower than beside a computing one.
+"others waiting" (under 10%: polling for a message, or napping once a wait is
+long) or "mixed". Prints, per class, the op time summed over ranks and traced steps
+and its measured / predicted ratio weighted by time. As op_times.json does, the
+first step (warm-up) is left out when the trace holds more than one. On cores that
+share execution units (hyperthreads), ops beside a polling rank run slower than
+beside a computing one, and beside a napping or idle one faster.
 """
 import bisect
 import json
+import os
 import statistics
 import sys
 
@@ -28,16 +33,28 @@ def covered(intervals, starts, a, b):
 
 
 def main(path):
-    t = json.load(open(path))
-    events = t["traceEvents"] if isinstance(t, dict) else t
-    ops = {}
+    if os.path.isdir(path):
+        path = os.path.join(path, "trace.json")
+    try:
+        t = json.load(open(path))
+        events = t["traceEvents"] if isinstance(t, dict) else t
+    except (OSError, ValueError, KeyError) as e:
+        sys.exit(f"{path}: not a readable trace.json ({e})")
+    ops, first_step_end = {}, {}
     for e in events:
         a = e.get("args", {})
         if e.get("ph") == "X" and "predicted_us" in a and "cpu_us" in a:
             ops.setdefault(e["pid"], []).append(e)
+        elif e.get("ph") == "X" and e.get("name") == "optimizer":  # a traced step's end, per rank
+            first_step_end.setdefault(e["pid"], []).append(e["ts"] + e["dur"])
+    if not ops:
+        sys.exit(f"{path}: holds no op events; train with --profile-ops")
     if len(ops) < 2:
-        sys.exit(f"{path}: needs the ops of at least 2 ranks (train --profile-ops under mpirun)")
-    for v in ops.values():
+        sys.exit(f"{path}: the ops of one rank only; the classes need a run of 2 or more ranks (mpirun)")
+    for p, v in ops.items():
+        ends = sorted(first_step_end.get(p, []))
+        if len(ends) > 1:  # leave the warm-up step out
+            v[:] = [e for e in v if e["ts"] >= ends[0]]
         v.sort(key=lambda e: e["ts"])
     spans = {p: [(e["ts"], e["ts"] + e["dur"]) for e in v] for p, v in ops.items()}
     starts = {p: [s for s, _ in v] for p, v in spans.items()}

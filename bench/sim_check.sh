@@ -3,7 +3,7 @@
 # under mpirun (measured: median step time after the first steps, peak device
 # bytes over ranks, tokens/s per rank), then `moeflex simulate` predicts the same
 # run on the this-machine cluster preset (the calibrated profile in
-# data/hardware/this-machine.json; run `moeflex calibrate --threads 1` first),
+# data/hardware/this-machine.json; run `mpirun -np 2 moeflex calibrate --threads 1` first),
 # replaying the run's own expert loads, every rank's, from its loads.jsonl (older
 # runs: the summed ones of metrics.jsonl). Prints predicted vs measured and the
 # Spearman rank correlation of TGS. Targets (issue 5): step time within 5%, peak
@@ -25,10 +25,12 @@
 # simulates on the this-machine cluster with that profile.
 # Every run trains with --profile-ops on the profile it is simulated with (no step-time
 # cost measurable here: three alternating pairs within the noise), and the table's
-# "ops/prof" column is the run's measured op time over its predicted op time: how fast
-# the machine ran against its profile during that run. "err@ops" is the step error with
-# the prediction scaled by it, a diagnostic that separates the machine's drift from the
-# simulator (the target is the raw error). PROFILE_OPS=0 trains without the flag.
+# "ops/prof" column is the run's measured op time over its predicted op time (op_times.json,
+# warm-up step left out): the machine's drift since its profile was measured, and the
+# cost model's own per-op error. "err@ops" is the median over rounds of each round's step
+# error with its prediction scaled by its own run's ops/prof: a diagnostic of what the
+# simulator puts around the ops (the target is the raw error). PROFILE_OPS=0 trains
+# without the flag.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-build/moeflex}

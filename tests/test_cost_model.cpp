@@ -118,6 +118,20 @@ TEST(HardwareProfile, NapCostRoundTripsDefaultsToNotMeasuredAndIsChecked) {
   }
 }
 
+// The BLAS kernels a CPU profile was measured with: kept, absent in older files and
+// GPU profiles (unknown), and a string.
+TEST(HardwareProfile, BlasCoreRoundTripsAndIsChecked) {
+  HardwareProfile p = hand_profile();
+  EXPECT_FALSE(p.to_json().contains("blas_core"));
+  EXPECT_EQ(HardwareProfile::from_json(p.to_json(), "hw.json").blas_core, "");
+  p.blas_core = "SkylakeX";
+  EXPECT_EQ(HardwareProfile::from_json(p.to_json(), "hw.json").blas_core, "SkylakeX");
+  nlohmann::json j = p.to_json();
+  j["blas_core"] = 3;
+  const std::string msg = message_of([&] { HardwareProfile::from_json(j, "hw.json"); });
+  EXPECT_NE(msg.find("'blas_core'"), std::string::npos) << msg;
+}
+
 TEST(HardwareProfile, ErrorsNameTheFileAndTheField) {
   // A directory given for the file (e.g. calibrate's --out): a DataError naming it.
   const std::string dir = ::testing::TempDir();

@@ -362,11 +362,20 @@ TEST(SimInputs, AHardwareProfileReplacesTheClustersPricing) {
   EXPECT_EQ(priced.profile.name, "measured elsewhere");
   EXPECT_EQ(priced.peak_flops, plain.peak_flops);  // the data sheet's, not the profile's best GEMM
   EXPECT_EQ(priced.gpus_per_node, plain.gpus_per_node);
-  // A profile measured under mpirun carries its link between ranks.
-  EXPECT_EQ(priced.intra_node.bandwidth, 3e9);
-  EXPECT_EQ(priced.inter_node.latency, 7e-6);
-  const std::string msg = error_of<DataError>([&] { load_cluster("h100", root, (d / "none.json").string()); });
-  EXPECT_NE(msg.find("hardware profile " + (d / "none.json").string() + " does not exist"), std::string::npos) << msg;
+  // A data-sheet cluster keeps its links (NVLink, InfiniBand); a calibrated cluster
+  // (this-machine) takes the link a profile measured under mpirun.
+  EXPECT_EQ(priced.intra_node.bandwidth, plain.intra_node.bandwidth);
+  EXPECT_EQ(priced.inter_node.latency, plain.inter_node.latency);
+  write(d / "machine.json", R"({"name": "m", "gpus_per_node": 8, "device_memory_bytes": 1073741824,
+                                "profile": "unused.json", "intra_node": {"latency_s": 2e-5, "bandwidth_Bps": 2e9},
+                                "inter_node": {"latency_s": 2e-5, "bandwidth_Bps": 2e9}})");
+  const ClusterSpec machine = load_cluster((d / "machine.json").string(), root, (d / "p.json").string());
+  EXPECT_EQ(machine.intra_node.bandwidth, 3e9);
+  EXPECT_EQ(machine.inter_node.latency, 7e-6);
+  std::string msg = error_of<DataError>([&] { load_cluster("h100", root, (d / "none.json").string()); });
+  EXPECT_NE(msg.find("hardware profile '" + (d / "none.json").string() + "' does not exist"), std::string::npos) << msg;
+  msg = error_of<DataError>([&] { load_cluster("h100", root, d.string()); });
+  EXPECT_NE(msg.find("hardware profile '" + d.string() + "' is not a file"), std::string::npos) << msg;
   fs::remove_all(d);
 }
 

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
+#include <string_view>
 
 #include "moeflex/comm/mpi_communicator.h"
 #include "moeflex/core/arena.h"
@@ -40,8 +41,12 @@ int fail(comm::MpiSession& mpi, const std::string& msg, int code) {
 
 int main(int argc, char** argv) {
   // OpenBLAS chose its kernels when it was loaded; a CPU model it does not know got its
-  // SSE3 ones. Restart once with the kernels this CPU runs (before MPI or any thread).
-  ops::restart_with_fast_blas_kernels(argv);
+  // SSE3 ones. The commands that compute on the CPU restart once with the kernels this
+  // CPU runs (before MPI or any thread); simulate, search and --help need no BLAS.
+  if (argc > 1) {
+    const std::string_view cmd = argv[1];
+    if (cmd == "train" || cmd == "generate" || cmd == "calibrate") ops::restart_with_fast_blas_kernels(argv);
+  }
   // Under mpirun / srun, MPI is initialised here and finalised at exit.
   comm::MpiSession mpi(&argc, &argv);
   CLI::App app{"moeflex: mixture-of-experts training with runtime-adaptive activation memory"};

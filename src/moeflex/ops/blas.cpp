@@ -108,8 +108,8 @@ void restart_with_fast_blas_kernels(char** argv) {
   if (setenv("OPENBLAS_CORETYPE", core.c_str(), 1) != 0) return;
   if (first)
     fmt::print(stderr,
-               "moeflex: OpenBLAS does not know this CPU model and chose its generic SSE3 kernels ({}); "
-               "restarting with OPENBLAS_CORETYPE={} (set OPENBLAS_CORETYPE to choose yourself)\n",
+               "moeflex: OpenBLAS took its SSE3 kernels ({}) for this unknown CPU model; restarting with "
+               "OPENBLAS_CORETYPE={}\n",
                chosen, core);
   std::fflush(stderr);
   execv("/proc/self/exe", argv);

@@ -230,6 +230,7 @@ nlohmann::json HardwareProfile::to_json() const {
   j["version"] = kHardwareProfileVersion;
   j["name"] = name;
   j["device"] = device;
+  if (!blas_core.empty()) j["blas_core"] = blas_core;
   j["threads"] = threads;
   j["launch_overhead_s"] = launch_overhead;
   j["memory_bandwidth_Bps"] = memory_bandwidth;
@@ -283,7 +284,7 @@ HardwareProfile HardwareProfile::from_json(const nlohmann::json& j, const std::s
   // Every key save() writes; another is a typo or a field this moeflex would ignore.
   only_known_keys(
       j,
-      {"format", "version", "name", "device", "threads", "launch_overhead_s", "memory_bandwidth_Bps",
+      {"format", "version", "name", "device", "blas_core", "threads", "launch_overhead_s", "memory_bandwidth_Bps",
        "h2d_bandwidth_Bps", "d2h_bandwidth_Bps", "copy_latency_s", "all_to_all_bandwidth_Bps", "all_to_all_latency_s",
        "time_sharing_efficiency", "nap_cost_s", "nap_overshoot_s", "gemm", "op_tables", "in_situ"},
       source, "");
@@ -296,6 +297,10 @@ HardwareProfile HardwareProfile::from_json(const nlohmann::json& j, const std::s
     if (!it->is_string() || (it->get<std::string>() != "cpu" && it->get<std::string>() != "cuda"))
       bad_field(source, "device", fmt::format("must be \"cpu\" or \"cuda\" (got {})", it->dump()));
     p.device = it->get<std::string>();
+  }
+  if (const auto it = j.find("blas_core"); it != j.end()) {
+    if (!it->is_string()) bad_field(source, "blas_core", "must be a string");
+    p.blas_core = it->get<std::string>();
   }
   p.threads = static_cast<int>(positive_int(j, "threads", source, "threads"));
   p.launch_overhead = non_negative(j, "launch_overhead_s", source, "launch_overhead_s");

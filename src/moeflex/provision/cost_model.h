@@ -205,6 +205,9 @@ struct HardwareProfile {
   /// calibrate` writes this, and files without the field are read as it) or "cuda".
   /// The trainer does not price a run on one device with another's profile.
   std::string device = "cpu";
+  /// The OpenBLAS kernel set a CPU profile was measured with ("SkylakeX", ...;
+  /// ops::blas_core_name); "" when unknown (files before the field, GPU profiles).
+  std::string blas_core;
   int threads = 1;                  ///< OpenMP/BLAS threads the numbers were measured with
   std::vector<GemmSample> gemm;     ///< GEMM throughput by shape (at least one sample)
   BytesPerSecond memory_bandwidth = 0;  ///< streaming elementwise ops (reads + writes)

@@ -1533,6 +1533,7 @@ HardwareProfile calibrate_phases(int threads, Seconds budget, HeldOut* held, std
   const bool full = budget >= kFullGridMinBudget;
   HardwareProfile p;
   p.name = fmt::format("{} cpu ({} threads)", host_name(), threads);
+  p.blas_core = ops::blas_core_name();
   p.threads = threads;
   const auto t0 = Clock::now();
   const auto note = [&](const char* what) {

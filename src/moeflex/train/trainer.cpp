@@ -648,6 +648,11 @@ TrainResult run_training(const TrainOptions& opts) {
                    "moeflex: warning: --profile-ops: {} was measured on {} and this run trains on {}: the op "
                    "times are this run's, the predictions beside them the {}'s\n",
                    profile.string(), op_cost->profile().device, cfg.device, op_cost->profile().device);
+      else if (rank0 && !op_cost->profile().blas_core.empty() && op_cost->profile().blas_core != ops::blas_core_name())
+        fmt::print(stderr,
+                   "moeflex: warning: --profile-ops: {} was calibrated on OpenBLAS's {} kernels and this run has its "
+                   "{} kernels: the predictions are for the profile's (run `moeflex calibrate` again)\n",
+                   profile.string(), op_cost->profile().blas_core, ops::blas_core_name());
       else if (rank0 && op_cost->profile().threads != omp_get_max_threads())
         fmt::print(stderr,
                    "moeflex: warning: --profile-ops: {} was calibrated with {} thread(s) and this run uses {}: "

@@ -23,7 +23,9 @@ for r in $(seq 1 "$ROUNDS"); do
   core=$(/usr/bin/python3 -c 'import json,sys; print(json.load(open(sys.argv[1])).get("blas_core", ""))' \
     "$tmp/moeflex_$r/summary.json")
   [[ $r -gt 1 ]] || echo "BLAS kernels: OpenBLAS ${core:-?} for both"
-  OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-$core} /usr/bin/python3 bench/torch_bench.py "$CONFIG" --threads "$THREADS" --steps "$STEPS" --warmup 3 \
+  torch_env=()  # a user's OPENBLAS_CORETYPE is inherited as it is
+  [[ -n "${OPENBLAS_CORETYPE:-}" || -z "$core" ]] || torch_env=(OPENBLAS_CORETYPE="$core")
+  env "${torch_env[@]}" /usr/bin/python3 bench/torch_bench.py "$CONFIG" --threads "$THREADS" --steps "$STEPS" --warmup 3 \
     > "$tmp/torch_$r.json" 2> "$tmp/torch_$r.log"
 done
 

@@ -79,7 +79,7 @@ in_situ() {
   "$BIN" calibrate --from-run "$dir/in-situ-fit" --base "$base" --out "$dir/in-situ.json" > /dev/null
 }
 if [[ "${IN_SITU:-0}" == 1 && -n "${CLUSTER:-}" ]]; then
-  echo "sim_check: IN_SITU=1 builds its own cluster from this machine's profile; unset CLUSTER (or IN_SITU)" >&2
+  echo "sim_check: IN_SITU=1 prices with its own profile (this machine's plus a fit run); unset CLUSTER (or IN_SITU)" >&2
   exit 2
 fi
 # HP: the profile that prices the runs (simulate --hardware-profile; "" = the cluster's own).
@@ -95,6 +95,7 @@ profile_of() {
   local cl=$1 hp=$2
   if [[ -n "$hp" ]]; then echo "$hp"; return; fi
   [[ -f "$cl" ]] || cl="configs/clusters/$cl.json"
+  [[ -f "$cl" ]] || return 0  # simulate names the cluster it cannot find
   /usr/bin/python3 -c 'import json,sys; print(json.load(open(sys.argv[1])).get("profile", ""))' "$cl"
 }
 # name | ranks | train flags | simulate --parallel | schedule | policy

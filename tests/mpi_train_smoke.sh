@@ -36,7 +36,7 @@ elif grep -q "waiting ranks sleep" "$out/resume.log"; then
 fi
 # OpenBLAS's generic SSE3 kernels ("Prescott", its choice for a CPU model it does not
 # know) are replaced by the ones the CPU runs: rank 0 alone says so, once.
-if [[ -z "${OPENBLAS_CORETYPE:-}" ]] && grep -qw avx2 /proc/cpuinfo; then
+if [[ -z "${OPENBLAS_CORETYPE:-}" ]] && grep -qw avx2 /proc/cpuinfo && grep -qw fma /proc/cpuinfo; then
   backend=$(/usr/bin/python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["blas_core"])' "$out/run/summary.json")
   [[ $backend != *Prescott* ]] || { echo "a CPU with AVX2 trained on OpenBLAS's SSE3 kernels: $backend"; exit 1; }
   n=$(grep -c "restarting with OPENBLAS_CORETYPE" "$out/resume.log" || true)

@@ -376,6 +376,12 @@ TEST(SimInputs, AHardwareProfileReplacesTheClustersPricing) {
   EXPECT_NE(msg.find("hardware profile '" + (d / "none.json").string() + "' does not exist"), std::string::npos) << msg;
   msg = error_of<DataError>([&] { load_cluster("h100", root, d.string()); });
   EXPECT_NE(msg.find("hardware profile '" + d.string() + "' is not a file"), std::string::npos) << msg;
+  // A data sheet is checked as it is, flag or not.
+  json bad = json::parse(std::ifstream(root / "configs/clusters/h100.json"));
+  bad["device"]["peek_flops"] = 1e15;
+  write(d / "bad.json", bad.dump());
+  msg = error_of<DataError>([&] { load_cluster((d / "bad.json").string(), root, (d / "p.json").string()); });
+  EXPECT_NE(msg.find("unknown field 'peek_flops'"), std::string::npos) << msg;
   fs::remove_all(d);
 }
 

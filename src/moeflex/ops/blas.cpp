@@ -6,7 +6,6 @@
 #include "moeflex/ops/blas.h"
 
 #include <cblas.h>
-#include <fmt/format.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -94,7 +93,7 @@ std::string blas_core_override(const std::string& chosen, const CpuIsa& isa) {
 }
 
 void restart_with_fast_blas_kernels(char** argv) {
-  if (std::getenv("OPENBLAS_CORETYPE")) return;
+  if (const char* v = std::getenv("OPENBLAS_CORETYPE"); v && *v) return;  // the user's choice (an empty one is none)
   const std::string chosen = blas_core_name();
   const std::string core = blas_core_override(chosen, this_cpu_isa());
   if (core.empty()) return;
@@ -105,19 +104,38 @@ void restart_with_fast_blas_kernels(char** argv) {
       first = std::strcmp(r, "0") == 0;
       break;
     }
+  // The program's file: exec'd by its own path, so that the process keeps its name
+  // (exec of /proc/self/exe would call it "exe"). Started through the dynamic loader
+  // (ld.so PROGRAM), /proc/self/exe is the loader, which this argv would not start.
+  char self[4096];
+  const ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+  if (n <= 0) return;
+  self[n] = '\0';
+  const char* base = std::strrchr(self, '/');
+  base = base ? base + 1 : self;
+  // (Messages with stdio, not fmt: a closed or full stderr must not stop the run.)
+  if (std::strncmp(base, "ld-", 3) == 0 || std::strncmp(base, "ld.so", 5) == 0) {
+    if (first)
+      std::fprintf(stderr,
+                   "moeflex: warning: OpenBLAS took its SSE3 kernels (%s) for this unknown CPU model; set "
+                   "OPENBLAS_CORETYPE=%s for its fast ones\n",
+                   chosen.c_str(), core.c_str());
+    return;
+  }
   if (setenv("OPENBLAS_CORETYPE", core.c_str(), 1) != 0) return;
   if (first)
-    fmt::print(stderr,
-               "moeflex: OpenBLAS took its SSE3 kernels ({}) for this unknown CPU model; restarting with "
-               "OPENBLAS_CORETYPE={}\n",
-               chosen, core);
+    std::fprintf(stderr,
+                 "moeflex: OpenBLAS took its SSE3 kernels (%s) for this unknown CPU model; restarting with "
+                 "OPENBLAS_CORETYPE=%s\n",
+                 chosen.c_str(), core.c_str());
   std::fflush(stderr);
-  execv("/proc/self/exe", argv);
+  execv(self, argv);
+  execv("/proc/self/exe", argv);  // the file was replaced or deleted meanwhile: its mapping
   const int err = errno;
   unsetenv("OPENBLAS_CORETYPE");
   if (first)
-    fmt::print(stderr, "moeflex: warning: could not restart ({}); going on with OpenBLAS's {} kernels\n",
-               std::strerror(err), chosen);
+    std::fprintf(stderr, "moeflex: warning: could not restart (%s); going on with OpenBLAS's %s kernels\n",
+                 std::strerror(err), chosen.c_str());
 }
 
 }  // namespace moeflex::ops

@@ -33,12 +33,14 @@ CpuIsa this_cpu_isa();
 /// AVX2 and FMA; a real Prescott-class CPU has neither and keeps "Prescott".
 std::string blas_core_override(const std::string& chosen, const CpuIsa& isa);
 
-/// Restarts the process (execv of /proc/self/exe with the same argv) with
-/// OPENBLAS_CORETYPE set to blas_core_override(blas_core_name(), this_cpu_isa()) when that
-/// is not empty and OPENBLAS_CORETYPE is unset (a user's own choice, or an earlier
-/// restart's, stands). Call first in main, before MPI or threads start: OpenBLAS reads
-/// the variable only when it is loaded. Prints one line to stderr (rank 0 under mpirun)
-/// saying so; if the exec fails it says that too, and returns to go on as it is.
+/// Restarts the process (execv of its own file, /proc/self/exe's target, with the same
+/// argv) with OPENBLAS_CORETYPE set to blas_core_override(blas_core_name(),
+/// this_cpu_isa()) when that is not empty and OPENBLAS_CORETYPE is unset or empty (a
+/// user's own choice, or an earlier restart's, stands). Call first in main, before MPI
+/// or threads start: OpenBLAS reads the variable only when it is loaded. Prints one
+/// line to stderr (rank 0 under mpirun) saying so; if the exec fails, or the program was
+/// started through the dynamic loader (ld.so PROGRAM, where the argv would not restart
+/// it), it says so and returns to go on as it is. Never throws.
 void restart_with_fast_blas_kernels(char** argv);
 
 }  // namespace moeflex::ops

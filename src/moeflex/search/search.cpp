@@ -374,6 +374,7 @@ json SearchResult::to_json(const SearchOptions& o) const {
   for (const auto& c : top) top_j.push_back(c.to_json());
   return {{"model_params", o.model.num_params()},
           {"cluster", o.cluster.name},
+          {"hardware_profile", o.cluster.profile.name},
           {"gpus", o.gpus},
           {"objective", o.objective},
           {"global_batch", o.global_batch_or_default()},

@@ -205,6 +205,7 @@ ClusterSpec load_cluster(const std::string& name_or_path, const std::filesystem:
   // all-to-all link, measured between a node's ranks, would stand for both tiers).
   const bool data_sheet = !profile_override.empty() && !j.contains("profile") && j.contains("device");
   const json sheet = j;
+  if (data_sheet) ClusterSpec::from_json(sheet, path.string(), path.parent_path());  // its own errors first
   if (!profile_override.empty()) {
     if (!fs::exists(profile_override))
       throw DataError(fmt::format("hardware profile '{}' does not exist (give a file `moeflex calibrate` wrote)",

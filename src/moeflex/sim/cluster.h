@@ -106,10 +106,11 @@ HardwareProfile derive_profile(const std::string& name, const DeviceRates& rates
 /// Loads a cluster by preset name (configs/clusters/<name>.json, searched under
 /// `preset_dir`) or by file path. `this-machine` without a file wraps
 /// data/hardware/this-machine.json (under `root`). A non-empty `profile_override`
-/// (a HardwareProfile file, relative to the working directory) prices the devices
-/// instead of the file's "profile" or "device" rates; a data-sheet cluster keeps its
-/// device's peak_flops for MFU. Throws DataError / ConfigError naming the preset or
-/// file and the known presets, or the profile that does not load.
+/// (a HardwareProfile file, relative to the working directory) prices the devices'
+/// ops and host copies instead of the file's "profile" or "device" rates; a data-sheet
+/// cluster (checked as it is first) keeps its links and its device's peak_flops for
+/// MFU, a calibrated one takes the link a profile measured under mpirun. Throws DataError / ConfigError naming the
+/// preset or file and the known presets, or the profile that does not load.
 ClusterSpec load_cluster(const std::string& name_or_path, const std::filesystem::path& root,
                          const std::string& profile_override = "");
 

@@ -1391,6 +1391,7 @@ json SimReport::to_json() const {
   json j = {{"model_params", options.model.num_params()},
             {"model_active_params", options.model.num_active_params()},
             {"cluster", options.cluster.name},
+            {"hardware_profile", options.cluster.profile.name},
             {"parallel", options.parallel.str()},
             {"world_size", options.parallel.world()},
             {"schedule", options.schedule},
@@ -1442,11 +1443,12 @@ json SimReport::to_json() const {
 std::string SimReport::format() const {
   const double GiB = double(kGiB);
   std::string s = fmt::format(
-      "{} params ({}, {} active) on {} x {} [{}], schedule {}, policy {}\n"
+      "{} params ({}, {} active) on {} x {} (priced by {}) [{}], schedule {}, policy {}\n"
       "micro-batch {} x {} tokens, {} micro-batches, {} iteration(s); loads {}\n\n",
-      options.model.num_params(), format_count(double(options.model.num_params())), format_count(double(options.model.num_active_params())),
-      options.parallel.world(), options.cluster.name, options.parallel.str(), options.schedule, options.policy,
-      options.micro_batch_size, options.seq_len, num_microbatches, options.iterations, options.loads.describe());
+      options.model.num_params(), format_count(double(options.model.num_params())),
+      format_count(double(options.model.num_active_params())), options.parallel.world(), options.cluster.name,
+      options.cluster.profile.name, options.parallel.str(), options.schedule, options.policy, options.micro_batch_size,
+      options.seq_len, num_microbatches, options.iterations, options.loads.describe());
   s += fmt::format("{:>7} {:>10} {:>12} {:>14} {:>10} {:>10} {:>10}\n", "pp rank", "layers", "persist GiB",
                    "peak GiB (hot)", "balanced", "busy s", "comm s");
   for (const auto& r : ranks) {

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 #include <omp.h>
+#include <strings.h>
 #include <fcntl.h>
 #include <sys/file.h>
 #include <unistd.h>
@@ -648,11 +649,6 @@ TrainResult run_training(const TrainOptions& opts) {
                    "moeflex: warning: --profile-ops: {} was measured on {} and this run trains on {}: the op "
                    "times are this run's, the predictions beside them the {}'s\n",
                    profile.string(), op_cost->profile().device, cfg.device, op_cost->profile().device);
-      else if (rank0 && !op_cost->profile().blas_core.empty() && op_cost->profile().blas_core != ops::blas_core_name())
-        fmt::print(stderr,
-                   "moeflex: warning: --profile-ops: {} was calibrated on OpenBLAS's {} kernels and this run has its "
-                   "{} kernels: the predictions are for the profile's (run `moeflex calibrate` again)\n",
-                   profile.string(), op_cost->profile().blas_core, ops::blas_core_name());
       else if (rank0 && op_cost->profile().threads != omp_get_max_threads())
         fmt::print(stderr,
                    "moeflex: warning: --profile-ops: {} was calibrated with {} thread(s) and this run uses {}: "
@@ -660,6 +656,13 @@ TrainResult run_training(const TrainOptions& opts) {
                    "--threads {})\n",
                    profile.string(), op_cost->profile().threads, omp_get_max_threads(), omp_get_max_threads(),
                    op_cost->profile().threads);
+      // (On its own: it adds to a thread-count mismatch, not hides it.)
+      if (rank0 && !op_cost->profile().blas_core.empty() &&
+          strcasecmp(op_cost->profile().blas_core.c_str(), ops::blas_core_name().c_str()) != 0)
+        fmt::print(stderr,
+                   "moeflex: warning: --profile-ops: {} was calibrated on OpenBLAS's {} kernels and this run has its "
+                   "{} kernels: the predictions are for the profile's (run `moeflex calibrate` again)\n",
+                   profile.string(), op_cost->profile().blas_core, ops::blas_core_name());
     }
     Replica replica(cfg.model, pc.schedule, layout, groups, arena, M, B, S);
     replica.init_weights(t.seed);

@@ -40,19 +40,19 @@ def main(path):
         events = t["traceEvents"] if isinstance(t, dict) else t
     except (OSError, ValueError, KeyError) as e:
         sys.exit(f"{path}: not a readable trace.json ({e})")
-    ops, first_step_end = {}, {}
+    ops, step_ends = {}, {}
     for e in events:
         a = e.get("args", {})
         if e.get("ph") == "X" and "predicted_us" in a and "cpu_us" in a:
             ops.setdefault(e["pid"], []).append(e)
         elif e.get("ph") == "X" and e.get("name") == "optimizer":  # a traced step's end, per rank
-            first_step_end.setdefault(e["pid"], []).append(e["ts"] + e["dur"])
+            step_ends.setdefault(e["pid"], []).append(e["ts"] + e["dur"])
     if not ops:
         sys.exit(f"{path}: holds no op events; train with --profile-ops")
     if len(ops) < 2:
         sys.exit(f"{path}: the ops of one rank only; the classes need a run of 2 or more ranks (mpirun)")
     for p, v in ops.items():
-        ends = sorted(first_step_end.get(p, []))
+        ends = sorted(step_ends.get(p, []))
         if len(ends) > 1:  # leave the warm-up step out
             v[:] = [e for e in v if e["ts"] >= ends[0]]
         v.sort(key=lambda e: e["ts"])

@@ -65,10 +65,6 @@ template void gemm<float>(bool, bool, std::int64_t, std::int64_t, std::int64_t, 
 template void gemm<double>(bool, bool, std::int64_t, std::int64_t, std::int64_t, double, const double*,
                            std::int64_t, const double*, std::int64_t, double, double*, std::int64_t);
 
-}  // namespace moeflex::ops
-
-namespace moeflex::ops {
-
 std::string blas_core_name() {
   const char* name = openblas_get_corename();
   return name ? std::string(name) : std::string();

@@ -201,11 +201,6 @@ ClusterSpec load_cluster(const std::string& name_or_path, const std::filesystem:
   } catch (const json::exception& e) {
     throw DataError(fmt::format("{}: not valid JSON ({})", path.string(), e.what()));
   }
-  // A data-sheet cluster priced by a calibrated profile keeps its links (a profile's
-  // all-to-all link, measured between a node's ranks, would stand for both tiers).
-  const bool data_sheet = !profile_override.empty() && !j.contains("profile") && j.contains("device");
-  const json sheet = j;
-  if (data_sheet) ClusterSpec::from_json(sheet, path.string(), path.parent_path());  // its own errors first
   if (!profile_override.empty()) {
     if (!fs::exists(profile_override))
       throw DataError(fmt::format("hardware profile '{}' does not exist (give a file `moeflex calibrate` wrote)",
@@ -213,11 +208,14 @@ ClusterSpec load_cluster(const std::string& name_or_path, const std::filesystem:
     if (!fs::is_regular_file(profile_override))
       throw DataError(
           fmt::format("hardware profile '{}' is not a file (give a file `moeflex calibrate` wrote)", profile_override));
-    // The data sheet's peak stays the MFU denominator; the profile prices the ops.
-    if (!j.contains("peak_flops") && j.contains("device") && j["device"].is_object() &&
-        j["device"].contains("peak_flops"))
-      j["peak_flops"] = j["device"]["peak_flops"];
-    j.erase("device");
+    // A data sheet, checked as it is, keeps all it says (its links: a profile's
+    // all-to-all link, measured between one node's ranks, would stand for both tiers;
+    // its peak, the MFU denominator); only the profile prices the ops.
+    if (!j.contains("profile") && j.contains("device")) {
+      ClusterSpec c = ClusterSpec::from_json(j, path.string(), path.parent_path());
+      c.profile = HardwareProfile::load(profile_override);
+      return c;
+    }
     j["profile"] = fs::absolute(profile_override).string();
   }
   // A calibrated profile's path is relative to the repository root (where
@@ -226,12 +224,7 @@ ClusterSpec load_cluster(const std::string& name_or_path, const std::filesystem:
   if (j.contains("profile") && !fs::exists(base / j["profile"].get<std::string>()))
     throw DataError(fmt::format("{}: profile {} does not exist; run `moeflex calibrate` first", path.string(),
                                 (base / j["profile"].get<std::string>()).string()));
-  ClusterSpec c = ClusterSpec::from_json(j, path.string(), base);
-  if (data_sheet) {
-    c.intra_node = read_link(sheet, "intra_node", path.string());
-    c.inter_node = read_link(sheet, "inter_node", path.string());
-  }
-  return c;
+  return ClusterSpec::from_json(j, path.string(), base);
 }
 
 GroupPlacement place_group(int size, int stride, int gpus_per_node) {

@@ -41,6 +41,12 @@ if [[ -z "${OPENBLAS_CORETYPE:-}" ]] && grep -qw avx2 /proc/cpuinfo && grep -qw 
   [[ $backend != *Prescott* ]] || { echo "a CPU with AVX2 trained on OpenBLAS's SSE3 kernels: $backend"; exit 1; }
   n=$(grep -c "restarting with OPENBLAS_CORETYPE" "$out/resume.log" || true)
   ((n <= 1)) || { echo "the BLAS restart note came $n times"; cat "$out/resume.log"; exit 1; }
+  # what computes nothing does not restart
+  for args in "train --help" "calibrate -h" "calibrate --from-run $out/run --out $out/in-situ.json"; do
+    # shellcheck disable=SC2086
+    note=$("$bin" $args 2>&1 >/dev/null | grep "restarting with OPENBLAS_CORETYPE" || true)
+    [[ -z $note ]] || { echo "moeflex $args restarted for BLAS kernels: $note"; exit 1; }
+  done
 fi
 # generate gathers the stages and expert shards of every rank's checkpoint
 text=$("$bin" generate --run "$out/run" --prompt "The jury" --max-new-tokens 8 --temperature 0)

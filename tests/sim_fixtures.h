@@ -15,6 +15,7 @@
 
 #include "moeflex/core/units.h"
 #include "moeflex/provision/cost_model.h"
+#include "scratch_dir.h"
 
 namespace moeflex::test {
 
@@ -49,7 +50,7 @@ inline std::filesystem::path write_loads_jsonl(std::int64_t kept, const std::str
   const nlohmann::json line = {{"step", 1},         {"dp", 2},           {"ep", 2},
                                {"microbatches", 3}, {"moe_layers", {1, 2}}, {"received", kLoadsReceived},
                                {"kept", kept_j},    {"step_cpu_seconds", {0.1, 0.1}}};
-  const auto dir = std::filesystem::temp_directory_path() / fmt::format("moeflex_test_{}_{}", tag, ::getpid());
+  const auto dir = scratch_dir("moeflex_test_", tag);
   std::filesystem::create_directories(dir);
   std::ofstream(dir / "loads.jsonl") << line.dump() << "\n";
   return dir;

@@ -23,6 +23,7 @@
 #include "model_fixtures.h"
 #include "moeflex/core/arena.h"
 #include "moeflex/train/trainer.h"
+#include "scratch_dir.h"
 
 using namespace moeflex;
 namespace fs = std::filesystem;
@@ -63,7 +64,10 @@ fs::path shared_dir(const std::string& name) {
   std::int64_t pid = ::getpid();
   g_world->broadcast(&pid, sizeof pid, 0);
   const fs::path d = fs::temp_directory_path() / ("moeflex_restart_" + name + "_" + std::to_string(pid));
-  if (g_world->rank() == 0) fs::remove_all(d);
+  if (g_world->rank() == 0) {  // rank 0 empties it, and removes it at exit
+    fs::remove_all(d);
+    test::ScratchRegistry::instance().add(d);
+  }
   g_world->barrier();
   return d;
 }

@@ -16,6 +16,7 @@
 #include "moeflex/provision/cost_model.h"
 #include "moeflex/train/generate.h"
 #include "moeflex/train/trainer.h"
+#include "scratch_dir.h"
 
 using namespace moeflex;
 namespace fs = std::filesystem;
@@ -49,11 +50,7 @@ checkpoint_every = 0
   return c;
 }
 
-fs::path fresh_dir(const std::string& name) {
-  fs::path d = fs::temp_directory_path() / ("moeflex_test_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(d);
-  return d;
-}
+fs::path fresh_dir(const std::string& name) { return test::scratch_dir("moeflex_test_", name); }
 
 std::vector<double> losses(const fs::path& run) {
   std::vector<double> out;

@@ -42,10 +42,16 @@ int fail(comm::MpiSession& mpi, const std::string& msg, int code) {
 int main(int argc, char** argv) {
   // OpenBLAS chose its kernels when it was loaded; a CPU model it does not know got its
   // SSE3 ones. The commands that compute on the CPU restart once with the kernels this
-  // CPU runs (before MPI or any thread); simulate, search and --help need no BLAS.
+  // CPU runs (before MPI or any thread); simulate, search, --help and calibrate
+  // --from-run (which times nothing) need no BLAS.
   if (argc > 1) {
     const std::string_view cmd = argv[1];
-    if (cmd == "train" || cmd == "generate" || cmd == "calibrate") ops::restart_with_fast_blas_kernels(argv);
+    bool computes = cmd == "train" || cmd == "generate" || cmd == "calibrate";
+    for (int i = 2; i < argc && computes; ++i) {
+      const std::string_view a = argv[i];
+      if (a == "-h" || a == "--help" || (cmd == "calibrate" && a.starts_with("--from-run"))) computes = false;
+    }
+    if (computes) ops::restart_with_fast_blas_kernels(argv);
   }
   // Under mpirun / srun, MPI is initialised here and finalised at exit.
   comm::MpiSession mpi(&argc, &argv);

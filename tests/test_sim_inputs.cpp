@@ -430,6 +430,21 @@ TEST(SimInputs, OutIsCheckedBeforeTheWork) {
   EXPECT_NE(out.find("--memory '0': give a positive size"), std::string::npos) << out;
 }
 
+// A first word that names no command is named back with the commands there are (CLI11
+// alone said "A subcommand is required"); a known one still parses.
+TEST(SimInputs, AnUnknownCommandIsNamed) {
+  const fs::path bin = fs::path(MOEFLEX_BINARY_DIR) / "moeflex";
+  if (!fs::exists(bin)) GTEST_SKIP() << bin << " is not built";
+  auto [rc, out] = run_moeflex(bin, "simulat --cluster h100");
+  EXPECT_EQ(rc, 2) << out;
+  EXPECT_NE(out.find("unknown command 'simulat' (commands: train, generate, calibrate, simulate, search"),
+            std::string::npos)
+      << out;
+  std::tie(rc, out) = run_moeflex(bin, "search --help");
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_EQ(out.find("unknown command"), std::string::npos) << out;
+}
+
 // A flag given twice takes its last value (`make train ARGS=...` adds to the
 // Makefile's own flags), in every subcommand.
 TEST(SimInputs, ARepeatedFlagTakesItsLastValue) {

@@ -169,6 +169,20 @@ int main(int argc, char** argv) {
   // --- simulate, search (cli/sim_commands.cpp)
   add_sim_commands(app);
 
+  // A first word that names no command: CLI11 would only say that one is required.
+  if (argc > 1 && argv[1][0] != '-') {
+    const std::string_view cmd = argv[1];
+    std::string names;
+    bool known = false;
+    for (const CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) {
+      known = known || sub->get_name() == cmd;
+      names += (names.empty() ? "" : ", ") + sub->get_name();
+    }
+    if (!known) {
+      fmt::print(stderr, "moeflex: unknown command '{}' (commands: {}; see moeflex --help)\n", cmd, names);
+      return 2;
+    }
+  }
   // A bad command line exits 2, as bad input does everywhere (CLI11's own codes are 100+).
   try {
     app.parse(argc, argv);

@@ -437,8 +437,16 @@ TEST(Calibrate, InSituProfileTakesARunsMediansAndGroupedRatios) {
   nlohmann::json shapes = nlohmann::json::array();
   shapes.push_back({{"kind", "linear_forward"}, {"shape", {100, 300, 200}}, {"count", 4},
                     {"measured_median_s", 5e-3}, {"measured_total_s", 2.1e-2}});
-  shapes.push_back({{"kind", "embedding_forward"}, {"shape", {100, 64}}, {"count", 4},  // not taken
-                    {"measured_median_s", 1e-5}, {"measured_total_s", 4e-5}});
+  shapes.push_back({{"kind", "z_loss_backward"},
+                    {"shape", {100, 8}},
+                    {"count", 4},
+                    {"measured_median_s", 6e-5},
+                    {"measured_total_s", 2.5e-4}});
+  shapes.push_back({{"kind", "moe_plan_dispatch"},
+                    {"shape", {100, 2}},
+                    {"count", 4},  // not taken
+                    {"measured_median_s", 1e-5},
+                    {"measured_total_s", 4e-5}});
   // Two row splits of one weight: 3 calls measured 2x the model in all.
   shapes.push_back({{"kind", "grouped_linear_forward"}, {"shape", {64, 0, 192, 300, 200}}, {"count", 3},
                     {"measured_median_s", 2 * predicted_fwd}, {"measured_total_s", 6 * predicted_fwd}});
@@ -447,9 +455,15 @@ TEST(Calibrate, InSituProfileTakesARunsMediansAndGroupedRatios) {
     out << nlohmann::json{{"shapes", shapes}}.dump();
   }
   const HardwareProfile p = in_situ_profile(base, dir);
-  ASSERT_EQ(p.in_situ_ops.size(), 1u);
+  ASSERT_EQ(p.in_situ_ops.size(), 2u);
   EXPECT_EQ(p.in_situ_ops[0].kind, "linear_forward");
   EXPECT_DOUBLE_EQ(p.in_situ_ops[0].seconds, 5e-3);
+  EXPECT_EQ(p.in_situ_ops[1].kind, "z_loss_backward");
+  // The cost model answers with them at exactly their shapes, with the base elsewhere.
+  EXPECT_DOUBLE_EQ(CostModel(p).linear_forward(100, 300, 200), 5e-3);
+  EXPECT_DOUBLE_EQ(CostModel(p).z_loss_backward(100, 8), 6e-5);
+  EXPECT_DOUBLE_EQ(CostModel(p).z_loss_backward(100, 16), model.z_loss_backward(100, 16));
+  EXPECT_DOUBLE_EQ(CostModel(p).z_loss_forward(100, 8), model.z_loss_forward(100, 8));
   ASSERT_EQ(p.in_situ_scales.size(), 1u);
   EXPECT_DOUBLE_EQ(p.in_situ_scales[0].scale, 2.0);
   EXPECT_EQ(p.gemm.size(), base.gemm.size());  // the base's measurements are kept

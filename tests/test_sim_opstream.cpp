@@ -40,14 +40,21 @@ HardwareProfile stream_profile() {
 
 constexpr std::int64_t kB = 2, kS = 8, kM = 2;
 
-/// (phase, kind) -> calls and predicted seconds of one engine step on one rank.
-OpBreakdown engine_step(const ModelConfig& cfg, const std::string& schedule, const std::string& policy) {
-  const CostModel cost(stream_profile());
+/// The op records of one engine step on one rank, priced by `profile`.
+std::vector<OpRecord> engine_records(const ModelConfig& cfg, const std::string& schedule, const std::string& policy,
+                                     const HardwareProfile& profile) {
+  const CostModel cost(profile);
   Arena arena;
   ProfilingBackend profiler{ops::backend_of(arena), cost, 0};
   test::run_profiled_step(cfg, schedule, policy, arena, profiler, kM, kB, kS);
+  return profiler.records();
+}
+
+/// (phase, kind) -> calls and predicted seconds of one engine step on one rank.
+OpBreakdown engine_step(const ModelConfig& cfg, const std::string& schedule, const std::string& policy,
+                        const HardwareProfile& profile = stream_profile()) {
   OpBreakdown out;
-  for (const OpRecord& r : profiler.records()) {
+  for (const OpRecord& r : engine_records(cfg, schedule, policy, profile)) {
     OpTally& t = out[{to_string(r.phase), r.kind}];
     t.count += 1;
     t.seconds += r.predicted;
@@ -56,7 +63,7 @@ OpBreakdown engine_step(const ModelConfig& cfg, const std::string& schedule, con
 }
 
 sim::SimReport simulated_step(const ModelConfig& cfg, const std::string& schedule, const std::string& policy,
-                              int pp = 1) {
+                              int pp = 1, const HardwareProfile& profile = stream_profile()) {
   sim::SimOptions o;
   o.model = cfg;
   o.cluster.name = "test";
@@ -64,7 +71,7 @@ sim::SimReport simulated_step(const ModelConfig& cfg, const std::string& schedul
   o.cluster.device_memory = kGiB;
   o.cluster.intra_node = {1e-6, 100e9};
   o.cluster.inter_node = {5e-6, 10e9};
-  o.cluster.profile = stream_profile();
+  o.cluster.profile = profile;
   o.cluster.host_cores = 0;
   o.parallel.pp = pp;
   o.schedule = schedule;
@@ -112,6 +119,42 @@ TEST(SimOpStream, EveryPolicysOpsMatchTheEnginesKindByKindAndPhaseByPhase) {
         if (k.first != "optimizer") ops += t.seconds;
       EXPECT_NEAR(rep.ranks[0].busy, ops, 1e-9 * ops);
     }
+}
+
+// An in-situ profile (`calibrate --from-run`) prices each exact kind at the shapes a
+// run recorded: the simulator must ask for the very shapes the engine's ops record,
+// or the run's own times would never reach it. Every exact kind the step runs gets a
+// time far from the stream profile's, and both sides must take it, call for call.
+TEST(SimOpStream, InSituTimesReachTheSimulatorAtTheEnginesShapes) {
+  const ModelConfig cfg = test::small_moe_config(3, 1, 4, true);
+  const std::set<std::string> exact(std::begin(kInSituExactKinds), std::end(kInSituExactKinds));
+  HardwareProfile p = stream_profile();
+  std::set<std::pair<std::string, std::vector<std::int64_t>>> seen;
+  std::set<std::string> kinds;
+  for (const OpRecord& r : engine_records(cfg, "1f1b", "full", p))
+    if (exact.count(r.kind) && seen.insert({r.kind, r.shape}).second) {
+      p.in_situ_ops.push_back({r.kind, r.shape, 1e-3 * double(p.in_situ_ops.size() + 1)});
+      kinds.insert(r.kind);
+    }
+  // The step runs every exact kind but the fused linear backward (dx and dw are timed
+  // apart) and cross entropy's own (the head is a tied embedding's): a kind added to
+  // the list without a price at its recorded shape shows here.
+  for (const char* k : {"rope_forward", "rope_backward", "add_inplace", "embedding_forward", "embedding_backward",
+                        "aux_loss_forward", "aux_loss_backward", "z_loss_forward", "z_loss_backward", "rmsnorm_forward",
+                        "attention_backward", "permute_forward", "linear_backward_dw"})
+    EXPECT_TRUE(kinds.count(k)) << k << " did not run";
+  const OpBreakdown base = engine_step(cfg, "1f1b", "full");
+  const OpBreakdown eng = engine_step(cfg, "1f1b", "full", p);
+  const OpBreakdown sim = profiled_only(simulated_step(cfg, "1f1b", "full", 1, p).ops);
+  for (const auto& [k, e] : eng) {
+    if (!exact.count(k.second)) continue;
+    // Every call at a listed shape: well above the stream profile's microseconds.
+    EXPECT_GE(e.seconds, 1e-3 * e.count) << k.first << " " << k.second;
+    EXPECT_GT(e.seconds, 10 * base.at(k).seconds) << k.first << " " << k.second;
+    const OpTally s = sim.count(k) ? sim.at(k) : OpTally{};
+    EXPECT_DOUBLE_EQ(s.count, e.count) << k.first << " " << k.second;
+    EXPECT_NEAR(s.seconds, e.seconds, 1e-9 * e.seconds) << k.first << " " << k.second;
+  }
 }
 
 TEST(SimOpStream, MoeFullRebuildsTheExpertFfnOnce) {

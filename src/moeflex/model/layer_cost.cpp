@@ -8,8 +8,6 @@ namespace moeflex {
 
 namespace {
 
-/// add_inplace(y, x, n): reads y and x, writes y.
-Seconds add_inplace(const CostModel& c, std::int64_t n) { return c.elementwise(Bytes(3) * n * kActivationBytes); }
 /// A plain copy of n elements (copy_of, the all-to-all's local scratch, memcpy of a stage input).
 Seconds copy(const CostModel& c, std::int64_t n) { return c.elementwise(Bytes(2) * n * kActivationBytes); }
 /// Zero-filling n elements (Tensor::zero).
@@ -163,7 +161,7 @@ struct AttentionOps {
   double in_calls = 0;
   Seconds norms_f = 0, norms_b = 0;
   double norm_calls = 0;
-  Seconds rope = 0;
+  Seconds rope_f = 0, rope_b = 0;
   std::int64_t H = 0, core_hd = 0, out_width = 0;
 };
 
@@ -177,10 +175,13 @@ AttentionOps multi_head_attention(const CostModel& c, std::int64_t B, std::int64
   o.in_dx = c.linear_backward(n, d, dh, true, false) + 2 * c.linear_backward(n, d, dkv, true, false);
   o.in_dw = c.linear_backward(n, d, dh, false, true) + 2 * c.linear_backward(n, d, dkv, false, true);
   o.in_calls = 3;
-  o.rope = c.rope(B, S, H, hd) + c.rope(B, S, KVh, hd);
+  o.rope_f = c.rope_forward(B, S, H, hd) + c.rope_forward(B, S, KVh, hd);
+  o.rope_b = c.rope_backward(B, S, H, hd) + c.rope_backward(B, S, KVh, hd);
   o.H = H, o.core_hd = hd, o.out_width = dh;
-  a.rebuild("attn.q", {{"linear_forward", c.linear_forward(n, d, dh), 1}, {"rope_forward", c.rope(B, S, H, hd), 1}});
-  a.rebuild("attn.k", {{"linear_forward", c.linear_forward(n, d, dkv), 1}, {"rope_forward", c.rope(B, S, KVh, hd), 1}});
+  a.rebuild("attn.q",
+            {{"linear_forward", c.linear_forward(n, d, dh), 1}, {"rope_forward", c.rope_forward(B, S, H, hd), 1}});
+  a.rebuild("attn.k",
+            {{"linear_forward", c.linear_forward(n, d, dkv), 1}, {"rope_forward", c.rope_forward(B, S, KVh, hd), 1}});
   a.rebuild("attn.v", {{"linear_forward", c.linear_forward(n, d, dkv), 1}});
   return o;
 }
@@ -215,22 +216,24 @@ AttentionOps latent_attention(const CostModel& c, const ModelConfig& cfg, std::i
   o.norms_f = q_norm + c.rmsnorm_forward(n, kl);
   o.norms_b = (ql > 0 ? c.rmsnorm_backward(n, ql) : 0) + c.rmsnorm_backward(n, kl);
   o.norm_calls = qn;
-  o.rope = c.rope(B, S, H, rp) + c.rope(B, S, 1, rp);  // q's rope part, the shared k_rope
+  o.rope_f = c.rope_forward(B, S, H, rp) + c.rope_forward(B, S, 1, rp);  // q's rope part, the shared k_rope
+  o.rope_b = c.rope_backward(B, S, H, rp) + c.rope_backward(B, S, 1, rp);
   o.H = H, o.core_hd = (qk + vd) / 2, o.out_width = H * vd;
   // The latents (memory_plan: saved, or rebuilt from the attention's input) and the
   // heads from them: a rebuilt q costs its up projection and rope, its latent the down
   // projection and norm.
   if (ql > 0) {
     a.rebuild("attn.q_latent", {{"linear_forward", c.linear_forward(n, d, ql), 1}, {"rmsnorm_forward", q_norm, 1}});
-    a.rebuild("attn.q", {{"linear_forward", c.linear_forward(n, ql, dq), 1}, {"rope_forward", c.rope(B, S, H, rp), 1}});
+    a.rebuild("attn.q",
+              {{"linear_forward", c.linear_forward(n, ql, dq), 1}, {"rope_forward", c.rope_forward(B, S, H, rp), 1}});
   } else {
-    a.rebuild("attn.q", {{"linear_forward", q_fwd, 1}, {"rope_forward", c.rope(B, S, H, rp), 1}});
+    a.rebuild("attn.q", {{"linear_forward", q_fwd, 1}, {"rope_forward", c.rope_forward(B, S, H, rp), 1}});
   }
   a.rebuild("attn.kv_latent",
             {{"linear_forward", c.linear_forward(n, d, kl + rp), 1}, {"rmsnorm_forward", c.rmsnorm_forward(n, kl), 1}});
   // kv's up projection makes k's nope part and v: each rebuild its share of the GEMM.
   a.rebuild("attn.k", {{"linear_forward", c.linear_forward(n, kl, H * cfg.qk_nope_head_dim), 1},
-                       {"rope_forward", c.rope(B, S, 1, rp), 1}});
+                       {"rope_forward", c.rope_forward(B, S, 1, rp), 1}});
   a.rebuild("attn.v", {{"linear_forward", c.linear_forward(n, kl, H * vd), 1}});
   return o;
 }
@@ -244,14 +247,14 @@ void price_attention(const CostModel& c, const AttentionOps& o, std::int64_t B, 
   const std::int64_t n = B * S;
   a.add(F, "linear_forward", o.in_f, o.in_calls);
   if (o.norm_calls > 0) a.add(F, "rmsnorm_forward", o.norms_f, o.norm_calls);
-  a.add(F, "rope_forward", o.rope, 2);
+  a.add(F, "rope_forward", o.rope_f, 2);
   a.add(F, "attention_forward", c.attention_forward(B, S, o.H, o.core_hd));
   a.add(F, "linear_forward", c.linear_forward(n, o.out_width, d));
-  a.add(F, "add_inplace", add_inplace(c, ns * d));
+  a.add(F, "add_inplace", c.add_inplace(ns * d));
   if (split) a.add(B_, "copy", copy(c, ns * d));  // o_proj's dy for its deferred dW
   a.add(B_, "linear_backward_dx", c.linear_backward(n, o.out_width, d, true, false));
   a.add(B_, "attention_backward", c.attention_backward(B, S, o.H, o.core_hd));
-  a.add(B_, "rope_backward", o.rope, 2);
+  a.add(B_, "rope_backward", o.rope_b, 2);
   a.add(B_, "linear_backward_dx", o.in_dx, o.in_calls);
   if (o.norm_calls > 0) a.add(B_, "rmsnorm_backward", o.norms_b, o.norm_calls);
   a.add(W, "linear_backward_dw", c.linear_backward(n, o.out_width, d, false, true));
@@ -281,16 +284,16 @@ LayerCost layer_cost(const CostModel& c, const ModelConfig& cfg, int layer, cons
       cfg.mla() ? latent_attention(c, cfg, B, S, H, a) : multi_head_attention(c, B, S, d, H, KVh, hd, a);
   price_attention(c, attn, B, S, ns, d, wk.split_backward, a);
   a.add(B_, "rmsnorm_backward", c.rmsnorm_backward(ns, d));
-  a.add(B_, "add_inplace", add_inplace(c, ns * d));
+  a.add(B_, "add_inplace", c.add_inplace(ns * d));
   a.rebuild("attn_norm.out", {{"rmsnorm_forward", c.rmsnorm_forward(ns, d), 1}});
   a.rebuild("attn_norm.rstd", {{"rmsnorm_forward", c.rmsnorm_forward(ns, d), 1}});
 
   // ---- FFN block (ffn_forward / ffn_backward)
   a.add(F, "rmsnorm_forward", c.rmsnorm_forward(ns, d));
-  a.add(F, "add_inplace", add_inplace(c, ns * d));
+  a.add(F, "add_inplace", c.add_inplace(ns * d));
   if (split) a.add(B_, "copy", copy(c, ns * d));  // the FFN's dy for its deferred dW
   a.add(B_, "rmsnorm_backward", c.rmsnorm_backward(ns, d));
-  a.add(B_, "add_inplace", add_inplace(c, ns * d));
+  a.add(B_, "add_inplace", c.add_inplace(ns * d));
   a.rebuild("ffn_norm.out", {{"rmsnorm_forward", c.rmsnorm_forward(ns, d), 1}});
   a.rebuild("ffn_norm.rstd", {{"rmsnorm_forward", c.rmsnorm_forward(ns, d), 1}});
   if (!cfg.is_moe_layer(layer)) {
@@ -307,8 +310,8 @@ LayerCost layer_cost(const CostModel& c, const ModelConfig& cfg, int layer, cons
     // read back to the host for the imbalance statistics (a copy on the CPU engine)
     a.add(F, "linear_forward", c.linear_forward(ns, d, E));
     a.add(F, "router_forward", c.router_forward(ns, E, k));
-    a.add(F, "aux_loss_forward", c.elementwise(Bytes(ns) * (E + k) * kActivationBytes));
-    if (cfg.router_z_loss_coef > 0) a.add(F, "z_loss_forward", c.elementwise(Bytes(ns) * E * kActivationBytes));
+    a.add(F, "aux_loss_forward", c.aux_loss_forward(ns, E, k));
+    if (cfg.router_z_loss_coef > 0) a.add(F, "z_loss_forward", c.z_loss_forward(ns, E));
     a.add(F, "moe_plan_dispatch", c.elementwise(Bytes(2) * ns * k * kActivationBytes));
     a.add(F, "copy_d2h", c.elementwise(Bytes(2) * ns * k * kActivationBytes));
     a.add(F, "permute_forward", c.permute_forward(ns, k, d));
@@ -327,7 +330,7 @@ LayerCost layer_cost(const CostModel& c, const ModelConfig& cfg, int layer, cons
       fc2_dx += m * c.grouped_linear_backward(ch.groups, f, d, true, false);
       act_b += m * c.swiglu_backward(ch.rows * f);
       fc1_dx += m * c.grouped_linear_backward(ch.groups, d, f, true, false);
-      add_b += m * add_inplace(c, ch.rows * d);
+      add_b += m * c.add_inplace(ch.rows * d);
       fc2_dw += m * c.grouped_linear_backward(ch.groups, f, d, false, true);
       fc1_dw += m * c.grouped_linear_backward(ch.groups, d, f, false, true);
       topk_b += m * c.combine_topk_grad(ns, k, d, ch.rows);
@@ -346,10 +349,9 @@ LayerCost layer_cost(const CostModel& c, const ModelConfig& cfg, int layer, cons
     a.add(B_, "permute_backward", c.permute_backward(ns, k, d));
     // router backward: dprobs zero, aux loss, softmax/top-k backward, z loss, gate GEMM dx (dW in W)
     a.add(B_, "zero", zero(c, ns * E));
-    a.add(B_, "aux_loss_backward", c.elementwise(Bytes(ns) * (E + k) * kActivationBytes));
+    a.add(B_, "aux_loss_backward", c.aux_loss_backward(ns, E, k));
     a.add(B_, "router_backward", c.router_backward(ns, E, k));
-    if (cfg.router_z_loss_coef > 0)
-      a.add(B_, "z_loss_backward", c.elementwise(Bytes(2) * ns * E * kActivationBytes));
+    if (cfg.router_z_loss_coef > 0) a.add(B_, "z_loss_backward", c.z_loss_backward(ns, E));
     a.add(B_, "linear_backward_dx", c.linear_backward(ns, d, E, true, false));
     a.add(W, "linear_backward_dw", c.linear_backward(ns, d, E, false, true));
     if (cfg.shared_width() > 0) swiglu_mlp(c, ns, d, cfg.shared_width() / tp, "shared", a);
@@ -402,8 +404,8 @@ LayerCost embedding_cost(const CostModel& c, const ModelConfig& cfg, const Layer
   LayerCost lc;
   Acc a{lc, wk.breakdown};
   const std::int64_t ns = wk.B * wk.S / std::max(wk.tp, 1), d = cfg.hidden_size;
-  a.add(Phase::forward, "embedding_forward", copy(c, ns * d));             // a gather of rows: reads and writes n x d
-  a.add(Phase::backward_weight, "embedding_backward", add_inplace(c, ns * d));  // scatter-add into the table
+  a.add(Phase::forward, "embedding_forward", c.embedding_forward(ns, d));
+  a.add(Phase::backward_weight, "embedding_backward", c.embedding_backward(ns, d));
   return lc;
 }
 

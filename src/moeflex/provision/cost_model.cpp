@@ -214,12 +214,13 @@ void parse_in_situ(const json& s, const std::string& source, HardwareProfile& p)
 
 std::size_t in_situ_shape_rank(const std::string& kind) {
   static const std::map<std::string, std::size_t> rank = {
-      {"linear_forward", 3},         {"linear_backward", 3},        {"linear_backward_dx", 3},
-      {"linear_backward_dw", 3},     {"attention_forward", 4},      {"attention_backward", 4},
-      {"rmsnorm_forward", 2},        {"rmsnorm_backward", 2},       {"swiglu_forward", 1},
-      {"swiglu_backward", 1},        {"router_forward", 3},         {"router_backward", 3},
-      {"permute_forward", 3},        {"permute_backward", 3},       {"unpermute_forward", 3},
-      {"unpermute_backward", 3},     {"cross_entropy_forward", 2},  {"cross_entropy_backward", 2}};
+      {"linear_forward", 3},        {"linear_backward", 3},        {"linear_backward_dx", 3}, {"linear_backward_dw", 3},
+      {"attention_forward", 4},     {"attention_backward", 4},     {"rmsnorm_forward", 2},    {"rmsnorm_backward", 2},
+      {"swiglu_forward", 1},        {"swiglu_backward", 1},        {"router_forward", 3},     {"router_backward", 3},
+      {"permute_forward", 3},       {"permute_backward", 3},       {"unpermute_forward", 3},  {"unpermute_backward", 3},
+      {"cross_entropy_forward", 2}, {"cross_entropy_backward", 2}, {"rope_forward", 4},       {"rope_backward", 4},
+      {"add_inplace", 1},           {"embedding_forward", 2},      {"embedding_backward", 2}, {"aux_loss_forward", 3},
+      {"aux_loss_backward", 3},     {"z_loss_forward", 2},         {"z_loss_backward", 2}};
   auto it = rank.find(kind);
   return it == rank.end() ? 0 : it->second;
 }
@@ -617,6 +618,60 @@ Seconds CostModel::rmsnorm_backward(std::int64_t n, std::int64_t d) const {
 Seconds CostModel::rope(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd) const {
   if (B <= 0 || S <= 0 || H <= 0 || hd <= 0) return 0;
   return op(op_names::kRopeTables, op_bytes::rope_tables(S, hd)) + op(op_names::kRope, op_bytes::rope(B, S, H, hd));
+}
+
+Seconds CostModel::rope_forward(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd) const {
+  if (B <= 0 || S <= 0 || H <= 0 || hd <= 0) return 0;
+  if (const Seconds* t = in_situ("rope_forward", {B, S, H, hd})) return *t;
+  return rope(B, S, H, hd);
+}
+
+Seconds CostModel::rope_backward(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd) const {
+  if (B <= 0 || S <= 0 || H <= 0 || hd <= 0) return 0;
+  if (const Seconds* t = in_situ("rope_backward", {B, S, H, hd})) return *t;
+  return rope(B, S, H, hd);
+}
+
+Seconds CostModel::add_inplace(std::int64_t n) const {
+  if (n <= 0) return 0;
+  if (const Seconds* t = in_situ("add_inplace", {n})) return *t;
+  return elementwise(op_bytes::add_inplace(n));
+}
+
+Seconds CostModel::embedding_forward(std::int64_t n, std::int64_t d) const {
+  if (n <= 0 || d <= 0) return 0;
+  if (const Seconds* t = in_situ("embedding_forward", {n, d})) return *t;
+  return elementwise(Bytes(2) * n * d * kActivationBytes);
+}
+
+Seconds CostModel::embedding_backward(std::int64_t n, std::int64_t d) const {
+  if (n <= 0 || d <= 0) return 0;
+  if (const Seconds* t = in_situ("embedding_backward", {n, d})) return *t;
+  return elementwise(op_bytes::add_inplace(n * d));
+}
+
+Seconds CostModel::aux_loss_forward(std::int64_t n, std::int64_t E, std::int64_t k) const {
+  if (n <= 0) return 0;
+  if (const Seconds* t = in_situ("aux_loss_forward", {n, E, k})) return *t;
+  return elementwise(Bytes(n) * (E + k) * kActivationBytes);
+}
+
+Seconds CostModel::aux_loss_backward(std::int64_t n, std::int64_t E, std::int64_t k) const {
+  if (n <= 0) return 0;
+  if (const Seconds* t = in_situ("aux_loss_backward", {n, E, k})) return *t;
+  return elementwise(Bytes(n) * (E + k) * kActivationBytes);
+}
+
+Seconds CostModel::z_loss_forward(std::int64_t n, std::int64_t E) const {
+  if (n <= 0) return 0;
+  if (const Seconds* t = in_situ("z_loss_forward", {n, E})) return *t;
+  return elementwise(Bytes(n) * E * kActivationBytes);
+}
+
+Seconds CostModel::z_loss_backward(std::int64_t n, std::int64_t E) const {
+  if (n <= 0) return 0;
+  if (const Seconds* t = in_situ("z_loss_backward", {n, E})) return *t;
+  return elementwise(Bytes(2) * n * E * kActivationBytes);
 }
 
 Seconds CostModel::attention_forward(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd) const {

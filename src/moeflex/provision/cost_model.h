@@ -155,11 +155,12 @@ struct OpSample {
 /// The op kinds HardwareProfile::in_situ_ops may hold, timed at their exact shapes
 /// (op_times.json's names; `moeflex calibrate --from-run` takes these kinds).
 inline constexpr const char* kInSituExactKinds[] = {
-    "linear_forward",        "linear_backward",        "linear_backward_dx",     "linear_backward_dw",
-    "attention_forward",     "attention_backward",     "rmsnorm_forward",        "rmsnorm_backward",
-    "swiglu_forward",        "swiglu_backward",        "router_forward",         "router_backward",
-    "permute_forward",       "permute_backward",       "unpermute_forward",      "unpermute_backward",
-    "cross_entropy_forward", "cross_entropy_backward"};
+    "linear_forward",     "linear_backward",       "linear_backward_dx",     "linear_backward_dw", "attention_forward",
+    "attention_backward", "rmsnorm_forward",       "rmsnorm_backward",       "swiglu_forward",     "swiglu_backward",
+    "router_forward",     "router_backward",       "permute_forward",        "permute_backward",   "unpermute_forward",
+    "unpermute_backward", "cross_entropy_forward", "cross_entropy_backward", "rope_forward",       "rope_backward",
+    "add_inplace",        "embedding_forward",     "embedding_backward",     "aux_loss_forward",   "aux_loss_backward",
+    "z_loss_forward",     "z_loss_backward"};
 /// The grouped kinds HardwareProfile::in_situ_scales may hold, one scale per weight
 /// shape [in, out].
 inline constexpr const char* kInSituScaledKinds[] = {"grouped_linear_forward", "grouped_linear_backward_dx",
@@ -167,7 +168,9 @@ inline constexpr const char* kInSituScaledKinds[] = {"grouped_linear_forward", "
 
 /// The number of extents an exact in-situ kind's shape has, as the cost model looks
 /// it up (linear_* [n, in, out], attention_* [B, S, H, hd], rmsnorm_* [n, d],
-/// swiglu_* [n], router_* [n, E, k], (un)permute_* [n, k, d], cross_entropy_* [n, V]);
+/// swiglu_* [n], router_* [n, E, k], (un)permute_* [n, k, d], cross_entropy_* [n, V],
+/// rope_* [B, S, H, hd], add_inplace [n], embedding_* [n, d], aux_loss_* [n, E, k],
+/// z_loss_* [n, E]);
 /// 0 for a kind outside kInSituExactKinds.
 std::size_t in_situ_shape_rank(const std::string& kind);
 
@@ -310,8 +313,28 @@ class CostModel {
 
   Seconds rmsnorm_forward(std::int64_t n, std::int64_t d) const;
   Seconds rmsnorm_backward(std::int64_t n, std::int64_t d) const;
-  /// x: [B, S, H, hd] rotated in place; forward and backward cost the same.
+  /// x: [B, S, H, hd] rotated in place, from the op tables (forward and backward alike).
   Seconds rope(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd) const;
+  /// rope() unless the profile holds the run's own time of rope_forward / rope_backward
+  /// at [B, S, H, hd] (HardwareProfile::in_situ_ops).
+  Seconds rope_forward(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd) const;
+  Seconds rope_backward(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd) const;
+  /// y += x over n elements: elementwise() of 3n words (reads y and x, writes y), or
+  /// in situ at [n].
+  Seconds add_inplace(std::int64_t n) const;
+  /// The embedding's gather of n rows of d (reads and writes n x d) and its backward's
+  /// scatter-add into the table (reads two, writes one n x d); in situ at [n, d].
+  Seconds embedding_forward(std::int64_t n, std::int64_t d) const;
+  Seconds embedding_backward(std::int64_t n, std::int64_t d) const;
+  /// The router's load-balancing loss over probs [n, E] and top-k [n, k]: (E + k) n
+  /// words each way; in situ at [n, E, k].
+  Seconds aux_loss_forward(std::int64_t n, std::int64_t E, std::int64_t k) const;
+  Seconds aux_loss_backward(std::int64_t n, std::int64_t E, std::int64_t k) const;
+  /// The router's z-loss over logits [n, E] (ST-MoE): n E words read forward, and read
+  /// and written backward; in situ at [n, E] (its exp and log make it slower than its
+  /// bytes say, which only the in-situ time sees).
+  Seconds z_loss_forward(std::int64_t n, std::int64_t E) const;
+  Seconds z_loss_backward(std::int64_t n, std::int64_t E) const;
   /// B x H times the op_names::kAttentionForward table (per head) when the profile
   /// has it; else per head (b, h): S x S x hd scores GEMM (nt), softmax, S x hd x S
   /// output GEMM (nn).

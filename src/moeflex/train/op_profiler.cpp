@@ -271,12 +271,12 @@ void ProfilingBackend::rmsnorm_backward(CView dy, CView x, CView w, const float*
 }
 void ProfilingBackend::rope_forward(View x, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd,
                                     double theta) {
-  timed("rope_forward", {B, S, H, hd}, cost_.rope(B, S, H, hd), false,
+  timed("rope_forward", {B, S, H, hd}, cost_.rope_forward(B, S, H, hd), false,
         [&] { inner_.rope_forward(x, B, S, H, hd, theta); });
 }
 void ProfilingBackend::rope_backward(View dx, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd,
                                      double theta) {
-  timed("rope_backward", {B, S, H, hd}, cost_.rope(B, S, H, hd), false,
+  timed("rope_backward", {B, S, H, hd}, cost_.rope_backward(B, S, H, hd), false,
         [&] { inner_.rope_backward(dx, B, S, H, hd, theta); });
 }
 void ProfilingBackend::attention_forward(CView q, CView k, CView v, View out, View probs, std::int64_t B,
@@ -298,8 +298,7 @@ void ProfilingBackend::swiglu_backward(CView dout, CView gate, CView up, View dg
         [&] { inner_.swiglu_backward(dout, gate, up, dgate, dup, n); });
 }
 void ProfilingBackend::add_inplace(View y, CView x, std::int64_t n) {
-  timed("add_inplace", {n}, cost_.elementwise(op_bytes::add_inplace(n)), false,
-        [&] { inner_.add_inplace(y, x, n); });
+  timed("add_inplace", {n}, cost_.add_inplace(n), false, [&] { inner_.add_inplace(y, x, n); });
 }
 void ProfilingBackend::cast(CView src, View dst, std::int64_t n) {
   timed("cast", {n}, cost_.elementwise(n * (dtype_size(src.dtype) + dtype_size(dst.dtype))), false,
@@ -307,13 +306,12 @@ void ProfilingBackend::cast(CView src, View dst, std::int64_t n) {
 }
 void ProfilingBackend::embedding_forward(const std::int32_t* ids, CView table, View out, std::int64_t n,
                                          std::int64_t d) {
-  // A gather of n rows: reads and writes n x d (layer_cost's embedding_cost).
-  timed("embedding_forward", {n, d}, cost_.elementwise(2 * n * d * kF), false,
+  timed("embedding_forward", {n, d}, cost_.embedding_forward(n, d), false,
         [&] { inner_.embedding_forward(ids, table, out, n, d); });
 }
 void ProfilingBackend::embedding_backward(const std::int32_t* ids, CView dout, float* dtable, std::int64_t n,
                                           std::int64_t d) {
-  timed("embedding_backward", {n, d}, cost_.elementwise(op_bytes::add_inplace(n * d)), true,
+  timed("embedding_backward", {n, d}, cost_.embedding_backward(n, d), true,
         [&] { inner_.embedding_backward(ids, dout, dtable, n, d); });
 }
 double ProfilingBackend::cross_entropy_forward(CView logits, const std::int32_t* targets, View probs, float* losses,
@@ -339,22 +337,20 @@ void ProfilingBackend::router_backward(const float* dw, const float* dprobs, con
 }
 double ProfilingBackend::aux_loss_forward(const float* probs, const std::int32_t* idx, std::int64_t n, std::int64_t E,
                                           std::int64_t k, double coef) {
-  // probs [n, E] and topk_idx [n, k] read.
-  return timed("aux_loss_forward", {n, E, k}, cost_.elementwise(n * (E + k) * kF), false,
+  return timed("aux_loss_forward", {n, E, k}, cost_.aux_loss_forward(n, E, k), false,
                [&] { return inner_.aux_loss_forward(probs, idx, n, E, k, coef); });
 }
 void ProfilingBackend::aux_loss_backward(const std::int32_t* idx, float* dprobs, std::int64_t n, std::int64_t E,
                                          std::int64_t k, double coef) {
-  // topk_idx read, dprobs [n, E] written (layer_cost's router backward).
-  timed("aux_loss_backward", {n, E, k}, cost_.elementwise(n * (E + k) * kF), false,
+  timed("aux_loss_backward", {n, E, k}, cost_.aux_loss_backward(n, E, k), false,
         [&] { inner_.aux_loss_backward(idx, dprobs, n, E, k, coef); });
 }
 double ProfilingBackend::z_loss_forward(CView logits, std::int64_t n, std::int64_t E, double coef) {
-  return timed("z_loss_forward", {n, E}, cost_.elementwise(n * E * kF), false,
+  return timed("z_loss_forward", {n, E}, cost_.z_loss_forward(n, E), false,
                [&] { return inner_.z_loss_forward(logits, n, E, coef); });
 }
 void ProfilingBackend::z_loss_backward(CView logits, View dlogits, std::int64_t n, std::int64_t E, double coef) {
-  timed("z_loss_backward", {n, E}, cost_.elementwise(2 * n * E * kF), false,
+  timed("z_loss_backward", {n, E}, cost_.z_loss_backward(n, E), false,
         [&] { inner_.z_loss_backward(logits, dlogits, n, E, coef); });
 }
 void ProfilingBackend::skew_router_logits(View logits, std::int64_t n, std::int64_t E, std::int64_t k, int groups,

@@ -51,6 +51,23 @@ fi
 # generate gathers the stages and expert shards of every rank's checkpoint
 text=$("$bin" generate --run "$out/run" --prompt "The jury" --max-new-tokens 8 --temperature 0)
 [[ $text == "The jury"* ]] || { echo "generate failed: $text"; exit 1; }
+# It reads every rank at the newest step all of them hold, never a mix of steps (rank
+# 1 lost its step 4 here, and rank 0's step 4, damaged, must not be read at all) ...
+cp -a "$out/run" "$out/mixed"
+rm -rf "$out/mixed/rank00001/checkpoints/step_00000004"
+printf 'XXXXXXXX' | dd of="$out/mixed/rank00000/checkpoints/step_00000004/model.safetensors" bs=1 seek=0 conv=notrunc 2>/dev/null
+"$bin" generate --run "$out/mixed" --prompt "The jury" --max-new-tokens 4 --temperature 0 > "$out/mixed.log" 2>&1 ||
+  { echo "generate did not fall back to the step every rank holds"; cat "$out/mixed.log"; exit 1; }
+# ... and checks each shard's checksum: a damaged tensor is refused, not sampled from.
+cp -a "$out/run" "$out/damaged"
+f="$out/damaged/rank00001/checkpoints/step_00000004/model.safetensors"
+printf '\xff\xff\xff\xff' | dd of="$f" bs=1 seek=$(($(stat -c %s "$f") - 64)) conv=notrunc 2>/dev/null
+set +e
+"$bin" generate --run "$out/damaged" --prompt "The jury" --max-new-tokens 4 --temperature 0 > "$out/damaged.log" 2>&1
+rc=$?
+set -e
+[[ $rc -ne 0 ]] && grep -q "is corrupted: its SHA-256" "$out/damaged.log" ||
+  { echo "generate sampled from a damaged shard: rc $rc"; cat "$out/damaged.log"; exit 1; }
 /usr/bin/python3 - "$out/run" <<'PY'
 import json, sys
 run = sys.argv[1]

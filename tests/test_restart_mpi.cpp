@@ -296,6 +296,45 @@ TEST(RestartOnOOM, SpikeBeforeAnyCheckpointRestartsFromTheInitialState) {
   if (g_world->rank() == 0) fs::remove_all(out);
 }
 
+// Each rank rotates its old checkpoints away only once every rank holds the new one
+// (keep_checkpoints = 1 leaves the last step alone on each), and a resume whose ranks
+// hold no step in common is refused alike on every rank, naming the rank and step.
+TEST(ResumeMpi, RotationWaitsForEveryRankAndNoCommonStepIsRefusedByName) {
+  if (g_world->size() != 2) GTEST_SKIP() << "needs mpirun -np 2";
+  const int rank = g_world->rank();
+  const fs::path out = shared_dir("rotate");
+  RunConfig cfg = tiny_run(4, 2);
+  cfg.train.checkpoint_every = 2;
+  cfg.train.keep_checkpoints = 1;
+  run_training(options(cfg, out));
+  const fs::path mine = out / fmt::format("rank{:05d}", rank) / "checkpoints";
+  EXPECT_TRUE(fs::exists(mine / "step_00000004"));
+  EXPECT_FALSE(fs::exists(mine / "step_00000002"));
+  g_world->barrier();
+  // Both steps kept, then rank 0 without step 2 and rank 1 without step 4: the newest
+  // common step would be 2, which rank 0 no longer has.
+  const fs::path out2 = shared_dir("no-common");
+  cfg.train.keep_checkpoints = 2;
+  run_training(options(cfg, out2));
+  const fs::path mine2 = out2 / fmt::format("rank{:05d}", rank) / "checkpoints";
+  fs::remove_all(mine2 / (rank == 0 ? "step_00000002" : "step_00000004"));
+  g_world->barrier();
+  TrainOptions again = options(cfg, out2);
+  again.config.train.steps = 6;
+  again.resume = out2;
+  try {
+    run_training(again);
+    ADD_FAILURE() << "resumed without a step in common";
+  } catch (const DataError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("the newest step every rank completed is 2, but rank 0 no longer holds it"), std::string::npos)
+        << m;
+    EXPECT_NE(m.find("rank00000/checkpoints/step_00000002"), std::string::npos) << m;
+  }
+  g_world->barrier();
+  EXPECT_TRUE(fs::exists(mine2 / (rank == 0 ? "step_00000004" : "step_00000002")));  // nothing deleted
+}
+
 TEST(RestartOnOOM, ConfigIsValidatedAndRoundTrips) {
   auto expect_error = [](const std::string& toml, const std::string& field) {
     try {

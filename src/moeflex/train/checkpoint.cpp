@@ -220,6 +220,10 @@ void save_checkpoint(const fs::path& run_dir, std::int64_t step, const std::vect
   rotate(ckpts, final_dir, keep_last);
 }
 
+void rotate_checkpoints(const fs::path& run_dir, std::int64_t keep_step, int keep_last) {
+  rotate(run_dir / "checkpoints", checkpoint_dir(run_dir, keep_step), keep_last);
+}
+
 nlohmann::json read_checkpoint_manifest(const fs::path& ckpt_dir) {
   const fs::path path = ckpt_dir / kManifestFileName;
   std::error_code ec;
@@ -294,6 +298,15 @@ nlohmann::json load_checkpoint(const fs::path& ckpt_dir, const std::vector<Named
   fill(model_file, model);
   fill(optim_file, optimizer);
   return manifest["trainer_state"];
+}
+
+SafetensorsFile open_checkpoint_model(const fs::path& ckpt_dir) {
+  const nlohmann::json manifest = read_checkpoint_manifest(ckpt_dir);
+  auto it = manifest["files"].find(kModelFileName);
+  if (it == manifest["files"].end())
+    throw DataError(
+        fmt::format("Checkpoint manifest '{}' lists no {}.", (ckpt_dir / kManifestFileName).string(), kModelFileName));
+  return open_verified(ckpt_dir / kModelFileName, *it);
 }
 
 void load_model_weights(const fs::path& path, const std::vector<NamedBuffer>& model) {

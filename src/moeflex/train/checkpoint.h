@@ -21,6 +21,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "moeflex/train/safetensors.h"
+
 namespace moeflex::train {
 
 /// A named float tensor owned by the caller (a parameter, a moment, ...).
@@ -43,9 +45,17 @@ std::filesystem::path checkpoint_dir(const std::filesystem::path& run_dir, std::
 /// step_* directories so that `keep_last` remain, never the one just written;
 /// keep_last <= 0 keeps all. Re-saving an existing step swaps the complete new
 /// directory in atomically. Throws DataError on I/O failure, Error on bad buffers.
+/// Ranks that each save their own checkpoints pass keep_last = 0 and call
+/// rotate_checkpoints once every rank has saved: a rank that dies while saving then
+/// leaves the others a step it also holds.
 void save_checkpoint(const std::filesystem::path& run_dir, std::int64_t step, const std::vector<NamedBuffer>& model,
                      const std::vector<NamedBuffer>& optimizer, const nlohmann::json& trainer_state,
                      int keep_last = 3);
+
+/// Deletes the oldest step_* directories under <run_dir>/checkpoints so that
+/// `keep_last` remain, never that of `keep_step`; keep_last <= 0 keeps all. Throws
+/// DataError when one cannot be deleted.
+void rotate_checkpoints(const std::filesystem::path& run_dir, std::int64_t keep_step, int keep_last);
 
 /// The newest step_* directory under <run_dir>/checkpoints whose manifest is
 /// valid, matches the directory's step and lists files present with the
@@ -67,6 +77,11 @@ std::int64_t checkpoint_step(const std::filesystem::path& ckpt_dir);
 /// and leaves every buffer untouched when it does.
 nlohmann::json load_checkpoint(const std::filesystem::path& ckpt_dir, const std::vector<NamedBuffer>& model,
                                const std::vector<NamedBuffer>& optimizer);
+
+/// The model.safetensors of a checkpoint directory, its size and SHA-256 verified
+/// against the manifest: for readers of a shard (a rank's slice of the model) that
+/// check shapes themselves. Throws DataError naming the file and the problem.
+SafetensorsFile open_checkpoint_model(const std::filesystem::path& ckpt_dir);
 
 /// Fills model buffers from a model.safetensors file, or from a checkpoint
 /// directory's model.safetensors. When a manifest.json beside the file lists

@@ -1,6 +1,7 @@
 #include "moeflex/train/generate.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #if __has_include(<malloc.h>)
 #include <malloc.h>
 #endif
@@ -43,17 +44,42 @@ void load_sharded_weights(const fs::path& run, const RunConfig& cfg, MoEModel& m
   spec.stage_layers = cfg.parallel.stage_layers;
   const comm::ParallelLayout layout(spec);
   const std::int64_t El = cfg.model.num_experts / layout.ep();
-  std::map<std::string, int> filled;
-  for (int r = 0; r < world; ++r) {
-    const comm::RankCoords c = layout.coords(r);
-    if (c.expert_dp_rank != 0) continue;  // replicas hold the same numbers
-    const fs::path rank_dir = run / fmt::format("rank{:05d}", r);
-    auto ckpt = train::latest_checkpoint(rank_dir);
+  // The ranks read: those of replica 0 (replicas hold the same numbers). They may be
+  // a checkpoint apart (a crash while saving): all are read at the newest step every
+  // one of them holds, as --resume does, never a mix of steps.
+  std::vector<int> readers;
+  for (int r = 0; r < world; ++r)
+    if (layout.coords(r).expert_dp_rank == 0) readers.push_back(r);
+  auto rank_dir = [&](int r) { return run / fmt::format("rank{:05d}", r); };
+  std::int64_t step = -1;
+  for (int r : readers) {
+    auto ckpt = train::latest_checkpoint(rank_dir(r));
     if (!ckpt) throw DataError(fmt::format("run '{}': rank {} has no complete checkpoint", run.string(), r));
-    auto file = train::SafetensorsFile::open(*ckpt / "model.safetensors");
+    const std::int64_t s = train::checkpoint_step(*ckpt);
+    step = step < 0 ? s : std::min(step, s);
+  }
+  std::map<std::string, int> filled;
+  for (int r : readers) {
+    const comm::RankCoords c = layout.coords(r);
+    const fs::path ckpt = train::checkpoint_dir(rank_dir(r), step);
+    if (!fs::exists(ckpt))
+      throw DataError(
+          fmt::format("run '{}': rank {} no longer holds step {} ('{}' does not exist), the newest step "
+                      "every rank holds: its checkpoints have no step in common",
+                      run.string(), r, step, ckpt.string()));
+    const train::SafetensorsFile file = train::open_checkpoint_model(ckpt);  // size and SHA-256 checked
     for (auto& p : model.params()) {
       if (!file.contains(p.name)) continue;
       const bool expert = p.name.find(".mlp.experts.") != std::string::npos;
+      // A shard's tensor: the whole parameter, or an expert parameter's El experts.
+      std::vector<std::int64_t> want = p.w.shape();
+      if (expert) want[0] = El;
+      const std::vector<std::int64_t>& got = file.info(p.name).shape;
+      if (got != want)
+        throw DataError(
+            fmt::format("run '{}': '{}' in rank {}'s checkpoint has shape [{}], the run's config expects "
+                        "[{}]: the checkpoint belongs to another configuration",
+                        run.string(), p.name, r, fmt::join(got, ", "), fmt::join(want, ", ")));
       if (!expert) {
         if (c.ep_rank == 0) file.read_f32(p.name, p.w.f32(), p.w.numel());
       } else {

@@ -406,6 +406,16 @@ TrainResult run_training(const TrainOptions& opts) {
       double step = -double(train::checkpoint_step(*ckpt));
       world->all_reduce_max(&step, 1);
       const std::int64_t common = std::int64_t(-step);
+      // A rank that no longer holds that step (its older ones rotated away) leaves no
+      // step in common: every rank refuses alike, naming the last such rank.
+      double missing = fs::exists(train::checkpoint_dir(ckpt_root, common)) ? 0 : rank + 1;
+      world->all_reduce_max(&missing, 1);
+      if (missing > 0)
+        throw DataError(fmt::format(
+            "--resume: the newest step every rank completed is {}, but rank {} no longer holds it (no '{}'): the "
+            "ranks hold no checkpoint in common to resume from",
+            common, int(missing) - 1,
+            train::checkpoint_dir(run_dir / fmt::format("rank{:05d}", int(missing) - 1), common).string()));
       if (common != train::checkpoint_step(*ckpt)) {
         const fs::path older = train::checkpoint_dir(ckpt_root, common);
         train::read_checkpoint_manifest(older);  // throws DataError naming the problem
@@ -950,8 +960,14 @@ TrainResult run_training(const TrainOptions& opts) {
                  {"decisions", decisions_before + std::int64_t(all_decision_seconds.size())},
                  {"max_load_ratio", res.max_load_ratio},
                  {"predicted_peak_bytes", res.predicted_peak_bytes}};
+      // Old checkpoints go once every rank holds the new one: a rank killed while
+      // saving leaves every rank a step in common to resume from.
       train::save_checkpoint(ckpt_root, step, stage(model_bufs(), true), stage(opt_bufs(), true), st,
-                             int(t.keep_checkpoints));
+                             world_size > 1 ? 0 : int(t.keep_checkpoints));
+      if (world_size > 1) {
+        world->barrier();
+        train::rotate_checkpoints(ckpt_root, step, int(t.keep_checkpoints));
+      }
       staging.clear();
     };
 

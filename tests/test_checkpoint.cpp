@@ -463,3 +463,26 @@ TEST(Checkpoint, EmptyOptimizerAndBadBuffers) {
   EXPECT_THROW(save_checkpoint(tmp.path(), 1, dup, {}, {}), moeflex::Error);
   EXPECT_FALSE(fs::exists(checkpoint_dir(tmp.path(), 1)));
 }
+
+// A run's rank count comes from its rank folders, named exactly rank<5 digits>; a gap
+// in them is refused naming the missing one (a resume would otherwise be told the
+// wrong rank count).
+TEST(Checkpoint, RankFoldersCountOnlyByTheirExactNamesAndWithoutGaps) {
+  TempDir tmp;
+  EXPECT_EQ(run_rank_count(tmp.path()), 0);
+  for (const char* d : {"rank_notes", "rankings", "rank000001", "rank0000x", "rank00000"})
+    fs::create_directories(tmp.path() / d);
+  std::ofstream(tmp.path() / "rank00001") << "a file, not a folder";
+  EXPECT_TRUE(is_rank_folder_name("rank00000"));
+  EXPECT_FALSE(is_rank_folder_name("rank0000x"));
+  EXPECT_FALSE(is_rank_folder_name("rank000001"));
+  EXPECT_EQ(run_rank_count(tmp.path()), 1);
+  fs::create_directories(tmp.path() / rank_folder_name(3));
+  try {
+    run_rank_count(tmp.path());
+    ADD_FAILURE() << "a gap was accepted";
+  } catch (const DataError& e) {
+    EXPECT_NE(std::string(e.what()).find("has rank folders up to rank00003 but no rank00001"), std::string::npos)
+        << e.what();
+  }
+}

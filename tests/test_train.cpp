@@ -1,6 +1,7 @@
 // End-to-end training tests on the real corpus (prepared by `make data`): the
 // validation loss must fall, and a resumed run must reproduce an uninterrupted
 // one bit for bit.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -361,15 +362,35 @@ TEST(Train, RunFoldersAreNeverTakenOverOrRewritten) {
                 .find("holds another command's output (a summary.json or metrics.jsonl without a run's config.toml"),
             std::string::npos);
   EXPECT_EQ(nlohmann::json::parse(std::ifstream(simulated / "summary.json"))["step_time_s"], 1.0);
-  // A folder a refused run left (config.toml only) is taken over.
+  // Files a new run would overwrite that no moeflex run wrote (a user's config.toml,
+  // the very one given to --config; a trace.json beside no moeflex config): refused,
+  // left as they were.
+  const fs::path users = fresh_dir("users");
+  fs::create_directories(users);
+  std::ofstream(users / "config.toml") << "# my notes\n[train]\nsteps = 2\n";
+  EXPECT_NE(message_of([&] { run_training(options(small_run(2), users)); })
+                .find(fmt::format("--out '{}' holds '{}', which no moeflex run wrote", users.string(),
+                                  (users / "config.toml").string())),
+            std::string::npos);
+  fs::remove(users / "config.toml");
+  std::ofstream(users / "trace.json") << "mine";
+  EXPECT_NE(message_of([&] { run_training(options(small_run(2), users)); }).find("trace.json', which no moeflex"),
+            std::string::npos);
+  std::ifstream users_trace(users / "trace.json");
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(users_trace), {}), "mine");
+  EXPECT_FALSE(fs::exists(users / "config.toml"));
+  // A folder a refused run left (its config.toml only) is taken over.
   const fs::path refused = fresh_dir("refused");
   fs::create_directories(refused);
-  std::ofstream(refused / "config.toml") << "# left by a refused run\n";
+  std::ofstream(refused / "config.toml") << kRunConfigHeader << "\n# left by a refused run\n";
   RunConfig cfg = small_run(4);
   cfg.train.checkpoint_every = 2;
   const TrainResult r = run_training(options(cfg, refused));
   EXPECT_EQ(r.steps, 4);
-  // --steps on resume is saved: a later plain resume keeps it.
+  // --steps on resume is saved: a later plain resume keeps it. Folders that only
+  // begin like a rank's (rank00000, ...) do not count as ranks.
+  fs::create_directories(refused / "rank_notes");
+  fs::create_directories(refused / "rankings");
   TrainOptions more = options(small_run(6), refused);
   more.resume = refused;
   more.stop_after = 5;
@@ -400,6 +421,26 @@ TEST(Train, RunFoldersAreNeverTakenOverOrRewritten) {
   EXPECT_EQ(run_training(done).steps, 6);
   std::ifstream trace_in(refused / "trace.json");
   EXPECT_EQ(std::string(std::istreambuf_iterator<char>(trace_in), {}), "{\"traceEvents\": [\"kept\"]}");
+  // A config edited to another vocab_size is named as the cause (not the corpus), and
+  // the run is left as it was.
+  const std::string config_text = [&] {
+    std::ifstream in(refused / "config.toml");
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  }();
+  const std::string vocab_line = fmt::format("vocab_size = {}\n", small_run(1).model.vocab_size);
+  ASSERT_NE(config_text.find(vocab_line), std::string::npos);
+  std::string edited = config_text;
+  edited.replace(edited.find(vocab_line), vocab_line.size(), "vocab_size = 2048\n");
+  std::ofstream(refused / "config.toml") << edited;
+  TrainOptions vocab = options(small_run(1), refused);
+  vocab.config.train.steps = 8;
+  vocab.resume = refused;
+  EXPECT_NE(message_of([&] { run_training(vocab); })
+                .find(fmt::format("the run's config.toml says vocab_size = 2048, but its tokenizer.model (the one the "
+                                  "model was trained with) has {} pieces",
+                                  small_run(1).model.vocab_size)),
+            std::string::npos);
+  std::ofstream(refused / "config.toml") << config_text;
   // Without its tokenizer.model the corpus cannot be checked: refused.
   fs::remove(refused / "tokenizer.model");
   EXPECT_NE(message_of([&] { run_training(again); }).find("has no tokenizer.model"), std::string::npos);

@@ -175,6 +175,29 @@ void publish(const fs::path& tmp, const fs::path& final_dir) {
 
 }  // namespace
 
+std::string rank_folder_name(int rank) { return fmt::format("rank{:05d}", rank); }
+
+bool is_rank_folder_name(const std::string& name) {
+  return name.size() == 9 && name.starts_with("rank") &&
+         std::all_of(name.begin() + 4, name.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+int run_rank_count(const fs::path& run_dir) {
+  std::set<int> ranks;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(run_dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (e.is_directory(ec) && is_rank_folder_name(name)) ranks.insert(std::stoi(name.substr(4)));
+  }
+  if (ranks.empty()) return 0;
+  const int n = *ranks.rbegin() + 1;
+  for (int r = 0; r < n; ++r)
+    if (!ranks.count(r))
+      throw DataError(fmt::format("run '{}' has rank folders up to {} but no {}: a rank's checkpoints are missing",
+                                  run_dir.string(), rank_folder_name(n - 1), rank_folder_name(r)));
+  return n;
+}
+
 fs::path checkpoint_dir(const fs::path& run_dir, std::int64_t step) {
   return run_dir / "checkpoints" / fmt::format("{}{:08d}", kStepPrefix, step);
 }

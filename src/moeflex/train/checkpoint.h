@@ -57,6 +57,18 @@ void save_checkpoint(const std::filesystem::path& run_dir, std::int64_t step, co
 /// DataError when one cannot be deleted.
 void rotate_checkpoints(const std::filesystem::path& run_dir, std::int64_t keep_step, int keep_last);
 
+/// The name of rank r's folder in a multi-rank run: rank<r, 5 digits>.
+std::string rank_folder_name(int rank);
+
+/// Whether `name` is a rank folder's: "rank" and five digits, nothing else.
+bool is_rank_folder_name(const std::string& name);
+
+/// The number of ranks a run folder's rank folders (rank00000, ...; exactly that
+/// name) say it trained on: 0 when it has none (a single process, or no checkpoint
+/// yet). Throws DataError naming a missing folder when they are not rank00000 up to
+/// the highest without a gap.
+int run_rank_count(const std::filesystem::path& run_dir);
+
 /// The newest step_* directory under <run_dir>/checkpoints whose manifest is
 /// valid, matches the directory's step and lists files present with the
 /// recorded sizes; `.tmp` directories and directories without a valid manifest

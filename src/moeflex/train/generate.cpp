@@ -30,8 +30,7 @@ namespace {
 // stages hold different layers and EP ranks different expert slices. This gathers
 // every parameter of the whole model from the ranks of data-parallel replica 0.
 void load_sharded_weights(const fs::path& run, const RunConfig& cfg, MoEModel& model) {
-  int world = 0;
-  while (fs::is_directory(run / fmt::format("rank{:05d}", world))) ++world;
+  const int world = train::run_rank_count(run);
   comm::LayoutSpec spec;
   spec.world_size = world;
   spec.pp = cfg.parallel.pp;
@@ -50,7 +49,7 @@ void load_sharded_weights(const fs::path& run, const RunConfig& cfg, MoEModel& m
   std::vector<int> readers;
   for (int r = 0; r < world; ++r)
     if (layout.coords(r).expert_dp_rank == 0) readers.push_back(r);
-  auto rank_dir = [&](int r) { return run / fmt::format("rank{:05d}", r); };
+  auto rank_dir = [&](int r) { return run / train::rank_folder_name(r); };
   std::int64_t step = -1;
   for (int r : readers) {
     auto ckpt = train::latest_checkpoint(rank_dir(r));
@@ -111,7 +110,7 @@ std::string generate_text(const GenerateOptions& opts) {
                                 cfg.model.vocab_size));
   Arena arena;
   MoEModel model(cfg.model, arena);
-  if (fs::is_directory(run / "rank00000")) {
+  if (train::run_rank_count(run) > 0) {
     load_sharded_weights(run, cfg, model);
   } else {
     auto ckpt = train::latest_checkpoint(run);

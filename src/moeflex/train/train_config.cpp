@@ -259,7 +259,7 @@ RunConfig RunConfig::from_file(const std::string& path) {
 }
 
 std::string RunConfig::to_toml() const {
-  std::string s = "# Resolved moeflex run config\n\n[model]\n" + model.to_toml() + "\n[train]\n";
+  std::string s = std::string(kRunConfigHeader) + "\n\n[model]\n" + model.to_toml() + "\n[train]\n";
   auto t = train;
   for_each_train_field(t, [&](const char* key, auto& field) {
     using F = std::decay_t<decltype(field)>;

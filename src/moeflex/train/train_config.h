@@ -55,6 +55,10 @@ struct ParallelConfig {
   std::vector<int> stage_layers;   ///< optional uneven split: layers per virtual stage (pp x vpp entries)
 };
 
+/// The first line of a run folder's config.toml: how a new run tells moeflex's own
+/// leftover from a user's file it must not overwrite.
+inline constexpr const char* kRunConfigHeader = "# Resolved moeflex run config";
+
 struct RunConfig {
   ModelConfig model;
   TrainConfig train;
@@ -70,7 +74,8 @@ struct RunConfig {
   /// Parses TOML text over the defaults; `origin` names the source in errors.
   static RunConfig from_toml_text(const std::string& text, const std::string& origin);
   static RunConfig from_file(const std::string& path);
-  /// The resolved config as TOML (written to the run directory as config.toml).
+  /// The resolved config as TOML (written to the run directory as config.toml), its
+  /// first line kRunConfigHeader.
   std::string to_toml() const;
 };
 

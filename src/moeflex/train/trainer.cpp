@@ -32,6 +32,7 @@
 #endif
 #include "moeflex/train/checkpoint.h"
 #include "moeflex/train/dataset.h"
+#include "moeflex/train/tokenizer.h"
 #include "moeflex/train/distributed.h"
 #include "moeflex/ops/imbalance.h"
 #include "moeflex/model/memory_plan.h"
@@ -281,7 +282,7 @@ std::vector<fs::path> checkpoint_roots(const fs::path& run_dir) {
   std::error_code ec;
   if (fs::is_directory(run_dir, ec))
     for (const auto& e : fs::directory_iterator(run_dir, ec))
-      if (e.is_directory() && e.path().filename().string().starts_with("rank")) roots.push_back(e.path());
+      if (e.is_directory() && train::is_rank_folder_name(e.path().filename().string())) roots.push_back(e.path());
   return roots;
 }
 
@@ -331,6 +332,33 @@ bool holds_a_run(const fs::path& run_dir) {
          has_checkpoints_folder(run_dir);
 }
 
+// The pieces of a tokenizer.model, or -1 when it cannot be read (the comparison of
+// its bytes with the corpus's then names the problem).
+std::int64_t tokenizer_pieces(const fs::path& model) {
+  try {
+    return Tokenizer::load(model.string()).vocab_size();
+  } catch (const Error&) {
+    return -1;
+  }
+}
+
+// What a new run in `run_dir` would overwrite that no earlier moeflex run left: a
+// config.toml moeflex did not write (its header), or a tokenizer.model, trace.json,
+// loads.jsonl or op_times.json beside no moeflex config.toml. "" when nothing.
+std::string foreign_file_in(const fs::path& run_dir) {
+  bool ours = false;
+  if (std::ifstream in(run_dir / "config.toml"); in) {
+    std::string first;
+    std::getline(in, first);
+    if (first != kRunConfigHeader) return (run_dir / "config.toml").string();
+    ours = true;
+  }
+  if (ours) return "";
+  for (const char* name : {"tokenizer.model", "trace.json", "loads.jsonl", "op_times.json"})
+    if (fs::exists(run_dir / name)) return (run_dir / name).string();
+  return "";
+}
+
 }  // namespace
 
 TrainResult run_training(const TrainOptions& opts) {
@@ -356,6 +384,15 @@ TrainResult run_training(const TrainOptions& opts) {
   if (!opts.hardware_profile.empty()) HardwareProfile::load(opts.hardware_profile);
   cfg.validate();
   const TrainConfig& t = cfg.train;
+  // An edited vocab_size, named before any corpus work (which would prepare a
+  // tokenizer of that size, then blame the corpus for differing from the run's).
+  if (opts.resume)
+    if (const std::int64_t pieces = tokenizer_pieces(run_dir / "tokenizer.model");
+        pieces >= 0 && pieces != cfg.model.vocab_size)
+      throw ConfigError(fmt::format(
+          "--resume: the run's config.toml says vocab_size = {}, but its tokenizer.model (the one the model was "
+          "trained with) has {} pieces: the config was changed since the run began; restore vocab_size = {} in '{}'",
+          cfg.model.vocab_size, pieces, pieces, (run_dir / "config.toml").string()));
 
   std::string progress_note_pending;
   // Ranks: the layout of DESIGN.md's comm/ (one rank without a launcher).
@@ -366,7 +403,7 @@ TrainResult run_training(const TrainOptions& opts) {
   if (opts.resume) {
     // A run resumes on as many ranks as it trained on: one checkpoint folder per rank
     // (rank00000, ...), or the checkpoints at the top for a single-process run.
-    const int ranks = int(checkpoint_roots(run_dir).size()) - 1;  // its rank folders
+    const int ranks = train::run_rank_count(run_dir);  // its rank folders
     // Rank folders appear with the first checkpoint: without them and without a
     // checkpoint of a single process, the rank count is unknown and nothing resumes.
     if (ranks == 0 && !train::latest_checkpoint(run_dir))
@@ -395,7 +432,7 @@ TrainResult run_training(const TrainOptions& opts) {
   comm::ParallelGroups groups = comm::make_groups(*world, layout);
   const int dp = layout.dp(), dp_rank = groups.coords.dp_rank;
   // Each rank keeps its own checkpoints (expert shards differ across EP ranks).
-  const fs::path ckpt_root = world_size > 1 ? run_dir / fmt::format("rank{:05d}", rank) : run_dir;
+  const fs::path ckpt_root = world_size > 1 ? run_dir / train::rank_folder_name(rank) : run_dir;
   if (opts.resume) {
     ckpt = train::latest_checkpoint(ckpt_root);
     if (!ckpt)
@@ -415,7 +452,7 @@ TrainResult run_training(const TrainOptions& opts) {
             "--resume: the newest step every rank completed is {}, but rank {} no longer holds it (no '{}'): the "
             "ranks hold no checkpoint in common to resume from",
             common, int(missing) - 1,
-            train::checkpoint_dir(run_dir / fmt::format("rank{:05d}", int(missing) - 1), common).string()));
+            train::checkpoint_dir(run_dir / train::rank_folder_name(int(missing) - 1), common).string()));
       if (common != train::checkpoint_step(*ckpt)) {
         const fs::path older = train::checkpoint_dir(ckpt_root, common);
         train::read_checkpoint_manifest(older);  // throws DataError naming the problem
@@ -503,6 +540,12 @@ TrainResult run_training(const TrainOptions& opts) {
                                     "another --out, or delete it to start over there", run_dir.string()));
     throw ConfigError(holds_a_run_message(run_dir));
   }
+  if (!opts.resume)
+    if (const std::string f = foreign_file_in(run_dir); !f.empty())
+      throw ConfigError(
+          fmt::format("--out '{}' holds '{}', which no moeflex run wrote and a new run would overwrite: "
+                      "use another --out, or move it away",
+                      run_dir.string(), f));
   world->barrier();
   std::string folder_error;
   // One process trains in a run folder at a time: rank 0 holds an advisory lock on

@@ -486,3 +486,23 @@ TEST(Checkpoint, RankFoldersCountOnlyByTheirExactNamesAndWithoutGaps) {
         << e.what();
   }
 }
+
+// A run's logs are appended line by line; a write that fails (a full disk: /dev/full)
+// is an error naming the file, never a torn or missing line.
+TEST(Files, AFailedAppendIsAnErrorNamingTheFile) {
+  TempDir tmp;
+  {
+    std::ofstream ok(tmp.path() / "metrics.jsonl", std::ios::app);
+    append_line(ok, tmp.path() / "metrics.jsonl", "{\"step\": 1}");
+  }
+  EXPECT_EQ(read_all(tmp.path() / "metrics.jsonl"), "{\"step\": 1}\n");
+  std::ofstream full("/dev/full");
+  if (!full) GTEST_SKIP() << "no /dev/full here";
+  try {
+    append_line(full, "/dev/full", std::string(1 << 16, 'x'));
+    ADD_FAILURE() << "a write to a full device passed";
+  } catch (const DataError& e) {
+    EXPECT_NE(std::string(e.what()).find("Cannot write '/dev/full' (No space left on device)"), std::string::npos)
+        << e.what();
+  }
+}

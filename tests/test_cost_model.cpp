@@ -469,6 +469,19 @@ TEST(Calibrate, InSituProfileTakesARunsMediansAndGroupedRatios) {
   EXPECT_EQ(p.gemm.size(), base.gemm.size());  // the base's measurements are kept
   EXPECT_DOUBLE_EQ(CostModel(p).grouped_linear_forward({10, 20, 30}, 300, 200),
                    2.0 * model.grouped_linear_forward({10, 20, 30}, 300, 200));
+  // Chained onto that in-situ profile, a run with the grouped GEMMs alone: its ratio
+  // is taken against the tables (2, not 2 / 2), and the earlier run's ops are kept.
+  {
+    nlohmann::json grouped_only = nlohmann::json::array({shapes[2]});
+    std::ofstream out(dir / "op_times.json");
+    out << nlohmann::json{{"shapes", grouped_only}}.dump();
+  }
+  const HardwareProfile chained = in_situ_profile(p, dir);
+  ASSERT_EQ(chained.in_situ_scales.size(), 1u);
+  EXPECT_DOUBLE_EQ(chained.in_situ_scales[0].scale, 2.0);
+  ASSERT_EQ(chained.in_situ_ops.size(), 2u);
+  EXPECT_DOUBLE_EQ(CostModel(chained).linear_forward(100, 300, 200), 5e-3);
+  EXPECT_NE(chained.in_situ_source.find("; "), std::string::npos) << chained.in_situ_source;
   // A run without op_times.json is refused by name.
   std::filesystem::remove(dir / "op_times.json");
   EXPECT_NE(message_of([&] { in_situ_profile(base, dir); }).find("--profile-ops"), std::string::npos);

@@ -6,6 +6,7 @@
 //   - every gradient tensor (the rank's expert shard against the same slice of
 //     the reference) within 1e-6 in relative norm.
 // Started alone, the test runs the world-size-1 layout only.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -170,6 +171,38 @@ TEST(Parallel, MemoryPlanUnderExpertParallelism) {
     }
     EXPECT_EQ(walk.peak(), arena.peak()) << policy << " chunk " << chunk << " on rank " << g_world->rank();
     EXPECT_EQ(walk.in_use(), arena.in_use()) << policy << " at the end on rank " << g_world->rank();
+  }
+}
+
+// threshold=R compares a rank's received rows with a balanced routing's, n * k (each
+// of the ep ranks sends it n * k / ep): no rank can receive more than ep times that,
+// so threshold=ep never recomputes, however skewed the routing; and at threshold=0.5
+// the busiest rank, at or above the mean, always does. (Against n * k / ep, calm
+// micro-batches looked ep times spiky: threshold recomputed like moe-full.)
+TEST(Parallel, ThresholdComparesReceivedRowsWithABalancedRoutingsUnderEp) {
+  const int world = g_world->size();
+  const ModelConfig cfg = test::small_moe_config(2, 0, 4, true);
+  if (world < 2 || cfg.num_experts % world != 0) GTEST_SKIP() << "needs 2 or 4 EP ranks";
+  const std::int64_t B = 2, S = 8, n = B * S;
+  for (const double r : {double(world), 0.5}) {
+    Arena arena;
+    ModelParallel par;
+    par.ep_group = g_world;
+    MoEModel model(cfg, arena, par);
+    model.init_weights(5);
+    model.set_router_skew(2.5);
+    model.stash().set_policy(make_static_policy(fmt::format("threshold={}", r)));
+    std::vector<std::int32_t> ids(static_cast<std::size_t>(n)), tg(static_cast<std::size_t>(n));
+    for (int mb = 0; mb < 2; ++mb) {
+      test::skewed_batch(g_world->rank() * 10 + mb, n, cfg.vocab_size, ids.data(), tg.data());
+      model.forward_train(ids.data(), tg.data(), B, S, mb);
+    }
+    double recomputed = double(model.stash().counters().recomputed);
+    g_world->all_reduce_sum(&recomputed, 1);
+    if (r >= world)
+      EXPECT_EQ(recomputed, 0) << "threshold=" << r;
+    else
+      EXPECT_GT(recomputed, 0) << "threshold=" << r;
   }
 }
 

@@ -1113,7 +1113,8 @@ TEST(LayerCost, MultiHeadLatentAttentionIsWhatItComputes) {
 // head widths but other latents walk their own (a review found the second reusing the
 // first's lists: a wrong peak, or an activation missing).
 TEST(Sim, MlaVariantsWithTheSameHeadWidthsWalkTheirOwnLatents) {
-  const ModelConfig a = small_mla_config();
+  ModelConfig a = small_mla_config();
+  a.num_hidden_layers = 2;  // a layer for each of the 2 stages
   ModelConfig b = a, q0 = a;
   b.kv_lora_rank = 64;
   q0.q_lora_rank = 0;

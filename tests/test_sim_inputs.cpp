@@ -577,3 +577,67 @@ TEST(SimInputs, SearchReportsProgressWithCandidatesDoneOfTotal) {
   search::search(o);
   EXPECT_TRUE(lines.empty());
 }
+
+// ---- 6. Values that would overflow or turn into nan ------------------------------------
+
+// --imbalance takes finite numbers only, whole, and an integer seed; a load ratio far
+// past what EP allows is capped at the worst case (every row to one rank), not rounded
+// through an overflow into a faster step.
+TEST(SimInputs, ImbalanceValuesAreFiniteAndHugeRatiosAreCapped) {
+  for (const char* bad :
+       {"calm=nan", "calm=inf:spike=inf", "calm=1.5x", "calm=", "seed=-1", "seed=1.5", "seed=abc", "p=1e400"})
+    EXPECT_THROW(sim::LoadModel::parse(bad), ConfigError) << bad;
+  EXPECT_EQ(sim::LoadModel::parse("calm=1.1:spike=2:p=0.1:seed=7").seed, 7u);
+  EXPECT_DOUBLE_EQ(sim::LoadModel::parse("constant=1.5").constant, 1.5);  // what search scores at
+  EXPECT_THROW(sim::LoadModel::parse("constant=0.5"), ConfigError);
+  SimOptions o = small_options(1);
+  o.parallel.ep = 4;
+  o.parallel.dp = 4;
+  o.global_batch = 2 * 4 * 4;
+  o.loads.constant = 4.0;  // ep: every row on one rank, the most there is
+  const double worst = sim::simulate(o).step_time;
+  o.loads.constant = 1e19;
+  EXPECT_DOUBLE_EQ(sim::simulate(o).step_time, worst);
+  o.loads.constant = 1.0;
+  EXPECT_LT(sim::simulate(o).step_time, worst);
+}
+
+// The threshold policy's R is read by the one validating parser (a bare "threshold="
+// was an uncaught std::stod error); a global batch of more micro-batches than the
+// simulator takes is refused before any plan is built.
+TEST(SimInputs, ThresholdRatiosAndMicroBatchCountsAreChecked) {
+  SimOptions o = small_options(1);
+  o.policy = "threshold=";
+  EXPECT_NE(error_of<ConfigError>([&] { sim::simulate(o); }).find("expected threshold=R with R > 0"),
+            std::string::npos);
+  o.policy = "none";
+  o.global_batch = o.micro_batch_size * (SimOptions::kMaxMicrobatches + 1);
+  EXPECT_NE(error_of<ConfigError>([&] { o.num_microbatches(); }).find("more than the 16384 simulated"),
+            std::string::npos);
+  EXPECT_EQ(sim::parse_trace_ranks("0,3,0,3"), (std::vector<int>{0, 3}));
+  // More stages than layers: a stage would be empty.
+  const SimOptions empty_stage = small_options(8);  // 4 layers
+  EXPECT_NE(error_of<ConfigError>([&] { sim::simulate(empty_stage); }).find("8 stages for 4 layers"),
+            std::string::npos);
+}
+
+// Hugging Face layouts that alternate MoE and dense layers are refused by name (they
+// were read as every layer MoE: another model, silently).
+TEST(SimInputs, AlternatingMoeLayoutsAreRefused) {
+  const fs::path root = MOEFLEX_SOURCE_DIR;
+  const json qwen = json::parse(std::ifstream(root / "configs/models/qwen3-30b-a3b.json"));
+  EXPECT_NO_THROW(ModelConfig::from_hf_json(qwen, "q.json"));  // decoder_sparse_step 1, mlp_only_layers []
+  json sparse = qwen;
+  sparse["decoder_sparse_step"] = 2;
+  EXPECT_NE(error_of<ConfigError>([&] {
+              ModelConfig::from_hf_json(sparse, "q.json");
+            }).find("decoder_sparse_step = 2 (an MoE layer every 2 layers) is not supported"),
+            std::string::npos);
+  json dense = qwen;
+  dense["mlp_only_layers"] = {0, 5};
+  EXPECT_NE(error_of<ConfigError>([&] { ModelConfig::from_hf_json(dense, "q.json"); }).find("mlp_only_layers = [0,5]"),
+            std::string::npos);
+  json freq = json::parse(std::ifstream(root / "configs/models/deepseek-v3.json"));
+  freq["moe_layer_freq"] = 3;
+  EXPECT_THROW(ModelConfig::from_hf_json(freq, "d.json"), ConfigError);
+}

@@ -277,6 +277,30 @@ TEST(Train, BadInputsGetClearErrors) {
   EXPECT_THROW(parse_size("1e3MiB"), ConfigError);             // no exponent
   EXPECT_THROW(parse_size("99999999999999GiB"), ConfigError);  // overflow, not "must be positive"
   EXPECT_THROW(parse_size("1.2.3MiB"), ConfigError);
+  // A model whose state alone outgrows this machine's memory is refused up front (the
+  // kernel would kill the process partway through allocating it).
+  {
+    RunConfig huge = small_run(1);
+    huge.model.hidden_size = 65536;
+    const fs::path dir = fresh_dir("huge");
+    try {
+      run_training(options(huge, dir));
+      ADD_FAILURE() << "a model larger than the machine's memory was accepted";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("of memory: choose a smaller model"), std::string::npos) << e.what();
+    }
+    EXPECT_FALSE(fs::exists(dir / "config.toml"));
+  }
+  // Spaces around the size and before its unit, none within its number or unit.
+  EXPECT_EQ(parse_size(" 10 MiB "), 10 * kMiB);
+  EXPECT_THROW(parse_size("1 0 MiB"), ConfigError);
+  EXPECT_THROW(parse_size("10 Mi B"), ConfigError);
+  // Numbers that would wrap on their way to an int are refused, not truncated.
+  EXPECT_THROW(RunConfig::from_toml_text("[parallel]\nstage_layers = [4294967297, 3]\n", "x"), ConfigError);
+  EXPECT_THROW(RunConfig::from_toml_text("[model]\nnum_experts = 4000000000\n", "x").validate(), ConfigError);
+  EXPECT_THROW(RunConfig::from_toml_text("[train]\nmicro_batch_size = 100000000000\n", "x").validate(), ConfigError);
+  EXPECT_THROW(RunConfig::from_toml_text("[model]\nmax_position_embeddings = 9223372036854775807\n", "x").validate(),
+               ConfigError);
 }
 
 // The adaptive planner prices its choices with data/hardware/this-machine.json
@@ -400,6 +424,33 @@ TEST(Train, RunFoldersAreNeverTakenOverOrRewritten) {
   plain.config.train.steps = -1;
   plain.resume = refused;
   EXPECT_EQ(run_training(plain).steps, 6);
+  // A damaged trainer_state in the newest checkpoint's manifest (no checksum covers
+  // it) is refused naming the manifest and the field, before anything is restored.
+  const fs::path manifest = refused / "checkpoints" / "step_00000006" / "manifest.json";
+  const std::string manifest_text = [&] {
+    std::ifstream in(manifest);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  }();
+  TrainOptions longer = options(small_run(1), refused);
+  longer.config.train.steps = 8;
+  longer.resume = refused;
+  auto resume_with = [&](const std::function<void(nlohmann::json&)>& edit) {
+    nlohmann::json m = nlohmann::json::parse(manifest_text);
+    edit(m["trainer_state"]);
+    std::ofstream(manifest) << m.dump(2);
+    return message_of([&] { run_training(longer); });
+  };
+  std::string m = resume_with([](nlohmann::json& st) { st.erase("adam_steps"); });
+  EXPECT_NE(m.find(fmt::format("Checkpoint manifest '{}': trainer_state has no 'adam_steps'", manifest.string())),
+            std::string::npos)
+      << m;
+  m = resume_with([](nlohmann::json& st) { st["step"] = 5; });
+  EXPECT_NE(m.find("trainer_state 'step' is 5, but the checkpoint is of step 6"), std::string::npos) << m;
+  m = resume_with([](nlohmann::json& st) { st["tokens"] = "many"; });
+  EXPECT_NE(m.find("'tokens' must be a non-negative integer (got \"many\")"), std::string::npos) << m;
+  m = resume_with([](nlohmann::json& st) { st = nullptr; });
+  EXPECT_NE(m.find("trainer_state must be an object (got null)"), std::string::npos) << m;
+  std::ofstream(manifest) << manifest_text;
   // A run whose tokenizer differs from the corpus's (the corpus changed): refused,
   // and the run's tokenizer.model is not replaced.
   const std::string tok_bytes = [&] {

@@ -105,9 +105,10 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"fail", "restart"}));
   train->add_option("--max-restarts", max_restarts, "on-oom=restart: restarts allowed at one step (train.max_restarts)")
       ->check(CLI::NonNegativeNumber);
-  train->add_option("--restart-seconds", restart_seconds,
-                    "on-oom=restart: seconds charged per restart in tokens/s (train.restart_seconds)")
-      ->check(CLI::NonNegativeNumber);
+  train
+      ->add_option("--restart-seconds", restart_seconds,
+                   "on-oom=restart: seconds charged per restart in tokens/s (train.restart_seconds)")
+      ->check(finite_non_negative());
   train->add_option("--checkpoint-every", checkpoint_every, "steps between checkpoints, 0 = end only "
                                                             "(train.checkpoint_every)")
       ->check(CLI::NonNegativeNumber);

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -89,6 +90,23 @@ void check_not_a_run_dir(const fs::path& dir, const std::string& given) {
 
 }  // namespace
 
+CLI::Validator finite_non_negative() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        double v = 0;
+        std::size_t used = 0;
+        try {
+          v = std::stod(text, &used);
+        } catch (const std::exception&) {
+          used = 0;
+        }
+        if (used == 0 || used != text.size() || !std::isfinite(v) || v < 0)
+          return fmt::format("'{}' is not a finite number >= 0", text);
+        return "";
+      },
+      "FINITE >= 0");
+}
+
 void add_sim_commands(CLI::App& app) {
   Flags& f = flags();
   f.simulate = app.add_subcommand("simulate", "simulate training on a cluster in virtual time");
@@ -106,10 +124,12 @@ void add_sim_commands(CLI::App& app) {
                   "sequences per iteration (default: simulate, a --loads run's own batch, else dp x B x 4 pp; "
                   "search, 2 x --gpus)")
         ->check(CLI::Range(std::int64_t(1), std::int64_t(1) << 30));
-    c->add_option("--imbalance", f.imbalance, "load distribution calm=1.2:spike=2.6:p=0.029[:seed=S]");
+    c->add_option("--imbalance", f.imbalance,
+                  "load distribution calm=1.2:spike=2.6:p=0.029[:seed=S], or constant=R (every layer at ratio R: "
+                  "what search scores times at)");
     c->add_option("--restart-seconds", f.restart_seconds, "cold restart after an OOM")
         ->capture_default_str()
-        ->check(CLI::NonNegativeNumber);
+        ->check(finite_non_negative());
     c->add_option("--checkpoint-interval", f.checkpoint_interval, "iterations between checkpoints")
         ->capture_default_str()
         ->check(CLI::PositiveNumber);

@@ -11,9 +11,24 @@
 namespace moeflex {
 
 Bytes parse_size(const std::string& text) {
-  std::string s;
-  for (char c : text)
-    if (!std::isspace(static_cast<unsigned char>(c))) s += c;
+  // Spaces around the size and between its number and unit ("10 MiB"), none within
+  // them ("1 0 MiB" is no size).
+  const auto space = [](char c) { return std::isspace(static_cast<unsigned char>(c)) != 0; };
+  const auto first = std::find_if_not(text.begin(), text.end(), space);
+  const auto last = std::find_if_not(text.rbegin(), text.rend(), space).base();
+  std::string s = first < last ? std::string(first, last) : std::string();
+  {
+    std::size_t num = 0;
+    while (num < s.size() && (std::isdigit(static_cast<unsigned char>(s[num])) || s[num] == '.')) ++num;
+    std::size_t unit = num;
+    while (unit < s.size() && space(s[unit])) ++unit;
+    if (std::any_of(s.begin() + std::ptrdiff_t(unit), s.end(), space))
+      throw ConfigError(
+          fmt::format("cannot parse size '{}': expected a number with an optional unit "
+                      "(B, KiB, MiB, GiB, TiB), e.g. '512MiB'",
+                      text));
+    s.erase(num, unit - num);
+  }
   std::string lower;
   for (char c : s) lower += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   if (lower == "unlimited" || lower == "none" || lower == "inf") return -1;

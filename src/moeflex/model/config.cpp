@@ -103,7 +103,8 @@ void ModelConfig::validate() const {
     rule(v_head_dim >= 1, "v_head_dim",
          fmt::format("must be at least 1 with kv_lora_rank > 0 (MLA; got {})", v_head_dim));
   }
-  rule(max_position_embeddings >= 2, "max_position_embeddings", "must be at least 2");
+  rule(max_position_embeddings >= 2 && max_position_embeddings <= (1 << 24), "max_position_embeddings",
+       fmt::format("must be in [2, 16777216] (got {})", max_position_embeddings));
   rule(rope_theta > 0, "rope_theta", "must be positive");
   rule(capacity_factor >= 0, "capacity_factor",
        fmt::format("must be >= 0, 0 meaning no capacity limit (got {})", capacity_factor));
@@ -111,7 +112,8 @@ void ModelConfig::validate() const {
   rule(first_k_dense_replace >= 0 && first_k_dense_replace <= num_hidden_layers, "first_k_dense_replace",
        fmt::format("must be in [0, num_hidden_layers={}] (got {})", num_hidden_layers, first_k_dense_replace));
   if (first_k_dense_replace < num_hidden_layers) {
-    rule(num_experts >= 1, "num_experts", fmt::format("must be at least 1 (got {})", num_experts));
+    rule(num_experts >= 1 && num_experts <= (1 << 20), "num_experts",
+         fmt::format("must be in [1, 1048576] (got {})", num_experts));
     rule(num_experts_per_tok >= 1 && num_experts_per_tok <= num_experts, "num_experts_per_tok",
          fmt::format("must be in [1, num_experts={}] (got {})", num_experts, num_experts_per_tok));
     rule(moe_intermediate_size >= 1, "moe_intermediate_size", "must be at least 1");
@@ -238,6 +240,23 @@ ModelConfig ModelConfig::from_hf_json(const nlohmann::json& j, const std::string
     get_i("intermediate_size", c.moe_intermediate_size);  // Mixtral's experts use intermediate_size
   get_d("aux_loss_alpha", c.router_aux_loss_coef);  // DeepSeek
   if (!has("tie_word_embeddings")) c.tie_word_embeddings = false;  // HF default
+  // Layouts where MoE layers alternate with dense ones (Qwen2-MoE/Qwen3-MoE's
+  // decoder_sparse_step and mlp_only_layers, DeepSeek's moe_layer_freq): moeflex's
+  // MoE layers are every layer from first_k_dense_replace on. Refused rather than
+  // simulated as another model.
+  for (const char* k : {"decoder_sparse_step", "moe_layer_freq"}) {
+    std::int64_t step = 1;
+    if (get_i(k, step) && step != 1)
+      throw ConfigError(
+          fmt::format("{}: {} = {} (an MoE layer every {} layers) is not supported: moeflex's MoE layers "
+                      "are every layer from first_k_dense_replace on",
+                      source, k, step, step));
+  }
+  if (has("mlp_only_layers") && !(j["mlp_only_layers"].is_array() && j["mlp_only_layers"].empty()))
+    throw ConfigError(
+        fmt::format("{}: mlp_only_layers = {} (dense layers among the MoE ones) is not supported: "
+                    "moeflex's dense layers are the first first_k_dense_replace",
+                    source, j["mlp_only_layers"].dump()));
 
   // The shape has no sensible default: a missing field would silently give the
   // embedded toy model's value. The rest (RoPE, norms, router losses, shared

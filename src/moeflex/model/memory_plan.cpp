@@ -404,7 +404,7 @@ Provision MemoryWalk::decide(int mb, int layer, const LayerSpecs& specs, int id,
     le.tokens_received = le.tokens_balanced = 0;
     if (has_ctx_) {  // the routing context of an MoE block's saves
       le.tokens_received = ctx_ep_ > 1 ? ctx_rows_.received : ctx_rows_.permuted;
-      le.tokens_balanced = B_ * S_ * cfg_.num_experts_per_tok / ctx_ep_;
+      le.tokens_balanced = B_ * S_ * cfg_.num_experts_per_tok;  // each of ep ranks sends n * k / ep
     }
     p = provision(le);
   }

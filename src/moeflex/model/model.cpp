@@ -754,7 +754,7 @@ void MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train,
       const Bytes fc_chunk = Rr > 0 ? Arena::round_up(dtype_size(adt_) * chunk * f) : 0;
       bool keep1 = false, keep3 = false, keepa = false;  // held whole: saved or offloaded
       if (train) {
-        stash_.set_routing_context(Rr, n * k / dispatcher_.ep_size());
+        stash_.set_routing_context(Rr, n * k);  // balanced: each of the ep ranks sends n * k / ep
         plan_saves(mb, l, SavePoint::moe,
                    {{"experts.in", "permute", &xe, !ep},
                     {"experts.gate_out", "grouped_gemm", nullptr, true, fc_bytes, fc_chunk},

@@ -32,9 +32,6 @@ const std::vector<std::string>& static_policy_names() {
   return names;
 }
 
-namespace {
-
-// "threshold" or "threshold=R": the ratio, or -1 when `policy` is not a threshold policy.
 double threshold_ratio(const std::string& policy) {
   if (policy == "threshold") return 1.2;
   if (policy.rfind("threshold=", 0) != 0) return -1;
@@ -46,8 +43,6 @@ double threshold_ratio(const std::string& policy) {
   }
   throw ConfigError(fmt::format("policy '{}': expected threshold=R with R > 0, e.g. threshold=1.5", policy));
 }
-
-}  // namespace
 
 bool static_policy_recomputes(const std::string& policy, const std::string& a) {
   if (threshold_ratio(policy) > 0) return moe_full(a);

@@ -28,6 +28,10 @@ const std::vector<std::string>& static_policy_names();
 /// ConfigError listing the names otherwise.
 ProvisionPolicy make_static_policy(const std::string& name);
 
+/// R of the policy "threshold=R" (1.2 for plain "threshold"), -1 for any other
+/// policy name. Throws ConfigError for a malformed R (not a number > 0).
+double threshold_ratio(const std::string& policy);
+
 /// Which activations a static policy recomputes (true = recompute), by ledger name.
 bool static_policy_recomputes(const std::string& policy, const std::string& activation);
 

@@ -35,7 +35,8 @@ struct LedgerEntry {
   bool recomputable = false;  ///< has a lineage (a function rebuilding it from other entries)
   Provision provision = Provision::save;
   /// MoE entries, known after the router: rows this rank's experts received, and the
-  /// rows a perfectly balanced routing would give them (n * k / ep). 0 elsewhere.
+  /// rows a perfectly balanced routing would give them (n * k: n * k / ep from each of
+  /// the ep ranks, n tokens a rank). 0 elsewhere.
   std::int64_t tokens_received = 0;
   std::int64_t tokens_balanced = 0;
 };

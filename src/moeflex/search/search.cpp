@@ -166,7 +166,8 @@ SearchResult search(const SearchOptions& o) {
                 const bool dualv = sched == "dualpipev";
                 const int stages = pp * (dualv ? 2 : vpp);
                 bool ok = G % per == 0 && E % ep == 0 && cfg.num_attention_heads % tp == 0 &&
-                          tp <= o.cluster.gpus_per_node && (mbs * o.seq_len) % tp == 0 && stages <= L &&
+                          cfg.kv_heads() % tp == 0 && tp <= o.cluster.gpus_per_node && (mbs * o.seq_len) % tp == 0 &&
+                          stages <= L &&
                           // without a pipeline, 1f1b suffices (and 1f1b-overlap, whose pairs hide comm)
                           !(pp == 1 && ((sched != "1f1b" && sched != "1f1b-overlap") || vpp != 1));
                 const int m = ok ? int(G / per) : 0;
@@ -387,7 +388,11 @@ json SearchResult::to_json(const SearchOptions& o) const {
           {"walked", walked},
           {"merged", merged},
           {"seconds", seconds},
-          {"loads", o.loads.describe()},
+          // Times are scored at one constant ratio (simulate --imbalance constant=R reproduces
+          // a row's); the distribution prices OOM risk and the spike peak.
+          {"loads", fmt::format("times at constant ratio {:.2f} (simulate --imbalance constant={:.2f}); memory and OOM "
+                                "risk from {}",
+                                std::max(1.0, o.loads.calm_max), std::max(1.0, o.loads.calm_max), o.loads.describe())},
           {"dispatcher", o.dispatcher},
           {"top", top_j}};
 }

@@ -55,7 +55,9 @@ Link read_link(const json& j, const char* key, const std::string& source) {
   const std::string s = fmt::format("{}: {}", source, key);
   refuse_unknown_keys(j[key], {"latency_s", "bandwidth_Bps"}, s);
   Link l{number(j[key], "latency_s", s, 0, true), number(j[key], "bandwidth_Bps", s, 0, true)};
-  if (l.bandwidth <= 0) throw DataError(fmt::format("{}: bandwidth_Bps must be positive", s));
+  if (l.bandwidth < 1e3)  // below it, step times overflow into inf
+    throw DataError(fmt::format("{}: bandwidth_Bps must be at least 1000 (got {})", s, l.bandwidth));
+  if (l.latency > 3600) throw DataError(fmt::format("{}: latency_s must be at most 3600 (got {})", s, l.latency));
   return l;
 }
 
@@ -118,6 +120,9 @@ ClusterSpec ClusterSpec::from_json(const json& j, const std::string& source, con
     throw DataError(fmt::format("{}: element_bytes must be 2 or 4 (got {})", source, c.element_bytes));
   c.param_bytes = number(j, "param_bytes", source, 8, false);
   c.optimizer_bytes = number(j, "optimizer_bytes", source, 8, false);
+  for (const auto& [k, v] : {std::pair{"param_bytes", c.param_bytes}, std::pair{"optimizer_bytes", c.optimizer_bytes}})
+    if (v > 64)  // bytes per parameter: fp32 weights and gradient are 8, Adam's moments 8 more
+      throw DataError(fmt::format("{}: field '{}' is bytes per parameter, at most 64 (got {})", source, k, v));
   c.optimizer_sharded = j.value("optimizer_sharded", false);
   c.flash_attention = j.value("flash_attention", false);
   c.host_cores = int(integer(j, "host_cores", source, 0, false));
@@ -142,9 +147,13 @@ ClusterSpec ClusterSpec::from_json(const json& j, const std::string& source, con
                         s);
     DeviceRates r;
     r.peak_flops = number(d, "peak_flops", s, 0, true);
+    if (r.peak_flops < 1e6)
+      throw DataError(fmt::format("{}: peak_flops must be at least 1e6 (got {})", s, r.peak_flops));
     r.gemm_efficiency = number(d, "gemm_efficiency", s, r.gemm_efficiency, false);
     r.gemm_half_flops = number(d, "gemm_half_flops", s, r.gemm_half_flops, false);
     r.memory_bandwidth = number(d, "memory_bandwidth_Bps", s, 0, true);
+    if (r.memory_bandwidth < 1e3)
+      throw DataError(fmt::format("{}: memory_bandwidth_Bps must be at least 1000 (got {})", s, r.memory_bandwidth));
     r.memory_efficiency = number(d, "memory_efficiency", s, r.memory_efficiency, false);
     r.launch_overhead = number(d, "launch_overhead_s", s, r.launch_overhead, false);
     r.host_link = read_link(d, "host_link", s);
@@ -218,6 +227,9 @@ ClusterSpec load_cluster(const std::string& name_or_path, const std::filesystem:
     }
     j["profile"] = fs::absolute(profile_override).string();
   }
+  if (j.contains("profile") && !j["profile"].is_string())
+    throw DataError(fmt::format("{}: field 'profile' must be the path of a hardware profile (got {})", path.string(),
+                                j["profile"].dump()));
   // A calibrated profile's path is relative to the repository root (where
   // `moeflex calibrate` writes it), other paths to the file's folder.
   const fs::path base = j.contains("profile") ? root : path.parent_path();

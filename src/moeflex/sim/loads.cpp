@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <cmath>
 #include <sstream>
 
 #include <functional>
@@ -69,7 +70,12 @@ LoadModel LoadModel::from_metrics(const std::filesystem::path& path) {
     if (j.contains("ep_received_tokens") && j["ep_received_tokens"].is_array()) {
       for (const auto& row : j["ep_received_tokens"]) {
         double mx = 0, sum = 0;
+        if (!row.is_array())
+          throw DataError(fmt::format("{}: \"ep_received_tokens\" must list one row of counts per MoE layer (got {})",
+                                      where, row.dump()));
         for (const auto& v : row) {
+          if (!v.is_number() || v.get<double>() < 0 || !std::isfinite(v.get<double>()))
+            throw DataError(fmt::format("{}: \"ep_received_tokens\" holds {}, not a token count", where, v.dump()));
           mx = std::max(mx, v.get<double>());
           sum += v.get<double>();
         }
@@ -205,18 +211,36 @@ LoadModel LoadModel::parse(const std::string& spec) {
   while (std::getline(ss, part, ':')) {
     const auto eq = part.find('=');
     if (eq == std::string::npos) throw ConfigError(fmt::format("imbalance '{}': expected key=value in '{}'", spec, part));
-    const std::string k = part.substr(0, eq);
-    double v = 0;
-    try {
-      v = std::stod(part.substr(eq + 1));
-    } catch (const std::exception&) {
-      throw ConfigError(fmt::format("imbalance '{}': '{}' is not a number", spec, part.substr(eq + 1)));
+    const std::string k = part.substr(0, eq), text = part.substr(eq + 1);
+    if (k == "seed") {  // an integer in [0, 2^64)
+      std::size_t pos = 0;
+      try {
+        if (!text.empty() && text[0] != '-') m.seed = std::stoull(text, &pos);
+      } catch (const std::exception&) {
+        pos = 0;
+      }
+      if (text.empty() || pos != text.size())
+        throw ConfigError(fmt::format("imbalance '{}': seed '{}' is not a non-negative integer", spec, text));
+      continue;
     }
+    double v = 0;
+    std::size_t pos = 0;
+    try {
+      v = std::stod(text, &pos);
+    } catch (const std::exception&) {
+      pos = 0;
+    }
+    if (text.empty() || pos != text.size() || !std::isfinite(v))
+      throw ConfigError(fmt::format("imbalance '{}': '{}' is not a finite number", spec, text));
     if (k == "calm") m.calm_max = v;
-    else if (k == "spike") m.spike_max = v;
+    else if (k == "constant") {  // every MoE layer of every iteration at ratio v (what search scores at)
+      if (v < 1) throw ConfigError(fmt::format("imbalance '{}': constant must be >= 1", spec));
+      m.constant = v;
+    } else if (k == "spike")
+      m.spike_max = v;
     else if (k == "p") m.spike_probability = v;
-    else if (k == "seed") m.seed = std::uint64_t(v);
-    else throw ConfigError(fmt::format("imbalance '{}': unknown key '{}' (calm, spike, p, seed)", spec, k));
+    else
+      throw ConfigError(fmt::format("imbalance '{}': unknown key '{}' (calm, spike, p, seed; or constant)", spec, k));
   }
   if (m.calm_max < 1 || m.spike_max < m.calm_max || m.spike_probability < 0 || m.spike_probability > 1)
     throw ConfigError(fmt::format("imbalance '{}': need 1 <= calm <= spike and 0 <= p <= 1", spec));

@@ -43,10 +43,7 @@ struct StageInfo {
 /// What recomputes under a provisioning level or static policy.
 bool recomputes(const std::string& policy, const ActivationSpec& a, double ratio) {
   if (!a.recomputable || policy == "none") return false;
-  if (policy.rfind("threshold", 0) == 0) {
-    const double r = policy == "threshold" ? 1.2 : std::stod(policy.substr(10));
-    return ratio > r && static_policy_recomputes("moe-full", a.name);
-  }
+  if (const double r = threshold_ratio(policy); r > 0) return ratio > r && static_policy_recomputes("moe-full", a.name);
   return static_policy_recomputes(policy, a.name);
 }
 
@@ -110,7 +107,7 @@ std::vector<int> parse_trace_ranks(const std::string& s) {
     if (used != x.size() || r < 0)
       throw ConfigError(fmt::format("--trace-ranks '{}': '{}' is not a pipeline rank (a non-negative integer, as in "
                                     "--trace-ranks 0,3)", s, x));
-    v.push_back(r);
+    if (std::find(v.begin(), v.end(), r) == v.end()) v.push_back(r);  // a rank named twice is traced once
   }
   return v;
 }
@@ -130,6 +127,12 @@ int SimOptions::num_microbatches() const {
   if (g % per != 0)
     throw ConfigError(fmt::format("global batch {} sequences is not a multiple of dp {} x micro-batch size {}", g,
                                   parallel.dp, micro_batch_size));
+  if (g / per > kMaxMicrobatches)
+    throw ConfigError(
+        fmt::format("global batch {} sequences makes {} micro-batches per iteration (dp {} x micro-batch "
+                    "size {} a micro-batch), more than the {} simulated: use a smaller --global-batch or "
+                    "a larger --micro-batch-size",
+                    g, g / per, parallel.dp, micro_batch_size, kMaxMicrobatches));
   return int(g / per);
 }
 
@@ -630,7 +633,8 @@ struct Simulation {
     MoERows r = MoERows::balanced(cfg, n_rank);
     if (o.parallel.ep > 1) {
       const MoERows cap = MoERows::worst_case(cfg, n_rank, o.parallel.ep);
-      r.received = std::min(cap.received, std::int64_t(std::llround(ratio * double(r.received))));
+      // Capped before rounding: a huge ratio would overflow llround.
+      r.received = std::llround(std::min(double(cap.received), ratio * double(r.received)));
     }
     return r;
   }
@@ -677,6 +681,12 @@ struct Simulation {
     if (p.tp > 1) {
       if (cfg.num_attention_heads % p.tp != 0)
         throw ConfigError(fmt::format("tp {} does not divide num_attention_heads {}", p.tp, cfg.num_attention_heads));
+      // Megatron-Core splits the key/value heads (query groups) over tp as it does the heads.
+      if (cfg.kv_heads() % p.tp != 0)
+        throw ConfigError(
+            fmt::format("tp {} does not divide num_key_value_heads {} (Megatron-Core splits the query "
+                        "groups over tp)",
+                        p.tp, cfg.kv_heads()));
       if (p.tp > o.cluster.gpus_per_node)
         throw ConfigError(fmt::format("tp {} spans nodes of {} GPUs", p.tp, o.cluster.gpus_per_node));
       if ((o.micro_batch_size * o.seq_len) % p.tp != 0)
@@ -701,6 +711,13 @@ struct Simulation {
           fmt::format("ep {} does not divide tp {} x dp {} = {}: the expert layers' ep x expert_dp ranks "
                       "are the tp x dp ranks of a stage (MoE parallel folding, expert tensor parallelism 1)",
                       p.ep, p.tp, p.dp, p.tp * p.dp));
+    // Uneven stages are padded (Megatron-Core's account_for_embedding/loss), but a
+    // stage without any layer is no layout anyone runs (search drops them too).
+    if (std::int64_t(p.pp) * v > cfg.num_hidden_layers)
+      throw ConfigError(
+          fmt::format("pp {} x {} stage{} a rank = {} stages for {} layers: a stage would hold no layer; "
+                      "lower pp or vpp",
+                      p.pp, v, v == 1 ? "" : "s", std::int64_t(p.pp) * v, cfg.num_hidden_layers));
     comm::LayoutSpec ls;
     ls.world_size = p.pp * p.tp * p.dp;
     ls.pp = p.pp;
@@ -1528,16 +1545,31 @@ void write_outputs(const SimReport& r, const std::filesystem::path& dir) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) throw DataError(fmt::format("{}: cannot create the output directory ({})", dir.string(), ec.message()));
-  {
-    std::ofstream f(dir / "summary.json");
-    if (!f) throw DataError(fmt::format("{}: cannot write", (dir / "summary.json").string()));
-    f << r.to_json().dump(2) << "\n";
+  // Both files are written beside their place and renamed over it once whole, and
+  // only when both can be: a failure leaves the folder's earlier files as they were.
+  std::vector<std::pair<std::filesystem::path, std::string>> files = {{dir / "summary.json", r.to_json().dump(2)}};
+  if (!r.options.trace_ranks.empty()) files.push_back({dir / "trace.json", r.trace.dump()});
+  for (const auto& [path, text] : files)
+    if (std::filesystem::is_directory(path, ec))
+      throw DataError(fmt::format("{}: cannot write, a directory is in its place", path.string()));
+  std::vector<std::filesystem::path> written;
+  auto discard = [&] {
+    for (const auto& t : written) std::filesystem::remove(t, ec);
+  };
+  for (const auto& [path, text] : files) {
+    std::filesystem::path tmp = path;
+    tmp += ".tmp";
+    std::ofstream f(tmp);
+    f << text << "\n";
+    f.close();
+    if (!f) {
+      written.push_back(tmp);
+      discard();
+      throw DataError(fmt::format("{}: cannot write", path.string()));
+    }
+    written.push_back(tmp);
   }
-  if (!r.options.trace_ranks.empty()) {
-    std::ofstream f(dir / "trace.json");
-    if (!f) throw DataError(fmt::format("{}: cannot write", (dir / "trace.json").string()));
-    f << r.trace.dump() << "\n";
-  }
+  for (std::size_t i = 0; i < files.size(); ++i) std::filesystem::rename(written[i], files[i].first);
 }
 
 }  // namespace moeflex::sim

@@ -123,8 +123,12 @@ struct SimOptions {
   /// Also fill SimReport::ops: the priced op stream by phase and kind.
   bool breakdown = false;
 
-  /// Micro-batches per iteration: global_batch / (dp x B); ConfigError when it does not divide.
+  /// Micro-batches per iteration: global_batch / (dp x B); ConfigError when it does not
+  /// divide, or when it exceeds kMaxMicrobatches.
   int num_microbatches() const;
+  /// The most micro-batches per iteration simulated: far beyond real runs (DeepSeek-V3's
+  /// 15,360 sequences over dp 32 are 480), and each costs the plan's memory and time.
+  static constexpr std::int64_t kMaxMicrobatches = 16384;
 };
 
 /// One simulated pipeline rank.

@@ -1751,11 +1751,17 @@ HardwareProfile in_situ_profile(HardwareProfile base, const std::filesystem::pat
         fmt::format("'{}' was measured on {} and the base profile on {}: an in-situ profile adds a "
                     "run's op times to a profile of the same device",
                     path.string(), device, base.device));
+  // A base that is itself in situ keeps its entries where this run has none; the
+  // grouped ratios are taken against its tables alone (not against an earlier run's
+  // scales, which this run's would otherwise multiply).
+  const std::vector<InSituOp> earlier_ops = std::move(base.in_situ_ops);
+  const std::vector<InSituScale> earlier_scales = std::move(base.in_situ_scales);
+  const std::string earlier_source = base.in_situ_source;
+  base.in_situ_ops.clear();
+  base.in_situ_scales.clear();
   const CostModel cost(base);  // the base's own predictions, for the grouped ratios
   const std::set<std::string> exact(std::begin(kInSituExactKinds), std::end(kInSituExactKinds));
   const std::set<std::string> scaled(std::begin(kInSituScaledKinds), std::end(kInSituScaledKinds));
-  base.in_situ_ops.clear();
-  base.in_situ_scales.clear();
   if (zero_sized) *zero_sized = 0;
   std::map<std::pair<std::string, std::vector<std::int64_t>>, std::size_t> seen;  // exact (kind, shape) -> index
   std::map<std::tuple<std::string, std::int64_t, std::int64_t>, std::pair<double, double>> ratio;  // measured, predicted
@@ -1825,7 +1831,12 @@ HardwareProfile in_situ_profile(HardwareProfile base, const std::filesystem::pat
                                   kInSituMaxScale));
     base.in_situ_scales.push_back({kind, in_f, out_f, scale});
   }
-  base.in_situ_source = std::filesystem::absolute(run_dir).lexically_normal().string();
+  for (const InSituOp& o : earlier_ops)
+    if (!seen.count({o.kind, o.shape})) base.in_situ_ops.push_back(o);
+  for (const InSituScale& x : earlier_scales)
+    if (!ratio.count({x.kind, x.in, x.out})) base.in_situ_scales.push_back(x);
+  const std::string source = std::filesystem::absolute(run_dir).lexically_normal().string();
+  base.in_situ_source = earlier_source.empty() ? source : earlier_source + "; " + source;
   return base;
 }
 
@@ -1843,6 +1854,15 @@ int run_in_situ_calibrate_command(const std::string& run_dir, const std::string&
       throw ConfigError(fmt::format("calibrate --out '{}' is the base profile (--base '{}'): writing it would replace "
                                     "the base profile; choose another --out",
                                     out_path, base_path));
+  }
+  {  // nor the run's own op times, which it reads
+    std::error_code ec;
+    const std::filesystem::path ops = std::filesystem::path(run_dir) / "op_times.json";
+    if (std::filesystem::exists(out_path, ec) && std::filesystem::equivalent(out_path, ops, ec) && !ec)
+      throw ConfigError(
+          fmt::format("calibrate --out '{}' is the run's own op_times.json (--from-run '{}'): writing "
+                      "it would replace what the profile is made from; choose another --out",
+                      out_path, run_dir));
   }
   check_profile_out(out_path);
   std::size_t zero_sized = 0;

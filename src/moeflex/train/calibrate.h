@@ -138,6 +138,8 @@ int run_calibrate_command(const std::string& out_path = kDefaultHardwareProfileP
 ///   - each kind of kInSituScaledKinds per weight [in, out]: sum of measured times /
 ///     sum of `base`'s predictions for the same row splits (the ratio carries over to
 ///     other routings, whose exact shapes a run rarely repeats).
+/// A base that holds in-situ entries already (an earlier --from-run) keeps those this
+/// run has no entry for, and the ratios are taken against its tables alone.
 /// Every entry of a taken kind is checked: integer extents (exact kinds: as many as
 /// in_situ_shape_rank, each >= 0; grouped: rows >= 0, in and out >= 1), a count >= 1,
 /// times finite in (0, kInSituMaxSeconds] (grouped totals: per call), no exact

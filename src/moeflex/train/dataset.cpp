@@ -281,9 +281,11 @@ DatasetInfo prepare_dataset(const fs::path& corpus_path, const fs::path& out_dir
   const Corpus corpus = read_corpus(corpus_path, CorpusOptions{target_doc_bytes});
   const std::size_t n = corpus.documents.size();
   if (n < 2)
-    throw DataError(fmt::format("Corpus '{}' yields only {} document; at least 2 are needed to hold out a "
-                                "validation split. Add text, or separate it into paragraphs with blank lines.",
-                                corpus_path.string(), n));
+    throw DataError(
+        fmt::format("Corpus '{}' yields only {} document; at least 2 are needed to hold out a "
+                    "validation split. Add text: paragraphs (separated by blank lines) shorter than {} "
+                    "bytes are merged into one document.",
+                    corpus_path.string(), n, target_doc_bytes));
 
   // Deterministic split: document i is held out when its draw is below val_fraction.
   std::vector<char> is_val(n);

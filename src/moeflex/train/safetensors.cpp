@@ -201,6 +201,17 @@ std::string sha256_hex(const void* data, std::size_t size) {
   return sha.hex();
 }
 
+void append_line(std::ostream& out, const fs::path& path, std::string_view line) {
+  errno = 0;
+  out << line << '\n';
+  out.flush();
+  if (!out)
+    throw DataError(
+        fmt::format("Cannot write '{}'{}: is the disk full? The run stops here; its checkpoints are kept, "
+                    "and --resume continues it once there is room.",
+                    path.string(), errno != 0 ? fmt::format(" ({})", std::strerror(errno)) : ""));
+}
+
 WrittenFile write_file_atomically(const fs::path& path, std::string_view content) {
   AtomicFile f(path);
   f.write(content.data(), content.size());

@@ -13,6 +13,7 @@
 #pragma once
 #include <cstdint>
 #include <filesystem>
+#include <iosfwd>
 #include <map>
 #include <string>
 #include <string_view>
@@ -114,6 +115,11 @@ std::string sha256_hex(const void* data, std::size_t size);
 /// Writes `content` to `path` atomically (temporary file, fsync, rename, fsync
 /// of the directory). Throws DataError on an I/O failure.
 WrittenFile write_file_atomically(const std::filesystem::path& path, std::string_view content);
+
+/// Appends `line` and a newline to `out` (an append-only log such as a run's
+/// metrics.jsonl, opened from `path`) and flushes it. Throws DataError naming the file
+/// when the write fails (a full disk), so that no line goes missing or torn unnoticed.
+void append_line(std::ostream& out, const std::filesystem::path& path, std::string_view line);
 
 /// Reads a whole file. Throws DataError naming it when it cannot be read.
 std::vector<char> read_file_bytes(const std::filesystem::path& path);

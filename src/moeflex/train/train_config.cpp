@@ -83,7 +83,8 @@ void RunConfig::validate() const {
   for (auto [name, v] : {std::pair<const char*, double>{"lr", t.lr}, {"min_lr", t.min_lr}, {"weight_decay", t.weight_decay},
                          {"beta1", t.beta1}, {"beta2", t.beta2}, {"grad_clip", t.grad_clip}})
     rule(std::isfinite(v), fmt::format("train.{}: must be a finite number (got {})", name, v));
-  rule(t.micro_batch_size >= 1, fmt::format("train.micro_batch_size: must be at least 1 (got {})", t.micro_batch_size));
+  rule(t.micro_batch_size >= 1 && t.micro_batch_size <= (1 << 20),
+       fmt::format("train.micro_batch_size: must be in [1, 1048576] (got {})", t.micro_batch_size));
   rule(t.seq_len >= 2 && t.seq_len <= model.max_position_embeddings,
        fmt::format("train.seq_len: must be in [2, model.max_position_embeddings={}] (got {})",
                    model.max_position_embeddings, t.seq_len));
@@ -227,6 +228,8 @@ RunConfig RunConfig::from_toml_text(const std::string& text, const std::string& 
         for (auto&& e : *arr) {
           auto v = e.value<std::int64_t>();
           if (!v || !e.is_integer()) throw ConfigError("parallel.stage_layers: must be an array of integers");
+          if (*v < 0 || *v > 4096)  // num_hidden_layers' bound: no stage holds more
+            throw ConfigError(fmt::format("parallel.stage_layers: each entry must be in [0, 4096] (got {})", *v));
           c.parallel.stage_layers.push_back(int(*v));
         }
       }

@@ -79,10 +79,10 @@ double process_cpu_seconds() {
 /// the EP group of dp rank q is the ep consecutive dp ranks around it. A chunk runs its
 /// micro-batches' forwards in order, so the k-th routing record of a layer is micro-batch k.
 /// Collective over `world` (one all-reduce of the int64 table, one of the CPU times);
-/// rank 0 passes `out`. Writes nothing for a model without MoE layers.
+/// rank 0 passes `out`, the file at `out_path`. Writes nothing for a model without MoE layers.
 void record_loads(comm::Communicator* world, const std::vector<RoutingStats>& routing, const ModelConfig& model,
-                  const comm::ParallelLayout& layout, int dp_rank, std::int64_t M, std::int64_t step,
-                  double step_cpu, std::ofstream* out) {
+                  const comm::ParallelLayout& layout, int dp_rank, std::int64_t M, std::int64_t step, double step_cpu,
+                  std::ofstream* out, const fs::path& out_path) {
   std::vector<int> moe_layers, index(std::size_t(model.num_hidden_layers), -1);
   for (int l = 0; l < model.num_hidden_layers; ++l)
     if (model.is_moe_layer(l)) {
@@ -129,8 +129,7 @@ void record_loads(comm::Communicator* world, const std::vector<RoutingStats>& ro
   }
   json line = {{"step", step}, {"dp", layout.dp()}, {"ep", layout.ep()}, {"microbatches", M},
                {"moe_layers", moe_layers}, {"received", rec}, {"kept", kep}, {"step_cpu_seconds", cpu}};
-  *out << line.dump() << "\n";
-  out->flush();
+  train::append_line(*out, out_path, line.dump());
 }
 
 // Keeps only the metrics lines of steps <= `step` (a resumed run rewrites the rest).
@@ -299,9 +298,9 @@ bool folder_in_use(const fs::path& run_dir) {
 }
 
 // The refusal of a folder another process trains in (folder_in_use, or a lock not had).
-std::string folder_in_use_message(const fs::path& run_dir) {
-  return fmt::format("another moeflex process is training in '{}' (it holds {}); wait for it to end or use another "
-                     "--out", run_dir.string(), (run_dir / ".moeflex.lock").string());
+std::string folder_in_use_message(const fs::path& run_dir, bool resume) {
+  return fmt::format("another moeflex process is training in '{}' (it holds {}); wait for it to end{}",
+                     run_dir.string(), (run_dir / ".moeflex.lock").string(), resume ? "" : " or use another --out");
 }
 
 // The refusal of a new run into a folder that holds one with a checkpoint.
@@ -342,6 +341,44 @@ std::int64_t tokenizer_pieces(const fs::path& model) {
   }
 }
 
+// A checkpoint's trainer_state (its manifest's, which no checksum covers), checked
+// field by field before anything is restored: a damaged or hand-edited one is refused
+// naming the manifest and the field.
+void check_trainer_state(const json& st, const fs::path& ckpt) {
+  const std::string where = (ckpt / train::kManifestFileName).string();
+  auto bad = [&](const std::string& what) {
+    return DataError(
+        fmt::format("Checkpoint manifest '{}': trainer_state {}; the checkpoint cannot be resumed from", where, what));
+  };
+  if (!st.is_object()) throw bad(fmt::format("must be an object (got {})", st.dump()));
+  auto check = [&](const char* key, bool required, const char* kind, auto ok) {
+    if (!st.contains(key)) {
+      if (required) throw bad(fmt::format("has no '{}'", key));
+      return;
+    }
+    if (!ok(st[key])) throw bad(fmt::format("'{}' must be {} (got {})", key, kind, st[key].dump()));
+  };
+  const auto count = [](const json& v) { return v.is_number_integer() && v.get<std::int64_t>() >= 0; };
+  const auto number = [](const json& v) { return v.is_number(); };
+  for (const char* k : {"step", "adam_steps", "tokens"}) check(k, true, "a non-negative integer", count);
+  check("initial_val_loss", true, "a number", number);
+  for (const char* k : {"peak_device_bytes", "oom_count", "restarts", "lost_steps", "steps_run",
+                        "oom_peak_demand_bytes", "bytes_recomputed", "bytes_offloaded", "provisioned_steps",
+                        "arena_compactions", "bytes_compacted", "bytes_evicted", "decisions", "predicted_peak_bytes"})
+    check(k, false, "a non-negative integer", count);
+  for (const char* k : {"last_val_loss", "last_train_loss", "train_seconds", "restart_seconds", "max_load_ratio"})
+    check(k, false, "a number", number);
+  check("first_oom", false, "a string", [](const json& v) { return v.is_string(); });
+  check("val_loss_history", false, "a list of {step, val_loss}", [](const json& v) {
+    if (!v.is_array()) return false;
+    for (const json& e : v)
+      if (!e.is_object() || !e.contains("step") || !e["step"].is_number_integer()) return false;
+    return true;
+  });
+  if (const std::int64_t step = st["step"].get<std::int64_t>(), own = train::checkpoint_step(ckpt); step != own)
+    throw bad(fmt::format("'step' is {}, but the checkpoint is of step {}", step, own));
+}
+
 // What a new run in `run_dir` would overwrite that no earlier moeflex run left: a
 // config.toml moeflex did not write (its header), or a tokenizer.model, trace.json,
 // loads.jsonl or op_times.json beside no moeflex config.toml. "" when nothing.
@@ -365,7 +402,7 @@ TrainResult run_training(const TrainOptions& opts) {
   RunConfig cfg = opts.config;
   const fs::path run_dir = opts.resume ? *opts.resume : opts.out_dir;
   if (folder_in_use(run_dir))  // before any check that would misread a run still in progress
-    throw ConfigError(folder_in_use_message(run_dir));
+    throw ConfigError(folder_in_use_message(run_dir, bool(opts.resume)));
   std::optional<fs::path> ckpt;
   if (opts.resume) {
     if (!fs::is_directory(run_dir))
@@ -400,6 +437,19 @@ TrainResult run_training(const TrainOptions& opts) {
   const int rank = world->rank(), world_size = world->size();
   const bool rank0 = rank == 0;
   const ParallelConfig& pc = cfg.parallel;
+  // The CPU engine's device memory is this machine's RAM: a model whose state alone
+  // (16 bytes a parameter at the least: weights, gradients, AdamW's two moments) is
+  // larger would be killed by the kernel partway through allocating it, without a word.
+  // Checked when every rank runs here (the ranks' shards add up to the whole model).
+  if (cfg.device == "cpu" && ranks_on_this_node(world_size) == world_size) {
+    const double state = 16.0 * double(cfg.model.num_params());
+    const double ram = double(::sysconf(_SC_PHYS_PAGES)) * double(::sysconf(_SC_PAGE_SIZE));
+    if (ram > 0 && state > ram)
+      throw ConfigError(fmt::format(
+          "the model's {:.2f} B parameters need {} for their weights, gradients and AdamW moments alone (16 bytes "
+          "each), more than this machine's {} of memory: choose a smaller model",
+          double(cfg.model.num_params()) / 1e9, format_bytes(Bytes(std::min(state, 9e18))), format_bytes(Bytes(ram))));
+  }
   if (opts.resume) {
     // A run resumes on as many ranks as it trained on: one checkpoint folder per rank
     // (rank00000, ...), or the checkpoints at the top for a single-process run.
@@ -561,7 +611,7 @@ TrainResult run_training(const TrainOptions& opts) {
     fs::create_directories(run_dir);
     run_lock.fd = ::open((run_dir / ".moeflex.lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
     if (run_lock.fd < 0 || ::flock(run_lock.fd, LOCK_EX | LOCK_NB) != 0)
-      folder_error = folder_in_use_message(run_dir);
+      folder_error = folder_in_use_message(run_dir, bool(opts.resume));
     else if (!opts.resume && holds_a_run(run_dir))  // a run that began and ended since the check above
       folder_error = holds_a_run_message(run_dir);
     else  // the lock is ours: temporary files of an atomic write a killed process left are garbage
@@ -869,6 +919,7 @@ TrainResult run_training(const TrainOptions& opts) {
     auto restore_checkpoint = [&](const fs::path& dir) {
       const auto mb = model_bufs(), ob = opt_bufs();
       const auto host_mb = stage(mb, false), host_ob = stage(ob, false);
+      check_trainer_state(train::read_checkpoint_manifest(dir)["trainer_state"], dir);
       json st = train::load_checkpoint(dir, host_mb, host_ob);
       unstage(mb, host_mb);
       unstage(ob, host_ob);
@@ -1072,8 +1123,7 @@ TrainResult run_training(const TrainOptions& opts) {
                      {"step_seconds", step_seconds},
                      {"peak_device_bytes", std::int64_t(demand)},
                      {"injected_imbalance", ops::imbalance_active(imbalance, oom_step) ? imbalance.ratio : 0.0}};
-        metrics << line.dump() << "\n";
-        metrics.flush();
+        train::append_line(metrics, run_dir / "metrics.jsonl", line.dump());
       }
       if (tried >= t.max_restarts) {
         res.tokens_per_second_effective = double(res.tokens) / std::max(train_seconds + res.restart_seconds, 1e-9);
@@ -1249,7 +1299,7 @@ TrainResult run_training(const TrainOptions& opts) {
       const double step_cpu = process_cpu_seconds() - cpu0;
       // Before the evaluation below, which routes (and clears the routing records) too.
       record_loads(world.get(), replica.routing(), cfg.model, layout, dp_rank, M, step + 1, step_cpu,
-                   rank0 ? &loads_out : nullptr);
+                   rank0 ? &loads_out : nullptr, run_dir / "loads.jsonl");
       train_seconds += dt;
       const std::int64_t step_tokens = B * S * M * dp;
       res.tokens += step_tokens;
@@ -1293,8 +1343,7 @@ TrainResult run_training(const TrainOptions& opts) {
         line["val_loss"] = last_val;
       }
       if (rank0) {
-        metrics << line.dump() << "\n";
-        metrics.flush();
+        train::append_line(metrics, run_dir / "metrics.jsonl", line.dump());
       }
       res.tokens_per_second = double(res.tokens) / std::max(train_seconds, 1e-9);
       res.tokens_per_second_effective = double(res.tokens) / std::max(train_seconds + res.restart_seconds, 1e-9);

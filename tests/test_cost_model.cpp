@@ -154,6 +154,12 @@ TEST(HardwareProfile, ErrorsNameTheFileAndTheField) {
   msg = message_of([&] { HardwareProfile::from_json(j, "hw.json"); });
   EXPECT_NE(msg.find("op_tables.rmsnorm_forward[1].bytes"), std::string::npos) << msg;
 
+  // A misspelt table is named, not ignored (its op would be priced by the fallback).
+  j = hand_profile().to_json();
+  j["op_tables"]["optimiser_step"] = j["op_tables"]["rmsnorm_forward"];
+  msg = message_of([&] { HardwareProfile::from_json(j, "hw.json"); });
+  EXPECT_NE(msg.find("'optimiser_step' is not an op table (did you mean 'optimizer_step'?)"), std::string::npos) << msg;
+
   const auto bad = std::filesystem::path(MOEFLEX_BINARY_DIR) / "test_cost_model.d" / "bad.json";
   std::filesystem::create_directories(bad.parent_path());
   std::ofstream(bad) << "{ not json";

@@ -539,6 +539,10 @@ TEST(SimInputs, OutNeverOverwritesATrainingRunAndEmptyValuesAreRefused) {
   std::tie(rc, out) = run(fmt::format("calibrate --base {}/x.json --out {}/y.json", d.string(), d.string()));
   EXPECT_EQ(rc, 2) << out;
   EXPECT_NE(out.find("is used only with --from-run"), std::string::npos) << out;
+  // --from-run times nothing: the timing flags are refused, not ignored.
+  std::tie(rc, out) = run(fmt::format("calibrate --from-run {} --seconds 5", d.string()));
+  EXPECT_EQ(rc, 2) << out;
+  EXPECT_NE(out.find("calibrate --from-run times nothing: --seconds does not apply to it"), std::string::npos) << out;
 }
 
 // ---- 7. progress of a long search ---------------------------------------------------

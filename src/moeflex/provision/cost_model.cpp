@@ -343,8 +343,12 @@ HardwareProfile HardwareProfile::from_json(const nlohmann::json& j, const std::s
 
   if (auto it = j.find("op_tables"); it != j.end()) {
     if (!it->is_object()) bad_field(source, "op_tables", "must be an object of op name -> [{bytes, seconds}]");
+    const std::vector<std::string> known(std::begin(op_names::kAll), std::end(op_names::kAll));
     for (const auto& [op, arr] : it->items()) {
       const std::string f = "op_tables." + op;
+      // A misspelt table would be ignored, and its op priced by the fallback.
+      if (std::find(known.begin(), known.end(), op) == known.end())
+        bad_field(source, "op_tables", fmt::format("'{}' is not an op table{}", op, suggest(op, known)));
       if (!arr.is_array() || arr.empty()) bad_field(source, f, "must be a non-empty array of {bytes, seconds}");
       std::vector<OpSample> points;
       for (std::size_t i = 0; i < arr.size(); ++i) {

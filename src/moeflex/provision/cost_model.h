@@ -103,6 +103,33 @@ inline constexpr const char* kElementwise = "elementwise";
 /// table refines the scalar bandwidths when present.
 inline constexpr const char* kCopyH2D = "copy_h2d";
 inline constexpr const char* kCopyD2H = "copy_d2h";
+
+/// Every name above: an op table of a profile is one of them.
+inline constexpr const char* kAll[] = {kRmsnormForward,
+                                       kRmsnormBackward,
+                                       kRope,
+                                       kRopeTables,
+                                       kSwigluForward,
+                                       kSwigluBackward,
+                                       kRouterForward,
+                                       kRouterBackward,
+                                       kPermuteForward,
+                                       kPermuteBackward,
+                                       kUnpermuteForward,
+                                       kUnpermuteBackward,
+                                       kCrossEntropyForward,
+                                       kCrossEntropyBackward,
+                                       kAttentionSoftmaxForward,
+                                       kAttentionSoftmaxBackward,
+                                       kAttentionForward,
+                                       kAttentionBackward,
+                                       kOptimizerStep,
+                                       kAdamW,
+                                       kSquareSum,
+                                       kScale,
+                                       kElementwise,
+                                       kCopyH2D,
+                                       kCopyD2H};
 }  // namespace op_names
 
 /// Bytes each op family reads plus writes: the x axis of its op table. Calibration

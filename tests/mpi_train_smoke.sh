@@ -48,6 +48,11 @@ if [[ -z "${OPENBLAS_CORETYPE:-}" ]] && grep -qw avx2 /proc/cpuinfo && grep -qw 
     [[ -z $note ]] || { echo "moeflex $args restarted for BLAS kernels: $note"; exit 1; }
   done
 fi
+# A spike past what the experts allow is capped with a warning, --quiet or not.
+capped=$("$bin" train --config tests/configs/tiny.toml --steps 1 --quiet --inject-imbalance every=1:ratio=100 \
+  --out "$out/capped" 2>&1) || { echo "$capped"; exit 1; }
+[[ $capped == *"warning: --inject-imbalance: ratio 100 is above the most 4 groups of experts allow"* ]] ||
+  { echo "no warning for an unreachable --inject-imbalance ratio: $capped"; exit 1; }
 # generate gathers the stages and expert shards of every rank's checkpoint
 text=$("$bin" generate --run "$out/run" --prompt "The jury" --max-new-tokens 8 --temperature 0)
 [[ $text == "The jury"* ]] || { echo "generate failed: $text"; exit 1; }

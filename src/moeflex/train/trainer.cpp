@@ -774,9 +774,12 @@ TrainResult run_training(const TrainOptions& opts) {
       const int groups = layout.ep() > 1 ? layout.ep() : int(cfg.model.num_experts);
       const double cap = ops::max_imbalance_ratio(cfg.model.num_experts, cfg.model.num_experts_per_tok, groups);
       if (imbalance.ratio > cap) {
-        progress.note(fmt::format("--inject-imbalance: ratio {} is above the most {} groups of experts allow with "
-                                  "top-{} ({}); injecting {}", imbalance.ratio, groups,
-                                  cfg.model.num_experts_per_tok, cap, cap));
+        // Not what was asked: a warning even under --quiet.
+        if (rank0)
+          fmt::print(stderr,
+                     "moeflex: warning: --inject-imbalance: ratio {} is above the most {} groups of experts allow "
+                     "with top-{} ({}); injecting {}\n",
+                     imbalance.ratio, groups, cfg.model.num_experts_per_tok, cap, cap);
         imbalance.ratio = cap;
       }
     }

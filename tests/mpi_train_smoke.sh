@@ -41,12 +41,14 @@ if [[ -z "${OPENBLAS_CORETYPE:-}" ]] && grep -qw avx2 /proc/cpuinfo && grep -qw 
   [[ $backend != *Prescott* ]] || { echo "a CPU with AVX2 trained on OpenBLAS's SSE3 kernels: $backend"; exit 1; }
   n=$(grep -c "restarting with OPENBLAS_CORETYPE" "$out/resume.log" || true)
   ((n <= 1)) || { echo "the BLAS restart note came $n times"; cat "$out/resume.log"; exit 1; }
-  # what computes nothing does not restart
-  for args in "train --help" "calibrate -h" "calibrate --from-run $out/run --out $out/in-situ.json"; do
-    # shellcheck disable=SC2086
-    note=$("$bin" $args 2>&1 >/dev/null | grep "restarting with OPENBLAS_CORETYPE" || true)
-    [[ -z $note ]] || { echo "moeflex $args restarted for BLAS kernels: $note"; exit 1; }
-  done
+  # what computes nothing does not restart (checked where the training restarted)
+  if ((n == 1)); then
+    for args in "train --help" "calibrate -h" "calibrate --from-run $out/run --out $out/in-situ.json"; do
+      # shellcheck disable=SC2086
+      note=$("$bin" $args 2>&1 >/dev/null | grep "restarting with OPENBLAS_CORETYPE" || true)
+      [[ -z $note ]] || { echo "moeflex $args restarted for BLAS kernels: $note"; exit 1; }
+    done
+  fi
 fi
 # A spike past what the experts allow is capped with a warning, --quiet or not.
 capped=$("$bin" train --config tests/configs/tiny.toml --steps 1 --quiet --inject-imbalance every=1:ratio=100 \

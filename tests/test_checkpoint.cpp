@@ -506,3 +506,21 @@ TEST(Files, AFailedAppendIsAnErrorNamingTheFile) {
         << e.what();
   }
 }
+
+// Ranks save with keep_last = 0 and rotate once all have saved: a save keeps every
+// older step, and rotate_checkpoints keeps the newest keep_last, never keep_step.
+TEST(Checkpoint, SavingWithoutRotationKeepsOlderStepsUntilRotated) {
+  TempDir tmp;
+  Toy saved(1);
+  for (std::int64_t step : {2, 4, 6})
+    save_checkpoint(tmp.path(), step, saved.model, saved.optimizer, sample_state(step), 0);
+  for (std::int64_t step : {2, 4, 6}) EXPECT_TRUE(checkpoint_complete(checkpoint_dir(tmp.path(), step), step)) << step;
+  EXPECT_FALSE(checkpoint_complete(checkpoint_dir(tmp.path(), 4), 6));  // another step's
+  rotate_checkpoints(tmp.path(), 4, 2);                                 // keep step 4 and the newest other one
+  EXPECT_TRUE(fs::exists(checkpoint_dir(tmp.path(), 4)));
+  EXPECT_TRUE(fs::exists(checkpoint_dir(tmp.path(), 6)));
+  EXPECT_FALSE(fs::exists(checkpoint_dir(tmp.path(), 2)));
+  rotate_checkpoints(tmp.path(), 4, 1);
+  EXPECT_TRUE(fs::exists(checkpoint_dir(tmp.path(), 4)));
+  EXPECT_FALSE(fs::exists(checkpoint_dir(tmp.path(), 6)));
+}

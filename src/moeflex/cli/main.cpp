@@ -284,7 +284,7 @@ int main(int argc, char** argv) {
       throw ConfigError(fmt::format("calibrate --base '{}' is used only with --from-run RUN (a full calibration "
                                     "starts from no profile)", cal_base));
     } else if (*cal && !cal_from_run.empty()) {
-      for (const char* flag : {"--seconds", "--threads", "--device"})
+      for (const char* flag : {"--seconds", "--threads"})
         if (cal->count(flag) > 0)
           throw ConfigError(fmt::format("calibrate --from-run times nothing: {} does not apply to it", flag));
       std::string out = cal_out;

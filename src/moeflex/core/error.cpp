@@ -22,7 +22,9 @@ Bytes parse_size(const std::string& text) {
     while (num < s.size() && (std::isdigit(static_cast<unsigned char>(s[num])) || s[num] == '.')) ++num;
     std::size_t unit = num;
     while (unit < s.size() && space(s[unit])) ++unit;
-    if (std::any_of(s.begin() + std::ptrdiff_t(unit), s.end(), space))
+    // What follows a space must be the unit: "1 0MiB" or "1 .5GiB" is no number.
+    const bool unit_after_space = unit == num || (unit < s.size() && std::isalpha(static_cast<unsigned char>(s[unit])));
+    if (!unit_after_space || std::any_of(s.begin() + std::ptrdiff_t(unit), s.end(), space))
       throw ConfigError(
           fmt::format("cannot parse size '{}': expected a number with an optional unit "
                       "(B, KiB, MiB, GiB, TiB), e.g. '512MiB'",
@@ -52,8 +54,8 @@ Bytes parse_size(const std::string& text) {
   else if (unit == "g" || unit == "gb" || unit == "gib") mult = double(kGiB);
   else if (unit == "t" || unit == "tb" || unit == "tib") mult = double(kGiB) * 1024.0;
   else
-    throw ConfigError(fmt::format("cannot parse size '{}': unknown unit '{}' (use B, KiB, MiB, GiB or TiB)",
-                                  text, text.substr(pos)));
+    throw ConfigError(
+        fmt::format("cannot parse size '{}': unknown unit '{}' (use B, KiB, MiB, GiB or TiB)", text, s.substr(pos)));
   if (!(value >= 0) || !std::isfinite(value))
     throw ConfigError(fmt::format("size '{}' must be a non-negative number of bytes", text));
   if (value * mult >= 9.2e18)

@@ -21,6 +21,14 @@ namespace moeflex::search {
 
 namespace {
 
+// The one load ratio every candidate's times are scored at: the top of the calm range,
+// or the ratio of --imbalance constant=R.
+double scored_ratio(const sim::LoadModel& l) { return l.constant > 0 ? l.constant : std::max(1.0, l.calm_max); }
+
+}  // namespace
+
+namespace {
+
 using nlohmann::json;
 
 std::vector<int> divisors(int n) {
@@ -114,7 +122,7 @@ SearchResult search(const SearchOptions& o) {
     o.progress(fmt::format("search: {} ({:.0f} s)", line_of(), std::chrono::duration<double>(now - t0).count()));
   };
   sim::LoadModel calm = o.loads;
-  calm.constant = std::max(1.0, o.loads.calm_max);  // score at the top of the calm range
+  calm.constant = scored_ratio(o.loads);
   // The simulation options of a candidate: times at the calm load, with or without the memory walks.
   auto options_for = [&](const Candidate& c, bool walk) {
     sim::SimOptions so;
@@ -390,9 +398,9 @@ json SearchResult::to_json(const SearchOptions& o) const {
           {"seconds", seconds},
           // Times are scored at one constant ratio (simulate --imbalance constant=R reproduces
           // a row's); the distribution prices OOM risk and the spike peak.
-          {"loads", fmt::format("times at constant ratio {:.2f} (simulate --imbalance constant={:.2f}); memory and OOM "
+          {"loads", fmt::format("times at constant ratio {} (simulate --imbalance constant={}); memory and OOM "
                                 "risk from {}",
-                                std::max(1.0, o.loads.calm_max), std::max(1.0, o.loads.calm_max), o.loads.describe())},
+                                scored_ratio(o.loads), scored_ratio(o.loads), o.loads.describe())},
           {"dispatcher", o.dispatcher},
           {"top", top_j}};
 }

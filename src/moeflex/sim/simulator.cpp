@@ -1569,7 +1569,14 @@ void write_outputs(const SimReport& r, const std::filesystem::path& dir) {
     }
     written.push_back(tmp);
   }
-  for (std::size_t i = 0; i < files.size(); ++i) std::filesystem::rename(written[i], files[i].first);
+  for (std::size_t i = 0; i < files.size(); ++i) {
+    std::filesystem::rename(written[i], files[i].first, ec);
+    if (ec) {
+      written.erase(written.begin(), written.begin() + std::ptrdiff_t(i));  // those renamed are in place
+      discard();
+      throw DataError(fmt::format("{}: cannot write ({})", files[i].first.string(), ec.message()));
+    }
+  }
 }
 
 }  // namespace moeflex::sim

@@ -290,23 +290,26 @@ std::int64_t checkpoint_step(const fs::path& ckpt_dir) {
   return read_checkpoint_manifest(ckpt_dir)["step"].get<std::int64_t>();
 }
 
-std::optional<fs::path> latest_checkpoint(const fs::path& run_dir) {
-  for (const auto& [step, dir] : step_dirs(run_dir / "checkpoints")) {
-    try {
-      nlohmann::json m = read_checkpoint_manifest(dir);
-      if (m["step"].get<std::int64_t>() != step) continue;
-      bool complete = true;
-      for (const auto& [name, record] : m["files"].items()) {
-        std::error_code ec;
-        auto size = fs::file_size(dir / name, ec);
-        if (ec || static_cast<Bytes>(size) != record["bytes"].get<Bytes>()) complete = false;
-      }
-      if (complete) return dir;
-    } catch (const Error&) {
-      // not a usable checkpoint: try an older one
-    } catch (const nlohmann::json::exception&) {
+bool checkpoint_complete(const fs::path& ckpt_dir, std::int64_t step) {
+  try {
+    nlohmann::json m = read_checkpoint_manifest(ckpt_dir);
+    if (m["step"].get<std::int64_t>() != step) return false;
+    for (const auto& [name, record] : m["files"].items()) {
+      std::error_code ec;
+      auto size = fs::file_size(ckpt_dir / name, ec);
+      if (ec || static_cast<Bytes>(size) != record["bytes"].get<Bytes>()) return false;
     }
+    return true;
+  } catch (const Error&) {
+    return false;
+  } catch (const nlohmann::json::exception&) {
+    return false;
   }
+}
+
+std::optional<fs::path> latest_checkpoint(const fs::path& run_dir) {
+  for (const auto& [step, dir] : step_dirs(run_dir / "checkpoints"))
+    if (checkpoint_complete(dir, step)) return dir;  // else not usable: try an older one
   return std::nullopt;
 }
 

@@ -69,6 +69,10 @@ bool is_rank_folder_name(const std::string& name);
 /// the highest without a gap.
 int run_rank_count(const std::filesystem::path& run_dir);
 
+/// Whether `ckpt_dir` is a usable checkpoint of `step`: a valid manifest of that step
+/// listing files present with the recorded sizes (checksums: load_checkpoint).
+bool checkpoint_complete(const std::filesystem::path& ckpt_dir, std::int64_t step);
+
 /// The newest step_* directory under <run_dir>/checkpoints whose manifest is
 /// valid, matches the directory's step and lists files present with the
 /// recorded sizes; `.tmp` directories and directories without a valid manifest

@@ -485,33 +485,61 @@ TrainResult run_training(const TrainOptions& opts) {
   const fs::path ckpt_root = world_size > 1 ? run_dir / train::rank_folder_name(rank) : run_dir;
   if (opts.resume) {
     ckpt = train::latest_checkpoint(ckpt_root);
-    if (!ckpt)
-      throw no_checkpoint_error(ckpt_root);
+    if (world_size == 1 && !ckpt) throw no_checkpoint_error(ckpt_root);
     if (world_size > 1) {
+      // Every check below ends alike on every rank (an all-reduce first): a rank that
+      // threw alone would leave the others waiting in the next collective.
+      double lacking = ckpt ? 0 : rank + 1;
+      world->all_reduce_max(&lacking, 1);
+      if (lacking > 0) throw no_checkpoint_error(run_dir / train::rank_folder_name(int(lacking) - 1));
       // Every rank must resume from the same step: the newest one all ranks completed
       // (a crash while checkpointing can leave some ranks one checkpoint ahead).
-      double step = -double(train::checkpoint_step(*ckpt));
+      const std::int64_t own = train::checkpoint_step(*ckpt);
+      double step = -double(own);
       world->all_reduce_max(&step, 1);
       const std::int64_t common = std::int64_t(-step);
-      // A rank that no longer holds that step (its older ones rotated away) leaves no
-      // step in common: every rank refuses alike, naming the last such rank.
-      double missing = fs::exists(train::checkpoint_dir(ckpt_root, common)) ? 0 : rank + 1;
+      // A rank without a usable checkpoint of that step (rotated away, or cut short by
+      // a crash) leaves no step in common: every rank refuses, naming the last such rank.
+      const fs::path older = train::checkpoint_dir(ckpt_root, common);
+      double missing = common == own || train::checkpoint_complete(older, common) ? 0 : rank + 1;
       world->all_reduce_max(&missing, 1);
       if (missing > 0)
         throw DataError(fmt::format(
-            "--resume: the newest step every rank completed is {}, but rank {} no longer holds it (no '{}'): the "
-            "ranks hold no checkpoint in common to resume from",
+            "--resume: the newest step every rank completed is {}, but rank {} holds no complete checkpoint of it "
+            "('{}' is missing or incomplete): the ranks hold no checkpoint in common to resume from",
             common, int(missing) - 1,
             train::checkpoint_dir(run_dir / train::rank_folder_name(int(missing) - 1), common).string()));
-      if (common != train::checkpoint_step(*ckpt)) {
-        const fs::path older = train::checkpoint_dir(ckpt_root, common);
-        train::read_checkpoint_manifest(older);  // throws DataError naming the problem
+      if (common != own) {
         progress_note_pending = fmt::format("rank {}: resuming from step {}, the newest step every rank completed",
                                             rank, common);
         ckpt = older;
       }
     }
   }
+  if (!opts.resume && holds_a_run(run_dir)) {
+    // Every training run writes its config.toml first; a summary without one is
+    // another command's output (`moeflex simulate --out`), not a run to resume.
+    if (!fs::exists(run_dir / "config.toml") && !has_checkpoints_folder(run_dir))
+      throw ConfigError(
+          fmt::format("'{}' holds another command's output (a summary.json or metrics.jsonl without a "
+                      "run's config.toml, e.g. `moeflex simulate --out`), not a training run: use "
+                      "another --out",
+                      run_dir.string()));
+    if (!holds_a_checkpoint(run_dir))  // it ended before its first checkpoint: nothing to resume
+      throw ConfigError(
+          fmt::format("run directory '{}' holds a run that ended before its first complete checkpoint "
+                      "(it has metrics, a summary or a checkpoints folder); it cannot be resumed: use "
+                      "another --out, or delete it to start over there",
+                      run_dir.string()));
+    throw ConfigError(holds_a_run_message(run_dir));
+  }
+  // Before any corpus work: a new run would overwrite files no moeflex run wrote.
+  if (!opts.resume)
+    if (const std::string f = foreign_file_in(run_dir); !f.empty())
+      throw ConfigError(
+          fmt::format("--out '{}' holds '{}', which no moeflex run wrote and a new run would overwrite: "
+                      "use another --out, or move it away",
+                      run_dir.string(), f));
   // Threads: --threads, else OMP_NUM_THREADS, else the node's cores shared among its
   // ranks (every rank taking every core would make each OpenMP barrier wait for
   // threads the other ranks' threads have descheduled: several times slower).
@@ -576,26 +604,6 @@ TrainResult run_training(const TrainOptions& opts) {
   world->barrier();  // the other ranks read what rank 0 prepared
   TokenDataset data = TokenDataset::open(data_dir);
 
-  if (!opts.resume && holds_a_run(run_dir)) {
-    // Every training run writes its config.toml first; a summary without one is
-    // another command's output (`moeflex simulate --out`), not a run to resume.
-    if (!fs::exists(run_dir / "config.toml") && !has_checkpoints_folder(run_dir))
-      throw ConfigError(fmt::format("'{}' holds another command's output (a summary.json or metrics.jsonl without a "
-                                    "run's config.toml, e.g. `moeflex simulate --out`), not a training run: use "
-                                    "another --out",
-                                    run_dir.string()));
-    if (!holds_a_checkpoint(run_dir))  // it ended before its first checkpoint: nothing to resume
-      throw ConfigError(fmt::format("run directory '{}' holds a run that ended before its first complete checkpoint "
-                                    "(it has metrics, a summary or a checkpoints folder); it cannot be resumed: use "
-                                    "another --out, or delete it to start over there", run_dir.string()));
-    throw ConfigError(holds_a_run_message(run_dir));
-  }
-  if (!opts.resume)
-    if (const std::string f = foreign_file_in(run_dir); !f.empty())
-      throw ConfigError(
-          fmt::format("--out '{}' holds '{}', which no moeflex run wrote and a new run would overwrite: "
-                      "use another --out, or move it away",
-                      run_dir.string(), f));
   world->barrier();
   std::string folder_error;
   // One process trains in a run folder at a time: rank 0 holds an advisory lock on

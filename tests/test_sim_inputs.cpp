@@ -12,6 +12,7 @@
 #include <array>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <iterator>
 #include <set>
@@ -644,4 +645,50 @@ TEST(SimInputs, AlternatingMoeLayoutsAreRefused) {
   json freq = json::parse(std::ifstream(root / "configs/models/deepseek-v3.json"));
   freq["moe_layer_freq"] = 3;
   EXPECT_THROW(ModelConfig::from_hf_json(freq, "d.json"), ConfigError);
+}
+
+// Cluster files and replayed metrics with values that wrapped or turned into inf/nan
+// (or escaped as raw JSON errors) are refused by field; simulate --out writes its
+// files whole or not at all.
+TEST(SimInputs, ClusterBoundsReplayedCountsAndWholeOutputs) {
+  const fs::path root = MOEFLEX_SOURCE_DIR;
+  const fs::path d = scratch("bounds");
+  const json h100 = json::parse(std::ifstream(root / "configs/clusters/h100.json"));
+  auto refused = [&](const std::function<void(json&)>& edit) {
+    json j = h100;
+    edit(j);
+    write(d / "c.json", j.dump());
+    return error_of<DataError>([&] { load_cluster((d / "c.json").string(), root); });
+  };
+  EXPECT_NE(refused([](json& j) { j["param_bytes"] = 1e18; }).find("'param_bytes' is bytes per parameter, at most 64"),
+            std::string::npos);
+  EXPECT_NE(
+      refused([](json& j) { j["inter_node"]["bandwidth_Bps"] = 1e-300; }).find("bandwidth_Bps must be at least 1000"),
+      std::string::npos);
+  EXPECT_NE(refused([](json& j) { j["device"]["peak_flops"] = 1e-300; }).find("peak_flops must be at least 1e6"),
+            std::string::npos);
+  EXPECT_NE(refused([](json& j) { j["profile"] = 5; }).find("field 'profile' must be the path of a hardware profile"),
+            std::string::npos);
+  // A replayed metrics.jsonl whose counts are not counts.
+  write(d / "metrics.jsonl", "{\"step\": 1, \"ep_received_tokens\": [[5, \"x\"]]}\n");
+  EXPECT_NE(
+      error_of<DataError>([&] { LoadModel::from_file(d / "metrics.jsonl"); }).find("holds \"x\", not a token count"),
+      std::string::npos);
+  write(d / "metrics.jsonl", "{\"step\": 1, \"ep_received_tokens\": [[5, -4]]}\n");
+  EXPECT_THROW(LoadModel::from_file(d / "metrics.jsonl"), DataError);
+  // trace.json's place taken by a folder: nothing written, the earlier summary kept.
+  SimOptions o = small_options(1);
+  o.trace_ranks = {0};
+  const SimReport r = sim::simulate(o);
+  fs::create_directories(d / "out" / "trace.json");
+  write(d / "out" / "summary.json", "earlier");
+  EXPECT_NE(error_of<DataError>([&] { write_outputs(r, d / "out"); }).find("a directory is in its place"),
+            std::string::npos);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(std::ifstream(d / "out" / "summary.json").rdbuf()), {}),
+            "earlier");
+  EXPECT_FALSE(fs::exists(d / "out" / "summary.json.tmp"));
+  fs::remove_all(d / "out" / "trace.json");
+  write_outputs(r, d / "out");
+  EXPECT_TRUE(fs::is_regular_file(d / "out" / "trace.json"));
+  fs::remove_all(d);
 }

@@ -29,8 +29,7 @@ namespace {
 // A multi-rank run keeps one checkpoint per rank (rankNNNNN/checkpoints/...): pipeline
 // stages hold different layers and EP ranks different expert slices. This gathers
 // every parameter of the whole model from the ranks of data-parallel replica 0.
-void load_sharded_weights(const fs::path& run, const RunConfig& cfg, MoEModel& model) {
-  const int world = train::run_rank_count(run);
+void load_sharded_weights(const fs::path& run, int world, const RunConfig& cfg, MoEModel& model) {
   comm::LayoutSpec spec;
   spec.world_size = world;
   spec.pp = cfg.parallel.pp;
@@ -61,10 +60,10 @@ void load_sharded_weights(const fs::path& run, const RunConfig& cfg, MoEModel& m
   for (int r : readers) {
     const comm::RankCoords c = layout.coords(r);
     const fs::path ckpt = train::checkpoint_dir(rank_dir(r), step);
-    if (!fs::exists(ckpt))
+    if (!train::checkpoint_complete(ckpt, step))  // the check --resume makes
       throw DataError(
-          fmt::format("run '{}': rank {} no longer holds step {} ('{}' does not exist), the newest step "
-                      "every rank holds: its checkpoints have no step in common",
+          fmt::format("run '{}': rank {} holds no complete checkpoint of step {} ('{}' is missing or incomplete), "
+                      "the newest step every rank holds: its checkpoints have no step in common",
                       run.string(), r, step, ckpt.string()));
     const train::SafetensorsFile file = train::open_checkpoint_model(ckpt);  // size and SHA-256 checked
     for (auto& p : model.params()) {
@@ -110,8 +109,8 @@ std::string generate_text(const GenerateOptions& opts) {
                                 cfg.model.vocab_size));
   Arena arena;
   MoEModel model(cfg.model, arena);
-  if (train::run_rank_count(run) > 0) {
-    load_sharded_weights(run, cfg, model);
+  if (const int world = train::run_rank_count(run); world > 0) {
+    load_sharded_weights(run, world, cfg, model);
   } else {
     auto ckpt = train::latest_checkpoint(run);
     if (!ckpt) throw DataError(fmt::format("run '{}' has no complete checkpoint to sample from", run.string()));

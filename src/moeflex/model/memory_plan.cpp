@@ -38,15 +38,6 @@ Bytes rounded(std::int64_t numel, Bytes elem) { return Arena::round_up(std::max<
 
 }  // namespace
 
-Bytes activation_element_bytes(const ModelConfig& cfg, std::string_view name) {
-  // model.cpp's fp32 and i32 tensors; everything else is of the activation dtype.
-  if (name.ends_with(".rstd") || name.starts_with("router.probs") || name.starts_with("router.topk_") ||
-      name == "router.dtopk_w" || name == "router.dprobs" || name.starts_with("moe.offsets") ||
-      name.starts_with("moe.slot_of") || name == "moe.counts" || name == "cross_entropy.losses")
-    return 4;
-  return cfg.activation_bytes();
-}
-
 namespace {
 
 /// activation_id without the registry's lock or a full hash, for names this thread
@@ -83,105 +74,9 @@ int cached_activation_id(const std::string& name) {
 
 }  // namespace
 
-MoERows MoERows::balanced(const ModelConfig& cfg, std::int64_t n) {
-  const std::int64_t R = n * cfg.num_experts_per_tok;
-  return {R, R};
-}
-
-MoERows MoERows::worst_case(const ModelConfig& cfg, std::int64_t n, int ep_size) {
-  const std::int64_t E = cfg.num_experts, k = cfg.num_experts_per_tok;
-  const std::int64_t local = E / std::max(1, ep_size);
-  std::int64_t per_sender = n * std::min(k, local);
-  if (cfg.capacity_factor > 0) per_sender = std::min(per_sender, local * ops::expert_capacity(cfg.capacity_factor, n, E, k));
-  MoERows r;
-  r.permuted = n * k;
-  if (cfg.capacity_factor > 0) r.permuted = std::min(r.permuted, E * ops::expert_capacity(cfg.capacity_factor, n, E, k));
-  r.received = ep_size > 1 ? per_sender * ep_size : r.permuted;
-  return r;
-}
-
-std::vector<ActivationSpec> layer_activations(const ModelConfig& cfg, int layer, std::int64_t B, std::int64_t S,
-                                              const MoERows& rows, bool ep) {
-  const std::int64_t n = B * S, d = cfg.hidden_size, H = cfg.num_attention_heads;
-  std::vector<ActivationSpec> v;
-  auto add = [&](std::string name, std::string op, std::int64_t numel, bool rec, std::vector<std::string> in,
-                 bool routed = false) {
-    const int id = activation_id(name);
-    std::vector<int> in_ids;
-    for (const auto& x : in) in_ids.push_back(activation_id(x));
-    const Bytes elem = activation_element_bytes(cfg, name);
-    v.push_back({std::move(name), std::move(op), numel * elem, rec, std::move(in), routed, id, std::move(in_ids)});
-  };
-  add("attn_norm.in", "residual", n * d, false, {});
-  add("attn_norm.out", "rmsnorm", n * d, true, {"attn_norm.in"});
-  add("attn_norm.rstd", "rmsnorm", n, true, {"attn_norm.in"});
-  // d each for multi-head attention; GQA's k and v narrower; MLA's q and k heads
-  // qk_head_dim wide, v and the output v_head_dim.
-  if (cfg.mla()) {
-    // MLA's latents, the up projections' inputs (normed) and their norms' inputs: q's
-    // [n, q_lora_rank] twice (without q_lora_rank q has none), kv's [n, kv_lora_rank]
-    // twice and the shared rope key [n, qk_rope_head_dim]; 4160 a token for DeepSeek-V3.
-    if (cfg.q_lora_rank > 0) add("attn.q_latent", "linear", n * 2 * cfg.q_lora_rank, true, {"attn_norm.out"});
-    add("attn.kv_latent", "linear", n * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim), true, {"attn_norm.out"});
-    const std::string q_in = cfg.q_lora_rank > 0 ? "attn.q_latent" : "attn_norm.out";
-    add("attn.q", "rope", n * cfg.q_width(), true, {q_in});
-    add("attn.k", "rope", n * cfg.k_width(), true, {"attn.kv_latent"});
-    add("attn.v", "linear", n * cfg.v_width(), true, {"attn.kv_latent"});
-  } else {
-    add("attn.q", "rope", n * cfg.q_width(), true, {"attn_norm.out"});
-    add("attn.k", "rope", n * cfg.k_width(), true, {"attn_norm.out"});
-    add("attn.v", "linear", n * cfg.v_width(), true, {"attn_norm.out"});
-  }
-  add("attn.probs", "attention", B * H * S * S, true, {"attn.q", "attn.k", "attn.v"});
-  add("attn.out", "attention", n * cfg.attn_out_width(), true, {"attn.q", "attn.k", "attn.v"});
-  auto mlp = [&](const std::string& prefix, std::int64_t w) {
-    add(prefix + ".gate_out", "linear", n * w, true, {"ffn_norm.out"});
-    add(prefix + ".up_out", "linear", n * w, true, {"ffn_norm.out"});
-    add(prefix + ".act", "swiglu", n * w, true, {prefix + ".gate_out", prefix + ".up_out"});
-  };
-  if (!cfg.is_moe_layer(layer)) {
-    mlp("dense", cfg.intermediate_size);
-  } else {
-    const std::int64_t E = cfg.num_experts, k = cfg.num_experts_per_tok, f = cfg.moe_intermediate_size;
-    const std::int64_t R = rows.permuted, Rr = ep ? rows.received : rows.permuted;
-    add("experts.in", "dispatch", Rr * d, !ep, {"ffn_norm.out", "moe.slot_of"}, true);
-    add("experts.gate_out", "grouped_gemm", Rr * f, true, {"experts.in"}, true);
-    add("experts.up_out", "grouped_gemm", Rr * f, true, {"experts.in"}, true);
-    add("experts.act", "swiglu", Rr * f, true, {"experts.gate_out", "experts.up_out"}, true);
-    add("moe.combined", "combine", R * d, !ep, {"experts.act"}, true);
-    if (cfg.n_shared_experts > 0 || cfg.shared_expert_intermediate_size > 0) mlp("shared", cfg.shared_width());
-    add("router.logits", "router", n * E, true, {"ffn_norm.out"});
-    add("router.probs", "router", n * E, true, {"router.logits"});
-    add("router.topk_idx", "router", n * k, false, {});
-    add("router.topk_w", "router", n * k, true, {"router.logits"});
-    add("moe.offsets", "dispatch", E + 1, false, {});
-    add("moe.slot_of", "dispatch", n * k, false, {});
-  }
-  add("ffn_norm.in", "residual", n * d, false, {});
-  add("ffn_norm.out", "rmsnorm", n * d, true, {"ffn_norm.in"});
-  add("ffn_norm.rstd", "rmsnorm", n, true, {"ffn_norm.in"});
-  return v;
-}
-
-std::vector<ActivationSpec> head_activations(const ModelConfig& cfg, std::int64_t B, std::int64_t S) {
-  const std::int64_t n = B * S, d = cfg.hidden_size, V = cfg.vocab_size;
-  const Bytes a = cfg.activation_bytes();
-  std::vector<ActivationSpec> v = {
-      {"final_norm.in", "residual", n * d * a, false, {}, false, -1, {}},
-      {"final_norm.out", "rmsnorm", n * d * a, true, {"final_norm.in"}, false, -1, {}},
-      {"final_norm.rstd", "rmsnorm", n * 4, true, {"final_norm.in"}, false, -1, {}},
-      {"lm_head.probs", "cross_entropy", n * V * a, true, {"final_norm.out"}, false, -1, {}}};
-  for (auto& a : v) {
-    a.id = activation_id(a.name);
-    for (const auto& x : a.inputs) a.input_ids.push_back(activation_id(x));
-  }
-  return v;
-}
-
 bool planner_decides(const ModelConfig& cfg, const LedgerEntry& e) {
-  if (e.name.starts_with("shared.")) return false;
-  if (e.layer != kHeadLayer && !cfg.is_moe_layer(e.layer) && e.name.starts_with("ffn_norm.")) return false;
-  return true;
+  const SavedTensor* entry = ledger_entry(e.name);
+  return !entry || entry->planner_decides(e.layer != kHeadLayer && cfg.is_moe_layer(e.layer));
 }
 
 Provision most_memory_saving(const ModelConfig& cfg, const LedgerEntry& e) {
@@ -200,46 +95,16 @@ Bytes minimum_budget(const ModelConfig& cfg, std::int64_t B, std::int64_t S, con
   return Bytes(std::ceil(double(w.peak()) / (1.0 - margin_fraction)));
 }
 
-Bytes rebuild_extra_bytes(const ModelConfig& cfg, std::int64_t B, std::int64_t S, const std::string& name) {
-  const std::int64_t n = B * S, d = cfg.hidden_size;
-  const Bytes ab = cfg.activation_bytes();
-  const Bytes probs = rounded(B * cfg.num_attention_heads * S * S, ab);
-  if (name.ends_with("norm.rstd")) return rounded(n * d, ab);
-  if (name.ends_with("norm.out")) return rounded(n, 4);
-  if (name == "attn.probs") return rounded(n * cfg.attn_out_width(), ab);
-  if (name == "attn.out") return probs;
-  if (name == "router.probs") return 2 * rounded(n * cfg.num_experts_per_tok, 4);
-  if (name == "router.topk_w") return rounded(n * cfg.num_experts, 4) + rounded(n * cfg.num_experts_per_tok, 4);
-  if (name == "lm_head.probs") return rounded(n, 4);
-  return 0;
-}
-
-int activation_id(std::string_view name) {
-  // Names are few (a layer's activations); ids are dense and stable for the process.
-  struct Hash {
-    using is_transparent = void;
-    std::size_t operator()(std::string_view v) const { return std::hash<std::string_view>{}(v); }
-  };
-  using Ids = std::unordered_map<std::string, int, Hash, std::equal_to<>>;
-  // A per-thread copy in front of the shared table: ids never change once given, so
-  // threads (the search's timing pass) look names up without taking the lock.
-  thread_local Ids local;
-  if (auto hit = local.find(name); hit != local.end()) return hit->second;
-  static std::mutex mu;
-  static Ids ids;
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = ids.find(name);
-  if (it == ids.end()) it = ids.emplace(std::string(name), int(ids.size())).first;
-  local.emplace(it->first, it->second);
-  return it->second;
-}
-
 // ---------------------------------------------------------------------------------------------
 // MemoryWalk: each function below mirrors the same-named one of model.cpp, allocation
 // by allocation (a Tensor's constructor is alloc, its destruction or reset is free).
 
 MemoryWalk::MemoryWalk(const ModelConfig& cfg, std::int64_t B, std::int64_t S, Bytes persistent)
-    : cfg_(cfg), B_(B), S_(S), ab_(cfg.activation_bytes()), in_use_(persistent), peak_(persistent) {}
+    : cfg_(cfg), B_(B), S_(S), ab_(cfg.activation_bytes()), in_use_(persistent), peak_(persistent) {
+  if (cfg_.mla())  // (most walks are of models without: a projection builds many)
+    for (const SavedTensor* e : layer_entries(cfg_, 0))
+      if (e->group == SaveGroup::mla_latents) mla_latents_.push_back(activation_id(e->name));
+}
 
 const MemoryWalk::LayerSpecs& MemoryWalk::specs_of(int layer, const MoERows& rows, bool ep) {
   // Layers of one kind with the same rows list the same activations: build once
@@ -290,15 +155,9 @@ const MemoryWalk::LayerSpecs& MemoryWalk::specs_of(int layer, const MoERows& row
     const ActivationSpec& a = ls->specs[i];
     ls->pos[std::size_t(a.id)] = std::int8_t(i);
     ls->floor.push_back(most_memory_saving(cfg_, LedgerEntry{a.name, a.op, layer, 0, a.bytes, a.recomputable}));
-    Rebuild r = Rebuild::plain;
-    if (a.op == "rmsnorm") r = a.name.ends_with(".rstd") ? Rebuild::norm_rstd : Rebuild::norm_out;
-    else if (a.name == "attn.probs") r = Rebuild::attn_probs;
-    else if (a.name == "attn.out") r = Rebuild::attn_out;
-    else if (a.name == "router.probs") r = Rebuild::router_probs;
-    else if (a.name == "router.topk_w") r = Rebuild::router_topk_w;
-    else if (a.name == "lm_head.probs") r = Rebuild::lm_head;
-    else if (a.name == "moe.combined") r = Rebuild::expert_out;
-    ls->rebuild.push_back(r);
+    ls->rebuild.push_back(a.entry->rebuild);
+    ls->group[std::size_t(a.entry->group)].push_back(a.id);
+    if (a.entry->chunked) ls->chunked.push_back(a.id);
   }
   const LayerSpecs* out = ls.get();
   if (memo.size() < kMemo) memo.emplace_back(full, std::move(ls));
@@ -562,8 +421,8 @@ void MemoryWalk::forward_layers(int mb, const StageSpec& st, int from, const std
 }
 
 void MemoryWalk::save_head(int mb, const ProvisionFn& provision) {
-  save(mb, kHeadLayer, specs_of(kHeadLayer, {}, false),
-       IDS("final_norm.in", "final_norm.out", "final_norm.rstd", "lm_head.probs"), provision);
+  const LayerSpecs& specs = specs_of(kHeadLayer, {}, false);
+  save(mb, kHeadLayer, specs, group(specs, SaveGroup::head), provision);
 }
 
 void MemoryWalk::finish_forward(int mb, const StageSpec& st, int l, SavePoint point, const std::vector<MoERows>& rows,
@@ -577,12 +436,12 @@ void MemoryWalk::finish_forward(int mb, const StageSpec& st, int l, SavePoint po
   const MoERows r = rows_at(st, l, rows);
   const LayerSpecs& specs = specs_of(l, r, st.ep());
   if (point == SavePoint::attention) {
-    save(mb, l, specs, IDS("attn_norm.in", "attn_norm.out", "attn_norm.rstd", "attn.q", "attn.k", "attn.v", "attn.probs", "attn.out"), provision);
-    save(mb, l, specs, mla_latents(), provision);
+    save(mb, l, specs, group(specs, SaveGroup::attention), provision);
+    save(mb, l, specs, group(specs, SaveGroup::mla_latents), provision);
     ffn_forward(mb, l, specs, r, st.ep_size, provision);
   } else if (point == SavePoint::dense_ffn) {
-    save(mb, l, specs, IDS("dense.gate_out", "dense.up_out", "dense.act"), provision);
-    save(mb, l, specs, IDS("ffn_norm.in", "ffn_norm.out", "ffn_norm.rstd"), provision);
+    save(mb, l, specs, group(specs, SaveGroup::dense_mlp), provision);
+    save(mb, l, specs, group(specs, SaveGroup::ffn_norm), provision);
   } else {
     Slot& s = slot(mb, l);
     s.has_rows = true;
@@ -659,7 +518,7 @@ void MemoryWalk::attention_forward(int mb, int l, const LayerSpecs& specs, const
   const std::int64_t n = B_ * S_, d = cfg_.hidden_size;
   alloc(rounded(n * d, ab_));                                    // a
   alloc(rounded(n, 4));                                          // rstd
-  for (const int id : mla_latents())                             // MLA: the latents, before the up projections
+  for (const int id : group(specs, SaveGroup::mla_latents))      // MLA: the latents, before the up projections
     alloc(Arena::round_up(specs.specs[std::size_t(specs.pos[std::size_t(id)])].bytes));
   alloc(rounded(n * cfg_.q_width(), ab_));                       // q
   alloc(rounded(n * cfg_.k_width(), ab_));                       // k
@@ -668,8 +527,8 @@ void MemoryWalk::attention_forward(int mb, int l, const LayerSpecs& specs, const
   alloc(rounded(B_ * cfg_.num_attention_heads * S_ * S_, ab_));  // probs
   alloc(rounded(n * d, ab_));                                    // h, the next residual
   land();  // a decision point
-  save(mb, l, specs, IDS("attn_norm.in", "attn_norm.out", "attn_norm.rstd", "attn.q", "attn.k", "attn.v", "attn.probs", "attn.out"), provision);
-  save(mb, l, specs, mla_latents(), provision);
+  save(mb, l, specs, group(specs, SaveGroup::attention), provision);
+  save(mb, l, specs, group(specs, SaveGroup::mla_latents), provision);
 }
 
 void MemoryWalk::mlp_forward(int mb, int l, const LayerSpecs& specs, bool shared, std::int64_t w,
@@ -678,7 +537,7 @@ void MemoryWalk::mlp_forward(int mb, int l, const LayerSpecs& specs, bool shared
   for (int i = 0; i < 3; ++i) alloc(rounded(n * w, ab_));  // h1, h3, a
   if (!shared) land();                                 // a decision point
   save(mb, l, specs,
-       shared ? IDS("shared.gate_out", "shared.up_out", "shared.act") : IDS("dense.gate_out", "dense.up_out", "dense.act"),
+       group(specs, shared ? SaveGroup::shared_expert : SaveGroup::dense_mlp),
        provision);
 }
 
@@ -717,7 +576,7 @@ void MemoryWalk::ffn_forward(int mb, int l, const LayerSpecs& specs, const MoERo
     ffn_moe_tail(mb, l, specs, provision);
     return;
   }
-  save(mb, l, specs, IDS("ffn_norm.in", "ffn_norm.out", "ffn_norm.rstd"), provision);
+  save(mb, l, specs, group(specs, SaveGroup::ffn_norm), provision);
 }
 
 void MemoryWalk::moe_experts(int mb, int l, const LayerSpecs& specs, const ProvisionFn& provision) {
@@ -729,7 +588,7 @@ void MemoryWalk::moe_experts(int mb, int l, const LayerSpecs& specs, const Provi
   const std::int64_t d = cfg_.hidden_size, f = cfg_.moe_intermediate_size;
   const std::int64_t R = s.rows.permuted, Rr = ep ? s.rows.received : s.rows.permuted;
   Bytes chunk_bytes = 0;  // the chunk's own FC1 outputs and activation
-  for (const int id : IDS("experts.gate_out", "experts.up_out", "experts.act")) {
+  for (const int id : specs.chunked) {
     if (decide(mb, l, specs, id, provision) != Provision::recompute)
       alloc(rounded(Rr * f, ab_));  // kept whole
     else if (Rr > 0)
@@ -756,17 +615,16 @@ void MemoryWalk::ffn_moe_tail(int mb, int l, const LayerSpecs& specs, const Prov
     // The FC1 outputs and activation not kept were never held whole (moe_experts):
     // counted here for save(), which frees a recomputed entry at once.
     const std::int64_t Rr = s.ep_size > 1 ? s.rows.received : s.rows.permuted;
-    for (const int id : IDS("experts.gate_out", "experts.up_out", "experts.act"))
+    for (const int id : specs.chunked)
       if (decide(mb, l, specs, id, provision) == Provision::recompute)
         in_use_ += rounded(Rr * cfg_.moe_intermediate_size, ab_);
   }
-  save(mb, l, specs, IDS("experts.in", "experts.gate_out", "experts.up_out", "experts.act", "moe.combined"), provision);
+  save(mb, l, specs, group(specs, SaveGroup::experts), provision);
   if (cfg_.n_shared_experts > 0 || cfg_.shared_expert_intermediate_size > 0)
     mlp_forward(mb, l, specs, true, cfg_.shared_width(), provision);
-  save(mb, l, specs, IDS("router.logits", "router.probs", "router.topk_idx", "router.topk_w", "moe.offsets", "moe.slot_of"),
-       provision);
+  save(mb, l, specs, group(specs, SaveGroup::router), provision);
   free(rounded(cfg_.num_experts, 4));  // counts
-  save(mb, l, specs, IDS("ffn_norm.in", "ffn_norm.out", "ffn_norm.rstd"), provision);
+  save(mb, l, specs, group(specs, SaveGroup::ffn_norm), provision);
   has_ctx_ = false;
 }
 
@@ -1079,7 +937,7 @@ void MemoryWalk::attention_backward(int mb, int l) {
   // MLA: the up projections' backward reads the latents and writes their gradients,
   // which the norms and the down projections' backward then consume.
   Bytes dlatent = 0;  // d of q's latent [n, q_lora_rank] and of kv's [n, kv_lora_rank + qk_rope_head_dim]
-  for (const int id : mla_latents()) {
+  for (const int id : mla_latents_) {
     get(mb, l, id);
     pin(mb, l, id);  // under a split, the up projections' deferred dW reads them
   }
@@ -1104,12 +962,6 @@ void MemoryWalk::attention_backward(int mb, int l) {
   get(mb, l, ID("attn_norm.rstd"));
   alloc(rounded(n * d, ab_));     // dtmp
   free(2 * rounded(n * d, ab_));  // dtmp, da
-}
-
-const std::vector<int>& MemoryWalk::mla_latents() const {
-  static const std::vector<int> none;
-  if (!cfg_.mla()) return none;
-  return cfg_.q_lora_rank > 0 ? IDS("attn.q_latent", "attn.kv_latent") : IDS("attn.kv_latent");
 }
 
 std::vector<WalkAction> walk_actions(const StepPlan& plan, int rank, std::vector<std::size_t>* walk_at) {

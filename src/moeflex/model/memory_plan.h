@@ -4,10 +4,11 @@
 // This is the memory half of the cost model of DESIGN.md, shared by its three
 // consumers: the adaptive planner projects the rest of a step with it, the
 // feasibility check computes the smallest workable budget with it, and the
-// simulator (sim/) predicts each rank's peak with it. It mirrors model.cpp's
-// allocation order tensor by tensor (test_memory_plan checks the replayed peak
-// against the arena's measured peak over whole steps), so a change to the model's
-// allocations must be made here too.
+// simulator (sim/) predicts each rank's peak with it. What a layer keeps (names,
+// sizes, lineages, save groups) comes from the ledger (ledger.h); the order of the
+// workspace allocations around the saves is still replayed here op by op
+// (test_memory_plan checks the replayed peak against the arena's measured peak
+// over whole steps), so a change to the model's workspace must be made here too.
 //
 // Every size is rounded as the arena rounds it (Arena::round_up).
 #pragma once
@@ -24,61 +25,11 @@
 
 #include "moeflex/core/units.h"
 #include "moeflex/model/config.h"
+#include "moeflex/model/ledger.h"
 #include "moeflex/provision/planner.h"
 #include "moeflex/provision/stash.h"
 
 namespace moeflex {
-
-/// The stash layer index of the final norm and the LM head (after every transformer layer).
-inline constexpr int kHeadLayer = 1 << 20;
-
-/// Rows of one MoE layer's expert path for one micro-batch on one rank.
-struct MoERows {
-  std::int64_t permuted = 0;  ///< R: this rank's kept assignments (rows of moe.permuted); n*k when dropless
-  std::int64_t received = 0;  ///< Rr: rows this rank's local experts process (= permuted without EP)
-
-  /// Balanced routing of n tokens: R = n*k (capacity dropping ignored), Rr = R.
-  static MoERows balanced(const ModelConfig& cfg, std::int64_t n);
-  /// The most rows a rank can receive: every EP rank sends every assignment it can
-  /// to this rank's experts (a token picks distinct experts, so at most
-  /// min(k, local experts) of its k per sending rank), capped by the capacity
-  /// factor when one is set.
-  static MoERows worst_case(const ModelConfig& cfg, std::int64_t n, int ep_size);
-};
-
-/// One activation a layer's forward keeps for its backward, with its exact size.
-struct ActivationSpec {
-  std::string name;                 ///< stash key, e.g. "attn.probs"
-  std::string op;                   ///< producer family, as the stash records it
-  Bytes bytes = 0;                  ///< numel * dtype size (LedgerEntry::bytes)
-  bool recomputable = false;        ///< has a lineage (the stash can drop and rebuild it)
-  std::vector<std::string> inputs;  ///< the same layer's entries its lineage reads
-  bool routed = false;              ///< its size depends on the routing (MoERows)
-  int id = -1;                      ///< activation_id(name)
-  std::vector<int> input_ids;       ///< activation_id of each input
-};
-
-/// The activations layer `layer`'s forward keeps (attention block then FFN block),
-/// for a micro-batch of B sequences of S tokens. `rows` matters for MoE layers
-/// only; `ep` is whether an expert-parallel group of more than one rank dispatches
-/// (then the all-to-all outputs have no lineage).
-std::vector<ActivationSpec> layer_activations(const ModelConfig& cfg, int layer, std::int64_t B, std::int64_t S,
-                                              const MoERows& rows, bool ep);
-/// Bytes per element of the model tensor `name` (model.cpp's names): 4 for the
-/// fp32 and i32 ones (RMSNorm rstd, router probabilities, top-k indices and
-/// weights, dispatch offsets and slots, losses), else ModelConfig::activation_bytes().
-Bytes activation_element_bytes(const ModelConfig& cfg, std::string_view name);
-
-/// The activations of the final norm and LM head (stash layer kHeadLayer).
-std::vector<ActivationSpec> head_activations(const ModelConfig& cfg, std::int64_t B, std::int64_t S);
-
-/// A small dense integer for an activation name (interned once per process), for
-/// fast keys; thread-safe.
-int activation_id(std::string_view name);
-
-/// Bytes the recompute of activation `name` allocates beyond the activation itself
-/// for a moment (its lineage's other outputs, freed when it returns).
-Bytes rebuild_extra_bytes(const ModelConfig& cfg, std::int64_t B, std::int64_t S, const std::string& name);
 
 /// The layers and ends of the model one rank's pipeline stage (chunk) holds.
 struct StageSpec {
@@ -95,11 +46,6 @@ struct StageSpec {
 /// ProvisionPolicy the engine's stash calls. Offload is treated as freed once the
 /// block's saves are done (the copy has landed).
 using ProvisionFn = ProvisionPolicy;
-
-/// Where a forward stands when the planner decides: just before the saves of an
-/// attention block, of an MoE block (after its experts ran, before the shared
-/// expert), of a dense FFN block, or of the head.
-enum class SavePoint { attention, moe, dense_ffn, head };
 
 /// One step of a rank's plan, as the memory walk replays it (train/pipeline.cpp
 /// turns a StepPlan into these, mirroring its executor's buffers).
@@ -248,11 +194,6 @@ class MemoryWalk {
   void set_projection(const Projection* projection) { projection_ = projection; }
 
  private:
-  /// How a recompute rebuilds an activation (get()): its lineage's allocations.
-  enum class Rebuild : std::uint8_t {
-    plain, norm_out, norm_rstd, attn_probs, attn_out, router_probs, router_topk_w, lm_head,
-    expert_out  ///< moe.combined without EP: rebuilt only chunk by chunk (expert_chunks), never by get()
-  };
   /// A layer kind's activations (layer_activations or head_activations) with
   /// lookups: the position of each activation id, the planner's floor and the
   /// rebuild by position. Memoized per thread (specs_of).
@@ -260,7 +201,11 @@ class MemoryWalk {
     std::vector<ActivationSpec> specs;
     std::vector<std::int8_t> pos;  ///< by activation id: index into specs, -1 if absent
     std::vector<Provision> floor;  ///< by position: most_memory_saving
-    std::vector<Rebuild> rebuild;  ///< by position
+    std::vector<Rebuild> rebuild;  ///< by position (the ledger entry's)
+    /// The ids of each SaveGroup's entries, in ledger order.
+    std::array<std::vector<int>, kSaveGroups> group;
+    /// The ids of the entries chunked when recomputed (the experts' FC1 outputs and activation).
+    std::vector<int> chunked;
   };
   /// Most activations one layer keeps (an MoE layer with a shared expert keeps 25, 27
   /// with MLA's latents).
@@ -351,11 +296,12 @@ class MemoryWalk {
                    const ProvisionFn& provision);
   void mlp_forward(int mb, int l, const LayerSpecs& specs, bool shared, std::int64_t width,
                    const ProvisionFn& provision);
+  /// The ids of `g`'s entries in `specs`, in ledger order.
+  static const std::vector<int>& group(const LayerSpecs& specs, SaveGroup g) { return specs.group[std::size_t(g)]; }
+  std::vector<int> mla_latents_;  // MLA's latent entries (ModelConfig::mla; empty otherwise), by id
   /// The part of a layer's backward after its prefetch: FFN, attention, release.
   void backward_body(int mb, int l);
   void attention_backward(int mb, int l);
-  /// MLA's latent entries of a layer (ModelConfig::mla; empty otherwise), by id.
-  const std::vector<int>& mla_latents() const;
   void ffn_backward(int mb, int l);
   void mlp_backward(int mb, int l, bool shared, std::int64_t width);
   /// The summary of layer `l`'s forward at the floor with `rows` (memoized per thread).

@@ -6,6 +6,7 @@
 #include "moeflex/model/memory_plan.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cmath>
@@ -322,7 +323,7 @@ RecomputeFn MoEModel::swiglu_lineage(int mb, int l, std::string gate, std::strin
   };
 }
 
-void MoEModel::plan_saves(int mb, int l, SavePoint point, std::initializer_list<Candidate> c, const MoERows& rows) {
+void MoEModel::plan_saves(int mb, int l, SavePoint point, std::initializer_list<Held> held, const MoERows& rows) {
   if (!planner_) return;
   BlockContext ctx;
   ctx.microbatch = mb;
@@ -350,25 +351,62 @@ void MoEModel::plan_saves(int mb, int l, SavePoint point, std::initializer_list<
     lc = l == kHeadLayer ? head_cost(*cost_model_, cfg_, work) : layer_cost(*cost_model_, cfg_, l, work);
   }
   std::vector<SaveCandidate> v;
-  for (const Candidate& x : c)
-    if (!x.t || x.t->defined()) {
-      const std::string name = x.name;
-      const Bytes bytes = x.t ? x.t->nbytes() : x.bytes;
-      // In an MoE block the router and FFN-norm entries are saved after the shared expert ran.
-      const bool first = point != SavePoint::moe || name.starts_with("experts.") || name == "moe.combined";
-      Seconds drop = 0;
-      if (cost_model_) {
-        drop = x.recomputable ? lc.recompute_seconds(name)
-                              : overlapped(cost_model_->copy_d2h(bytes), lc.forward) +
-                                    overlapped(cost_model_->copy_h2d(bytes), lc.backward());
-        drop = std::max(drop, 1e-9);  // never free: an even trade goes to the bytes that cost nothing
-      }
-      v.push_back({name, x.op, bytes, x.recomputable, drop, rebuild_extra_bytes(cfg_, ctx.B, ctx.S, name), first,
-                   x.chunk});
-      ctx.candidates.push_back(name);
+  const bool ep = dispatcher_.active(), moe_layer = l != kHeadLayer && cfg_.is_moe_layer(l);
+  const LedgerDims dims = LedgerDims::of(cfg_, batch_, rope_seq_, rows, ep);
+  LedgerDims chunk_dims = dims;  // one chunk of the experts' rows (model.expert_chunk_rows)
+  chunk_dims.Rr = cfg_.expert_chunk(dims.Rr);
+  std::size_t found = 0;
+  // The candidates: the ledger's entries of this decision point, in ledger order.
+  for (const SavedTensor* e : layer_entries(cfg_, l)) {
+    if (e->point != point || !e->planner_decides(moe_layer)) continue;
+    const Tensor* t = nullptr;
+    for (const Held& h : held)
+      if (std::string_view(h.name) == e->name) t = h.t;
+    found += t != nullptr;
+    if (t && !t->defined()) continue;
+    const std::string name = e->name;
+    const Bytes bytes = t ? t->nbytes() : e->bytes(cfg_, dims);
+    const bool recomputable = e->recomputable(ep);
+    // In an MoE block the router and FFN-norm entries are saved after the shared expert ran.
+    const bool first = point != SavePoint::moe || e->group == SaveGroup::experts;
+    const Bytes chunk = e->chunked && dims.Rr > 0 ? Arena::round_up(e->bytes(cfg_, chunk_dims)) : 0;
+    Seconds drop = 0;
+    if (cost_model_) {
+      drop = recomputable ? lc.recompute_seconds(name)
+                          : overlapped(cost_model_->copy_d2h(bytes), lc.forward) +
+                                overlapped(cost_model_->copy_h2d(bytes), lc.backward());
+      drop = std::max(drop, 1e-9);  // never free: an even trade goes to the bytes that cost nothing
     }
+    v.push_back({name, e->recompute_op, bytes, recomputable, drop, rebuild_extra_bytes(cfg_, ctx.B, ctx.S, name), first,
+                 chunk});
+    ctx.candidates.push_back(name);
+  }
+  if (found != held.size())
+    throw Error(fmt::format("model: a tensor held at layer {}'s decision point is not a ledger candidate there", l));
   planner_->plan_block(mb, l, v, [&](const BlockChoice* choice) { return project_block(cfg_, ctx, choice); },
                        block_cache_key(ctx));
+}
+
+LedgerDims MoEModel::ledger_dims() const {
+  return LedgerDims::of(cfg_, batch_, rope_seq_, saving_rows_, dispatcher_.active());
+}
+
+void MoEModel::save(int mb, int l, std::string_view name, Tensor t, RecomputeFn lineage) {
+  const SavedTensor* e = ledger_entry(name);
+  if (!e) throw Error(fmt::format("model: '{}' of layer {} is saved but has no ledger entry (model/ledger.cpp)", name, l));
+  const std::vector<std::int64_t> want = e->shape(ledger_dims()).vec();
+  const DType dt = e->engine_dtype(adt_);
+  if (t.shape() != want || t.dtype() != dt)
+    throw Error(fmt::format("model: '{}' of layer {} is saved as [{}] {}, but the ledger says {} = [{}] {}", name, l,
+                            fmt::join(t.shape(), ", "), to_string(t.dtype()), e->formula, fmt::join(want, ", "),
+                            to_string(dt)));
+  stash_.save(mb, l, name, e->op, std::move(t), std::move(lineage));
+}
+
+Provision MoEModel::reserve(int mb, int l, std::string_view name) {
+  const SavedTensor* e = ledger_entry(name);
+  if (!e || !e->chunked) throw Error(fmt::format("model: '{}' is not a chunked ledger entry", name));
+  return stash_.reserve(mb, l, name, e->op, e->bytes(cfg_, ledger_dims()), e->recomputable(dispatcher_.active()));
 }
 
 Tensor MoEModel::act(std::vector<std::int64_t> shape, const char* name, DType dt) {
@@ -429,6 +467,10 @@ Tensor MoEModel::forward_impl(const std::int32_t* ids, const std::int32_t* targe
     throw ConfigError(fmt::format("sequence length {} exceeds model.max_position_embeddings = {}", S,
                                   cfg_.max_position_embeddings));
   const std::int64_t n = B * S, d = cfg_.hidden_size, V = cfg_.vocab_size;
+  if (train) {  // the micro-batch's shape, for the ledger's formulas and the lineages' RoPE
+    batch_ = B;
+    rope_seq_ = S;
+  }
 
   Tensor x = act({n, d}, "stage.input");
   op_context().layer = kOpLayerEmbedding;  // the layer under way, for the op profiler
@@ -482,14 +524,13 @@ Tensor MoEModel::forward_impl(const std::int32_t* ids, const std::int32_t* targe
   loss.total = loss.ce + loss.aux + loss.z;
   if (train) {
     plan_saves(mb, kHeadLayer, SavePoint::head,
-               {{"final_norm.in", "residual", &x, false}, {"final_norm.out", "rmsnorm", &hn, true},
-                {"final_norm.rstd", "rmsnorm", &rstd, true}, {"lm_head.probs", "cross_entropy", &logits, true}});
-    stash_.save(mb, kHeadLayer, "final_norm.in", "residual", std::move(x));
-    stash_.save(mb, kHeadLayer, "final_norm.out", "rmsnorm", std::move(hn),
+               {{"final_norm.in", &x}, {"final_norm.out", &hn}, {"final_norm.rstd", &rstd}, {"lm_head.probs", &logits}});
+    save(mb, kHeadLayer, "final_norm.in", std::move(x));
+    save(mb, kHeadLayer, "final_norm.out", std::move(hn),
                 rmsnorm_lineage(mb, kHeadLayer, "final_norm.in", final_norm_, false, n));
-    stash_.save(mb, kHeadLayer, "final_norm.rstd", "rmsnorm", std::move(rstd),
+    save(mb, kHeadLayer, "final_norm.rstd", std::move(rstd),
                 rmsnorm_lineage(mb, kHeadLayer, "final_norm.in", final_norm_, true, n));
-    stash_.save(mb, kHeadLayer, "lm_head.probs", "cross_entropy", std::move(logits), [this, mb, targets, n, d, V] {
+    save(mb, kHeadLayer, "lm_head.probs", std::move(logits), [this, mb, targets, n, d, V] {
       auto hn = stash_.get(mb, kHeadLayer, "final_norm.out");
       Tensor probs = act({n, V}, "lm_head.logits");
       be_.linear_forward(hn->view(), lm_head_->working(), probs.view(), n, d, V);
@@ -582,16 +623,14 @@ void MoEModel::attention_forward(int l, Tensor& x, std::int64_t B, std::int64_t 
     rope_seq_ = S;
     batch_ = B;
     plan_saves(mb, l, SavePoint::attention,
-               {{"attn_norm.in", "residual", &x, false}, {"attn_norm.out", "rmsnorm", &a, true},
-                {"attn_norm.rstd", "rmsnorm", &rstd, true}, {"attn.q", "rope", &q, true},
-                {"attn.k", "rope", &k, true}, {"attn.v", "linear", &v, true},
-                {"attn.probs", "attention", &probs, true}, {"attn.out", "attention", &o, true}});
-    stash_.save(mb, l, "attn_norm.in", "residual", std::move(x));
-    stash_.save(mb, l, "attn_norm.out", "rmsnorm", std::move(a), rmsnorm_lineage(mb, l, "attn_norm.in", P.in_norm, false, n));
-    stash_.save(mb, l, "attn_norm.rstd", "rmsnorm", std::move(rstd), rmsnorm_lineage(mb, l, "attn_norm.in", P.in_norm, true, n));
-    stash_.save(mb, l, "attn.q", "rope", std::move(q), linear_lineage(mb, l, "attn_norm.out", P.q, n, d, d, true));
-    stash_.save(mb, l, "attn.k", "rope", std::move(k), linear_lineage(mb, l, "attn_norm.out", P.k, n, d, d, true));
-    stash_.save(mb, l, "attn.v", "linear", std::move(v), linear_lineage(mb, l, "attn_norm.out", P.v, n, d, d, false));
+               {{"attn_norm.in", &x}, {"attn_norm.out", &a}, {"attn_norm.rstd", &rstd}, {"attn.q", &q}, {"attn.k", &k},
+                {"attn.v", &v}, {"attn.probs", &probs}, {"attn.out", &o}});
+    save(mb, l, "attn_norm.in", std::move(x));
+    save(mb, l, "attn_norm.out", std::move(a), rmsnorm_lineage(mb, l, "attn_norm.in", P.in_norm, false, n));
+    save(mb, l, "attn_norm.rstd", std::move(rstd), rmsnorm_lineage(mb, l, "attn_norm.in", P.in_norm, true, n));
+    save(mb, l, "attn.q", std::move(q), linear_lineage(mb, l, "attn_norm.out", P.q, n, d, d, true));
+    save(mb, l, "attn.k", std::move(k), linear_lineage(mb, l, "attn_norm.out", P.k, n, d, d, true));
+    save(mb, l, "attn.v", std::move(v), linear_lineage(mb, l, "attn_norm.out", P.v, n, d, d, false));
     auto core = [this, mb, l, B, S, H, hd, n, d](bool want_probs) -> RecomputeFn {
       return [this, mb, l, B, S, H, hd, n, d, want_probs] {
         auto q = stash_.get(mb, l, "attn.q"), k = stash_.get(mb, l, "attn.k"), v = stash_.get(mb, l, "attn.v");
@@ -603,8 +642,8 @@ void MoEModel::attention_forward(int l, Tensor& x, std::int64_t B, std::int64_t 
         return want_probs ? std::move(probs) : std::move(o);
       };
     };
-    stash_.save(mb, l, "attn.probs", "attention", std::move(probs), core(true));
-    stash_.save(mb, l, "attn.out", "attention", std::move(o), core(false));
+    save(mb, l, "attn.probs", std::move(probs), core(true));
+    save(mb, l, "attn.out", std::move(o), core(false));
   }
   x = std::move(h);
 }
@@ -650,14 +689,12 @@ void MoEModel::swiglu_mlp_forward(CView m, Param* w1, Param* w3, Param* w2, View
   be_.swiglu_forward(h1.view(), h3.view(), a.view(), n * w);
   be_.gemm(false, true, n, d, w, 1.0f, a.view(), w, w2->working(), w, accumulate ? 1.0f : 0.0f, y, d);
   if (train && std::string_view(prefix) == "dense")
-    plan_saves(mb, l, SavePoint::dense_ffn,
-               {{"dense.gate_out", "linear", &h1, true}, {"dense.up_out", "linear", &h3, true},
-                {"dense.act", "swiglu", &a, true}});
+    plan_saves(mb, l, SavePoint::dense_ffn, {{"dense.gate_out", &h1}, {"dense.up_out", &h3}, {"dense.act", &a}});
   if (train) {
     const std::string g = fmt::format("{}.gate_out", prefix), u = fmt::format("{}.up_out", prefix);
-    stash_.save(mb, l, g, "linear", std::move(h1), linear_lineage(mb, l, "ffn_norm.out", w1, n, d, w, false));
-    stash_.save(mb, l, u, "linear", std::move(h3), linear_lineage(mb, l, "ffn_norm.out", w3, n, d, w, false));
-    stash_.save(mb, l, fmt::format("{}.act", prefix), "swiglu", std::move(a), swiglu_lineage(mb, l, g, u));
+    save(mb, l, g, std::move(h1), linear_lineage(mb, l, "ffn_norm.out", w1, n, d, w, false));
+    save(mb, l, u, std::move(h3), linear_lineage(mb, l, "ffn_norm.out", w3, n, d, w, false));
+    save(mb, l, fmt::format("{}.act", prefix), std::move(a), swiglu_lineage(mb, l, g, u));
   }
 }
 
@@ -750,30 +787,20 @@ void MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train,
       // FC1 outputs and activation are the chunk's own unless kept.
       const bool ep = dispatcher_.active();
       const std::int64_t chunk = cfg_.expert_chunk(Rr);
-      const Bytes fc_bytes = dtype_size(adt_) * Rr * f;
-      const Bytes fc_chunk = Rr > 0 ? Arena::round_up(dtype_size(adt_) * chunk * f) : 0;
       bool keep1 = false, keep3 = false, keepa = false;  // held whole: saved or offloaded
       if (train) {
         stash_.set_routing_context(Rr, n * k);  // balanced: each of the ep ranks sends n * k / ep
+        saving_rows_ = MoERows{R, Rr};
+        // The experts' FC1 outputs, activation and combine input are computed after
+        // the decision: the planner sizes them by the ledger's formulas.
         plan_saves(mb, l, SavePoint::moe,
-                   {{"experts.in", "permute", &xe, !ep},
-                    {"experts.gate_out", "grouped_gemm", nullptr, true, fc_bytes, fc_chunk},
-                    {"experts.up_out", "grouped_gemm", nullptr, true, fc_bytes, fc_chunk},
-                    {"experts.act", "swiglu", nullptr, true, fc_bytes, fc_chunk},
-                    {"moe.combined", "grouped_gemm", nullptr, !ep, dtype_size(adt_) * R * d},
-                    {"router.logits", "linear", &logits, true},
-                    {"router.probs", "router", &probs, true},
-                    {"router.topk_idx", "router", &idx, false},
-                    {"router.topk_w", "router", &w, true},
-                    {"moe.offsets", "dispatch", &offsets, false},
-                    {"moe.slot_of", "dispatch", &slot_of, false},
-                    {"ffn_norm.in", "residual", &x, false},
-                    {"ffn_norm.out", "rmsnorm", &m, true},
-                    {"ffn_norm.rstd", "rmsnorm", &rstd, true}},
-                   MoERows{R, Rr});
-        keep1 = stash_.reserve(mb, l, "experts.gate_out", "grouped_gemm", fc_bytes, true) != Provision::recompute;
-        keep3 = stash_.reserve(mb, l, "experts.up_out", "grouped_gemm", fc_bytes, true) != Provision::recompute;
-        keepa = stash_.reserve(mb, l, "experts.act", "swiglu", fc_bytes, true) != Provision::recompute;
+                   {{"experts.in", &xe}, {"router.logits", &logits}, {"router.probs", &probs}, {"router.topk_idx", &idx},
+                    {"router.topk_w", &w}, {"moe.offsets", &offsets}, {"moe.slot_of", &slot_of}, {"ffn_norm.in", &x},
+                    {"ffn_norm.out", &m}, {"ffn_norm.rstd", &rstd}},
+                   saving_rows_);
+        keep1 = reserve(mb, l, "experts.gate_out") != Provision::recompute;
+        keep3 = reserve(mb, l, "experts.up_out") != Provision::recompute;
+        keepa = reserve(mb, l, "experts.act") != Provision::recompute;
       }
       Tensor h1 = keep1 ? act({Rr, f}, "experts.gate_out") : Tensor();
       Tensor h3 = keep3 ? act({Rr, f}, "experts.up_out") : Tensor();
@@ -837,15 +864,15 @@ void MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train,
         };
         // What was not kept whole is recorded with its lineage alone (the backward's
         // expert loop rebuilds it chunk by chunk).
-        auto save_fc = [&](const char* name, const char* op, Tensor& t, RecomputeFn fn) {
-          if (t.defined()) stash_.save(mb, l, name, op, std::move(t), std::move(fn));
+        auto save_fc = [&](const char* name, Tensor& t, RecomputeFn fn) {
+          if (t.defined()) save(mb, l, name, std::move(t), std::move(fn));
           else stash_.save_dropped(mb, l, name, std::move(fn));
         };
-        stash_.save(mb, l, "experts.in", "dispatch", std::move(xe), xe_fn);
-        save_fc("experts.gate_out", "grouped_gemm", h1, grouped(P.w1));
-        save_fc("experts.up_out", "grouped_gemm", h3, grouped(P.w3));
-        save_fc("experts.act", "swiglu", a, swiglu_lineage(mb, l, "experts.gate_out", "experts.up_out"));
-        stash_.save(mb, l, "moe.combined", "combine", std::move(yp), yp_fn);
+        save(mb, l, "experts.in", std::move(xe), xe_fn);
+        save_fc("experts.gate_out", h1, grouped(P.w1));
+        save_fc("experts.up_out", h3, grouped(P.w3));
+        save_fc("experts.act", a, swiglu_lineage(mb, l, "experts.gate_out", "experts.up_out"));
+        save(mb, l, "moe.combined", std::move(yp), yp_fn);
         dispatch_layouts_[{mb, l}] = std::move(L);
       }
     }
@@ -872,20 +899,20 @@ void MoEModel::ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train,
           be_.skew_router_logits(t.view(), n, E, k, skew_groups, skew);
           return t;
         };
-      stash_.save(mb, l, "router.logits", "router", std::move(logits), std::move(logits_fn));
-      stash_.save(mb, l, "router.probs", "router", std::move(probs), route(true));
-      stash_.save(mb, l, "router.topk_idx", "router", std::move(idx));
-      stash_.save(mb, l, "router.topk_w", "router", std::move(w), route(false));
-      stash_.save(mb, l, "moe.offsets", "dispatch", std::move(offsets));
-      stash_.save(mb, l, "moe.slot_of", "dispatch", std::move(slot_of));
+      save(mb, l, "router.logits", std::move(logits), std::move(logits_fn));
+      save(mb, l, "router.probs", std::move(probs), route(true));
+      save(mb, l, "router.topk_idx", std::move(idx));
+      save(mb, l, "router.topk_w", std::move(w), route(false));
+      save(mb, l, "moe.offsets", std::move(offsets));
+      save(mb, l, "moe.slot_of", std::move(slot_of));
     }
   }
   be_.add_inplace(out.view(), x.view(), n * d);
   if (train) {
     if (!cfg_.is_moe_layer(l)) stash_.set_routing_context(0, 0);
-    stash_.save(mb, l, "ffn_norm.in", "residual", std::move(x));
-    stash_.save(mb, l, "ffn_norm.out", "rmsnorm", std::move(m), rmsnorm_lineage(mb, l, "ffn_norm.in", P.post_norm, false, n));
-    stash_.save(mb, l, "ffn_norm.rstd", "rmsnorm", std::move(rstd), rmsnorm_lineage(mb, l, "ffn_norm.in", P.post_norm, true, n));
+    save(mb, l, "ffn_norm.in", std::move(x));
+    save(mb, l, "ffn_norm.out", std::move(m), rmsnorm_lineage(mb, l, "ffn_norm.in", P.post_norm, false, n));
+    save(mb, l, "ffn_norm.rstd", std::move(rstd), rmsnorm_lineage(mb, l, "ffn_norm.in", P.post_norm, true, n));
     stash_.set_routing_context(0, 0);
   }
   x = std::move(out);

@@ -12,6 +12,7 @@
 
 #include "moeflex/core/tensor.h"
 #include "moeflex/model/config.h"
+#include "moeflex/model/ledger.h"
 #include "moeflex/model/memory_plan.h"
 #include "moeflex/provision/cost_model.h"
 #include "moeflex/model/token_dispatcher.h"
@@ -224,13 +225,10 @@ class MoEModel {
   const CostModel* cost_model_ = nullptr;
   const StepProgram* program_ = nullptr;
   std::int64_t batch_ = 1;  // B of the micro-batch under way (S is rope_seq_)
-  struct Candidate {
+  /// A tensor of the block under decision, by its ledger name.
+  struct Held {
     const char* name;
-    const char* op;
-    const Tensor* t;     ///< the tensor, or null for one computed after the decision (bytes then)
-    bool recomputable;
-    Bytes bytes = 0;     ///< size when t is null
-    Bytes chunk = 0;     ///< when not kept whole: its per-chunk transient (rounded bytes)
+    const Tensor* t;
   };
   /// Every chunk's stash on this rank (the step program's), or this chunk's alone.
   std::vector<ActivationStash*> rank_stashes() {
@@ -239,7 +237,20 @@ class MoEModel {
   }
   /// Asks the planner (if any) to decide a block's saves at `point` of layer l,
   /// projecting the rest of the step on the memory program; rows: the MoE layer's.
-  void plan_saves(int mb, int l, SavePoint point, std::initializer_list<Candidate> c, const MoERows& rows = {});
+  /// The candidates are the ledger's entries of the point: those in `held` with
+  /// their tensors' bytes, the others (computed after the decision) by the ledger's
+  /// formula. Throws Error if `held` names a tensor that is not a candidate.
+  void plan_saves(int mb, int l, SavePoint point, std::initializer_list<Held> held, const MoERows& rows = {});
+  /// Saves `t` into the stash as ledger entry `name` of (mb, l) with its lineage,
+  /// after checking its shape and dtype against the ledger's (Error if they differ
+  /// or the ledger has no such entry).
+  void save(int mb, int l, std::string_view name, Tensor t, RecomputeFn lineage = {});
+  /// The stash's provision of chunked ledger entry `name` of (mb, l), reserved
+  /// before the tensor exists (ActivationStash::reserve, sized by the ledger).
+  Provision reserve(int mb, int l, std::string_view name);
+  /// The ledger dims of the micro-batch under way and the MoE layer being saved.
+  LedgerDims ledger_dims() const;
+  MoERows saving_rows_;  // rows of the MoE layer whose saves are under way
   std::int64_t rope_seq_ = 1;  // sequence length of the current micro-batches (for RoPE in lineages)
   /// A queued weight-gradient GEMM (zero-bubble W) and the tensors it will read.
   struct PendingWeightGrad {

@@ -294,7 +294,7 @@ int activation_id(std::string_view name) {
   return it->second;
 }
 
-std::string ledger_report(const ModelConfig& cfg, std::int64_t B, std::int64_t S, bool ep) {
+std::string ledger_report(const ModelConfig& cfg, std::int64_t B, std::int64_t S, bool ep, bool entries) {
   const std::int64_t n = B * S;
   const LedgerDims dims = LedgerDims::of(cfg, B, S, MoERows::balanced(cfg, n), ep);
   struct Block {
@@ -303,25 +303,26 @@ std::string ledger_report(const ModelConfig& cfg, std::int64_t B, std::int64_t S
     BlockKind kinds[2];
   };
   int dense = -1, moe = -1;  // the first layer of each FFN kind
-  for (int l = cfg.num_hidden_layers - 1; l >= 0; --l) (cfg.is_moe_layer(l) ? moe : dense) = l;
-  const std::vector<Block> blocks = {{"attention block", 0, {BlockKind::attention, BlockKind::attention}},
-                                     {"dense FFN block", dense, {BlockKind::dense_ffn, BlockKind::ffn}},
-                                     {"MoE FFN block", moe, {BlockKind::moe_ffn, BlockKind::ffn}},
-                                     {"head", kHeadLayer, {BlockKind::head, BlockKind::head}}};
-  std::string out = fmt::format("ledger: saved activations of one micro-batch [B {}, S {}] at balanced routing "
-                                "(Rr = R = n k = {}):\n",
-                                B, S, dims.R);
+  for (int l = int(cfg.num_hidden_layers) - 1; l >= 0; --l) (cfg.is_moe_layer(l) ? moe : dense) = l;
+  const Block blocks[] = {{"attention block", 0, {BlockKind::attention, BlockKind::attention}},
+                          {"dense FFN block", dense, {BlockKind::dense_ffn, BlockKind::ffn}},
+                          {"MoE FFN block", moe, {BlockKind::moe_ffn, BlockKind::ffn}},
+                          {"head", kHeadLayer, {BlockKind::head, BlockKind::head}}};
+  std::string out = fmt::format("ledger: one micro-batch [B {}, S {}] saves, at balanced routing (R = Rr = n k = {}):", B,
+                                S, dims.R);
   for (const Block& b : blocks) {
     if (b.layer < 0 || cfg.num_hidden_layers == 0) continue;
     Bytes total = 0;
+    int count = 0;
     std::string rows;
     for (const SavedTensor* e : layer_entries(cfg, b.layer)) {
       if (e->block != b.kinds[0] && e->block != b.kinds[1]) continue;
       const Bytes bytes = e->bytes(cfg, dims);
       total += bytes;
-      rows += fmt::format("  {:<18} {:<13} {:<38} {:>12} B\n", e->name, e->op, e->formula, bytes);
+      ++count;
+      if (entries) rows += fmt::format("\n    {:<18} {:<13} {:<40} {:>12} B", e->name, e->op, e->formula, bytes);
     }
-    out += fmt::format(" {} ({} B):\n{}", b.title, total, rows);
+    out += fmt::format("\n  {} ({} B, {} tensors, {:.2f} MiB){}", b.title, total, count, double(total) / (1 << 20), rows);
   }
   return out;
 }

@@ -193,9 +193,9 @@ int activation_id(std::string_view name);
 Bytes rebuild_extra_bytes(const ModelConfig& cfg, std::int64_t B, std::int64_t S, const std::string& name);
 
 /// What one micro-batch's saved activations add up to at balanced routing, block
-/// kind by block kind, with every entry's formula: the start-up report of a run.
-/// `ep`: the chunk dispatches over an expert-parallel group (then the all-to-all
-/// outputs have no lineage; the bytes are the same).
-std::string ledger_report(const ModelConfig& cfg, std::int64_t B, std::int64_t S, bool ep);
+/// kind by block kind (bytes and tensor count; with `entries`, every entry with its
+/// op, formula and bytes): the start-up report of a run, several lines without a
+/// final newline. `ep`: the chunk dispatches over an expert-parallel group.
+std::string ledger_report(const ModelConfig& cfg, std::int64_t B, std::int64_t S, bool ep, bool entries = false);
 
 }  // namespace moeflex

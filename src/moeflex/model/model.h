@@ -189,8 +189,61 @@ class MoEModel {
   LayerParams& layer(int l) { return layers_[std::size_t(l - par_.first_layer)]; }
   void attention_forward(int l, Tensor& x, std::int64_t B, std::int64_t S, int mb, bool train);
   void attention_backward(int l, Tensor& dx, std::int64_t B, std::int64_t S, int mb);
+  // The FFN block (moe_block.cpp): the dense MLP or the MoE layer.
   void ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train, LossParts& loss);
   void ffn_backward(int l, Tensor& dx, std::int64_t n, int mb, double grad_scale);
+  /// An MoE layer's routing of one micro-batch: the router's outputs and the dispatch plan.
+  struct Routed {
+    Tensor logits, probs;            ///< [n, E]: logits (activation dtype), probabilities (fp32)
+    Tensor idx, w;                   ///< [n, k]: chosen experts (int32), their weights (fp32)
+    Tensor counts, offsets, slot_of; ///< [E], [E + 1], [n k] int32: the dispatch plan on the device
+    std::vector<std::int32_t> host_offsets, host_counts;  ///< the plan's offsets and counts on the host
+    std::int64_t R = 0;              ///< assignments kept (rows of the permuted tensor)
+    double skew = 0;                 ///< the injected router skew, replayed by the logits' lineage
+    int skew_groups = 0;
+  };
+  /// Which of the experts' FC1 outputs and activation are held whole (saved or offloaded).
+  struct ExpertsKept {
+    bool gate = false, up = false, act = false;
+  };
+  /// The MoE FFN of layer l into `out` [n, d] (routed experts, then the shared expert
+  /// +=): x, m and rstd are the block's input, normed input and rstd, for the saves.
+  void moe_forward(int l, Tensor& x, Tensor& m, Tensor& rstd, Tensor& out, std::int64_t n, int mb, bool train,
+                   LossParts& loss);
+  /// Router, aux and z losses, and the dispatch plan of the normed input m [n, d].
+  Routed route_forward(int l, const Tensor& m, std::int64_t n, LossParts& loss);
+  /// The grouped-GEMM path: permute, dispatch, the planner's decision, the experts in
+  /// chunks, combine and unpermute into out; with `train`, the experts' saves.
+  void experts_forward(int l, Routed& r, Tensor& x, Tensor& m, Tensor& rstd, Tensor& out, std::int64_t n, int mb,
+                       bool train);
+  /// The permuted rows [R, d] of m, dispatched to this rank's experts: [Rr, d] (L: the layout).
+  Tensor dispatch_forward(const Tensor& m, const Routed& r, DispatchLayout& L, std::int64_t n);
+  /// The experts' SwiGLU FFN over xe [Rr, d] (per-expert offsets eoff) into ye [Rr, d],
+  /// chunk by chunk; the FC1 outputs and activation into h1, h3, a where kept whole.
+  void experts_ffn(int l, const Tensor& xe, const std::int32_t* eoff, std::int64_t Rr, ExpertsKept keep, Tensor& h1,
+                   Tensor& h3, Tensor& a, Tensor& ye);
+  /// The experts' outputs ye [Rr, d] back to their tokens' rank: [R, d] (ye itself without EP).
+  Tensor combine_forward(const DispatchLayout& L, Tensor& ye, std::int64_t R);
+  /// Saves the experts' entries of the ledger (with their lineages) and the layout.
+  void save_experts(int l, int mb, std::int64_t n, std::int64_t R, const std::int32_t* eoff, std::int64_t Rr, Tensor& xe,
+                    Tensor& h1, Tensor& h3, Tensor& a, Tensor& yp, DispatchLayout L);
+  /// Saves the router's and the dispatch plan's entries of the ledger.
+  void save_router(int l, int mb, Routed& r, std::int64_t n);
+  /// The MoE layer's backward: dm [n, d] receives the gradient of its normed input.
+  void moe_backward(int l, Tensor& dx, const Shared& dy, const Shared& m, Tensor& dm, std::int64_t n, int mb,
+                    double grad_scale);
+  /// Combine's backward (a dispatch), the experts' backward, dispatch's backward (a
+  /// combine) and the permutation's into dm; dw [n, k] the top-k weights' gradient.
+  void experts_backward(int l, int mb, Tensor& dx, const DispatchLayout& L, const Tensor& slot_of, const Tensor& w,
+                        Tensor& dw, Tensor& dm, std::int64_t n, bool combine_by_chunk);
+  /// The experts' output gradient [Rr, d] from the residual gradient dx.
+  Shared combine_backward(const DispatchLayout& L, Tensor& dx, const Tensor& slot_of, const Tensor& w, Tensor& dw,
+                          std::int64_t n, bool combine_by_chunk, int mb, int l);
+  /// The experts' backward chunk by chunk: their input gradient into dxe (dye's rows, or
+  /// dxe_own when W2's dW waits for dye), their weight gradients now or queued for W.
+  void expert_chunks_backward(int l, int mb, Tensor& dx, const DispatchLayout& L, const Shared& dyes,
+                              const Tensor& slot_of, Tensor& dw, std::int64_t n, bool combine_by_chunk,
+                              Tensor& dxe_own, View& dxe);
   void swiglu_mlp_forward(CView m, Param* w1, Param* w3, Param* w2, View y, std::int64_t n, int l, int mb,
                           bool train, const char* prefix, bool accumulate);
   void swiglu_mlp_backward(const Shared& dy, const Shared& m, Param* w1, Param* w3, Param* w2, View dm,

@@ -10,9 +10,12 @@
 #include <unordered_map>
 
 #include "moeflex/core/arena.h"
+#include "moeflex/model/memory_walk_util.h"
 #include "moeflex/ops/moe_dispatch.h"
 
 namespace moeflex {
+
+using walk::rounded;
 
 LedgerShape::LedgerShape(std::initializer_list<std::int64_t> d) : rank(int(d.size())) {
   std::copy(d.begin(), d.end(), dims.begin());
@@ -199,9 +202,6 @@ bool in_layer(const SavedTensor& e, const ModelConfig& cfg, int layer) {
   }
   return false;
 }
-
-/// Arena bytes of `numel` elements of `elem` bytes (at least one byte).
-Bytes rounded(std::int64_t numel, Bytes elem) { return Arena::round_up(std::max<Bytes>(1, numel * elem)); }
 
 std::vector<ActivationSpec> sized(const ModelConfig& cfg, int layer, const LedgerDims& dims, bool ep) {
   std::vector<ActivationSpec> v;

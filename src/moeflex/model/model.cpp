@@ -1,6 +1,9 @@
-// Forward and backward of the MoE transformer (docs/model.md). Every tensor a
-// backward needs is saved by name into the ActivationStash; everything else is
-// workspace freed as soon as it is used, so the arena's peak is what the ledger says.
+// The MoE transformer (docs/model.md): its parameters, a pipeline stage's forward and
+// backward over its layers and head, and the save point every block's forward goes
+// through (the planner's decision, the ledger's check, the stash). The blocks are in
+// attention_block.cpp and moe_block.cpp, the weight-gradient queue in
+// weight_grad_queue.cpp. Every tensor a backward needs is saved by its ledger name;
+// everything else is workspace freed as soon as it is used.
 #include "moeflex/model/model.h"
 #include "moeflex/model/layer_cost.h"
 #include "moeflex/model/memory_plan.h"
@@ -190,92 +193,6 @@ MoEModel::~MoEModel() {
   arena_.remove_relocatable(relocatable_id_);
   wgrad_queue_.clear();
   wgrad_reads_.clear();  // (host copies go back to copy_engine_, destroyed after this)
-}
-
-bool MoEModel::evict_queued_read(Tensor* t) {
-  auto it = wgrad_reads_.find(t);
-  if (it == wgrad_reads_.end() || it->second.tensor.use_count() != it->second.holds || !t->defined()) return false;
-  QueuedReads& r = it->second;
-  const Bytes bytes = t->nbytes();
-  CopyEngine* engine = &copy_engine_;
-  r.host = std::shared_ptr<char>(static_cast<char*>(engine->host_alloc(bytes)),
-                                 [engine, bytes](char* p) { engine->host_free(p, bytes); });
-  copy_engine_.copy(r.host.get(), t->raw(), bytes, "evict W read", /*to_host=*/true).wait();
-  r.shape = t->shape();
-  r.dtype = t->dtype();
-  r.category = t->category();
-  t->reset();
-  wgrad_bytes_evicted_ += bytes;
-  return true;
-}
-
-void MoEModel::bring_back(Tensor* t) {
-  QueuedReads& r = wgrad_reads_.at(t);
-  Tensor back(arena_, r.shape, r.category, "wgrad.bring_back", r.dtype);
-  copy_engine_.copy(back.raw(), r.host.get(), back.nbytes(), "bring back W read").wait();
-  *t = std::move(back);
-  r.host.reset();
-}
-
-void MoEModel::count_reads(const std::vector<Shared>& reads, long sign) {
-  for (const Shared& t : reads) {
-    if (!t) continue;
-    QueuedReads& r = wgrad_reads_[t.get()];
-    if (sign > 0 && r.holds == 0) r.tensor = t;
-    r.holds += sign;
-    if (r.holds <= 0) wgrad_reads_.erase(t.get());
-  }
-}
-
-void MoEModel::weight_grad(int mb, std::vector<Shared> reads, std::function<void()> fn) {
-  if (!defer_wgrad_) {
-    fn();
-    return;
-  }
-  if (op_context().profiling)  // the W action runs it later: keep its layer for the op profiler
-    fn = [fn = std::move(fn), layer = op_context().layer] {
-      op_context().layer = layer;
-      fn();
-    };
-  count_reads(reads, +1);
-  wgrad_queue_[mb].push_back({std::move(reads), std::move(fn)});
-}
-
-void MoEModel::backward_weight(int mb) {
-  if (program_) program_->pending_weight_bytes.erase({mb, par_.first_layer});
-  auto it = wgrad_queue_.find(mb);
-  if (it == wgrad_queue_.end()) return;
-  for (PendingWeightGrad& w : it->second) {
-    if (!w.fn) continue;  // (ran before an error cut this W short)
-    // Running: its tensors are pinned from here (one more reference than the queue
-    // counts) until it has run; evicted ones come back first.
-    const std::vector<Shared> running = w.reads;
-    for (const Shared& t : running)
-      if (!t->defined()) bring_back(t.get());
-    w.fn();
-    count_reads(w.reads, -1);
-    w = {};
-  }
-  wgrad_queue_.erase(it);
-}
-
-std::size_t MoEModel::pending_weight_grads(int mb) const {
-  auto it = wgrad_queue_.find(mb);
-  return it == wgrad_queue_.end() ? 0 : it->second.size();
-}
-
-void MoEModel::linear_bw(int mb, const Shared& dy, const Shared& x, Param* w, View dx, std::int64_t n, std::int64_t in,
-                         std::int64_t out, bool accumulate_dx) {
-  if (dx) be_.linear_backward(dy->view(), x->view(), w->working(), dx, nullptr, n, in, out, accumulate_dx);
-  weight_grad(mb, {dy, x}, [this, dy = dy.get(), x = x.get(), w, n, in, out] {
-    be_.linear_backward(dy->view(), x->view(), w->working(), nullptr, w->g.f32(), n, in, out, false);
-  });
-}
-
-MoEModel::Shared MoEModel::copy_of(const Tensor& t, const char* name) {
-  Tensor c(arena_, t.shape(), MemCategory::workspace, name, t.dtype());
-  be_.copy(c.raw(), t.raw(), t.nbytes());
-  return share(std::move(c));
 }
 
 RecomputeFn MoEModel::rmsnorm_lineage(int mb, int l, const char* input, const Param* w, bool want_rstd,
@@ -591,83 +508,6 @@ void MoEModel::backward_stage(const std::int32_t* ids, const std::int32_t* targe
     be_.copy(dx_in.data, dx.raw(), dx.nbytes());
   }
   stash_.release_microbatch(mb);
-}
-
-// ---------------------------------------------------------------------------------------------
-// Attention block: x <- x + o_proj(attention(rope(q), rope(k), v)) of RMSNorm(x)
-
-void MoEModel::attention_forward(int l, Tensor& x, std::int64_t B, std::int64_t S, int mb, bool train) {
-  const LayerParams& P = layer(l);
-  const std::int64_t n = B * S, d = cfg_.hidden_size, H = cfg_.num_attention_heads, hd = cfg_.head_dim();
-  Tensor a = act({n, d}, "attn_norm.out"), rstd = act({n}, "attn_norm.rstd", DType::f32);
-  be_.rmsnorm_forward(x.view(), P.in_norm->working(), a.view(), rstd.f32(), n, d, float(cfg_.rms_norm_eps));
-  Tensor q = act({n, d}, "attn.q"), k = act({n, d}, "attn.k"), v = act({n, d}, "attn.v");
-  be_.linear_forward(a.view(), P.q->working(), q.view(), n, d, d);
-  be_.linear_forward(a.view(), P.k->working(), k.view(), n, d, d);
-  be_.linear_forward(a.view(), P.v->working(), v.view(), n, d, d);
-  be_.rope_forward(q.view(), B, S, H, hd, cfg_.rope_theta);
-  be_.rope_forward(k.view(), B, S, H, hd, cfg_.rope_theta);
-  Tensor o = act({n, d}, "attn.out"), probs = act({B, H, S, S}, "attn.probs");
-  be_.attention_forward(q.view(), k.view(), v.view(), o.view(), probs.view(), B, S, H, hd);
-  Tensor h = act({n, d}, "attn.residual");
-  be_.linear_forward(o.view(), P.o->working(), h.view(), n, d, d);
-  be_.add_inplace(h.view(), x.view(), n * d);
-  if (train) {
-    rope_seq_ = S;
-    batch_ = B;
-    plan_saves(mb, l, SavePoint::attention,
-               {{"attn_norm.in", &x}, {"attn_norm.out", &a}, {"attn_norm.rstd", &rstd}, {"attn.q", &q}, {"attn.k", &k},
-                {"attn.v", &v}, {"attn.probs", &probs}, {"attn.out", &o}});
-    save(mb, l, "attn_norm.in", std::move(x));
-    save(mb, l, "attn_norm.out", std::move(a), rmsnorm_lineage(mb, l, "attn_norm.in", P.in_norm, false, n));
-    save(mb, l, "attn_norm.rstd", std::move(rstd), rmsnorm_lineage(mb, l, "attn_norm.in", P.in_norm, true, n));
-    save(mb, l, "attn.q", std::move(q), linear_lineage(mb, l, "attn_norm.out", P.q, n, d, d, true));
-    save(mb, l, "attn.k", std::move(k), linear_lineage(mb, l, "attn_norm.out", P.k, n, d, d, true));
-    save(mb, l, "attn.v", std::move(v), linear_lineage(mb, l, "attn_norm.out", P.v, n, d, d, false));
-    auto core = [this, mb, l, B, S, H, hd, n, d](bool want_probs) -> RecomputeFn {
-      return [this, mb, l, B, S, H, hd, n, d, want_probs] {
-        auto q = stash_.get(mb, l, "attn.q"), k = stash_.get(mb, l, "attn.k"), v = stash_.get(mb, l, "attn.v");
-        Tensor o, probs;  // the one returned first (see route() below)
-        if (!want_probs) o = act({n, d}, "attn.out");
-        probs = act({B, H, S, S}, "attn.probs");
-        if (want_probs) o = act({n, d}, "attn.out");
-        be_.attention_forward(q->view(), k->view(), v->view(), o.view(), probs.view(), B, S, H, hd);
-        return want_probs ? std::move(probs) : std::move(o);
-      };
-    };
-    save(mb, l, "attn.probs", std::move(probs), core(true));
-    save(mb, l, "attn.out", std::move(o), core(false));
-  }
-  x = std::move(h);
-}
-
-void MoEModel::attention_backward(int l, Tensor& dx, std::int64_t B, std::int64_t S, int mb) {
-  const LayerParams& P = layer(l);
-  const std::int64_t n = B * S, d = cfg_.hidden_size, H = cfg_.num_attention_heads, hd = cfg_.head_dim();
-  Tensor dq = work({n, d}, "attn.dq"), dk = work({n, d}, "attn.dk"), dv = work({n, d}, "attn.dv");
-  {
-    // dx keeps changing (the residual stream), so a deferred o_proj dW gets a copy.
-    Tensor dout = work({n, d}, "attn.dout");
-    Shared o = stash_.get(mb, l, "attn.out");  // o_proj's input; the flash backward reads it too
-    linear_bw(mb, defer_wgrad_ ? copy_of(dx, "attn.o_proj.dy") : borrow(dx), o, P.o, dout.view(), n, d, d, false);
-    Shared q = stash_.get(mb, l, "attn.q"), k = stash_.get(mb, l, "attn.k"), v = stash_.get(mb, l, "attn.v");
-    Shared probs = stash_.get(mb, l, "attn.probs");
-    Tensor dprobs = work({B, H, S, S}, "attn.dprobs");
-    be_.attention_backward(dout.view(), q->view(), k->view(), v->view(), o->view(), probs->view(), dq.view(), dk.view(),
-                           dv.view(), dprobs.view(), B, S, H, hd);
-  }
-  be_.rope_backward(dq.view(), B, S, H, hd, cfg_.rope_theta);
-  be_.rope_backward(dk.view(), B, S, H, hd, cfg_.rope_theta);
-  Shared a = stash_.get(mb, l, "attn_norm.out");
-  Tensor da = work({n, d}, "attn_norm.dout");
-  linear_bw(mb, share(std::move(dq)), a, P.q, da.view(), n, d, d, false);
-  linear_bw(mb, share(std::move(dk)), a, P.k, da.view(), n, d, d, true);
-  linear_bw(mb, share(std::move(dv)), a, P.v, da.view(), n, d, d, true);
-  a.reset();
-  Shared x = stash_.get(mb, l, "attn_norm.in"), rstd = stash_.get(mb, l, "attn_norm.rstd");
-  Tensor dtmp = work({n, d}, "attn_norm.dx");
-  be_.rmsnorm_backward(da.view(), x->view(), P.in_norm->working(), rstd->f32(), dtmp.view(), P.in_norm->g.f32(), n, d);
-  be_.add_inplace(dx.view(), dtmp.view(), n * d);
 }
 
 }  // namespace moeflex

@@ -136,7 +136,7 @@ TEST(Ledger, RebuildExtraBytesAreTheLineagesOtherOutputs) {
 /// The report's "<title> (<bytes> B)" figure.
 Bytes report_total(const std::string& report, const std::string& title) {
   std::smatch m;
-  if (!std::regex_search(report, m, std::regex(" " + title + " \\(([0-9]+) B\\)"))) return -1;
+  if (!std::regex_search(report, m, std::regex(" " + title + " \\(([0-9]+) B,"))) return -1;
   return std::stoll(m[1]);
 }
 
@@ -146,7 +146,7 @@ TEST(Ledger, ReportAddsUpEachBlockAtBalancedRouting) {
     cfg.bf16 = bf16;
     const std::int64_t B = 2, S = 8, n = B * S, d = cfg.hidden_size, a = bf16 ? 2 : 4;
     const std::int64_t E = cfg.num_experts, k = cfg.num_experts_per_tok, R = n * k, f = cfg.moe_intermediate_size;
-    const std::string rep = ledger_report(cfg, B, S, false);
+    const std::string rep = ledger_report(cfg, B, S, false, bf16);  // (the entries listed or not)
     // By hand: the norm's input and output and fp32 rstd, q, k, v, the probabilities, the output.
     EXPECT_EQ(report_total(rep, "attention block"), 2 * n * d * a + 4 * n + 3 * n * d * a +
                                                         B * cfg.num_attention_heads * S * S * a + n * d * a)

@@ -73,6 +73,8 @@ StepResult run_step(const ModelConfig& cfg, const ProvisionPolicy& policy, int M
     model.backward(ids[std::size_t(mb)].data(), tg[std::size_t(mb)].data(), kB, kS, mb, 1.0 / M);
     walk.backward(mb, stage, split);
     EXPECT_EQ(walk.in_use(), arena.in_use()) << "after backward " << mb;
+    // What the planner is told this B leaves for its W: the queue's, measured.
+    if (split) EXPECT_EQ(model.weight_grad_bytes(mb), walk.retained(mb, stage)) << "held for the W of " << mb;
   }
   model.set_defer_weight_grads(false);
   for (int mb = 0; split && mb < M; ++mb) {

@@ -455,16 +455,6 @@ Tensor MoEModel::forward_impl(const std::int32_t* ids, const std::int32_t* targe
 void MoEModel::backward_stage(const std::int32_t* ids, const std::int32_t* targets, CView dy, View dx_in,
                               std::int64_t B, std::int64_t S, int mb, double grad_scale) {
   const std::int64_t n = B * S, d = cfg_.hidden_size, V = cfg_.vocab_size;
-  if (defer_wgrad_ && program_) {
-    // What this B will leave held for its W, for the planner's projections until
-    // then: the memory program's own split backward over this micro-batch's ledger.
-    const StageSpec st = stage_spec();
-    MemoryWalk w(cfg_, B, S, 0);
-    for (const auto& [e, on] : stash_.ledger())
-      if (e.microbatch == mb) w.adopt(e, on, st.ep_size);
-    w.backward(mb, st, true);
-    program_->pending_weight_bytes[{mb, st.first_layer}] = w.retained(mb, st);
-  }
   // Offloads still copying land first (the memory program assumes so), then the
   // offloaded activations come back one layer ahead of their backward.
   for (ActivationStash* st : rank_stashes()) st->sync();
@@ -508,6 +498,9 @@ void MoEModel::backward_stage(const std::int32_t* ids, const std::int32_t* targe
     be_.copy(dx_in.data, dx.raw(), dx.nbytes());
   }
   stash_.release_microbatch(mb);
+  // What this B leaves held for its W, for the planner's projections until then:
+  // what the queue holds, measured (evicted reads counted: they come back for W).
+  if (defer_wgrad_ && program_) program_->pending_weight_bytes[{mb, par_.first_layer}] = weight_grad_bytes(mb);
 }
 
 }  // namespace moeflex

@@ -132,6 +132,9 @@ class MoEModel {
   void backward_weight(int microbatch);
   /// Bytes held by queued weight-gradient work (the split's memory cost).
   std::size_t pending_weight_grads(int microbatch) const;
+  /// Arena bytes (rounded) of the tensors queued weight-gradient work of
+  /// `microbatch` reads: held on the device, or evicted and brought back before it runs.
+  Bytes weight_grad_bytes(int microbatch) const;
   /// Bytes of what queued weight-gradient work reads that the arena evicted to the
   /// host to defragment (Arena::make_room), since construction; they came back
   /// before their W ran.
@@ -325,6 +328,7 @@ class MoEModel {
   };
   std::unordered_map<const Tensor*, QueuedReads> wgrad_reads_;
   void count_reads(const std::vector<Shared>& reads, long sign);
+  Bytes device_bytes(const Tensor& t) const;  // a queued read's bytes on this arena (evicted: when back)
   bool evict_queued_read(Tensor* t);  // Arena::EvictFn of the W queue's source
   void bring_back(Tensor* t);         // an evicted queued read, back on the device
   int relocatable_id_ = -1;  // the W queue's compaction source in arena_

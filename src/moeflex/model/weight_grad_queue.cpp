@@ -4,6 +4,9 @@
 // (they are read through their Tensor objects only), and come back before their GEMM.
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <unordered_set>
+
 #include "moeflex/core/op_context.h"
 #include "moeflex/model/model.h"
 
@@ -74,6 +77,26 @@ void MoEModel::backward_weight(int mb) {
     w = {};
   }
   wgrad_queue_.erase(it);
+}
+
+Bytes MoEModel::device_bytes(const Tensor& t) const {
+  if (t.defined()) return t.arena() == &arena_ ? t.nbytes() : 0;
+  auto it = wgrad_reads_.find(&t);  // evicted to the host: back on the device before its W
+  if (it == wgrad_reads_.end() || !it->second.host) return 0;
+  std::int64_t numel = 1;
+  for (const std::int64_t x : it->second.shape) numel *= x;
+  return Bytes(numel) * dtype_size(it->second.dtype);
+}
+
+Bytes MoEModel::weight_grad_bytes(int mb) const {
+  auto it = wgrad_queue_.find(mb);
+  if (it == wgrad_queue_.end()) return 0;
+  std::unordered_set<const Tensor*> seen;
+  Bytes held = 0;
+  for (const PendingWeightGrad& w : it->second)
+    for (const Shared& t : w.reads)
+      if (t && seen.insert(t.get()).second) held += Arena::round_up(std::max<Bytes>(1, device_bytes(*t)));
+  return held;
 }
 
 std::size_t MoEModel::pending_weight_grads(int mb) const {

@@ -1,0 +1,91 @@
+// The op-case registry's CUDA modes (op_cases.h, docs/testing.md); built only with
+// the CUDA backend, and every test skips with "skipped: no GPU (...)" without one.
+//   OpCase.CudaMatchesCpu: every case on the CUDA backend and on the CPU backend
+//     from the same inputs, in fp32 and in bf16: the forward's loss, its outputs,
+//     saved tensors and in-place inputs, then every gradient of the backward (the
+//     increment of "+=" ones), each within the case's tolerance for the dtype
+//     (relative error in norm; integers exactly). Each backend runs its own forward
+//     before its backward (the CUDA attention saves a different `probs`).
+//   OpCaseTiming.Cuda: with MOEFLEX_OP_TIMING=1, median time and GFLOP/s per case.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "cuda_harness.h"
+#include "moeflex/ops/cuda/backend.h"
+#include "op_cases.h"
+
+namespace {
+
+namespace mt = moeflex::test;
+using moeflex::Arena;
+using moeflex::Bytes;
+using moeflex::DType;
+using moeflex::ops::Backend;
+
+/// The CUDA backend and its arena (256 MiB), made once per process.
+moeflex::ops::DeviceContext& cuda_context() {
+  static moeflex::ops::DeviceContext ctx = [] {
+    moeflex::ops::cuda::CudaContextOptions options;
+    options.budget = Bytes(256) << 20;
+    return moeflex::ops::cuda::make_cuda_context(options);
+  }();
+  return ctx;
+}
+
+bool is_integer(mt::Elem e) { return e == mt::Elem::i32 || e == mt::Elem::host_i32; }
+
+/// Tensor `s` (values `got` on CUDA, `want` on the CPU) within `tol`; integers exactly.
+void expect_match(const mt::OpCase& c, DType act, const std::string& what, bool integer,
+                  const std::vector<double>& got, const std::vector<double>& want, double tol) {
+  const std::string where = c.name + " (" + c.shape + ") " + moeflex::to_string(act) + ": " + what;
+  if (integer) {
+    EXPECT_EQ(got, want) << where;
+    return;
+  }
+  const double err = mt::rel_err(got, want);
+  EXPECT_TRUE(err <= tol) << where << ": relative error " << err << " against the CPU backend (tolerance " << tol
+                          << ")";
+}
+
+class OpCase : public ::testing::TestWithParam<const mt::OpCase*> {};
+
+TEST_P(OpCase, CudaMatchesCpu) {
+  MOEFLEX_REQUIRE_GPU();
+  const mt::OpCase& c = *GetParam();
+  Backend& cpu = moeflex::ops::cpu_backend();
+  Backend& gpu = *cuda_context().backend;
+  for (DType act : {DType::f32, DType::bf16}) {
+    const double tol = act == DType::bf16 ? c.tol.bf16 : c.tol.f32;
+    mt::OpTensors h(cpu, mt::cpu_arena(), act, c.build()), d(gpu, *cuda_context().arena, act, c.build());
+    const double loss_cpu = c.forward(cpu, h), loss_gpu = c.forward(gpu, d);
+    expect_match(c, act, "the forward's scalar", false, {loss_gpu}, {loss_cpu}, tol);
+    for (const mt::TensorSpec& s : h.specs()) {
+      const bool forward_result = s.role == mt::Role::output || s.role == mt::Role::saved || s.role == mt::Role::input;
+      if (forward_result && s.compare)
+        expect_match(c, act, s.name + " (forward)", is_integer(s.elem), d.read(s.name), h.read(s.name), tol);
+    }
+    if (!c.backward) continue;
+    c.backward(cpu, h);
+    c.backward(gpu, d);
+    for (const mt::TensorSpec& s : h.specs()) {
+      if (mt::gradient_input(s).empty()) continue;
+      expect_match(c, act, s.name + (s.accumulate ? " (backward, +=)" : " (backward)"), false,
+                   mt::gradient_written(d, s), mt::gradient_written(h, s), tol);
+    }
+  }
+}
+
+class OpCaseTiming : public ::testing::TestWithParam<const mt::OpCase*> {};
+
+TEST_P(OpCaseTiming, Cuda) {
+  if (!mt::timing_requested()) GTEST_SKIP() << "timing mode: set MOEFLEX_OP_TIMING=1";
+  MOEFLEX_REQUIRE_GPU();
+  for (DType act : {DType::f32, DType::bf16})
+    mt::record_timing(mt::time_case(*GetParam(), *cuda_context().backend, *cuda_context().arena, act));
+}
+
+INSTANTIATE_TEST_SUITE_P(, OpCase, ::testing::ValuesIn(mt::all_op_case_pointers()), mt::op_case_name);
+INSTANTIATE_TEST_SUITE_P(, OpCaseTiming, ::testing::ValuesIn(mt::all_op_case_pointers()), mt::op_case_name);
+
+}  // namespace

@@ -294,6 +294,48 @@ std::vector<double> gradient_written(const OpTensors& tensors, const TensorSpec&
   return g;
 }
 
+namespace {
+
+bool is_integer(Elem e) { return e == Elem::i32 || e == Elem::host_i32; }
+
+void expect_match(const std::string& where, bool integer, const std::vector<double>& got,
+                  const std::vector<double>& want, double tol) {
+  if (integer) {
+    EXPECT_EQ(got, want) << where;
+    return;
+  }
+  const double err = rel_err(got, want);
+  EXPECT_TRUE(err <= tol) << where << ": relative error " << err << " (tolerance " << tol << ")";
+}
+
+}  // namespace
+
+void expect_runs_match(const OpCase& c, OpRun tested, OpRun reference, double tol) {
+  std::vector<TensorSpec> specs = c.build();
+  for (TensorSpec& t : specs) {
+    if (t.elem != Elem::act || tested.act != DType::bf16) continue;
+    for (double& x : t.init) x = to_float(to_bf16(float(x)));
+  }
+  OpTensors want(reference.backend, reference.arena, reference.act, specs);
+  OpTensors got(tested.backend, tested.arena, tested.act, specs);
+  const std::string run = c.name + " (" + c.shape + ") " + to_string(tested.backend.kind()) + " " +
+                          to_string(tested.act) + " against " + to_string(reference.backend.kind()) + " " +
+                          to_string(reference.act) + ": ";
+  const double loss_want = c.forward(reference.backend, want), loss_got = c.forward(tested.backend, got);
+  expect_match(run + "the forward's scalar", false, {loss_got}, {loss_want}, tol);
+  for (const TensorSpec& t : specs)
+    if (t.compare && t.role != Role::scratch)
+      expect_match(run + t.name + " (forward)", is_integer(t.elem), got.read(t.name), want.read(t.name), tol);
+  if (!c.backward) return;
+  c.backward(reference.backend, want);
+  c.backward(tested.backend, got);
+  for (const TensorSpec& t : specs) {
+    if (gradient_input(t).empty()) continue;
+    expect_match(run + t.name + (t.accumulate ? " (backward, +=)" : " (backward)"), false, gradient_written(got, t),
+                 gradient_written(want, t), tol);
+  }
+}
+
 // ---------------------------------------------------------------------------------
 // Timing
 

@@ -186,6 +186,19 @@ std::string gradient_input(const TensorSpec& t);
 /// What the backward wrote into gradient `t`: its values, less the prior ones for "+=".
 std::vector<double> gradient_written(const OpTensors& tensors, const TensorSpec& t);
 
+/// One run of a case: a backend, its arena, and the activation dtype.
+struct OpRun {
+  ops::Backend& backend;
+  Arena& arena;
+  DType act;
+};
+/// Runs `c` on `tested` and on `reference` from the same inputs (act inputs rounded
+/// to the tested dtype, so the reference sees what the tested run sees) and checks
+/// the forward's scalar, every compared forward result and every gradient (the
+/// increment of "+="), relative error in norm within `tol`, integers exactly. Each
+/// run does its own forward before its backward.
+void expect_runs_match(const OpCase& c, OpRun tested, OpRun reference, double tol);
+
 /// The host arena the CPU runs allocate from (unlimited), made once per process.
 Arena& cpu_arena();
 /// A case's test-parameter name (its name).

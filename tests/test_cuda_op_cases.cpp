@@ -9,8 +9,6 @@
 //   OpCaseTiming.Cuda: with MOEFLEX_OP_TIMING=1, median time and GFLOP/s per case.
 #include <gtest/gtest.h>
 
-#include <cmath>
-
 #include "cuda_harness.h"
 #include "moeflex/ops/cuda/backend.h"
 #include "op_cases.h"
@@ -33,47 +31,15 @@ moeflex::ops::DeviceContext& cuda_context() {
   return ctx;
 }
 
-bool is_integer(mt::Elem e) { return e == mt::Elem::i32 || e == mt::Elem::host_i32; }
-
-/// Tensor `s` (values `got` on CUDA, `want` on the CPU) within `tol`; integers exactly.
-void expect_match(const mt::OpCase& c, DType act, const std::string& what, bool integer,
-                  const std::vector<double>& got, const std::vector<double>& want, double tol) {
-  const std::string where = c.name + " (" + c.shape + ") " + moeflex::to_string(act) + ": " + what;
-  if (integer) {
-    EXPECT_EQ(got, want) << where;
-    return;
-  }
-  const double err = mt::rel_err(got, want);
-  EXPECT_TRUE(err <= tol) << where << ": relative error " << err << " against the CPU backend (tolerance " << tol
-                          << ")";
-}
-
 class OpCase : public ::testing::TestWithParam<const mt::OpCase*> {};
 
 TEST_P(OpCase, CudaMatchesCpu) {
   MOEFLEX_REQUIRE_GPU();
   const mt::OpCase& c = *GetParam();
-  Backend& cpu = moeflex::ops::cpu_backend();
   Backend& gpu = *cuda_context().backend;
-  for (DType act : {DType::f32, DType::bf16}) {
-    const double tol = act == DType::bf16 ? c.tol.bf16 : c.tol.f32;
-    mt::OpTensors h(cpu, mt::cpu_arena(), act, c.build()), d(gpu, *cuda_context().arena, act, c.build());
-    const double loss_cpu = c.forward(cpu, h), loss_gpu = c.forward(gpu, d);
-    expect_match(c, act, "the forward's scalar", false, {loss_gpu}, {loss_cpu}, tol);
-    for (const mt::TensorSpec& s : h.specs()) {
-      const bool forward_result = s.role == mt::Role::output || s.role == mt::Role::saved || s.role == mt::Role::input;
-      if (forward_result && s.compare)
-        expect_match(c, act, s.name + " (forward)", is_integer(s.elem), d.read(s.name), h.read(s.name), tol);
-    }
-    if (!c.backward) continue;
-    c.backward(cpu, h);
-    c.backward(gpu, d);
-    for (const mt::TensorSpec& s : h.specs()) {
-      if (mt::gradient_input(s).empty()) continue;
-      expect_match(c, act, s.name + (s.accumulate ? " (backward, +=)" : " (backward)"), false,
-                   mt::gradient_written(d, s), mt::gradient_written(h, s), tol);
-    }
-  }
+  for (DType act : {DType::f32, DType::bf16})
+    mt::expect_runs_match(c, {gpu, *cuda_context().arena, act}, {moeflex::ops::cpu_backend(), mt::cpu_arena(), act},
+                          act == DType::bf16 ? c.tol.bf16 : c.tol.f32);
 }
 
 class OpCaseTiming : public ::testing::TestWithParam<const mt::OpCase*> {};

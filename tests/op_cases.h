@@ -4,6 +4,7 @@
 //                                             of the CPU forward, fp32;
 //   OpCase.CudaMatchesCpu (test_cuda_op_cases) CUDA forward and backward vs the CPU
 //                                             backend, fp32 and bf16 (skips without a GPU);
+//   OpCaseBf16.CpuMatchesFp32 (test_op_cases)  the CPU bf16 path vs its fp32 run;
 //   OpCaseTiming.Cpu / OpCaseTiming.Cuda      median time and GFLOP/s per case (only with
 //                                             MOEFLEX_OP_TIMING=1; a table, no assertion).
 // A new op is one more case in op_cases_dense.cpp or op_cases_moe.cpp (docs/testing.md).
@@ -92,12 +93,16 @@ struct OpCase {
   Tolerance tol;
   double forward_flops = 0;   ///< floating-point operations of one forward (0: data movement)
   double backward_flops = 0;  ///< of one backward
+  /// A training-like shape for the timing figures: compared across backends and
+  /// dtypes like the others, but not by finite differences (two forwards per checked
+  /// element would dominate the suite's time).
+  bool timing_size = false;
 };
 
 /// Every registered case (dense then MoE), in a fixed order.
 const std::vector<OpCase>& op_cases();
-/// The cases that have a backward.
-std::vector<const OpCase*> op_cases_with_backward();
+/// The cases the Gradients mode checks: those with a backward, at small shapes.
+std::vector<const OpCase*> op_cases_for_gradients();
 std::vector<const OpCase*> all_op_case_pointers();
 
 /// The tensors of one case on one backend, of one activation dtype.
@@ -171,6 +176,12 @@ std::vector<std::int32_t> skewed_topk(std::int64_t n, std::int64_t E, std::int64
 std::vector<double> separated_router_logits(std::int64_t n, std::int64_t E, std::int64_t k, std::int32_t hot,
                                             std::int64_t cold, double gap, std::uint64_t stream);
 
+/// `c` marked as a timing-size case (OpCase::timing_size).
+inline OpCase at_timing_size(OpCase c) {
+  c.timing_size = true;
+  return c;
+}
+
 /// "n=5,d=12".
 std::string shape_of(std::initializer_list<std::pair<const char*, std::int64_t>> dims);
 
@@ -218,7 +229,7 @@ struct TimingRow {
 TimingRow time_case(const OpCase& c, ops::Backend& backend, Arena& arena, DType act);
 /// Prints rows as a table (ms and GFLOP/s; "-" for data-movement ops).
 void print_timing_table(const std::vector<TimingRow>& rows);
-/// Prints `row` and keeps it for the table printed when the test program ends.
+/// Keeps `row` for the table printed when the test program ends.
 void record_timing(const TimingRow& row);
 /// True when MOEFLEX_OP_TIMING=1 (or any value but 0) is set.
 bool timing_requested();

@@ -280,6 +280,12 @@ void add_dense_cases(std::vector<OpCase>& cases) {
   cases.push_back(embedding_case(11, 6, 9));
   cases.push_back(cross_entropy_case("cross_entropy_small", 6, 10));
   cases.push_back(cross_entropy_case("cross_entropy_vocab", 5, 300));
+  // Training-like shapes for the timing figures.
+  cases.push_back(at_timing_size(linear_case("linear_timing", 512, 512, 1024, false)));
+  cases.push_back(at_timing_size(rmsnorm_case("rmsnorm_timing", 512, 1024)));
+  cases.push_back(at_timing_size(attention_case("attention_timing", 1, 256, 4, 64)));
+  cases.push_back(at_timing_size(swiglu_case("swiglu_timing", 512 * 1024)));
+  cases.push_back(at_timing_size(cross_entropy_case("cross_entropy_timing", 256, 8192)));
 }
 
 }  // namespace moeflex::test

@@ -8,6 +8,8 @@
 // each input (unit step, 1e-5, as op_cases_dense.cpp says); the router is smooth
 // once the top-k selection is fixed, and separated_router_logits keeps every gap
 // between a row's logits >= 0.25, so the step 1e-2 never changes it.
+#include <algorithm>
+#include <cstdio>
 #include <numeric>
 
 #include "moeflex/ops/moe_dispatch.h"
@@ -38,7 +40,9 @@ Plan skewed_plan(std::int64_t n, std::int64_t E, std::int64_t k, double capacity
 }
 
 std::string moe_shape(std::int64_t n, std::int64_t E, std::int64_t k, std::int64_t d, double cf) {
-  return shape_of({{"n", n}, {"E", E}, {"k", k}, {"d", d}}) + (cf > 0 ? ",capacity=" + std::to_string(cf) : ",dropless");
+  char capacity[32] = ",dropless";
+  if (cf > 0) std::snprintf(capacity, sizeof capacity, ",capacity=%g", cf);
+  return shape_of({{"n", n}, {"E", E}, {"k", k}, {"d", d}}) + capacity;
 }
 
 /// Softmax, top-k, the load-balancing loss and the z-loss together, as a router
@@ -174,9 +178,15 @@ OpCase grouped_linear_case(std::string name, std::vector<std::int32_t> counts, s
   OpCase c;
   c.name = std::move(name);
   std::string rows_of;
-  for (std::int32_t r : counts) {
-    if (!rows_of.empty()) rows_of += '/';
-    rows_of += std::to_string(r);
+  if (E <= 8) {
+    for (std::int32_t r : counts) {
+      if (!rows_of.empty()) rows_of += '/';
+      rows_of += std::to_string(r);
+    }
+  } else {
+    const auto empty = std::count(counts.begin(), counts.end(), 0);
+    rows_of = std::to_string(rows) + "(max " + std::to_string(*std::max_element(counts.begin(), counts.end())) +
+              "," + std::to_string(empty) + " empty)";
   }
   c.shape = shape_of({{"E", E}, {"in", in}, {"out", out}}) + ",rows=" + rows_of;
   c.build = [=] {
@@ -247,6 +257,11 @@ void add_moe_cases(std::vector<OpCase>& cases) {
   cases.push_back(grouped_linear_case("grouped_linear_skewed", {0, 1, 14, 0, 2, 0}, 6, 5));
   cases.push_back(grouped_linear_case("grouped_linear_skewed_routing", skewed_counts(20, 8, 2), 7, 4));
   cases.push_back(optimizer_case(1001));
+  // Training-like shapes for the timing figures (64 experts, 8 of them cold).
+  cases.push_back(at_timing_size(router_case("router_timing", 1024, 64, 6, true, 8)));
+  cases.push_back(at_timing_size(permute_case("permute_timing", 1024, 64, 6, 256, -1)));
+  cases.push_back(at_timing_size(unpermute_case("unpermute_timing", 1024, 64, 6, 256, -1, 0)));
+  cases.push_back(at_timing_size(grouped_linear_case("grouped_linear_timing", skewed_counts(1024, 16, 2), 512, 256)));
 }
 
 }  // namespace moeflex::test

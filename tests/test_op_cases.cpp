@@ -114,8 +114,8 @@ TEST_P(OpCaseTiming, Cpu) {
     mt::record_timing(mt::time_case(*GetParam(), moeflex::ops::cpu_backend(), mt::cpu_arena(), act));
 }
 
-// Gradients: the cases with a backward; bf16 and timing: every case.
-INSTANTIATE_TEST_SUITE_P(, OpCase, ::testing::ValuesIn(mt::op_cases_with_backward()), mt::op_case_name);
+// Gradients: the small cases with a backward; bf16 and timing: every case.
+INSTANTIATE_TEST_SUITE_P(, OpCase, ::testing::ValuesIn(mt::op_cases_for_gradients()), mt::op_case_name);
 INSTANTIATE_TEST_SUITE_P(, OpCaseBf16, ::testing::ValuesIn(mt::all_op_case_pointers()), mt::op_case_name);
 INSTANTIATE_TEST_SUITE_P(, OpCaseTiming, ::testing::ValuesIn(mt::all_op_case_pointers()), mt::op_case_name);
 

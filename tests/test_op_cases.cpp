@@ -2,7 +2,8 @@
 //   OpCase.Gradients: for every case with a backward, each gradient the CPU backend
 //     writes against central finite differences of its fp32 forward, for the probe
 //     loss L = forward's loss + sum <output, seed> (op_cases.h), every element of an
-//     input up to kMaxFdElements and evenly spaced ones past that;
+//     input up to kMaxFdElements and evenly spaced ones past that; and, so that every
+//     case can fail, each gradient scaled by 1.01 must fail its check;
 //   OpCaseBf16.CpuMatchesFp32: every case's bf16 run on the CPU backend against its
 //     fp32 run on the same bf16-rounded inputs (the reference the CUDA bf16 kernels
 //     are held to, checked for what it promises: outputs rounded once);
@@ -41,18 +42,28 @@ std::vector<std::size_t> fd_elements(std::size_t numel) {
 
 double norm(const std::vector<double>& v) { return std::sqrt(mt::dot(v, v)); }
 
-class OpCase : public ::testing::TestWithParam<const mt::OpCase*> {};
+/// One gradient of a case against finite differences.
+struct GradientCheck {
+  std::string name, of;
+  bool accumulate = false;
+  double err = 0;             ///< relative error in norm over the checked elements
+  double numeric_norm = 0;    ///< norm of the finite differences (0: L does not depend on the input)
+  std::size_t checked = 0;    ///< elements compared
+  std::ptrdiff_t not_finite = -1;  ///< first element that is not finite (not written?), or -1
+};
 
-TEST_P(OpCase, Gradients) {
-  const mt::OpCase& c = *GetParam();
+/// Runs `c` forward and backward on the CPU backend in fp32 and compares every
+/// gradient (or only the one named `only`) with central finite differences of the
+/// probe loss.
+std::vector<GradientCheck> check_gradients(const mt::OpCase& c, const std::string& only = "") {
   Backend& be = moeflex::ops::cpu_backend();
   mt::OpTensors t(be, mt::cpu_arena(), DType::f32, c.build());
   c.forward(be, t);
   c.backward(be, t);
   std::vector<std::pair<const mt::TensorSpec*, std::vector<double>>> analytic;
   for (const mt::TensorSpec& s : t.specs())
-    if (!mt::gradient_input(s).empty()) analytic.emplace_back(&s, mt::gradient_written(t, s));
-  ASSERT_FALSE(analytic.empty()) << c.name << " has a backward but declares no gradient";
+    if (!mt::gradient_input(s).empty() && (only.empty() || s.name == only))
+      analytic.emplace_back(&s, mt::gradient_written(t, s));
 
   auto loss = [&] {
     double L = c.forward(be, t);
@@ -60,13 +71,13 @@ TEST_P(OpCase, Gradients) {
       if (s.role == mt::Role::seed) L += mt::dot(t.read(s.of), s.init);
     return L;
   };
+  std::vector<GradientCheck> checks;
   for (const auto& [g, full] : analytic) {
-    const std::string x_name = mt::gradient_input(*g);
-    const std::vector<double> x0 = t.stored_init(x_name);
+    GradientCheck r{g->name, mt::gradient_input(*g), g->accumulate};
+    const std::vector<double> x0 = t.stored_init(r.of);
     // Every element written ("=" outputs start as NaN), also those not sampled below.
     const auto bad = std::find_if(full.begin(), full.end(), [](double v) { return !std::isfinite(v); });
-    EXPECT_TRUE(bad == full.end()) << c.name << ": " << g->name << "[" << (bad - full.begin())
-                                   << "] is not finite (not written?)";
+    if (bad != full.end()) r.not_finite = bad - full.begin();
     std::vector<double> a, numeric;
     for (std::size_t e : fd_elements(x0.size())) {
       std::vector<double> x = x0;
@@ -74,20 +85,54 @@ TEST_P(OpCase, Gradients) {
       for (int side = 0; side < 2; ++side) {
         x[e] = x0[e] + (side == 0 ? c.tol.fd_eps : -c.tol.fd_eps);
         t.reset();
-        t.set(x_name, x);
+        t.set(r.of, x);
         at[side] = double(float(x[e]));  // the point as stored (fp32), so the step is exact
         L[side] = loss();
       }
       a.push_back(full[e]);
       numeric.push_back((L[0] - L[1]) / (at[0] - at[1]));
     }
-    const double err = mt::rel_err(a, numeric);
-    std::printf("[ fd       ] %-34s %-10s err %-10.3g tol %.0e\n", c.name.c_str(), g->name.c_str(), err, c.tol.fd);
-    EXPECT_LT(err, c.tol.fd) << c.name << " (" << c.shape << "): gradient " << g->name << " of " << x_name
-                             << (g->accumulate ? " (+=)" : " (=)") << ": relative error " << err << " against "
-                             << numeric.size() << " finite differences (step " << c.tol.fd_eps << "; "
-                             << c.tol.why << ")";
-    EXPECT_GT(norm(numeric), 0.0) << c.name << ": the probe loss does not depend on " << x_name;
+    r.err = mt::rel_err(a, numeric);
+    r.numeric_norm = norm(numeric);
+    r.checked = numeric.size();
+    checks.push_back(r);
+  }
+  return checks;
+}
+
+class OpCase : public ::testing::TestWithParam<const mt::OpCase*> {};
+
+TEST_P(OpCase, Gradients) {
+  const mt::OpCase& c = *GetParam();
+  const std::vector<GradientCheck> checks = check_gradients(c);
+  ASSERT_FALSE(checks.empty()) << c.name << " has a backward but declares no gradient";
+  for (const GradientCheck& r : checks) {
+    std::printf("[ fd       ] %-34s %-10s err %-10.3g tol %.0e\n", c.name.c_str(), r.name.c_str(), r.err, c.tol.fd);
+    EXPECT_EQ(r.not_finite, -1) << c.name << ": " << r.name << "[" << r.not_finite << "] is not finite (not written?)";
+    EXPECT_LT(r.err, c.tol.fd) << c.name << " (" << c.shape << "): gradient " << r.name << " of " << r.of
+                               << (r.accumulate ? " (+=)" : " (=)") << ": relative error " << r.err << " against "
+                               << r.checked << " finite differences (step " << c.tol.fd_eps << "; " << c.tol.why
+                               << ")";
+    EXPECT_GT(r.numeric_norm, 0.0) << c.name << ": the probe loss does not depend on " << r.of;
+  }
+}
+
+/// Every gradient check of every case can fail: the case with one gradient scaled
+/// by 1.01 after its backward (an error of 1%) must fail the check of that gradient.
+TEST_P(OpCase, GradientsCatchAOnePercentError) {
+  const mt::OpCase& c = *GetParam();
+  mt::OpTensors probe(moeflex::ops::cpu_backend(), mt::cpu_arena(), DType::f32, c.build());
+  for (const mt::TensorSpec& g : probe.specs()) {
+    if (mt::gradient_input(g).empty()) continue;
+    mt::OpCase broken = c;
+    broken.backward = [&c, name = g.name](Backend& be, mt::OpTensors& t) {
+      c.backward(be, t);
+      be.scale(t.f(name), t.numel(name), 1.01f);
+    };
+    for (const GradientCheck& r : check_gradients(broken, g.name)) {
+      EXPECT_GT(r.err, c.tol.fd) << c.name << ": a 1% error in " << g.name << " passes (relative error " << r.err
+                                 << ", tolerance " << c.tol.fd << ")";
+    }
   }
 }
 

@@ -21,6 +21,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <ostream>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -98,6 +99,9 @@ struct OpCase {
   /// element would dominate the suite's time).
   bool timing_size = false;
 };
+
+/// Test parameters print as the case's shape (ctest names: "OpCase.Gradients/rmsnorm_small  # GetParam() = n=5,d=12").
+inline void PrintTo(const OpCase* c, std::ostream* os) { *os << c->shape; }
 
 /// Every registered case (dense then MoE), in a fixed order.
 const std::vector<OpCase>& op_cases();

@@ -175,10 +175,19 @@ TensorSpec grad_acc(std::string name, std::string of, Elem elem, std::int64_t nu
 /// experts of a token are distinct. Pure function of its arguments.
 std::vector<std::int32_t> skewed_topk(std::int64_t n, std::int64_t E, std::int64_t k, std::int32_t hot,
                                       std::int64_t cold, std::uint64_t stream);
-/// Router logits [n, E] whose top-k is that of skewed_topk, with every gap between a row's sorted logits at least `gap`, so
-/// finite-difference steps below gap/2 never change the selection.
+/// Router logits [n, E] whose top-k is that of skewed_topk, with every gap between a
+/// row's sorted logits at least `gap`, so finite-difference steps below gap/2 never
+/// change the selection.
 std::vector<double> separated_router_logits(std::int64_t n, std::int64_t E, std::int64_t k, std::int32_t hot,
                                             std::int64_t cold, double gap, std::uint64_t stream);
+
+/// A case named `name` at `shape` (the rest filled in by the caller).
+inline OpCase new_case(std::string name, std::string shape) {
+  OpCase c;
+  c.name = std::move(name);
+  c.shape = std::move(shape);
+  return c;
+}
 
 /// `c` marked as a timing-size case (OpCase::timing_size).
 inline OpCase at_timing_size(OpCase c) {

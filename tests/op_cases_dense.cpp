@@ -19,9 +19,7 @@ constexpr Tolerance kLinearInInput{.fd_eps = 1.0, .fd = 1e-5, .why = "linear in 
 constexpr Tolerance kSmooth{.fd_eps = 1e-2, .fd = 5e-4, .why = "smooth: truncation ~eps^2 against rounding ~1e-7/eps"};
 
 OpCase linear_case(std::string name, std::int64_t n, std::int64_t in, std::int64_t out, bool accumulate_dx) {
-  OpCase c;
-  c.name = std::move(name);
-  c.shape = shape_of({{"n", n}, {"in", in}, {"out", out}, {"acc_dx", accumulate_dx}});
+  OpCase c = new_case(std::move(name), shape_of({{"n", n}, {"in", in}, {"out", out}, {"acc_dx", accumulate_dx}}));
   c.build = [=] {
     return std::vector<TensorSpec>{
         input("x", Elem::act, n * in, 10), input("w", Elem::act, out * in, 11), output("y", Elem::act, n * out),
@@ -50,13 +48,15 @@ OpCase gemm_case(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t 
   constexpr float kAlpha = 0.75f, kBeta = 0.5f;
   const std::int64_t lda = (ta ? M : K) + 3, ldb = (tb ? K : N) + 2, ldc = N + 1;
   const std::int64_t a_size = (ta ? K : M) * lda, b_size = (tb ? N : K) * ldb, c_size = M * ldc;
-  OpCase c;
-  c.name = std::string("gemm_") + (ta ? "t" : "n") + (tb ? "t" : "n");
-  c.shape = shape_of({{"M", M}, {"N", N}, {"K", K}, {"lda", lda}, {"ldb", ldb}, {"ldc", ldc}});
+  OpCase c = new_case(std::string("gemm_") + (ta ? "t" : "n") + (tb ? "t" : "n"),
+                      shape_of({{"M", M}, {"N", N}, {"K", K}, {"lda", lda}, {"ldb", ldb}, {"ldc", ldc}}));
   c.build = [=] {
-    return std::vector<TensorSpec>{input("A", Elem::act, a_size, 20), input("B", Elem::act, b_size, 21),
-                                   in_place("C", Elem::act, c_size, 22), seed("dC", "C", Elem::act, c_size, 23),
-                                   grad_acc("dA", "A", Elem::act, a_size, 24), grad_acc("dB", "B", Elem::act, b_size, 25)};
+    return std::vector<TensorSpec>{input("A", Elem::act, a_size, 20),
+                                   input("B", Elem::act, b_size, 21),
+                                   in_place("C", Elem::act, c_size, 22),
+                                   seed("dC", "C", Elem::act, c_size, 23),
+                                   grad_acc("dA", "A", Elem::act, a_size, 24),
+                                   grad_acc("dB", "B", Elem::act, b_size, 25)};
   };
   c.forward = [=](ops::Backend& be, OpTensors& t) {
     be.gemm(ta, tb, M, N, K, kAlpha, t.c("A"), lda, t.c("B"), ldb, kBeta, t.v("C"), ldc);
@@ -76,9 +76,7 @@ OpCase gemm_case(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t 
 }
 
 OpCase rmsnorm_case(std::string name, std::int64_t n, std::int64_t d) {
-  OpCase c;
-  c.name = std::move(name);
-  c.shape = shape_of({{"n", n}, {"d", d}});
+  OpCase c = new_case(std::move(name), shape_of({{"n", n}, {"d", d}}));
   c.build = [=] {
     return std::vector<TensorSpec>{input("x", Elem::act, n * d, 30, 2.0), input("w", Elem::act, d, 31),
                                    output("y", Elem::act, n * d), saved("rstd", Elem::f32, n),
@@ -103,9 +101,7 @@ OpCase rmsnorm_case(std::string name, std::int64_t n, std::int64_t d) {
 OpCase rope_case(std::string name, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd) {
   constexpr double kTheta = 10000.0;
   const std::int64_t N = B * S * H * hd;
-  OpCase c;
-  c.name = std::move(name);
-  c.shape = shape_of({{"B", B}, {"S", S}, {"H", H}, {"hd", hd}});
+  OpCase c = new_case(std::move(name), shape_of({{"B", B}, {"S", S}, {"H", H}, {"hd", hd}}));
   c.build = [=] {
     return std::vector<TensorSpec>{in_place("x", Elem::act, N, 40), seed_in_place("dx", "x", "x", Elem::act, N, 41)};
   };
@@ -123,9 +119,7 @@ OpCase rope_case(std::string name, std::int64_t B, std::int64_t S, std::int64_t 
 
 OpCase attention_case(std::string name, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd) {
   const std::int64_t N = B * S * H * hd, P = B * H * S * S;
-  OpCase c;
-  c.name = std::move(name);
-  c.shape = shape_of({{"B", B}, {"S", S}, {"H", H}, {"hd", hd}});
+  OpCase c = new_case(std::move(name), shape_of({{"B", B}, {"S", S}, {"H", H}, {"hd", hd}}));
   c.build = [=] {
     return std::vector<TensorSpec>{
         input("q", Elem::act, N, 50, 1.5), input("k", Elem::act, N, 51, 1.5), input("v", Elem::act, N, 52),
@@ -149,9 +143,7 @@ OpCase attention_case(std::string name, std::int64_t B, std::int64_t S, std::int
 }
 
 OpCase swiglu_case(std::string name, std::int64_t n) {
-  OpCase c;
-  c.name = std::move(name);
-  c.shape = shape_of({{"n", n}});
+  OpCase c = new_case(std::move(name), shape_of({{"n", n}}));
   c.build = [=] {
     return std::vector<TensorSpec>{input("gate", Elem::act, n, 60, 4.0), input("up", Elem::act, n, 61),
                                    output("out", Elem::act, n), seed("dout", "out", Elem::act, n, 62),
@@ -172,9 +164,7 @@ OpCase swiglu_case(std::string name, std::int64_t n) {
 
 /// y += x: no backward op (the gradient is the identity).
 OpCase add_inplace_case(std::int64_t n) {
-  OpCase c;
-  c.name = "add_inplace";
-  c.shape = shape_of({{"n", n}});
+  OpCase c = new_case("add_inplace", shape_of({{"n", n}}));
   c.build = [=] { return std::vector<TensorSpec>{in_place("y", Elem::act, n, 70), input("x", Elem::act, n, 71)}; };
   c.forward = [=](ops::Backend& be, OpTensors& t) {
     be.add_inplace(t.v("y"), t.c("x"), n);
@@ -188,9 +178,7 @@ OpCase add_inplace_case(std::int64_t n) {
 /// backend (round to nearest even), so both tolerances are 0. Values of scale 1e3
 /// and a tie (1 + 2^-8 rounds to even).
 OpCase cast_case(std::string name, Elem from, Elem to, std::int64_t n) {
-  OpCase c;
-  c.name = std::move(name);
-  c.shape = shape_of({{"n", n}});
+  OpCase c = new_case(std::move(name), shape_of({{"n", n}}));
   c.build = [=] {
     TensorSpec src = input("src", from, n, 80, 1e3);
     src.init[0] = 1.0 + std::ldexp(1.0, -8);
@@ -206,9 +194,7 @@ OpCase cast_case(std::string name, Elem from, Elem to, std::int64_t n) {
 
 /// Token ids repeat (i * 7 mod 13), so the scatter-add of the backward sums rows.
 OpCase embedding_case(std::int64_t V, std::int64_t d, std::int64_t n) {
-  OpCase c;
-  c.name = "embedding";
-  c.shape = shape_of({{"V", V}, {"d", d}, {"n", n}});
+  OpCase c = new_case("embedding", shape_of({{"V", V}, {"d", d}, {"n", n}}));
   c.build = [=] {
     std::vector<double> ids(static_cast<std::size_t>(n));
     for (std::int64_t i = 0; i < n; ++i) ids[std::size_t(i)] = double((i * 7) % std::min<std::int64_t>(13, V));
@@ -231,9 +217,7 @@ OpCase embedding_case(std::int64_t V, std::int64_t d, std::int64_t n) {
 
 /// The mean loss is the case's loss (the backward's scale is 1/n, d mean / d loss_i).
 OpCase cross_entropy_case(std::string name, std::int64_t n, std::int64_t V) {
-  OpCase c;
-  c.name = std::move(name);
-  c.shape = shape_of({{"n", n}, {"V", V}});
+  OpCase c = new_case(std::move(name), shape_of({{"n", n}, {"V", V}}));
   c.build = [=] {
     std::vector<double> targets(static_cast<std::size_t>(n));
     for (std::int64_t i = 0; i < n; ++i) targets[std::size_t(i)] = double((i * 37 + 5) % V);

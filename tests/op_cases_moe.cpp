@@ -50,9 +50,8 @@ std::string moe_shape(std::int64_t n, std::int64_t E, std::int64_t k, std::int64
 /// the aux gradient onto a copy of the probs' seed, as the model does.
 OpCase router_case(std::string name, std::int64_t n, std::int64_t E, std::int64_t k, bool norm, std::int64_t cold) {
   constexpr double kAuxCoef = 0.1, kZCoef = 0.05;
-  OpCase c;
-  c.name = std::move(name);
-  c.shape = shape_of({{"n", n}, {"E", E}, {"k", k}, {"norm_topk", norm}, {"cold_experts", cold}});
+  OpCase c =
+      new_case(std::move(name), shape_of({{"n", n}, {"E", E}, {"k", k}, {"norm_topk", norm}, {"cold_experts", cold}}));
   c.build = [=] {
     return std::vector<TensorSpec>{
         input_values("logits", Elem::act, separated_router_logits(n, E, k, std::int32_t(E / 2), cold, kRouterGap, 200)),
@@ -80,9 +79,7 @@ OpCase router_case(std::string name, std::int64_t n, std::int64_t E, std::int64_
 
 /// The spike injection (ops/imbalance.h), in place on the logits: forward only.
 OpCase skew_router_logits_case(std::int64_t n, std::int64_t E, std::int64_t k) {
-  OpCase c;
-  c.name = "skew_router_logits";
-  c.shape = shape_of({{"n", n}, {"E", E}, {"k", k}, {"groups", 2}}) + ",ratio=1.5";
+  OpCase c = new_case("skew_router_logits", shape_of({{"n", n}, {"E", E}, {"k", k}, {"groups", 2}}) + ",ratio=1.5");
   c.build = [=] { return std::vector<TensorSpec>{in_place("logits", Elem::act, n * E, 210, 3.0)}; };
   c.forward = [=](ops::Backend& be, OpTensors& t) {
     be.skew_router_logits(t.v("logits"), n, E, k, 2, 1.5);
@@ -93,9 +90,7 @@ OpCase skew_router_logits_case(std::int64_t n, std::int64_t E, std::int64_t k) {
 
 /// The dispatch plan: integers, compared exactly; returns the dropped assignments.
 OpCase moe_plan_case(std::string name, std::int64_t n, std::int64_t E, std::int64_t k, double cf) {
-  OpCase c;
-  c.name = std::move(name);
-  c.shape = moe_shape(n, E, k, 0, cf);
+  OpCase c = new_case(std::move(name), moe_shape(n, E, k, 0, cf));
   c.build = [=] {
     return std::vector<TensorSpec>{
         input_values("topk_idx", Elem::i32, as_doubles(skewed_topk(n, E, k, std::int32_t(E / 2), 2, 300))),
@@ -110,14 +105,13 @@ OpCase moe_plan_case(std::string name, std::int64_t n, std::int64_t E, std::int6
 }
 
 OpCase permute_case(std::string name, std::int64_t n, std::int64_t E, std::int64_t k, std::int64_t d, double cf) {
-  OpCase c;
-  c.name = std::move(name);
-  c.shape = moe_shape(n, E, k, d, cf);
+  OpCase c = new_case(std::move(name), moe_shape(n, E, k, d, cf));
   c.build = [=] {
     const Plan p = skewed_plan(n, E, k, cf);
-    return std::vector<TensorSpec>{input("x", Elem::act, n * d, 220), input_values("slot_of", Elem::i32, as_doubles(p.slot_of)),
-                                   output("xp", Elem::act, p.rows() * d), seed("dxp", "xp", Elem::act, p.rows() * d, 221),
-                                   grad("dx", "x", Elem::act, n * d)};
+    return std::vector<TensorSpec>{input("x", Elem::act, n * d, 220),
+                                   input_values("slot_of", Elem::i32, as_doubles(p.slot_of)),
+                                   output("xp", Elem::act, p.rows() * d),
+                                   seed("dxp", "xp", Elem::act, p.rows() * d, 221), grad("dx", "x", Elem::act, n * d)};
   };
   c.forward = [=](ops::Backend& be, OpTensors& t) {
     be.permute_forward(t.c("x"), t.i("slot_of"), t.v("xp"), n, k, d);
@@ -137,9 +131,8 @@ OpCase permute_case(std::string name, std::int64_t n, std::int64_t E, std::int64
 /// slots untouched).
 OpCase unpermute_case(std::string name, std::int64_t n, std::int64_t E, std::int64_t k, std::int64_t d, double cf,
                       std::int64_t window) {
-  OpCase c;
-  c.name = std::move(name);
-  c.shape = moe_shape(n, E, k, d, cf) + (window > 0 ? ",window=" + std::to_string(window) : "");
+  OpCase c = new_case(std::move(name),
+                      moe_shape(n, E, k, d, cf) + (window > 0 ? ",window=" + std::to_string(window) : ""));
   const std::int64_t rows = skewed_plan(n, E, k, cf).rows();
   c.build = [=] {
     const Plan p = skewed_plan(n, E, k, cf);
@@ -193,7 +186,8 @@ OpCase grouped_linear_case(std::string name, std::vector<std::int32_t> counts, s
     return std::vector<TensorSpec>{input("x", Elem::act, rows * in, 240), input("w", Elem::act, E * out * in, 241),
                                    input_values("offsets", Elem::host_i32, as_doubles(offsets)),
                                    output("y", Elem::act, rows * out), seed("dy", "y", Elem::act, rows * out, 242),
-                                   grad("dx", "x", Elem::act, rows * in), grad_acc("dw", "w", Elem::f32, E * out * in, 243)};
+                                   grad("dx", "x", Elem::act, rows * in),
+                                   grad_acc("dw", "w", Elem::f32, E * out * in, 243)};
   };
   c.forward = [=](ops::Backend& be, OpTensors& t) {
     be.grouped_linear_forward(t.c("x"), t.c("w"), t.v("y"), t.i("offsets"), E, in, out);
@@ -212,16 +206,15 @@ OpCase grouped_linear_case(std::string name, std::vector<std::int32_t> counts, s
 std::vector<std::int32_t> skewed_counts(std::int64_t n, std::int64_t E, std::int64_t k) {
   const Plan p = skewed_plan(n, E, k, -1);
   std::vector<std::int32_t> counts(static_cast<std::size_t>(E));
-  for (std::int64_t e = 0; e < E; ++e) counts[std::size_t(e)] = p.offsets[std::size_t(e + 1)] - p.offsets[std::size_t(e)];
+  for (std::int64_t e = 0; e < E; ++e)
+    counts[std::size_t(e)] = p.offsets[std::size_t(e + 1)] - p.offsets[std::size_t(e)];
   return counts;
 }
 
 /// The optimizer's ops in a step's order: the gradient norm (square_sum, the case's
 /// scalar), clipping (scale) and AdamW, all fp32 in both runs.
 OpCase optimizer_case(std::int64_t n) {
-  OpCase c;
-  c.name = "optimizer_square_sum_scale_adamw";
-  c.shape = shape_of({{"n", n}});
+  OpCase c = new_case("optimizer_square_sum_scale_adamw", shape_of({{"n", n}}));
   c.build = [=] {
     TensorSpec v = in_place("v", Elem::f32, n, 253, 0.1);
     for (double& x : v.init) x *= x;  // a second moment is >= 0

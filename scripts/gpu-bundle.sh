@@ -17,7 +17,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 BUILD=${BUILD:-build-gpu-bundle.obj}
 BUNDLE=${BUNDLE:-build-gpu-bundle}
-TARGETS=(test_cuda_ops test_cuda_bench test_cuda_runtime test_backend_host test_cuda_train moeflex)
+TARGETS=(test_cuda_ops test_cuda_op_cases test_cuda_bench test_cuda_runtime test_backend_host test_cuda_train moeflex)
 
 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DMOEFLEX_CUDA=ON -DMOEFLEX_MARCH=x86-64-v3 >/dev/null
 cmake --build "$BUILD" -j "${JOBS:-$(nproc)}" --target "${TARGETS[@]}"

@@ -76,8 +76,8 @@ elif [[ -n $NVCC ]] && command -v cmake >/dev/null; then
   if command -v ninja >/dev/null && [[ ! -f $BUILD/CMakeCache.txt ]]; then gen=(-G Ninja); fi
   if cmake -S . -B "$BUILD" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DMOEFLEX_CUDA=ON -DCMAKE_CUDA_COMPILER="$NVCC" \
       >"$WORK/configure.log" 2>&1; then
-    if cmake --build "$BUILD" -j "$JOBS" --target test_cuda_ops test_cuda_bench test_cuda_runtime test_backend_host \
-        test_cuda_train moeflex \
+    if cmake --build "$BUILD" -j "$JOBS" --target test_cuda_ops test_cuda_op_cases test_cuda_bench test_cuda_runtime \
+        test_backend_host test_cuda_train moeflex \
         >"$WORK/build.log" 2>&1; then
       BIN=$BUILD
       BUILT_FROM="built here in $BUILD/ ($(($(date +%s) - START)) s)"
@@ -111,7 +111,7 @@ if [[ -z $BIN ]]; then
   done
   export LD_LIBRARY_PATH=$libdirs:${LD_LIBRARY_PATH:-}
 fi
-for t in test_cuda_ops test_cuda_bench test_cuda_runtime test_backend_host test_cuda_train moeflex; do
+for t in test_cuda_ops test_cuda_op_cases test_cuda_bench test_cuda_runtime test_backend_host test_cuda_train moeflex; do
   missing=$(ldd "$BIN/$t" 2>&1 | grep "not found" || true)
   [[ -z $missing ]] || die "$BIN/$t cannot load: $missing"
 done
@@ -137,6 +137,7 @@ run_test() {  # name: runs $BIN/name, keeps its log, records failures
 run_test test_backend_host
 run_test test_cuda_runtime
 run_test test_cuda_ops
+run_test test_cuda_op_cases
 run_test test_cuda_bench
 run_test test_cuda_train
 grep -q . "$REPORT" || fail "the op harness wrote no rows to its report"

@@ -81,8 +81,8 @@ Bytes minimum_budget(const ModelConfig& cfg, std::int64_t B, std::int64_t S, con
 }
 
 // ---------------------------------------------------------------------------------------------
-// MemoryWalk: each function below mirrors the same-named one of model.cpp, allocation
-// by allocation (a Tensor's constructor is alloc, its destruction or reset is free).
+// MemoryWalk's symbolic arena and stash (a Tensor's constructor is alloc, its
+// destruction or reset is free); the blocks' replays are in memory_walk_blocks.cpp.
 
 MemoryWalk::MemoryWalk(const ModelConfig& cfg, std::int64_t B, std::int64_t S, Bytes persistent)
     : cfg_(cfg), B_(B), S_(S), ab_(cfg.activation_bytes()), in_use_(persistent), peak_(persistent) {

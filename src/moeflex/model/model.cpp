@@ -7,6 +7,7 @@
 #include "moeflex/model/model.h"
 #include "moeflex/model/layer_cost.h"
 #include "moeflex/model/memory_plan.h"
+#include "moeflex/model/parameters.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -77,11 +78,11 @@ MoEModel::MoEModel(const ModelConfig& cfg, Arena& arena, const ModelParallel& pa
   if (par_.first_layer < 0 || par_.first_layer > par_.last_layer || par_.last_layer > cfg.num_hidden_layers)
     throw ConfigError(fmt::format("model stage holds layers [{}, {}) of {}", par_.first_layer, par_.last_layer,
                                   cfg.num_hidden_layers));
-  const std::int64_t d = cfg.hidden_size, V = cfg.vocab_size, f = cfg.moe_intermediate_size;
   const std::int64_t El = dispatcher_.local_experts(), e0 = dispatcher_.first_expert();
-  const std::int64_t fs = cfg.shared_width(), I = cfg.intermediate_size;
   // Reserve first: Param* pointers into params_ must stay valid.
-  params_.reserve(static_cast<std::size_t>(4 + (par_.last_layer - par_.first_layer) * 13));
+  std::size_t count = 4;
+  for (int l = par_.first_layer; l < par_.last_layer; ++l) count += layer_parameters(cfg, l, El).size();
+  params_.reserve(count);
   auto add = [&](std::string name, std::vector<std::int64_t> shape, bool no_decay = false) -> Param* {
     Tensor w(arena, shape, MemCategory::weights, name);
     Tensor wc = adt_ == DType::f32 ? Tensor() : Tensor(arena, shape, MemCategory::weights, name + ".working", adt_);
@@ -101,44 +102,46 @@ MoEModel::MoEModel(const ModelConfig& cfg, Arena& arena, const ModelParallel& pa
     p->init_offset = e0 * shape[1] * shape[2];
     return p;
   };
-  if (par_.embedding) embed_ = add("model.embed_tokens.weight", {V, d});
+  if (par_.embedding) embed_ = add(embedding_parameter(cfg).name, embedding_parameter(cfg).shape);
   for (std::int64_t l = par_.first_layer; l < par_.last_layer; ++l) {
+    // The layer's tensors from the one parameter list the simulator counts too.
+    const std::size_t first = params_.size();
+    for (const ParamSpec& spec : layer_parameters(cfg, int(l), El))
+      spec.expert ? add_expert(spec.name, spec.shape) : add(spec.name, spec.shape, spec.no_decay);
     const std::string p = fmt::format("model.layers.{}.", l);
+    auto get = [&](const char* suffix) -> Param* {
+      for (std::size_t i = first; i < params_.size(); ++i)
+        if (params_[i].name == p + suffix) return &params_[i];
+      return nullptr;
+    };
     LayerParams lp{};
-    lp.in_norm = add(p + "input_layernorm.weight", {d}, true);
-    lp.q = add(p + "self_attn.q_proj.weight", {d, d});
-    lp.k = add(p + "self_attn.k_proj.weight", {d, d});
-    lp.v = add(p + "self_attn.v_proj.weight", {d, d});
-    lp.o = add(p + "self_attn.o_proj.weight", {d, d});
-    lp.post_norm = add(p + "post_attention_layernorm.weight", {d}, true);
-    if (cfg.is_moe_layer(l)) {
-      lp.gate = add(p + "mlp.gate.weight", {cfg.num_experts, d});
-      lp.w1 = add_expert(p + "mlp.experts.gate_proj.weight", {El, f, d});
-      lp.w3 = add_expert(p + "mlp.experts.up_proj.weight", {El, f, d});
-      lp.w2 = add_expert(p + "mlp.experts.down_proj.weight", {El, d, f});
-      if (fs > 0) {
-        lp.s1 = add(p + "mlp.shared_experts.gate_proj.weight", {fs, d});
-        lp.s3 = add(p + "mlp.shared_experts.up_proj.weight", {fs, d});
-        lp.s2 = add(p + "mlp.shared_experts.down_proj.weight", {d, fs});
-      }
-    } else {
-      lp.s1 = add(p + "mlp.gate_proj.weight", {I, d});
-      lp.s3 = add(p + "mlp.up_proj.weight", {I, d});
-      lp.s2 = add(p + "mlp.down_proj.weight", {d, I});
-    }
+    lp.in_norm = get("input_layernorm.weight");
+    lp.q = get("self_attn.q_proj.weight");
+    lp.k = get("self_attn.k_proj.weight");
+    lp.v = get("self_attn.v_proj.weight");
+    lp.o = get("self_attn.o_proj.weight");
+    lp.post_norm = get("post_attention_layernorm.weight");
+    lp.gate = get("mlp.gate.weight");
+    lp.w1 = get("mlp.experts.gate_proj.weight");
+    lp.w3 = get("mlp.experts.up_proj.weight");
+    lp.w2 = get("mlp.experts.down_proj.weight");
+    const bool moe = cfg.is_moe_layer(l);
+    lp.s1 = get(moe ? "mlp.shared_experts.gate_proj.weight" : "mlp.gate_proj.weight");
+    lp.s3 = get(moe ? "mlp.shared_experts.up_proj.weight" : "mlp.up_proj.weight");
+    lp.s2 = get(moe ? "mlp.shared_experts.down_proj.weight" : "mlp.down_proj.weight");
     layers_.push_back(lp);
   }
   if (par_.head) {
-    final_norm_ = add("model.norm.weight", {d}, true);
+    final_norm_ = add(final_norm_parameter(cfg).name, final_norm_parameter(cfg).shape, true);
     // A tied head on a stage without the embedding keeps its own copy of the
     // embedding matrix (same name, same init); the trainer sums the two copies'
     // gradients across the first and last stage.
     if (!cfg.tie_word_embeddings) {
-      lm_head_ = add("lm_head.weight", {V, d});
+      lm_head_ = add(lm_head_parameter(cfg).name, lm_head_parameter(cfg).shape);
     } else if (embed_) {
       lm_head_ = embed_;
     } else {
-      lm_head_ = add("model.embed_tokens.weight", {V, d});
+      lm_head_ = add(embedding_parameter(cfg).name, embedding_parameter(cfg).shape);
       lm_head_->tied_copy = true;
     }
   }

@@ -1,6 +1,8 @@
-// Parameter placement and the work on parameters (simulator.h): which parameter
-// tensors a pipeline rank holds (for_each_param_tensor), their persistent bytes, and
-// the time of the optimizer step and of the ordered all-reduce's local sum.
+// Parameter placement and the work on parameters (simulator.h, simulation.h): which
+// parameter tensors a pipeline rank holds (for_each_param_tensor), their persistent
+// bytes, the time of the optimizer step and of the ordered all-reduce's local sum, and
+// a step's gradient reduction and optimizer over the layout (parameter_work).
+#include <algorithm>
 #include <cmath>
 
 #include "moeflex/core/arena.h"
@@ -96,6 +98,63 @@ Seconds optimizer_step_time(const CostModel& cost, double params, double sharded
   const auto& tables = cost.profile().op_tables;
   if (tables.count(kOptimizerStepOp)) return cost.op(kOptimizerStepOp, Bytes(std::llround(4 * params)));
   return cost.elementwise(Bytes(std::llround(16 * params))) + cost.elementwise(Bytes(std::llround(28 * sharded_params)));
+}
+
+ParameterWork parameter_work(const Simulation& sim) {
+  const SimOptions& o = sim.o;
+  const ParallelSpec& par = o.parallel;
+  ParameterWork pw;
+  Seconds dp_t = 0, opt_t = 0;
+  const GroupPlacement dense_g = place_group(par.dp, par.tp, o.cluster.gpus_per_node);
+  const GroupPlacement expert_g = expert_data_parallel_placement(par, o.cluster.gpus_per_node);
+  const Bytes grad_bytes = 4;  // fp32 gradients (the engine; Megatron's main_grad)
+  // The CPU engine's sync_tied_embedding (train/distributed.cpp), on every pipeline
+  // rank when the embedding is tied and split over stages: the V x d gradient copies
+  // summed into a zeroed buffer (zero 4 B, add 12 B per element of a copy), an
+  // all-reduce over the pipeline group (with its local sum), and the result copied
+  // back (8 B).
+  Seconds tied_sync = 0;
+  if (o.cluster.per_tensor_gradient_reduce && sim.cfg.tie_word_embeddings && sim.plan.num_stages > 1) {
+    const double vd = double(sim.cfg.vocab_size) * double(sim.cfg.hidden_size) / par.tp;
+    const Bytes b = Bytes(std::llround(vd)) * grad_bytes;
+    tied_sync = all_reduce_time(o.cluster, place_group(par.pp, par.tp * par.dp, o.cluster.gpus_per_node), b) +
+                ordered_sum_time(sim.cost, par.pp, b) + sim.cost.elementwise(Bytes(std::llround(24 * vd)));
+  }
+  for (int r = 0; r < sim.P; ++r) {
+    double dense = 0, expert = 0;
+    Seconds per_tensor = 0;  // the CPU engine's reduce_gradients: one all-reduce per tensor
+    for (int s : sim.plan.stages_of(r)) {
+      const StageInfo& si = sim.stages[std::size_t(s)];
+      for_each_param_tensor(sim.cfg, par, {{si.first_layer, si.last_layer}}, si.embedding, si.head,
+                            [&](double numel, bool is_expert) {
+                              (is_expert ? expert : dense) += numel;
+                              const GroupPlacement& g = is_expert ? expert_g : dense_g;
+                              const Bytes b = Bytes(std::llround(numel)) * grad_bytes;
+                              per_tensor += all_reduce_time(o.cluster, g, b) + ordered_sum_time(sim.cost, g.size, b);
+                            });
+    }
+    // One ring all-reduce of all dense and one of all expert gradients (bucketed, as
+    // frameworks do), or, for the CPU engine (per_tensor_gradient_reduce), one per
+    // tensor, each with its own 2(n-1) alpha and the local sum of its ordered all-reduce.
+    const Seconds t =
+        o.cluster.per_tensor_gradient_reduce
+            ? per_tensor
+            : all_reduce_time(o.cluster, dense_g, Bytes(std::llround(dense)) * grad_bytes) +
+                  all_reduce_time(o.cluster, expert_g, Bytes(std::llround(expert)) * grad_bytes);
+    dp_t = std::max(dp_t, t + tied_sync);
+    const double shard_d = o.cluster.optimizer_sharded ? par.dp : 1;
+    const double shard_e = o.cluster.optimizer_sharded ? expert_data_parallel(par) : 1;
+    const Seconds rank_opt = optimizer_step_time(sim.cost, dense + expert, dense / shard_d + expert / shard_e);
+    opt_t = std::max(opt_t, rank_opt);
+    pw.optimizer_ops += rank_opt;
+  }
+  // Every process reduces its gradients and runs its optimizer at once (the CPU
+  // engine's reductions are its own copies and sums): with more processes than the
+  // host's cores they share them.
+  const double shared_by = o.cluster.host_cores > 0 ? std::max(1.0, double(par.world()) / o.cluster.host_cores) : 1.0;
+  pw.dp_reduce = dp_t * shared_by;
+  pw.optimizer = opt_t * shared_by;
+  return pw;
 }
 
 }  // namespace moeflex::sim

@@ -1,5 +1,6 @@
 // The simulation's report (simulator.h): SimReport as JSON and as the human-readable
-// table, and write_outputs (summary.json and trace.json, whole or not at all).
+// table, the Chrome trace of the traced ranks (chrome_trace), and write_outputs
+// (summary.json and trace.json, whole or not at all).
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -7,7 +8,7 @@
 #include <map>
 
 #include "moeflex/core/error.h"
-#include "moeflex/sim/simulator.h"
+#include "moeflex/sim/simulation.h"
 
 namespace moeflex::sim {
 
@@ -133,6 +134,39 @@ std::string SimReport::format() const {
   }
   s += fmt::format("simulated in {:.3f} s\n", wall_seconds);
   return s;
+}
+
+json chrome_trace(const Simulation& sim, const PlanTimeline& tl, const Policies& policy, const SimReport& rep,
+                  Seconds msg_time) {
+  json ev = json::array();
+  for (int r : sim.o.trace_ranks) {
+    ev.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", r}, {"args", {{"name", fmt::format("pp rank {}", r)}}}});
+    ev.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", r}, {"tid", 0}, {"args", {{"name", "compute"}}}});
+    ev.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", r}, {"tid", 1}, {"args", {{"name", "comm"}}}});
+    const auto& acts = sim.plan.actions[std::size_t(r)];
+    for (std::size_t i = 0; i < acts.size(); ++i) {
+      const Action& a = acts[i];
+      const Interval iv = tl.times[std::size_t(r)][i];
+      if (is_send(a.kind)) {
+        ev.push_back({{"name", to_string(a.kind)}, {"ph", "X"}, {"pid", r}, {"tid", 1}, {"ts", iv.start * 1e6},
+                      {"dur", msg_time * 1e6}, {"args", {{"mb", a.microbatch}, {"stage", a.stage}}}});
+      } else if (is_compute(a.kind)) {
+        if (i > 0 && acts[i - 1].overlapped_with_next) continue;  // the pair is drawn once
+        std::string name = fmt::format("{}{} s{}", to_string(a.kind), a.microbatch, a.stage);
+        if (a.overlapped_with_next && i + 1 < acts.size())  // the pair's backward, named beside its forward
+          name += fmt::format(" + {}{} s{}", to_string(acts[i + 1].kind), acts[i + 1].microbatch, acts[i + 1].stage);
+        ev.push_back({{"name", name}, {"cat", "compute"}, {"ph", "X"}, {"pid", r}, {"tid", 0}, {"ts", iv.start * 1e6},
+                      {"dur", (iv.end - iv.start) * 1e6},
+                      {"args", {{"mb", a.microbatch}, {"stage", a.stage},
+                                {"policy", policy[std::size_t(r)][std::size_t(a.microbatch)]}}}});
+      }
+    }
+    ev.push_back({{"name", "dp all-reduce"}, {"ph", "X"}, {"pid", r}, {"tid", 1}, {"ts", tl.makespan * 1e6},
+                  {"dur", rep.dp_reduce_time * 1e6}});
+    ev.push_back({{"name", "optimizer"}, {"ph", "X"}, {"pid", r}, {"tid", 0},
+                  {"ts", (tl.makespan + rep.dp_reduce_time) * 1e6}, {"dur", rep.optimizer_time * 1e6}});
+  }
+  return {{"traceEvents", ev}, {"displayTimeUnit", "ms"}};
 }
 
 void write_outputs(const SimReport& r, const std::filesystem::path& dir) {

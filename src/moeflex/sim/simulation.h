@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "moeflex/model/layer_cost.h"
+#include "moeflex/model/memory_plan.h"
 #include "moeflex/schedule/plan.h"
 #include "moeflex/sim/simulator.h"
 
@@ -115,5 +116,47 @@ struct Simulation {
   /// A rank's bytes: its persistent state plus a walk's activation peak.
   Bytes rank_bytes(Bytes persistent_b, Bytes act) const { return persistent_b + act; }
 };
+
+/// The provisioning of every pipeline rank's micro-batches: a static policy name or
+/// an adaptive level, [pipeline rank][micro-batch].
+using Policies = std::vector<std::vector<std::string>>;
+
+/// Whether `policy` (a provisioning level, a static policy or threshold[=R]) drops
+/// activation `a` for backward to recompute, at load ratio `ratio` (pricing.cpp).
+/// Throws ConfigError for an unknown policy name.
+bool recomputes(const std::string& policy, const ActivationSpec& a, double ratio);
+
+/// One iteration's priced compute actions (price_step).
+struct StepCosts {
+  int m = 0;                         ///< micro-batches of the iteration
+  std::vector<ActionCost> F, Bi, W;  ///< per (stage, micro-batch) at stage x m + micro-batch
+  std::vector<Seconds> recompute;    ///< per pipeline rank: its layers' recompute in backward
+  OpBreakdown ops;                   ///< the op stream (SimOptions::breakdown only)
+  /// The cost of a compute action of the plan; a whole Backward is B's then W's.
+  ActionCost of(const Action& a) const;
+};
+
+/// Prices every (stage, micro-batch) of iteration `it` at the hottest EP rank's
+/// loads under `policy`; with `shared` (processes time-sharing fewer host cores),
+/// also their segments and core-seconds over the dp x tp processes (pricing.cpp).
+StepCosts price_step(Simulation& sim, int it, const Policies& policy, bool shared);
+
+/// The step's work on parameters after the last backward, the slowest pipeline rank's
+/// (params.cpp).
+struct ParameterWork {
+  Seconds dp_reduce = 0;      ///< the gradient reduction (SimReport::dp_reduce_time)
+  Seconds optimizer = 0;      ///< the optimizer step (SimReport::optimizer_time)
+  Seconds optimizer_ops = 0;  ///< the optimizer's priced work summed over the pipeline ranks (SimReport::ops)
+};
+
+/// Prices the data-parallel gradient reduction (with the tied embedding's sync over
+/// the pipeline) and the optimizer step of every pipeline rank (params.cpp).
+ParameterWork parameter_work(const Simulation& sim);
+
+/// The Chrome trace of SimOptions::trace_ranks (times in microseconds): the plan's
+/// actions on timeline `tl` under `policy`, then the gradient reduction and the
+/// optimizer of `rep` (report.cpp).
+nlohmann::json chrome_trace(const Simulation& sim, const PlanTimeline& tl, const Policies& policy, const SimReport& rep,
+                            Seconds msg_time);
 
 }  // namespace moeflex::sim

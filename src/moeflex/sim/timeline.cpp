@@ -78,18 +78,22 @@ Seconds pair_exposed_comm(const ActionCost& f, const ActionCost& b, bool overlap
 
 namespace {
 
+/// Throws the ScheduleError of a plan that cannot go on: every rank not done, at
+/// the action it waits at (`pc`: each rank's next action).
+[[noreturn]] void throw_deadlock(const StepPlan& plan, const std::vector<std::size_t>& pc) {
+  std::string blocked;
+  for (int r = 0; r < plan.num_ranks; ++r)
+    if (pc[std::size_t(r)] < plan.actions[std::size_t(r)].size())
+      blocked += fmt::format(" rank {} at {};", r, to_string(plan.actions[std::size_t(r)][pc[std::size_t(r)]]));
+  throw ScheduleError("deadlock in the simulated plan:" + blocked);
+}
+
 /// run_plan under core sharing (see CoreSharing): a global event loop in virtual
 /// time. Between two events (an action or one of a segment's processes ends, a
 /// message arrives, a wait's polling ends, a nap's share changes) the set of
 /// computing ranks and what they share is fixed, so each progresses at a constant rate.
-PlanTimeline run_plan_shared(const StepPlan& plan, const std::function<ActionCost(int, const Action&)>& cost,
-                             const std::function<Seconds(const Action&)>& message_time, bool overlap_pair_comm,
-                             const CoreSharing& sh) {
-  const int P = plan.num_ranks;
-  const double p = std::max(sh.processes_per_rank, 1);
-  PlanTimeline tl = empty_timeline(plan);
-  std::vector<Seconds> arrival(std::size_t(2 * plan.num_microbatches * plan.num_stages), -1.0);
-  auto key = [&](const Action& a) { return std::size_t(message_tag(plan, a)); };
+struct SharedTimeline {
+  /// One rank's compute action in progress, or, when not `on`, its wait for the next.
   struct Running {
     bool on = false;
     bool pair = false;       // an overlapped F&B pair: two actions end together
@@ -104,22 +108,54 @@ PlanTimeline run_plan_shared(const StepPlan& plan, const std::function<ActionCos
     Seconds T = 0, comm = 0, start = 0;
     Seconds waiting_since = 0;  // when not running: when its wait (polling, then sleep) began
   };
-  auto segments_of = [&](const ActionCost& c) {
+
+  SharedTimeline(const StepPlan& pl, const std::function<ActionCost(int, const Action&)>& c,
+                 const std::function<Seconds(const Action&)>& mt, bool overlap, const CoreSharing& sharing)
+      : plan(pl),
+        cost(c),
+        message_time(mt),
+        overlap_pair_comm(overlap),
+        sh(sharing),
+        P(pl.num_ranks),
+        p(std::max(sharing.processes_per_rank, 1)),
+        tl(empty_timeline(pl)),
+        arrival(std::size_t(2 * pl.num_microbatches * pl.num_stages), -1.0),
+        run(std::size_t(pl.num_ranks)),
+        pc(std::size_t(pl.num_ranks), 0) {}
+
+  /// Runs the event loop to the end of the plan.
+  PlanTimeline simulate() {
+    while (true) {
+      start_ready();
+      if (all_done()) break;
+      Seconds nap_event = std::numeric_limits<Seconds>::infinity();
+      const double share = core_share(nap_event);
+      std::vector<double> rate(std::size_t(P), 0);
+      const Seconds next = next_event(share, nap_event, rate);
+      if (!std::isfinite(next)) throw_deadlock(plan, pc);
+      advance(next, rate);
+    }
+    return finish();
+  }
+
+  std::size_t key(const Action& a) const { return std::size_t(message_tag(plan, a)); }
+
+  /// An action's segments: its own, else one of its whole time and demand.
+  std::vector<ActionCost::Segment> segments_of(const ActionCost& c) const {
     if (!c.segments.empty()) return c.segments;
     return std::vector<ActionCost::Segment>{
         {c.compute + c.comm, c.demand > 0 ? c.demand : (c.compute + c.comm) * p, {}}};
-  };
-  std::vector<Running> run(static_cast<std::size_t>(P));
-  std::vector<std::size_t> pc(std::size_t(P), 0);
-  Seconds t = 0;
-  auto all_done = [&] {
+  }
+
+  bool all_done() const {
     for (int r = 0; r < P; ++r)
       if (pc[std::size_t(r)] < plan.actions[std::size_t(r)].size()) return false;
     return true;
-  };
-  while (true) {
-    // Every rank not computing goes through its sends, arrived receives, and starts
-    // its next compute action (again while a send unblocks a rank before it).
+  }
+
+  /// Every rank not computing goes through its sends, arrived receives, and starts
+  /// its next compute action (again while a send unblocks a rank before it).
+  void start_ready() {
     for (bool moved = true; moved;) {
       moved = false;
       for (int r = 0; r < P; ++r) {
@@ -136,53 +172,63 @@ PlanTimeline run_plan_shared(const StepPlan& plan, const std::function<ActionCos
             arrival[key(a)] = t + message_time(a);
             tl.times[std::size_t(r)][i++] = {t, t};
           } else {
-            ActionCost c = cost(r, a);
-            R.pair = a.overlapped_with_next && i + 1 < acts.size();
-            R.parts = segments_of(c);
-            if (R.pair) {  // both halves' compute, their comm added or hidden as run_plan does
-              const ActionCost b = cost(r, acts[i + 1]);
-              const Seconds both = c.compute + c.comm + b.compute + b.comm;
-              const Seconds compute = c.compute + b.compute;
-              const Seconds comm = pair_exposed_comm(c, b, overlap_pair_comm);
-              for (const auto& g : segments_of(b)) R.parts.push_back(g);
-              const double scale = both > 0 ? (compute + comm) / both : 0;  // hidden comm shortens every segment
-              for (auto& g : R.parts) {
-                g.T *= scale;
-                g.D *= scale;
-                for (Seconds& x : g.each) x *= scale;
-              }
-              c.compute = compute;
-              c.comm = comm;
-            }
-            std::erase_if(R.parts, [](const ActionCost::Segment& g) { return g.T <= 0; });
-            R.T = c.compute + c.comm;
-            R.comm = c.comm;
-            R.start = t;
-            R.part = 0;
-            R.left = 1;
-            R.ended = 0;
-            R.ended_at.clear();
-            R.done = 0;
-            R.on = !R.parts.empty();
-            if (!R.on) {  // nothing to run
-              tl.times[std::size_t(r)][i] = {t, t};
-              if (R.pair) tl.times[std::size_t(r)][++i] = {t, t};
-              ++i;
-            }
+            start_compute(r);
           }
           moved = true;
         }
       }
     }
-    if (all_done()) break;
-    // Processes that want a core: a computing rank's p (in a segment of uneven work,
-    // only those not done with it), and a waiting rank's p still polling (the first
-    // poll_seconds of a wait); napping processes (past their polls) count as
-    // nap_share of one, and the next change of a nap's share is an event. Each gets
-    // `share` of a core; time slicing's loss (efficiency) only while the busy ones
-    // alone outnumber the cores (nap_cost is the naps' own).
+  }
+
+  /// Starts rank r's compute action at its pc (an overlapped pair as one).
+  void start_compute(int r) {
+    auto& R = run[std::size_t(r)];
+    const auto& acts = plan.actions[std::size_t(r)];
+    std::size_t& i = pc[std::size_t(r)];
+    const Action& a = acts[i];
+    ActionCost c = cost(r, a);
+    R.pair = a.overlapped_with_next && i + 1 < acts.size();
+    R.parts = segments_of(c);
+    if (R.pair) {  // both halves' compute, their comm added or hidden as run_plan does
+      const ActionCost b = cost(r, acts[i + 1]);
+      const Seconds both = c.compute + c.comm + b.compute + b.comm;
+      const Seconds compute = c.compute + b.compute;
+      const Seconds comm = pair_exposed_comm(c, b, overlap_pair_comm);
+      for (const auto& g : segments_of(b)) R.parts.push_back(g);
+      const double scale = both > 0 ? (compute + comm) / both : 0;  // hidden comm shortens every segment
+      for (auto& g : R.parts) {
+        g.T *= scale;
+        g.D *= scale;
+        for (Seconds& x : g.each) x *= scale;
+      }
+      c.compute = compute;
+      c.comm = comm;
+    }
+    std::erase_if(R.parts, [](const ActionCost::Segment& g) { return g.T <= 0; });
+    R.T = c.compute + c.comm;
+    R.comm = c.comm;
+    R.start = t;
+    R.part = 0;
+    R.left = 1;
+    R.ended = 0;
+    R.ended_at.clear();
+    R.done = 0;
+    R.on = !R.parts.empty();
+    if (!R.on) {  // nothing to run
+      tl.times[std::size_t(r)][i] = {t, t};
+      if (R.pair) tl.times[std::size_t(r)][++i] = {t, t};
+      ++i;
+    }
+  }
+
+  /// The share of a core each process that wants one gets now: a computing rank's p
+  /// (in a segment of uneven work, only those not done with it), and a waiting
+  /// rank's p still polling (the first poll_seconds of a wait); napping processes
+  /// (past their polls) count as nap_share of one, and the next change of a nap's
+  /// share (into `nap_event`) is an event. Time slicing's loss (efficiency) only
+  /// while the busy ones alone outnumber the cores (nap_cost is the naps' own).
+  double core_share(Seconds& nap_event) const {
     double busy = 0, want = 0;
-    Seconds nap_event = std::numeric_limits<Seconds>::infinity();
     const bool naps_cost = sh.nap_cost > 0;
     // The wait so far, nudged by the event loop's tolerance: at a piece's end, the
     // next piece, even where t is large and t - since rounds below the end.
@@ -208,10 +254,13 @@ PlanTimeline run_plan_shared(const StepPlan& plan, const std::function<ActionCos
     }
     want += busy;
     const double cores = double(sh.cores);
-    const double share = want > cores ? (busy > cores ? sh.efficiency : 1.0) * cores / want : 1.0;
-    // The next event: an action ending, a message arriving for a waiting rank, or a nap's share changing.
+    return want > cores ? (busy > cores ? sh.efficiency : 1.0) * cores / want : 1.0;
+  }
+
+  /// The next event at `share` (an action ending, a message arriving for a waiting
+  /// rank, a wait's polling ending, or `nap_event`); each computing rank's `rate`.
+  Seconds next_event(double share, Seconds nap_event, std::vector<double>& rate) const {
     Seconds next = nap_event;
-    std::vector<double> rate(std::size_t(P), 0);
     for (int r = 0; r < P; ++r) {
       const auto& R = run[std::size_t(r)];
       if (R.on) {
@@ -231,13 +280,13 @@ PlanTimeline run_plan_shared(const StepPlan& plan, const std::function<ActionCos
         }
       }
     }
-    if (!std::isfinite(next)) {
-      std::string blocked;
-      for (int r = 0; r < P; ++r)
-        if (pc[std::size_t(r)] < plan.actions[std::size_t(r)].size())
-          blocked += fmt::format(" rank {} at {};", r, to_string(plan.actions[std::size_t(r)][pc[std::size_t(r)]]));
-      throw ScheduleError("deadlock in the simulated plan:" + blocked);
-    }
+    return next;
+  }
+
+  /// Moves virtual time to `next`: every computing rank progresses at its rate; a
+  /// segment that ends starts the next, an action that ends frees its rank.
+  void advance(Seconds next, const std::vector<double>& rate) {
+    const bool naps_cost = sh.nap_cost > 0;
     const Seconds dt = next - t;
     t = next;
     for (int r = 0; r < P; ++r) {
@@ -277,16 +326,33 @@ PlanTimeline run_plan_shared(const StepPlan& plan, const std::function<ActionCos
       R.waiting_since = t;  // polls if its next step cannot start now
     }
   }
-  for (int r = 0; r < P; ++r) {
-    const auto& acts = plan.actions[std::size_t(r)];
-    Seconds end = 0;
-    for (std::size_t i = 0; i < acts.size(); ++i) end = std::max(end, tl.times[std::size_t(r)][i].end);
-    tl.finish[std::size_t(r)] = end;
-    tl.makespan = std::max(tl.makespan, end);
+
+  /// Each rank's finish and idle time, and the makespan.
+  PlanTimeline finish() {
+    for (int r = 0; r < P; ++r) {
+      const auto& acts = plan.actions[std::size_t(r)];
+      Seconds end = 0;
+      for (std::size_t i = 0; i < acts.size(); ++i) end = std::max(end, tl.times[std::size_t(r)][i].end);
+      tl.finish[std::size_t(r)] = end;
+      tl.makespan = std::max(tl.makespan, end);
+    }
+    for (int r = 0; r < P; ++r) tl.idle[std::size_t(r)] = tl.makespan - tl.busy[std::size_t(r)];
+    return std::move(tl);
   }
-  for (int r = 0; r < P; ++r) tl.idle[std::size_t(r)] = tl.makespan - tl.busy[std::size_t(r)];
-  return tl;
-}
+
+  const StepPlan& plan;
+  const std::function<ActionCost(int, const Action&)>& cost;
+  const std::function<Seconds(const Action&)>& message_time;
+  bool overlap_pair_comm;
+  const CoreSharing& sh;
+  int P;
+  double p;                     // processes behind each pipeline rank
+  PlanTimeline tl;
+  std::vector<Seconds> arrival;  // per message tag: when it arrives (-1: not sent yet)
+  std::vector<Running> run;
+  std::vector<std::size_t> pc;   // per rank: its next action
+  Seconds t = 0;                 // virtual time
+};
 
 }  // namespace
 
@@ -295,7 +361,7 @@ PlanTimeline run_plan(const StepPlan& plan, const std::function<ActionCost(int, 
                       const CoreSharing& sharing) {
   if (sharing.cores > 0 &&
       double(plan.num_ranks) * double(std::max(sharing.processes_per_rank, 1)) > double(sharing.cores))
-    return run_plan_shared(plan, cost, message_time, overlap_pair_comm, sharing);
+    return SharedTimeline(plan, cost, message_time, overlap_pair_comm, sharing).simulate();
   const int P = plan.num_ranks;
   PlanTimeline tl = empty_timeline(plan);
   std::vector<Seconds> arrival(std::size_t(2 * plan.num_microbatches * plan.num_stages), -1.0);
@@ -306,13 +372,7 @@ PlanTimeline run_plan(const StepPlan& plan, const std::function<ActionCost(int, 
   std::size_t done = 0, total = 0;
   for (const auto& v : plan.actions) total += v.size();
   while (done < total) {
-    if (!progress) {
-      std::string blocked;
-      for (int r = 0; r < P; ++r)
-        if (pc[std::size_t(r)] < plan.actions[std::size_t(r)].size())
-          blocked += fmt::format(" rank {} at {};", r, to_string(plan.actions[std::size_t(r)][pc[std::size_t(r)]]));
-      throw ScheduleError("deadlock in the simulated plan:" + blocked);
-    }
+    if (!progress) throw_deadlock(plan, pc);
     progress = false;
     for (int r = 0; r < P; ++r) {
       const auto& acts = plan.actions[std::size_t(r)];

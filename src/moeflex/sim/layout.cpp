@@ -114,6 +114,29 @@ void Simulation::setup() {
   cfg.validate();
   m = o.num_microbatches();
   P = p.pp;
+  check_layout();
+  comm::LayoutSpec ls;
+  ls.world_size = p.pp * p.tp * p.dp;
+  ls.pp = p.pp;
+  ls.dp = p.tp * p.dp;
+  ls.ep = p.ep;
+  ls.vpp = chunks_per_rank();
+  ls.num_layers = int(cfg.num_hidden_layers);
+  ls.num_experts = int(cfg.num_experts);
+  ls.pad_layers = true;
+  const comm::ParallelLayout layout(ls);
+  ep_group = expert_parallel_placement(p, o.cluster.gpus_per_node);
+  tp_group = place_group(p.tp, 1, o.cluster.gpus_per_node);
+  make_plans();
+  split = o.schedule == "zb-h1";
+  n_rank = o.micro_batch_size * o.seq_len / p.tp;
+  place_stages(layout.stage_layers());
+}
+
+int Simulation::chunks_per_rank() const { return o.schedule == "dualpipev" ? 2 : o.parallel.vpp; }
+
+void Simulation::check_layout() const {
+  const ParallelSpec& p = o.parallel;
   if (p.tp > 1) {
     if (cfg.num_attention_heads % p.tp != 0)
       throw ConfigError(fmt::format("tp {} does not divide num_attention_heads {}", p.tp, cfg.num_attention_heads));
@@ -131,14 +154,13 @@ void Simulation::setup() {
   }
   if (o.dispatcher != "alltoall" && o.dispatcher != "deepep")
     throw ConfigError(fmt::format("--dispatcher '{}': alltoall or deepep", o.dispatcher));
-  const bool dualv = o.schedule == "dualpipev";
   require_known_schedule(o.schedule);
   if (!schedule_takes_vpp(o.schedule) && p.vpp != 1)
     throw ConfigError(
         fmt::format("vpp {} needs --schedule interleaved or 1f1b-overlap (dualpipev holds 2 chunks by "
                     "itself)",
                     p.vpp));
-  const int v = dualv ? 2 : p.vpp;
+  const int v = chunks_per_rank();
   // The layout's own checks on the expert layers' view of a stage (MoE parallel
   // folding, expert tensor parallelism 1): its tp x dp ranks are ep x expert_dp, so
   // ep divides tp x dp and the experts; the layers fit the stages.
@@ -154,18 +176,12 @@ void Simulation::setup() {
         fmt::format("pp {} x {} stage{} a rank = {} stages for {} layers: a stage would hold no layer; "
                     "lower pp or vpp",
                     p.pp, v, v == 1 ? "" : "s", std::int64_t(p.pp) * v, cfg.num_hidden_layers));
-  comm::LayoutSpec ls;
-  ls.world_size = p.pp * p.tp * p.dp;
-  ls.pp = p.pp;
-  ls.dp = p.tp * p.dp;
-  ls.ep = p.ep;
-  ls.vpp = v;
-  ls.num_layers = int(cfg.num_hidden_layers);
-  ls.num_experts = int(cfg.num_experts);
-  ls.pad_layers = true;
-  const comm::ParallelLayout layout(ls);
-  ep_group = expert_parallel_placement(p, o.cluster.gpus_per_node);
-  tp_group = place_group(p.tp, 1, o.cluster.gpus_per_node);
+}
+
+void Simulation::make_plans() {
+  const ParallelSpec& p = o.parallel;
+  const bool dualv = o.schedule == "dualpipev";
+  const int v = chunks_per_rank();
   plan = make_schedule(o.schedule, p.pp, m, dualv ? 1 : p.vpp);
   // Memory walks replay a shorter step when the schedule's steady phase repeats:
   // every schedule but GPipe holds at most ~2 pp x chunks micro-batches at once, so
@@ -177,41 +193,47 @@ void Simulation::setup() {
   }
   if (o.loads.per_rank()) {
     // A per-rank replay walks every recorded micro-batch in its own place.
-    int moe_layers = 0;
-    for (int l = 0; l < cfg.num_hidden_layers; ++l) moe_layers += cfg.is_moe_layer(l) ? 1 : 0;
-    const LoadModel& L = o.loads;
-    if (L.recorded_dp() != p.dp || L.recorded_ep() != p.ep || L.recorded_microbatches() != m ||
-        L.recorded_moe_layers() != moe_layers)
-      throw ConfigError(fmt::format(
-          "--loads: the recorded run has dp {}, ep {}, {} micro-batches and {} MoE layers; this simulation has dp "
-          "{}, ep {}, {} micro-batches (global batch {} / (dp {} x micro-batch size {})) and {} MoE layers "
-          "(per-rank replay needs the run's own layout; without --global-batch it takes the run's micro-batches)",
-          L.recorded_dp(), L.recorded_ep(), L.recorded_microbatches(), L.recorded_moe_layers(), p.dp, p.ep, m,
-          std::int64_t(m) * p.dp * o.micro_batch_size, p.dp, o.micro_batch_size, moe_layers));
-    // Dropless routing keeps tokens x top-k assignments per rank and micro-batch:
-    // the recording's tell the run's micro-batch tokens (B x S).
-    const std::int64_t want = o.micro_batch_size * o.seq_len / p.tp * cfg.num_experts_per_tok;
-    const std::int64_t kept = L.rows(0, 0, 0, 0).kept;
-    if (cfg.capacity_factor <= 0 && moe_layers > 0 && kept != want)
-      throw ConfigError(fmt::format(
-          "--loads: the recorded run kept {} expert assignments per rank and micro-batch; this simulation's "
-          "micro-batch of {} x {} tokens (tp {}) with top-{} keeps {} (give the run's micro_batch_size and seq_len: "
-          "--model RUN/config.toml, or --micro-batch-size and --seq-len)",
-          kept, o.micro_batch_size, o.seq_len, p.tp, cfg.num_experts_per_tok, want));
+    check_replay();
     mw = m;
   }
   memory_plan = mw == m ? plan : make_schedule(o.schedule, p.pp, mw, dualv ? 1 : p.vpp);
-  split = o.schedule == "zb-h1";
-  n_rank = o.micro_batch_size * o.seq_len / p.tp;
-  const auto& sl = layout.stage_layers();
+}
+
+void Simulation::check_replay() const {
+  const ParallelSpec& p = o.parallel;
+  int moe_layers = 0;
+  for (int l = 0; l < cfg.num_hidden_layers; ++l) moe_layers += cfg.is_moe_layer(l) ? 1 : 0;
+  const LoadModel& L = o.loads;
+  if (L.recorded_dp() != p.dp || L.recorded_ep() != p.ep || L.recorded_microbatches() != m ||
+      L.recorded_moe_layers() != moe_layers)
+    throw ConfigError(fmt::format(
+        "--loads: the recorded run has dp {}, ep {}, {} micro-batches and {} MoE layers; this simulation has dp "
+        "{}, ep {}, {} micro-batches (global batch {} / (dp {} x micro-batch size {})) and {} MoE layers "
+        "(per-rank replay needs the run's own layout; without --global-batch it takes the run's micro-batches)",
+        L.recorded_dp(), L.recorded_ep(), L.recorded_microbatches(), L.recorded_moe_layers(), p.dp, p.ep, m,
+        std::int64_t(m) * p.dp * o.micro_batch_size, p.dp, o.micro_batch_size, moe_layers));
+  // Dropless routing keeps tokens x top-k assignments per rank and micro-batch:
+  // the recording's tell the run's micro-batch tokens (B x S).
+  const std::int64_t want = o.micro_batch_size * o.seq_len / p.tp * cfg.num_experts_per_tok;
+  const std::int64_t kept = L.rows(0, 0, 0, 0).kept;
+  if (cfg.capacity_factor <= 0 && moe_layers > 0 && kept != want)
+    throw ConfigError(fmt::format(
+        "--loads: the recorded run kept {} expert assignments per rank and micro-batch; this simulation's "
+        "micro-batch of {} x {} tokens (tp {}) with top-{} keeps {} (give the run's micro_batch_size and seq_len: "
+        "--model RUN/config.toml, or --micro-batch-size and --seq-len)",
+        kept, o.micro_batch_size, o.seq_len, p.tp, cfg.num_experts_per_tok, want));
+}
+
+void Simulation::place_stages(const std::vector<int>& stage_layers) {
+  const ParallelSpec& p = o.parallel;
   int first = 0;
-  for (int s = 0; s < int(sl.size()); ++s) {
+  for (int s = 0; s < int(stage_layers.size()); ++s) {
     StageInfo si;
     si.first_layer = std::min(first, int(cfg.num_hidden_layers));
-    si.last_layer = std::min(first + sl[std::size_t(s)], int(cfg.num_hidden_layers));
+    si.last_layer = std::min(first + stage_layers[std::size_t(s)], int(cfg.num_hidden_layers));
     si.embedding = s == 0;
-    si.head = s == int(sl.size()) - 1;
-    first += sl[std::size_t(s)];
+    si.head = s == int(stage_layers.size()) - 1;
+    first += stage_layers[std::size_t(s)];
     stages.push_back(si);
   }
   int k = 0;
@@ -223,5 +245,4 @@ void Simulation::setup() {
   embed = embedding_cost(cost, cfg, w);
   for (const StageInfo& si : stages) stage_copies.push_back(stage_copy_cost(cost, cfg, w, si.embedding, si.head));
 }
-
 }  // namespace moeflex::sim

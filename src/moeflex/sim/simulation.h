@@ -77,6 +77,17 @@ struct Simulation {
   /// Checks the layout against the model and cluster (ConfigError naming the rule),
   /// then builds the plans, the stages and the placements (layout.cpp).
   void setup();
+  /// Model chunks a pipeline rank holds: vpp, or DualPipeV's 2.
+  int chunks_per_rank() const;
+  /// The layout's rules against the model, the cluster and the schedule (setup).
+  void check_layout() const;
+  /// The step plan, and the shorter one the memory walks replay where that keeps the peak (setup).
+  void make_plans();
+  /// A per-rank replay's recording against this layout and micro-batch (make_plans).
+  void check_replay() const;
+  /// The global stages' layers and ends, the MoE layer index, the limit, and the
+  /// ends' and boundary copies' costs (setup).
+  void place_stages(const std::vector<int>& stage_layers);
 
   /// The hottest EP rank's load ratio of (iteration, micro-batch, layer); 1 for a dense layer.
   double ratio(int it, int mb, int layer) const;

@@ -1,7 +1,9 @@
-// The plan executor in virtual time (simulator.h: run_plan): ranks run their step
-// plan's actions in order at each action's cost, messages arrive after their send;
-// under CoreSharing a global event loop shares the host's cores among the processes
-// (segment_time, nap_share); an overlapped F&B pair hides comm (pair_exposed_comm).
+// The simulator's timeline (simulator.h: run_plan): ranks run their step plan's
+// actions in order at each action's cost, messages arrive after their send. At full
+// speed that is the schedule's own executor (schedule/simulate.h: run_in_order) with
+// the cost model as its cost function; under CoreSharing a global event loop shares
+// the host's cores among the processes (segment_time, nap_share). An overlapped F&B
+// pair hides comm (pair_exposed_comm).
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -10,6 +12,7 @@
 
 #include "moeflex/comm/wait_policy.h"
 #include "moeflex/core/error.h"
+#include "moeflex/schedule/simulate.h"
 #include "moeflex/sim/simulator.h"
 
 namespace moeflex::sim {
@@ -362,62 +365,31 @@ PlanTimeline run_plan(const StepPlan& plan, const std::function<ActionCost(int, 
   if (sharing.cores > 0 &&
       double(plan.num_ranks) * double(std::max(sharing.processes_per_rank, 1)) > double(sharing.cores))
     return SharedTimeline(plan, cost, message_time, overlap_pair_comm, sharing).simulate();
+  // Every rank at full speed: the schedule's in-order executor at the cost model's
+  // times (an overlapped pair's comm added or hidden by pair_exposed_comm).
+  const ComputeTimeFn priced = [&](int r, const Action& a, const Action* second) -> ComputeTime {
+    if (second) {
+      const ActionCost f = cost(r, a), b = cost(r, *second);
+      const Seconds compute = f.compute + b.compute;
+      const Seconds comm = pair_exposed_comm(f, b, overlap_pair_comm);
+      return {compute, comm};
+    }
+    const ActionCost c = cost(r, a);
+    return {c.compute, c.comm};
+  };
+  const OrderedTimeline run = run_in_order(plan, priced, message_time);
+  if (!run.complete) throw_deadlock(plan, run.next);
   const int P = plan.num_ranks;
   PlanTimeline tl = empty_timeline(plan);
-  std::vector<Seconds> arrival(std::size_t(2 * plan.num_microbatches * plan.num_stages), -1.0);
-  auto key = [&](const Action& a) { return std::size_t(message_tag(plan, a)); };
-  std::vector<std::size_t> pc(std::size_t(P), 0);
-  std::vector<Seconds> clock(std::size_t(P), 0);
-  bool progress = true;
-  std::size_t done = 0, total = 0;
-  for (const auto& v : plan.actions) total += v.size();
-  while (done < total) {
-    if (!progress) throw_deadlock(plan, pc);
-    progress = false;
-    for (int r = 0; r < P; ++r) {
-      const auto& acts = plan.actions[std::size_t(r)];
-      std::size_t& i = pc[std::size_t(r)];
-      Seconds& t = clock[std::size_t(r)];
-      while (i < acts.size()) {
-        const Action& a = acts[i];
-        if (is_recv(a.kind)) {
-          const Seconds at = arrival[key(a)];
-          if (at < 0) break;
-          tl.times[std::size_t(r)][i] = {t, std::max(t, at)};
-          tl.idle[std::size_t(r)] += std::max<Seconds>(0, at - t);
-          t = std::max(t, at);
-        } else if (is_send(a.kind)) {
-          arrival[key(a)] = t + message_time(a);
-          tl.times[std::size_t(r)][i] = {t, t};
-        } else if (a.overlapped_with_next && i + 1 < acts.size()) {
-          const ActionCost f = cost(r, a), b = cost(r, acts[i + 1]);
-          const Seconds compute = f.compute + b.compute;
-          const Seconds comm = pair_exposed_comm(f, b, overlap_pair_comm);
-          tl.times[std::size_t(r)][i] = tl.times[std::size_t(r)][i + 1] = {t, t + compute + comm};
-          tl.busy[std::size_t(r)] += compute + comm;
-          tl.comm[std::size_t(r)] += comm;
-          t += compute + comm;
-          ++i;
-          ++done;
-        } else {
-          const ActionCost c = cost(r, a);
-          tl.times[std::size_t(r)][i] = {t, t + c.compute + c.comm};
-          tl.busy[std::size_t(r)] += c.compute + c.comm;
-          tl.comm[std::size_t(r)] += c.comm;
-          t += c.compute + c.comm;
-        }
-        ++i;
-        ++done;
-        progress = true;
-      }
-    }
-  }
   for (int r = 0; r < P; ++r) {
-    tl.finish[std::size_t(r)] = clock[std::size_t(r)];
-    tl.makespan = std::max(tl.makespan, clock[std::size_t(r)]);
+    const std::size_t k = std::size_t(r);
+    for (std::size_t i = 0; i < run.times[k].size(); ++i) tl.times[k][i] = {run.times[k][i].start, run.times[k][i].end};
+    tl.busy[k] = run.busy[k];
+    tl.comm[k] = run.comm[k];
+    tl.finish[k] = run.finish[k];
   }
+  tl.makespan = run.makespan;
   for (int r = 0; r < P; ++r) tl.idle[std::size_t(r)] = tl.makespan - tl.busy[std::size_t(r)];
   return tl;
 }
-
 }  // namespace moeflex::sim

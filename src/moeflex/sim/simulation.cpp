@@ -14,6 +14,30 @@
 
 namespace moeflex::sim {
 
+namespace {
+
+/// The provisioning functions of a walk's policies, one per name ("none" saves
+/// everything); flash attention never keeps the attention probabilities.
+class PolicyFns {
+ public:
+  PolicyFns(const std::vector<std::string>& policies, bool flash_attention) : flash_(flash_attention) {
+    for (const auto& p : policies)
+      if (!fns_.count(p)) fns_.emplace(p, p == "none" ? ProvisionFn{} : make_static_policy(p));
+  }
+  /// The provision of ledger entry `e` under policy `name`.
+  Provision operator()(const LedgerEntry& e, const std::string& name) const {
+    if (flash_ && e.name == "attn.probs") return Provision::recompute;
+    const ProvisionFn& f = fns_.at(name);
+    return f ? f(e) : Provision::save;
+  }
+
+ private:
+  bool flash_;
+  std::map<std::string, ProvisionFn> fns_;
+};
+
+}  // namespace
+
 Simulation::Simulation(const SimOptions& opt)
     : o(opt),
       cfg(opt.model),
@@ -83,24 +107,25 @@ Bytes Simulation::persistent(int r) const {
   return total;
 }
 
-Bytes Simulation::adaptive_minimum(int r) const {
-  StepProgram program;
+std::vector<StageSpec> Simulation::stage_specs(int r) const {
+  std::vector<StageSpec> specs;
   for (int s : plan.stages_of(r)) {
     const StageInfo& si = stages[std::size_t(s)];
-    program.stages.push_back({si.first_layer, si.last_layer, si.embedding, si.head, o.parallel.ep});
+    specs.push_back({si.first_layer, si.last_layer, si.embedding, si.head, o.parallel.ep});
   }
+  return specs;
+}
+
+Bytes Simulation::adaptive_minimum(int r) const {
+  StepProgram program;
+  program.stages = stage_specs(r);
   program.actions = walk_actions(memory_plan, r);
   return rank_bytes(persistent(r),
                     minimum_budget(cfg, o.micro_batch_size, o.seq_len / o.parallel.tp, program, 0, 0.0));
 }
 
 Bytes Simulation::walk(int r, int it, const std::vector<double>& mb_ratio, const std::vector<std::string>& mb_policy) {
-  std::vector<StageSpec> specs;
-  for (int s : plan.stages_of(r)) {
-    const StageInfo& si = stages[std::size_t(s)];
-    specs.push_back({si.first_layer, si.last_layer, si.embedding, si.head, o.parallel.ep});
-  }
-  std::map<std::string, ProvisionFn> fns;
+  const std::vector<StageSpec> specs = stage_specs(r);
   // Micro-batch i of a shorter walk stands for the i-th most loaded of the step
   // (so a spike is walked, at the position held longest).
   const int mw = memory_plan.num_microbatches;
@@ -109,8 +134,7 @@ Bytes Simulation::walk(int r, int it, const std::vector<double>& mb_ratio, const
   if (mw < int(mb_ratio.size()))
     std::stable_sort(order.begin(), order.end(),
                      [&](int a, int b) { return mb_ratio[std::size_t(a)] > mb_ratio[std::size_t(b)]; });
-  for (const auto& p : mb_policy)
-    if (!fns.count(p)) fns.emplace(p, p == "none" ? ProvisionFn{} : make_static_policy(p));
+  const PolicyFns fns(mb_policy, o.cluster.flash_attention);
   MemoryWalk w(cfg, o.micro_batch_size, o.seq_len / o.parallel.tp, 0);
   w.run(walk_actions(memory_plan, r), 0, specs,
         [&](int mb, const StageSpec& st) {
@@ -123,23 +147,13 @@ Bytes Simulation::walk(int r, int it, const std::vector<double>& mb_ratio, const
                                                                        : ratio(it, full, l)));
           return rows;
         },
-        [&](const LedgerEntry& e) {
-          if (o.cluster.flash_attention && e.name == "attn.probs") return Provision::recompute;
-          const ProvisionFn& f = fns.at(mb_policy[std::size_t(order[std::size_t(e.microbatch)])]);
-          return f ? f(e) : Provision::save;
-        });
+        [&](const LedgerEntry& e) { return fns(e, mb_policy[std::size_t(order[std::size_t(e.microbatch)])]); });
   return w.peak();
 }
 
 Bytes Simulation::walk_rank(int r, int it, int q, const std::vector<std::string>& mb_policy) {
-  std::vector<StageSpec> specs;
-  for (int s : plan.stages_of(r)) {
-    const StageInfo& si = stages[std::size_t(s)];
-    specs.push_back({si.first_layer, si.last_layer, si.embedding, si.head, o.parallel.ep});
-  }
-  std::map<std::string, ProvisionFn> fns;
-  for (const auto& p : mb_policy)
-    if (!fns.count(p)) fns.emplace(p, p == "none" ? ProvisionFn{} : make_static_policy(p));
+  const std::vector<StageSpec> specs = stage_specs(r);
+  const PolicyFns fns(mb_policy, o.cluster.flash_attention);
   MemoryWalk w(cfg, o.micro_batch_size, o.seq_len / o.parallel.tp, 0);
   w.run(walk_actions(plan, r), 0, specs,
         [&](int mb, const StageSpec& st) {
@@ -155,11 +169,7 @@ Bytes Simulation::walk_rank(int r, int it, int q, const std::vector<std::string>
           }
           return rows;
         },
-        [&](const LedgerEntry& e) {
-          if (o.cluster.flash_attention && e.name == "attn.probs") return Provision::recompute;
-          const ProvisionFn& f = fns.at(mb_policy[std::size_t(e.microbatch)]);
-          return f ? f(e) : Provision::save;
-        });
+        [&](const LedgerEntry& e) { return fns(e, mb_policy[std::size_t(e.microbatch)]); });
   return w.peak();
 }
 

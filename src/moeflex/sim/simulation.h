@@ -95,6 +95,9 @@ struct Simulation {
   /// Persistent bytes of pipeline rank r.
   Bytes persistent(int r) const;
 
+  /// The memory walk's view of pipeline rank r's stages (its chunks, in order).
+  std::vector<StageSpec> stage_specs(int r) const;
+
   /// The smallest budget under which the adaptive planner's invariant holds for
   /// pipeline rank r (the trainer's refusal): its persistent bytes plus the peak of
   /// one step with every decided activation at its most memory-saving provision and

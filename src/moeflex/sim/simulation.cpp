@@ -97,7 +97,6 @@ double Simulation::ratio(int it, int mb, int layer) const {
 }
 
 Bytes Simulation::persistent(int r) const {
-  std::vector<std::pair<int, int>> ranges;
   Bytes total = 0;
   for (int s : plan.stages_of(r)) {
     const StageInfo& si = stages[std::size_t(s)];

@@ -1,4 +1,5 @@
-// The unit-cost virtual-time executor of step plans (see simulate.h).
+// The virtual-time executor of step plans under a cost function (run_in_order), and
+// the unit-cost simulation of schedules over it (see simulate.h).
 #include "moeflex/schedule/simulate.h"
 
 #include <algorithm>
@@ -71,16 +72,27 @@ void count_peaks(const std::vector<Action>& actions, RankStats& stats) {
 
 }  // namespace
 
-SimResult simulate(const StepPlan& plan, const Costs& costs) {
+OrderedTimeline run_in_order(const StepPlan& plan, const ComputeTimeFn& compute,
+                             const std::function<Seconds(const Action&)>& message_time) {
   const int p = static_cast<int>(plan.actions.size());
-  SimResult result;
-  result.ranks.resize(p);
-  result.times.resize(p);
-  for (int r = 0; r < p; ++r) result.times[r].resize(plan.actions[r].size());
-
-  std::vector<size_t> next(p, 0);     // per rank: index of the next action to run
-  std::vector<Seconds> clock(p, 0);   // per rank: when it is free
-  std::map<MessageKey, Seconds> arrival;
+  OrderedTimeline tl;
+  tl.busy.assign(p, 0);
+  tl.comm.assign(p, 0);
+  tl.finish.assign(p, 0);
+  tl.times.resize(p);
+  for (int r = 0; r < p; ++r) tl.times[r].resize(plan.actions[r].size());
+  tl.next.assign(p, 0);                 // per rank: index of the next action to run
+  std::vector<Seconds> clock(p, 0);     // per rank: when it is free
+  // Per message (message_tag): when it arrives, once its Send has run.
+  const std::size_t tags = std::size_t(std::max(0, 2 * plan.num_microbatches * plan.num_stages));
+  std::vector<Seconds> arrival(tags, 0);
+  std::vector<char> sent(tags, 0);
+  auto slot = [&](const Action& a) {
+    const int tag = message_tag(plan, a);
+    if (tag < 0 || std::size_t(tag) >= tags)
+      throw ScheduleError("run_in_order: " + to_string(a) + " is outside the plan's micro-batches and stages");
+    return std::size_t(tag);
+  };
 
   // Each sweep runs every rank as far as it gets; a rank stops only at a Recv
   // whose Send has not run yet. Times depend only on causality, so the sweep
@@ -89,47 +101,67 @@ SimResult simulate(const StepPlan& plan, const Costs& costs) {
     progress = false;
     for (int r = 0; r < p; ++r) {
       const std::vector<Action>& actions = plan.actions[r];
-      while (next[r] < actions.size()) {
-        const Action& a = actions[next[r]];
-        ActionTime& t = result.times[r][next[r]];
+      std::size_t& i = tl.next[r];
+      Seconds& t = clock[r];
+      while (i < actions.size()) {
+        const Action& a = actions[i];
+        ActionTime& at = tl.times[r][i];
         if (is_recv(a.kind)) {
-          const auto in = arrival.find(key_of(a));
-          if (in == arrival.end()) break;  // blocked
-          t.start = clock[r];
-          clock[r] = std::max(clock[r], in->second);
-          t.end = clock[r];
-          ++next[r];
+          const std::size_t k = slot(a);
+          if (!sent[k]) break;  // blocked
+          at.start = t;
+          t = std::max(t, arrival[k]);
+          at.end = t;
+          ++i;
         } else if (is_send(a.kind)) {
-          t.start = t.end = clock[r];
-          arrival[key_of(a)] = clock[r] + costs.comm;
-          ++next[r];
-        } else if (a.overlapped_with_next && next[r] + 1 < actions.size()) {
-          const ActionKind second = actions[next[r] + 1].kind;
-          const Seconds cost = costs.overlapped_pair >= 0
-                                   ? costs.overlapped_pair
-                                   : compute_cost(a.kind, costs) + compute_cost(second, costs);
-          t = {clock[r], clock[r] + cost};
-          result.times[r][next[r] + 1] = t;
-          clock[r] += cost;
-          result.ranks[r].busy += cost;
-          next[r] += 2;
+          at.start = at.end = t;
+          const std::size_t k = slot(a);
+          arrival[k] = t + message_time(a);
+          sent[k] = 1;
+          ++i;
         } else {
-          const Seconds cost = compute_cost(a.kind, costs);
-          t = {clock[r], clock[r] + cost};
-          clock[r] += cost;
-          result.ranks[r].busy += cost;
-          ++next[r];
+          const bool pair = a.overlapped_with_next && i + 1 < actions.size();
+          const ComputeTime c = compute(r, a, pair ? &actions[i + 1] : nullptr);
+          at = {t, t + c.compute + c.comm};
+          if (pair) tl.times[r][i + 1] = at;
+          t += c.compute + c.comm;
+          tl.busy[r] += c.compute + c.comm;
+          tl.comm[r] += c.comm;
+          i += pair ? 2 : 1;
         }
         progress = true;
       }
     }
   }
-  for (int r = 0; r < p; ++r)
-    if (next[r] < plan.actions[r].size()) throw ScheduleError(deadlock_report(plan, next));
-
+  tl.complete = true;
   for (int r = 0; r < p; ++r) {
-    result.ranks[r].finish = clock[r];
-    result.makespan = std::max(result.makespan, clock[r]);
+    if (tl.next[r] < plan.actions[r].size()) tl.complete = false;
+    tl.finish[r] = clock[r];
+    tl.makespan = std::max(tl.makespan, clock[r]);
+  }
+  return tl;
+}
+
+SimResult simulate(const StepPlan& plan, const Costs& costs) {
+  // Unit costs: each kind of action its Costs time, an overlapped pair its own or
+  // both halves'.
+  const ComputeTimeFn unit = [&](int, const Action& a, const Action* second) -> ComputeTime {
+    if (!second) return {compute_cost(a.kind, costs), 0};
+    return {costs.overlapped_pair >= 0 ? costs.overlapped_pair
+                                       : compute_cost(a.kind, costs) + compute_cost(second->kind, costs),
+            0};
+  };
+  OrderedTimeline tl = run_in_order(plan, unit, [&](const Action&) { return costs.comm; });
+  if (!tl.complete) throw ScheduleError(deadlock_report(plan, tl.next));
+
+  const int p = static_cast<int>(plan.actions.size());
+  SimResult result;
+  result.makespan = tl.makespan;
+  result.times = std::move(tl.times);
+  result.ranks.resize(p);
+  for (int r = 0; r < p; ++r) {
+    result.ranks[r].busy = tl.busy[r];
+    result.ranks[r].finish = tl.finish[r];
     count_peaks(plan.actions[r], result.ranks[r]);
   }
   Seconds idle = 0;

@@ -1,11 +1,15 @@
-// A unit-cost executor of step plans in virtual time: every rank runs its
-// actions in order, a Send costs nothing and never blocks, a message arrives
-// `comm` after its Send, a Recv waits for its message. It gives the makespan,
-// each rank's busy and idle time (its bubble), the peaks of micro-batches in
-// flight, and a deadlock report when the plan cannot finish (validate() uses it
-// for that). The discrete-event simulator of sim/ adds the cost model's real
-// per-action times and bytes; this one is for schedules alone.
+// The executor of step plans in virtual time (run_in_order): every rank runs its
+// actions in order, a compute action holds its rank for the time a cost function
+// gives, a Send costs nothing and never blocks, a message arrives its message time
+// after its Send, a Recv waits for its message. simulate() runs it at unit costs
+// (Costs) and gives the makespan, each rank's busy and idle time (its bubble), the
+// peaks of micro-batches in flight, and a deadlock report when the plan cannot
+// finish (validate() uses it for that). The discrete-event simulator of sim/ runs the
+// same executor at the cost model's per-action times (sim::run_plan), and its own
+// event loop when processes share cores.
 #pragma once
+#include <cstddef>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -51,7 +55,36 @@ struct SimResult {
   std::vector<std::vector<ActionTime>> times;  ///< per rank, per entry of plan.actions
 };
 
-/// Runs `plan` in virtual time. Expects a plan that passes validate()'s static
+/// What one compute action costs its rank in run_in_order: it holds the rank for
+/// compute + comm, comm being its blocking collectives (0 at unit costs).
+struct ComputeTime {
+  Seconds compute = 0;
+  Seconds comm = 0;
+};
+
+/// The cost model of run_in_order: the ComputeTime of compute action `a` of `rank`,
+/// or, with `second` (an overlapped F&B pair's other half; null otherwise), of the
+/// pair as one.
+using ComputeTimeFn = std::function<ComputeTime(int rank, const Action& a, const Action* second)>;
+
+/// run_in_order's timeline. When not `complete`, no rank could proceed: `next`
+/// holds each rank's first action not run (its blocked Recv).
+struct OrderedTimeline {
+  Seconds makespan = 0;                        ///< last action's end over all ranks
+  std::vector<Seconds> busy, comm, finish;     ///< per rank: compute time, of which collectives; its end
+  std::vector<std::vector<ActionTime>> times;  ///< per rank, per entry of plan.actions
+  std::vector<std::size_t> next;               ///< per rank: the first action not run
+  bool complete = false;                       ///< every rank ran all its actions
+};
+
+/// Runs `plan` in virtual time under cost model `compute` (see the file comment;
+/// times as ActionTime says), messages arriving message_time(send) after their Send.
+/// Expects a plan that passes validate()'s static checks; throws ScheduleError for a
+/// message outside its micro-batches and stages.
+OrderedTimeline run_in_order(const StepPlan& plan, const ComputeTimeFn& compute,
+                             const std::function<Seconds(const Action&)>& message_time);
+
+/// Runs `plan` in virtual time at unit costs. Expects a plan that passes validate()'s static
 /// checks; throws ScheduleError starting with "deadlock" when some rank waits
 /// for a message that is never sent before it (naming each blocked rank).
 SimResult simulate(const StepPlan& plan, const Costs& costs = {});

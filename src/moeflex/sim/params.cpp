@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "moeflex/core/arena.h"
+#include "moeflex/model/parameters.h"
 #include "moeflex/sim/simulation.h"
 
 namespace moeflex::sim {
@@ -22,53 +23,17 @@ Bytes tensor_bytes(double numel, double bytes_per_element) {
 
 void for_each_param_tensor(const ModelConfig& cfg, const ParallelSpec& par, const std::vector<std::pair<int, int>>& ranges,
                            bool embedding, bool head, const std::function<void(double, bool)>& add) {
-  const double d = double(cfg.hidden_size), tp = par.tp;
-  const double El = double(cfg.num_experts) / par.ep, f = double(cfg.moe_intermediate_size);
-  const double fs = double(cfg.shared_width()), I = double(cfg.intermediate_size), V = double(cfg.vocab_size);
-  // q and o: H heads split over tp; k and v: the kv heads split over tp (at least one a rank).
-  const double q_width = double(cfg.q_width()) / tp;
-  const double kv_width = double(cfg.kv_heads_per_rank(par.tp) * cfg.head_dim());
-  for (auto [first, last] : ranges) {
-    for (int l = first; l < last; ++l) {
-      add(d, false);
-      if (cfg.mla()) {  // MLA's down projections and latent norms whole on every tp rank, the rest split
-        const double ql = double(cfg.q_lora_rank), kl = double(cfg.kv_lora_rank), H = cfg.num_attention_heads;
-        const double qk = double(cfg.qk_head_dim()), vd = double(cfg.v_head_dim), rp = double(cfg.qk_rope_head_dim);
-        if (ql > 0) {
-          add(d * ql, false);
-          add(ql, false);
-          add(ql * H * qk / tp, false);
-        } else {
-          add(d * H * qk / tp, false);
-        }
-        add(d * (kl + rp), false);
-        add(kl, false);
-        add(kl * H * (double(cfg.qk_nope_head_dim) + vd) / tp, false);
-        add(H * vd * d / tp, false);  // o
-      } else {
-        add(d * q_width, false);   // q
-        add(d * kv_width, false);  // k
-        add(d * kv_width, false);  // v
-        add(d * q_width, false);   // o
-      }
-      add(d, false);
-      if (cfg.is_moe_layer(l)) {
-        add(double(cfg.num_experts) * d, false);
-        for (int i = 0; i < 3; ++i) add(El * f * d, true);
-        if (fs > 0)
-          for (int i = 0; i < 3; ++i) add(fs * d / tp, false);
-      } else {
-        for (int i = 0; i < 3; ++i) add(I * d / tp, false);
-      }
-    }
-  }
-  if (embedding) add(V * d / tp, false);
+  // The engine's own parameter list (model/parameters.h), each tensor as one tp rank holds it.
+  const std::int64_t local_experts = cfg.num_experts / std::max(par.ep, 1);  // (ep divides the experts)
+  for (auto [first, last] : ranges)
+    for (int l = first; l < last; ++l)
+      for (const ParamSpec& p : layer_parameters(cfg, l, local_experts)) add(p.numel_per_rank(cfg, par.tp), p.expert);
+  if (embedding) add(embedding_parameter(cfg).numel_per_rank(cfg, par.tp), false);
   if (head) {
-    add(d, false);
-    if (!cfg.tie_word_embeddings || !embedding) add(V * d / tp, false);
+    add(final_norm_parameter(cfg).numel_per_rank(cfg, par.tp), false);
+    if (!cfg.tie_word_embeddings || !embedding) add(lm_head_parameter(cfg).numel_per_rank(cfg, par.tp), false);
   }
 }
-
 
 Bytes persistent_bytes(const ModelConfig& cfg, const ClusterSpec& cl, const ParallelSpec& par,
                        const std::vector<std::pair<int, int>>& ranges, bool embedding, bool head) {

@@ -1,0 +1,81 @@
+// The model's parameter list (model/parameters): what the engine allocates is the
+// list, tensor for tensor; the list adds up to ModelConfig::num_params (an
+// independent formula) for multi-head, grouped-query and MLA attention, dense and
+// MoE layers, tied and untied heads; tensor parallelism divides it as
+// Megatron-Core does (whole key/value heads a rank).
+#include <gtest/gtest.h>
+
+#include "model_fixtures.h"
+#include "moeflex/core/arena.h"
+#include "moeflex/model/model.h"
+#include "moeflex/model/parameters.h"
+
+namespace moeflex {
+namespace {
+
+double listed_params(const ModelConfig& cfg, int tp) {
+  double n = embedding_parameter(cfg).numel_per_rank(cfg, tp) + final_norm_parameter(cfg).numel_per_rank(cfg, tp);
+  if (!cfg.tie_word_embeddings) n += lm_head_parameter(cfg).numel_per_rank(cfg, tp);
+  for (int l = 0; l < cfg.num_hidden_layers; ++l)
+    for (const ParamSpec& p : layer_parameters(cfg, l, cfg.num_experts)) n += p.numel_per_rank(cfg, tp);
+  return n;
+}
+
+ModelConfig gqa_config() {
+  ModelConfig c = test::small_moe_config(3, 1, 4, false);
+  c.num_key_value_heads = 2;
+  c.head_dim_override = 16;
+  return c;
+}
+
+TEST(Parameters, TheEngineAllocatesTheList) {
+  for (bool tied : {true, false}) {
+    const ModelConfig cfg = test::small_moe_config(3, 1, 4, tied);
+    Arena arena;
+    MoEModel model(cfg, arena);
+    std::vector<ParamSpec> want = {embedding_parameter(cfg)};
+    for (int l = 0; l < cfg.num_hidden_layers; ++l)
+      for (const ParamSpec& p : layer_parameters(cfg, l, cfg.num_experts)) want.push_back(p);
+    want.push_back(final_norm_parameter(cfg));
+    if (!tied) want.push_back(lm_head_parameter(cfg));
+    ASSERT_EQ(model.params().size(), want.size());
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      EXPECT_EQ(model.params()[i].name, want[i].name);
+      EXPECT_EQ(model.params()[i].w.shape(), want[i].shape) << want[i].name;
+      EXPECT_EQ(model.params()[i].no_decay, want[i].no_decay) << want[i].name;
+      EXPECT_EQ(model.params()[i].expert, want[i].expert) << want[i].name;
+    }
+  }
+}
+
+TEST(Parameters, TheListAddsUpToTheConfigsCount) {
+  ModelConfig mla = test::small_moe_config(2, 1, 4, true);
+  mla.kv_lora_rank = 8;
+  mla.qk_nope_head_dim = 8;
+  mla.qk_rope_head_dim = 4;
+  mla.v_head_dim = 8;
+  ModelConfig mla_q = mla;
+  mla_q.q_lora_rank = 12;
+  for (const ModelConfig& cfg : {test::small_moe_config(3, 1, 4, true), test::small_moe_config(2, 0, 8, false),
+                                 gqa_config(), mla, mla_q})
+    EXPECT_EQ(listed_params(cfg, 1), double(cfg.num_params()));
+}
+
+TEST(Parameters, TensorParallelismSplitsHeadsAndWidths) {
+  const ModelConfig cfg = gqa_config();  // 4 heads of 16, 2 key/value heads
+  const auto layer = layer_parameters(cfg, 0, cfg.num_experts);  // a dense layer
+  auto find = [&](const std::string& suffix) {
+    for (const ParamSpec& p : layer)
+      if (p.name.ends_with(suffix)) return p;
+    throw std::runtime_error(suffix);
+  };
+  const double d = double(cfg.hidden_size);
+  EXPECT_EQ(find("q_proj.weight").numel_per_rank(cfg, 2), 2 * 16 * d);
+  EXPECT_EQ(find("k_proj.weight").numel_per_rank(cfg, 2), 1 * 16 * d);
+  EXPECT_EQ(find("k_proj.weight").numel_per_rank(cfg, 4), 1 * 16 * d);  // a whole head each, replicated
+  EXPECT_EQ(find("input_layernorm.weight").numel_per_rank(cfg, 4), d);
+  EXPECT_EQ(find("mlp.down_proj.weight").numel_per_rank(cfg, 2), d * double(cfg.intermediate_size) / 2);
+}
+
+}  // namespace
+}  // namespace moeflex

@@ -111,6 +111,31 @@ TEST(LayerCost, TimesAreTheGemmFlopsOverTheRate) {
   EXPECT_NEAR(head.forward, head_forward_flops(cfg, B, S) / kRate, 1e-12);
 }
 
+TEST(LayerCost, PricesTheRecomputeOfEveryRecomputableLedgerEntry) {
+  // A new ledger entry with a lineage must get a price: the planner would take a
+  // missing one (0 s) as a free recompute.
+  HardwareProfile p = gemm_only_profile();
+  p.memory_bandwidth = 1e9;
+  p.launch_overhead = 1e-6;
+  const CostModel cost(p);
+  ModelConfig mla_moe = small_mla_config();  // its layer 1 an MoE layer
+  mla_moe.num_hidden_layers = 2;
+  for (const ModelConfig& cfg : {test::small_moe_config(2, 1, 8, true), mla_moe}) {
+    LayerWork w;
+    w.B = 2;
+    w.S = 16;
+    w.rows = MoERows::balanced(cfg, 32);
+    for (int l = 0; l < cfg.num_hidden_layers; ++l) {
+      const LayerCost lc = layer_cost(cost, cfg, l, w);
+      for (const auto& a : layer_activations(cfg, l, 2, 16, w.rows, false))
+        if (a.recomputable) EXPECT_GT(lc.recompute_seconds(a.name), 0) << "layer " << l << " " << a.name;
+    }
+    const LayerCost head = head_cost(cost, cfg, w);
+    for (const auto& a : head_activations(cfg, 2, 16))
+      if (a.recomputable) EXPECT_GT(head.recompute_seconds(a.name), 0) << "head " << a.name;
+  }
+}
+
 TEST(LayerCost, RecomputeTimesAreTheLineagesOps) {
   HardwareProfile p = gemm_only_profile();
   p.memory_bandwidth = 1e9;

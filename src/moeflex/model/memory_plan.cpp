@@ -98,31 +98,10 @@ const MemoryWalk::LayerSpecs& MemoryWalk::specs_of(int layer, const MoERows& row
   const SpecKey key{kind, kind == 1 ? rows.permuted : 0, kind == 1 ? rows.received : 0, ep};
   for (const auto& [k, v] : specs_)
     if (k == key) return *v;
-  const bool shared = cfg_.n_shared_experts > 0 || cfg_.shared_expert_intermediate_size > 0;
-  const std::array<std::int64_t, 22> full{cfg_.hidden_size,
-                                          cfg_.num_attention_heads,
-                                          cfg_.q_width(),
-                                          cfg_.k_width(),
-                                          cfg_.v_width(),
-                                          cfg_.attn_out_width(),
-                                          cfg_.num_experts,
-                                          cfg_.num_experts_per_tok,
-                                          cfg_.moe_intermediate_size,
-                                          cfg_.intermediate_size,
-                                          shared ? cfg_.shared_width() : -1,
-                                          cfg_.vocab_size,
-                                          cfg_.q_lora_rank,  // MLA's latents (layer_activations)
-                                          cfg_.kv_lora_rank,
-                                          cfg_.qk_rope_head_dim,
-                                          B_,
-                                          S_,
-                                          kind,
-                                          std::get<1>(key),
-                                          std::get<2>(key),
-                                          ep,
-                                          ab_};
+  const auto full = walk::config_key<7>(
+      cfg_, {B_, S_, kind, std::get<1>(key), std::get<2>(key), ep, ab_});
   constexpr std::size_t kMemo = 256;
-  thread_local std::deque<std::pair<std::array<std::int64_t, 22>, std::unique_ptr<LayerSpecs>>> memo;
+  thread_local std::deque<std::pair<std::array<std::int64_t, 22>, std::unique_ptr<LayerSpecs>>> memo;  // (15 + 7)
   for (const auto& [k, v] : memo)
     if (k == full) {
       specs_.emplace_back(key, v.get());

@@ -332,7 +332,7 @@ class MemoryWalk {
   bool probe_ = false, probe_landed_ = false;
   Bytes probe_pre_peak_ = 0, probe_pre_end_ = 0;
   /// What a LayerSummary depends on (see summary_of).
-  using SummaryKey = std::array<std::int64_t, 22>;
+  using SummaryKey = std::array<std::int64_t, 23>;  // walk::config_key and 8 more
   std::deque<std::pair<SummaryKey, LayerSummary>> local_summaries_;  // beyond the per-thread memo
   void land();
 };

@@ -257,29 +257,9 @@ void MemoryWalk::weight(int mb, const StageSpec& st) {
 const MemoryWalk::LayerSummary& MemoryWalk::summary_of(int l, const MoERows& rows, int ep_size) {
   // Everything a layer's replay depends on: the sizes, its kind and rows, whether
   // an EP group dispatches, the activation element size (the floor follows from these).
-  const bool moe = cfg_.is_moe_layer(l), shared = cfg_.n_shared_experts > 0 || cfg_.shared_expert_intermediate_size > 0;
-  const SummaryKey key{cfg_.hidden_size,
-                       cfg_.num_attention_heads,
-                       cfg_.q_width(),
-                       cfg_.k_width(),
-                       cfg_.v_width(),
-                       cfg_.attn_out_width(),
-                       cfg_.num_experts,
-                       cfg_.num_experts_per_tok,
-                       cfg_.moe_intermediate_size,
-                       cfg_.intermediate_size,
-                       shared ? cfg_.shared_width() : -1,
-                       B_,
-                       S_,
-                       moe,
-                       moe ? rows.permuted : 0,
-                       moe ? rows.received : 0,
-                       ep_size > 1,
-                       moe ? cfg_.expert_chunk_rows : 0,
-                       ab_,
-                       cfg_.q_lora_rank,  // MLA's latents (layer_activations)
-                       cfg_.kv_lora_rank,
-                       cfg_.qk_rope_head_dim};
+  const bool moe = cfg_.is_moe_layer(l);
+  const SummaryKey key = walk::config_key<8>(cfg_, {B_, S_, moe, moe ? rows.permuted : 0, moe ? rows.received : 0,
+                                                    ep_size > 1, moe ? cfg_.expert_chunk_rows : 0, ab_});
   // Per thread, kept for the process (a few kinds and worst-case rows in practice);
   // beyond kMemo, further summaries live as long as this walk.
   constexpr std::size_t kMemo = 256;

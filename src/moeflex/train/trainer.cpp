@@ -37,13 +37,13 @@
 #include "moeflex/ops/imbalance.h"
 #include "moeflex/model/memory_plan.h"
 #include "moeflex/provision/planner.h"
-#include "moeflex/train/calibrate.h"
+#include "moeflex/profile/calibrate.h"
 #include "moeflex/provision/policies.h"
 #include "moeflex/train/optimizer.h"
 #include "moeflex/train/replica.h"
 #include "moeflex/train/safetensors.h"
 #include "moeflex/train/trace.h"
-#include "moeflex/train/op_profiler.h"
+#include "moeflex/profile/op_profiler.h"
 
 extern "C" void openblas_set_num_threads(int);
 
@@ -129,7 +129,7 @@ void record_loads(comm::Communicator* world, const std::vector<RoutingStats>& ro
   }
   json line = {{"step", step}, {"dp", layout.dp()}, {"ep", layout.ep()}, {"microbatches", M},
                {"moe_layers", moe_layers}, {"received", rec}, {"kept", kep}, {"step_cpu_seconds", cpu}};
-  train::append_line(*out, out_path, line.dump());
+  append_line(*out, out_path, line.dump());
 }
 
 // Keeps only the metrics lines of steps <= `step` (a resumed run rewrites the rest).
@@ -145,7 +145,7 @@ void truncate_metrics(const fs::path& path, std::int64_t step) {
       // A torn last line from a crash: drop it.
     }
   }
-  train::write_file_atomically(path, kept);
+  write_file_atomically(path, kept);
 }
 
 
@@ -630,15 +630,15 @@ TrainResult run_training(const TrainOptions& opts) {
     if (!opts.resume) {
       // Both written to a temporary file and renamed: a symlink in their place is
       // replaced, never followed (its target stays as it was).
-      train::write_file_atomically(run_dir / "config.toml", cfg.to_toml());
-      const std::vector<char> tok = train::read_file_bytes(data_dir / "tokenizer.model");
-      train::write_file_atomically(run_dir / "tokenizer.model", std::string_view(tok.data(), tok.size()));
+      write_file_atomically(run_dir / "config.toml", cfg.to_toml());
+      const std::vector<char> tok = read_file_bytes(data_dir / "tokenizer.model");
+      write_file_atomically(run_dir / "tokenizer.model", std::string_view(tok.data(), tok.size()));
     } else if (!fs::exists(run_dir / "tokenizer.model")) {
       folder_error = fmt::format(
           "--resume: the run '{}' has no tokenizer.model, so its corpus cannot be checked against the one at '{}' "
           "(a changed corpus would give the model token ids it never learned). Restore the run's tokenizer.model",
           run_dir.string(), corpus.string());
-    } else if (train::read_file_bytes(run_dir / "tokenizer.model") != train::read_file_bytes(data_dir / "tokenizer.model")) {
+    } else if (read_file_bytes(run_dir / "tokenizer.model") != read_file_bytes(data_dir / "tokenizer.model")) {
       // The corpus changed since the run began (its tokenizer was retrained): the
       // model's embeddings belong to the run's own tokenizer, which stays as it is.
       folder_error = fmt::format(
@@ -718,7 +718,7 @@ TrainResult run_training(const TrainOptions& opts) {
       mem[to_string(MemCategory(c))] = arena.stat(MemCategory(c)).peak;
     s["peak_device_bytes_by_category"] = mem;
     s["dataset"] = {{"dir", info.dir.string()}, {"train_tokens", info.train_tokens}, {"val_tokens", info.val_tokens}};
-    train::write_file_atomically(summary_path_override.empty() ? summary_path : summary_path_override, s.dump(2) + "\n");
+    write_file_atomically(summary_path_override.empty() ? summary_path : summary_path_override, s.dump(2) + "\n");
   };
 
   const auto t_start = Clock::now();
@@ -739,7 +739,7 @@ TrainResult run_training(const TrainOptions& opts) {
     const int B = int(t.micro_batch_size), S = int(t.seq_len);
     const std::int64_t M = t.grad_accum;
     // --profile-ops: every backend op of each step is timed and priced by the cost model
-    // (train/op_profiler.h). The profiler wraps the arena's backend and is handed out by
+    // (profile/op_profiler.h). The profiler wraps the arena's backend and is handed out by
     // ops::backend_of() while the run lives, so the model and optimizer built below run
     // through it; without the flag nothing is wrapped.
     std::optional<CostModel> op_cost;
@@ -988,7 +988,7 @@ TrainResult run_training(const TrainOptions& opts) {
       } else {
         progress.note(fmt::format("resuming {} from step {}", run_dir.string(), start_step));
         // --steps sets the run's length from now on: a later plain --resume keeps it.
-        if (rank0 && opts.config.train.steps > 0) train::write_file_atomically(run_dir / "config.toml", cfg.to_toml());
+        if (rank0 && opts.config.train.steps > 0) write_file_atomically(run_dir / "config.toml", cfg.to_toml());
       }
     } else {
       if (rank0) std::remove((run_dir / "metrics.jsonl").c_str());
@@ -1018,7 +1018,7 @@ TrainResult run_training(const TrainOptions& opts) {
         json doc = summarize_op_time_parts(parts, first, omp_get_max_threads() == 1 && cfg.device == "cpu");
         doc["precision"] = cfg.model.bf16 ? "bf16" : "fp32";  // calibrate --from-run takes fp32 runs only
         doc["device"] = cfg.device;                           // ... onto a profile of the same device
-        train::write_file_atomically(run_dir / "op_times.json", doc.dump(2) + "\n");
+        write_file_atomically(run_dir / "op_times.json", doc.dump(2) + "\n");
         for (auto& p : parts) fs::remove(p);
         res.time_model_op_error = doc.at("op_error").get<double>();
         res.time_model_step_error = doc.at("step_error").get<double>();
@@ -1134,7 +1134,7 @@ TrainResult run_training(const TrainOptions& opts) {
                      {"step_seconds", step_seconds},
                      {"peak_device_bytes", std::int64_t(demand)},
                      {"injected_imbalance", ops::imbalance_active(imbalance, oom_step) ? imbalance.ratio : 0.0}};
-        train::append_line(metrics, run_dir / "metrics.jsonl", line.dump());
+        append_line(metrics, run_dir / "metrics.jsonl", line.dump());
       }
       if (tried >= t.max_restarts) {
         res.tokens_per_second_effective = double(res.tokens) / std::max(train_seconds + res.restart_seconds, 1e-9);
@@ -1354,7 +1354,7 @@ TrainResult run_training(const TrainOptions& opts) {
         line["val_loss"] = last_val;
       }
       if (rank0) {
-        train::append_line(metrics, run_dir / "metrics.jsonl", line.dump());
+        append_line(metrics, run_dir / "metrics.jsonl", line.dump());
       }
       res.tokens_per_second = double(res.tokens) / std::max(train_seconds, 1e-9);
       res.tokens_per_second_effective = double(res.tokens) / std::max(train_seconds + res.restart_seconds, 1e-9);

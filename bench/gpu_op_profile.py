@@ -3,7 +3,7 @@
 
     gpu_op_profile.py RUN/op_times.json
 
-On a device backend --profile-ops synchronises around every op (train/op_profiler.h),
+On a device backend --profile-ops synchronises around every op (profile/op_profiler.h),
 so each op's wall time is its kernels' time plus one synchronisation; the step's
 wall time minus the sum of its ops is host work between ops (planning, dispatch,
 the data). Prints, per op kind, its share of the measured step wall time, and per

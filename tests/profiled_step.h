@@ -9,7 +9,7 @@
 #include "moeflex/comm/layout.h"
 #include "moeflex/provision/policies.h"
 #include "moeflex/train/distributed.h"
-#include "moeflex/train/op_profiler.h"
+#include "moeflex/profile/op_profiler.h"
 #include "moeflex/train/replica.h"
 
 namespace moeflex::test {

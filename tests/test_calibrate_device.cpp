@@ -1,4 +1,4 @@
-// The device calibration (train/calibrate_device.h), run on the CPU backend: the
+// The device calibration (profile/calibrate_device.h, train/calibrate_command.h), run on the CPU backend: the
 // same code measures a GPU through the CUDA backend (scripts/gpu-check.sh).
 #include <gtest/gtest.h>
 
@@ -11,7 +11,8 @@
 
 #include "moeflex/core/error.h"
 #include "moeflex/provision/cost_model.h"
-#include "moeflex/train/calibrate_device.h"
+#include "moeflex/profile/calibrate_device.h"
+#include "moeflex/train/calibrate_command.h"
 
 using namespace moeflex;
 

@@ -18,7 +18,10 @@
 
 namespace fs = std::filesystem;
 using namespace moeflex::train;
+using moeflex::append_line;  // the file helpers (core/file_io.h)
 using moeflex::DataError;
+using moeflex::sha256_hex;
+using moeflex::WrittenFile;
 
 namespace {
 

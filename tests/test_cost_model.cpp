@@ -17,7 +17,7 @@
 #include "moeflex/comm/wait_policy.h"
 #include "moeflex/core/error.h"
 #include "moeflex/provision/cost_model.h"
-#include "moeflex/train/calibrate.h"
+#include "moeflex/profile/calibrate.h"
 
 using namespace moeflex;
 

@@ -1,4 +1,4 @@
-// The op profiler (train/op_profiler.h): its aggregates, its coverage of a real
+// The op profiler (profile/op_profiler.h): its aggregates, its coverage of a real
 // step's ops, their labels, the trace events and the predictions it records.
 #include <gtest/gtest.h>
 
@@ -13,7 +13,7 @@
 #include "moeflex/model/memory_plan.h"
 #include "moeflex/provision/policies.h"
 #include "moeflex/train/distributed.h"
-#include "moeflex/train/op_profiler.h"
+#include "moeflex/profile/op_profiler.h"
 #include "moeflex/train/replica.h"
 
 using namespace moeflex;

@@ -1,5 +1,5 @@
 // The simulator's priced op stream against the engine's: one real training step
-// through the op profiler (train/op_profiler.h: every backend op the engine runs,
+// through the op profiler (profile/op_profiler.h: every backend op the engine runs,
 // priced by the cost model) and `simulate --breakdown` of the same step must agree
 // op kind by op kind (calls and seconds) and phase by phase, under every static
 // policy (their recomputes, the expert FFN's rebuilt twice without a kept
@@ -17,7 +17,7 @@
 #include "moeflex/provision/policies.h"
 #include "moeflex/sim/simulator.h"
 #include "moeflex/train/distributed.h"
-#include "moeflex/train/op_profiler.h"
+#include "moeflex/profile/op_profiler.h"
 #include "moeflex/train/replica.h"
 
 using namespace moeflex;

@@ -18,7 +18,7 @@
 #include "moeflex/sim/loads.h"
 #include "moeflex/sim/simulator.h"
 #include "sim_fixtures.h"
-#include "moeflex/train/calibrate.h"
+#include "moeflex/profile/calibrate.h"
 
 using namespace moeflex;
 using namespace moeflex::sim;

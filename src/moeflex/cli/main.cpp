@@ -12,8 +12,9 @@
 #include "moeflex/core/error.h"
 #include "moeflex/ops/blas.h"
 #include "moeflex/cli/sim_commands.h"
-#include "moeflex/train/calibrate.h"
-#include "moeflex/train/calibrate_device.h"
+#include "moeflex/profile/calibrate.h"
+#include "moeflex/profile/calibrate_device.h"
+#include "moeflex/train/calibrate_command.h"
 #include "moeflex/train/generate.h"
 #include "moeflex/train/trainer.h"
 

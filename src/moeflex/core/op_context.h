@@ -2,7 +2,7 @@
 // stage and layer under way, and whether a recompute is running. Written by the
 // executor (train/pipeline.cpp: action, micro-batch, stage, phase), the model
 // (model.cpp: layer) and the stash (provision/stash.cpp: recompute), read only by
-// the op profiler (train/op_profiler.h, `moeflex train --profile-ops`), which
+// the op profiler (profile/op_profiler.h, `moeflex train --profile-ops`), which
 // labels each op it times with it. Writing it is a few thread-local stores per
 // action and layer, never per op, so a run without the profiler pays nothing
 // measurable for it.

@@ -164,7 +164,7 @@ Backend& cpu_backend();
 Backend& backend_of(const Arena& arena);
 
 /// Makes backend_of() return `backend` for every arena (null: no override) and
-/// returns the previous override. For the op profiler (train/op_profiler.h), a
+/// returns the previous override. For the op profiler (profile/op_profiler.h), a
 /// Backend that wraps the run's own; set it before the model is built (MoEModel
 /// binds its backend at construction). Not thread-safe: set it between runs.
 Backend* set_backend_override(Backend* backend);

@@ -19,6 +19,7 @@
 #include <string_view>
 #include <vector>
 
+#include "moeflex/core/file_io.h"
 #include "moeflex/core/units.h"
 
 namespace moeflex::train {
@@ -38,12 +39,6 @@ struct TensorInfo {
   Bytes begin = 0;  ///< offset of the first byte, relative to the data buffer
   Bytes end = 0;    ///< one past the last byte, relative to the data buffer
   std::int64_t numel() const;
-};
-
-/// Size and SHA-256 (lower-case hex) of a file as written.
-struct WrittenFile {
-  Bytes bytes = 0;
-  std::string sha256;
 };
 
 /// Collects tensors and writes them as one safetensors file. Only pointers are
@@ -107,24 +102,7 @@ class SafetensorsFile {
   std::map<std::string, std::string> metadata_;
 };
 
-// ---- File helpers shared with the checkpoint code. ----
-
-/// SHA-256 of a byte range as lower-case hex.
-std::string sha256_hex(const void* data, std::size_t size);
-
-/// Writes `content` to `path` atomically (temporary file, fsync, rename, fsync
-/// of the directory). Throws DataError on an I/O failure.
-WrittenFile write_file_atomically(const std::filesystem::path& path, std::string_view content);
-
-/// Appends `line` and a newline to `out` (an append-only log such as a run's
-/// metrics.jsonl, opened from `path`) and flushes it. Throws DataError naming the file
-/// when the write fails (a full disk), so that no line goes missing or torn unnoticed.
-void append_line(std::ostream& out, const std::filesystem::path& path, std::string_view line);
-
-/// Reads a whole file. Throws DataError naming it when it cannot be read.
-std::vector<char> read_file_bytes(const std::filesystem::path& path);
-
-/// fsyncs a directory so that renames and creations in it are durable.
-void fsync_directory(const std::filesystem::path& dir);
+// The file helpers (WrittenFile, write_file_atomically, read_file_bytes, append_line,
+// fsync_directory, sha256_hex) are in core/file_io.h.
 
 }  // namespace moeflex::train

@@ -39,9 +39,12 @@
 
 #include <nlohmann/json.hpp>
 
+#include "moeflex/profile/trace_sink.h"
+
 namespace moeflex::train {
 
-class TraceWriter {
+/// (A TraceSink, so that the op profiler can write its op events here.)
+class TraceWriter : public TraceSink {
  public:
   /// Default number of buffered events between two flushes to disk.
   static constexpr std::size_t kDefaultFlushEvery = 8192;
@@ -50,11 +53,11 @@ class TraceWriter {
   /// ConfigError if enabled with an empty path or flush_every == 0.
   TraceWriter(std::filesystem::path path, int pid, bool enabled, std::size_t flush_every = kDefaultFlushEvery);
   /// Closes (final flush); an I/O error here is swallowed, call close() to see it.
-  ~TraceWriter();
+  ~TraceWriter() override;
   TraceWriter(const TraceWriter&) = delete;
   TraceWriter& operator=(const TraceWriter&) = delete;
 
-  bool enabled() const { return enabled_; }
+  bool enabled() const override { return enabled_; }
   int pid() const { return pid_; }
   const std::filesystem::path& path() const { return path_; }
 
@@ -64,12 +67,12 @@ class TraceWriter {
   void reset_origin();
   /// A steady-clock time point in microseconds since the origin (the time base of
   /// now_us()), e.g. for events timed on another thread such as the copy engine's.
-  double to_us(std::chrono::steady_clock::time_point t) const;
+  double to_us(std::chrono::steady_clock::time_point t) const override;
 
   /// A complete ("X") event: `name` ran on `track` from start_us for dur_us.
   /// `args` must be a JSON object or null (shown in the viewer's details pane).
   void complete(std::string_view track, std::string_view name, double start_us, double dur_us,
-                const nlohmann::json& args = nlohmann::json::object());
+                const nlohmann::json& args = nlohmann::json::object()) override;
   /// An instant ("i") event on `track`, thread-scoped.
   void instant(std::string_view track, std::string_view name, double ts_us,
                const nlohmann::json& args = nlohmann::json::object());

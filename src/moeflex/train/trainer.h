@@ -20,7 +20,7 @@ struct TrainOptions {
   int threads = 0;               ///< OpenMP/BLAS threads; 0 = all cores
   bool progress = true;          ///< show the progress bar / log lines on stderr
   /// Time every backend op of each step and price it with the cost model
-  /// (train/op_profiler.h): op events in trace.json, op_times.json, and the errors
+  /// (profile/op_profiler.h): op events in trace.json, op_times.json, and the errors
   /// in summary.json.
   bool profile_ops = false;
   std::filesystem::path hardware_profile;  ///< the profile pricing the ops; empty = kDefaultHardwareProfilePath

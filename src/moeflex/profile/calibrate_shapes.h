@@ -1,4 +1,4 @@
-// Internal to `moeflex calibrate` (calibrate.cpp, calibrate_device.cpp): the GEMM
+// Internal to `moeflex calibrate` (calibrate*.cpp, calibrate_device.cpp): the GEMM
 // shapes a linear layer runs, kernel inputs, the clock and the small statistics both
 // calibrations use.
 #pragma once

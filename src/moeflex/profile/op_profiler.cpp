@@ -1,6 +1,6 @@
 // The op profiler: times every backend op of a training step and prices it with the
 // cost model (see op_profiler.h).
-#include "moeflex/train/op_profiler.h"
+#include "moeflex/profile/op_profiler.h"
 
 #include <fmt/format.h>
 #include <time.h>
@@ -13,7 +13,7 @@
 
 #include "moeflex/core/error.h"
 #include "moeflex/model/memory_plan.h"
-#include "moeflex/train/safetensors.h"
+#include "moeflex/core/file_io.h"
 
 namespace moeflex {
 
@@ -141,7 +141,7 @@ double step_time_error(const std::vector<StepTimeRecord>& steps, bool use_cpu) {
 ProfilingBackend::ProfilingBackend(ops::Backend& inner, const CostModel& cost, int rank)
     : inner_(inner), cost_(cost), rank_(rank) {}
 
-void ProfilingBackend::begin_step(std::int64_t step, train::TraceWriter* trace) {
+void ProfilingBackend::begin_step(std::int64_t step, TraceSink* trace) {
   if (recording_) records_.resize(step_first_record_);  // the previous step was dropped
   recording_ = true;
   step_ = step;
@@ -453,7 +453,7 @@ void write_op_times_part(const fs::path& path, const std::vector<OpRecord>& reco
     st.push_back(json::array(
         {s.step, s.rank, s.measured_wall, s.measured_cpu, s.ops_cpu, s.ops_wall, s.predicted, s.ops}));
   json doc = {{"ops", ops}, {"steps", st}};
-  train::write_file_atomically(path, doc.dump());
+  write_file_atomically(path, doc.dump());
 }
 
 namespace {

@@ -57,13 +57,7 @@ struct DeviceCalibrationShapes {
 HardwareProfile calibrate_device(ops::DeviceContext& ctx, const DeviceCalibrationShapes& shapes, Seconds budget,
                                  bool progress = false);
 
-/// `moeflex calibrate --device KIND [--config FILE] [--seconds S] [--out FILE]`:
-/// calibrate_device on a fresh context of `device` ("cuda"; "cpu" runs the generic
-/// measurement on the CPU backend, for testing it) at the model and micro-batch of
-/// the run config `config_path` (default: the built-in default config), prints the
-/// tables' sizes and writes the profile to `out_path` atomically. Returns 0.
-/// Throws ConfigError for an unknown device or a build without it.
-int run_device_calibrate_command(const std::string& device, const std::string& config_path,
-                                 const std::filesystem::path& out_path, Seconds budget);
+// The command `moeflex calibrate --device KIND`, which reads a run config for its
+// shapes, is train/calibrate_command.h.
 
 }  // namespace moeflex

@@ -34,7 +34,7 @@
 #include "moeflex/core/op_context.h"
 #include "moeflex/ops/backend.h"
 #include "moeflex/provision/cost_model.h"
-#include "moeflex/train/trace.h"
+#include "moeflex/profile/trace_sink.h"
 
 namespace moeflex {
 
@@ -118,7 +118,7 @@ class ProfilingBackend final : public ops::Backend {
   /// Starts recording step `step` (1-based); with `trace` non-null its ops also go to
   /// the trace's "ops" track.
   /// A step begun but never ended (dropped after an OOM) loses its records here.
-  void begin_step(std::int64_t step, train::TraceWriter* trace);
+  void begin_step(std::int64_t step, TraceSink* trace);
   /// Ends the step, with its measured wall and thread CPU seconds; appends its
   /// StepTimeRecord.
   void end_step(Seconds measured_wall, Seconds measured_cpu);
@@ -220,7 +220,7 @@ class ProfilingBackend final : public ops::Backend {
   bool recording_ = false;
   std::int64_t step_ = 0;
   std::size_t step_first_record_ = 0;
-  train::TraceWriter* trace_ = nullptr;
+  TraceSink* trace_ = nullptr;
   std::vector<OpRecord> records_;
   std::vector<StepTimeRecord> steps_;
 };

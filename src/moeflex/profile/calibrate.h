@@ -10,7 +10,7 @@
 // call: activations warm as after the op that produced them, weights cold (a large
 // ring), as in a training step; copies are timed cold. With one thread, a run is
 // timed by the thread's CPU clock, which leaves out the time the scheduler gave other
-// processes (see calibrate.cpp); with several, by the wall clock, and other
+// processes (see calibrate_timing.cpp); with several, by the wall clock, and other
 // processes on the cores show up as noise: calibrate on an idle machine.
 // The time budget is counted on the same clock (with one thread, CPU time: a busy
 // machine makes the calibration take longer rather than measure less, up to three
@@ -41,7 +41,7 @@ HardwareProfile calibrate(int threads, Seconds budget = kDefaultCalibrationBudge
 /// The profile's time_sharing_efficiency: with as many ranks as the host has cores
 /// (`mpirun -np 2` here, which binds a rank to each core), every rank runs a
 /// single-threaded loop of mixed work (three GEMMs of an MoE layer's sizes and a
-/// streaming add; calibrate.cpp, work_loop) for `seconds` as launched, then, free of
+/// streaming add; calibrate_system.cpp, work_loop) for `seconds` as launched, then, free of
 /// the binding, on two threads for `seconds` more: twice as many threads as cores.
 /// Returns the second phase's rounds over the first's, at most 1. Returns 1 (not
 /// measured) for any other rank count, on any failure, and below 0.8, which is
@@ -86,7 +86,7 @@ void check_profile_out(const std::filesystem::path& out);
 struct CalibrationRow {
   std::string op;       ///< e.g. "linear_forward"
   std::string shape;    ///< e.g. "n=768 in=256 out=4096"
-  Seconds measured = 0;   ///< its time on this machine (the median of its repeats, see calibrate.cpp)
+  Seconds measured = 0;   ///< its time on this machine (the median of its repeats, see calibrate_timing.cpp)
   Seconds predicted = 0;  ///< the cost model's time
   /// |time of the even repeats - time of the odd ones| / measured: the measurement's own noise.
   double spread = 0;

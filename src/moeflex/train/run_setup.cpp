@@ -20,6 +20,7 @@
 #ifdef MOEFLEX_HAVE_CUDA
 #include "moeflex/ops/cuda/backend.h"
 #endif
+#include "moeflex/model/ledger.h"
 #include "moeflex/train/run_state.h"
 
 extern "C" void openblas_set_num_threads(int);
@@ -314,6 +315,8 @@ void Training::start_op_profiling() {
 void Training::build_replica() {
   replica = std::make_unique<Replica>(cfg.model, cfg.parallel.schedule, layout, groups, arena, M, B, S);
   replica->init_weights(t.seed);
+  // What the ledger says one micro-batch keeps, block by block (model/ledger.h).
+  if (rank0) progress.note(ledger_report(cfg.model, B, S, layout.ep() > 1));
   imbalance = ops::parse_imbalance(t.inject_imbalance);
   if (imbalance.ratio > 1) {
     const int groups = layout.ep() > 1 ? layout.ep() : int(cfg.model.num_experts);

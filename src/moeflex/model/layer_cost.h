@@ -50,7 +50,7 @@ struct OpTally {
   Seconds seconds = 0;
 };
 
-/// Op times by (phase, kind), named as the op profiler names them (train/op_profiler.h,
+/// Op times by (phase, kind), named as the op profiler names them (profile/op_profiler.h,
 /// op_times.json): phase "forward", "backward_input", "backward_weight" or
 /// "recompute" (a rebuild run by the stash); kind the Backend call ("linear_forward",
 /// "grouped_linear_backward_dw", "copy", ...), or, for host work that is no backend

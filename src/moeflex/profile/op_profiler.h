@@ -11,7 +11,8 @@
 // hand it out while the run's model and optimizer are built and run, so the
 // engine's code is unchanged and a run without the flag never goes through it.
 //
-// What each op is priced as (predict_op below mirrors model/layer_cost.cpp):
+// What each op is priced as (predict_op below, with the CostModel methods
+// model/layer_cost.cpp prices the same ops with):
 // - GEMMs by their layout: linear forward nt, linear dx nn, linear dW tn, grouped
 //   linear per non-empty group, gemm(trans_a, trans_b) as called;
 // - op families with a CostModel method (rmsnorm, rope, attention, swiglu, router,

@@ -247,13 +247,13 @@ struct HardwareProfile {
   Seconds copy_latency = 0;         ///< fixed cost of one copy
   /// Per-rank all-to-all bandwidth (bytes to each peer / time, pairwise exchange) and
   /// the fixed cost of one all-to-all, as `mpirun -np N moeflex calibrate` measures
-  /// them between its ranks (calibrate.cpp, measure_link); 0 = not measured (one process).
+  /// them between its ranks (profile/calibrate_system.cpp, measure_link); 0 = not measured (one process).
   BytesPerSecond all_to_all_bandwidth = 0;
   Seconds all_to_all_latency = 0;
   /// Throughput of single-threaded compute when twice as many processes as cores,
   /// free to migrate, share the host's cores (as `mpirun --oversubscribe` runs them),
   /// over the ideal equal split of the calibrated per-core rate: time slicing,
-  /// migrations and the caches they cool cost the rest (calibrate.cpp,
+  /// migrations and the caches they cool cost the rest (profile/calibrate_system.cpp,
   /// measure_time_sharing; 0.955-0.988 on this 2-core VM). In (0, 1]; 1 = not measured.
   /// The simulator's CoreSharing applies it whenever processes outnumber cores.
   double time_sharing_efficiency = 1.0;
@@ -261,7 +261,7 @@ struct HardwareProfile {
   /// on the same core, per nap: core-seconds the computing rank loses (the nap's
   /// system call, two context switches, the caches it refills), and the wall time a
   /// nap lasts beyond the one asked for (timer slack and wake-up). Measured with
-  /// both on one core (calibrate.cpp, measure_nap_cost; here 22-28 us and 70 us
+  /// both on one core (profile/calibrate_system.cpp, measure_nap_cost; here 22-28 us and 70 us
   /// for 100 us naps). 0 = not measured: the simulator's CoreSharing then counts
   /// a sleeping rank as free.
   Seconds nap_cost = 0;

@@ -38,7 +38,7 @@ class LoadModel {
   /// the file and line.
   static LoadModel from_metrics(const std::filesystem::path& metrics_jsonl);
   /// Replays a run's loads.jsonl (written by `moeflex train`; format in
-  /// trainer.cpp's record_loads): every data-parallel rank's kept and received rows
+  /// train/step_loop.cpp's record_loads): every data-parallel rank's kept and received rows
   /// per step, micro-batch and MoE layer. ratio() is then, per micro-batch and
   /// layer, the largest max / mean of received rows over the EP groups. Throws
   /// DataError naming the file, line and field.

@@ -9,6 +9,7 @@
 #include "moeflex/core/arena.h"
 #include "moeflex/model/model.h"
 #include "moeflex/model/parameters.h"
+#include "moeflex/sim/simulation.h"
 
 namespace moeflex {
 namespace {
@@ -46,6 +47,73 @@ TEST(Parameters, TheEngineAllocatesTheList) {
       EXPECT_EQ(model.params()[i].expert, want[i].expert) << want[i].name;
     }
   }
+}
+
+TEST(Parameters, TheEnginesShapesAreTheModelsOwn) {
+  // Literal shapes (docs/model.md) for a layer of each kind: q, k, v, o [d, d] for
+  // multi-head attention, stacked experts [E, f, d] and [E, d, f].
+  const ModelConfig cfg = test::small_moe_config(2, 1, 4, true);
+  const std::int64_t d = cfg.hidden_size, f = cfg.moe_intermediate_size, E = cfg.num_experts;
+  Arena arena;
+  MoEModel model(cfg, arena);
+  using V = std::vector<std::int64_t>;
+  EXPECT_EQ(model.param("model.layers.0.self_attn.k_proj.weight").w.shape(), (V{d, d}));
+  EXPECT_EQ(model.param("model.layers.0.mlp.down_proj.weight").w.shape(), (V{d, cfg.intermediate_size}));
+  EXPECT_EQ(model.param("model.layers.1.mlp.experts.up_proj.weight").w.shape(), (V{E, f, d}));
+  EXPECT_EQ(model.param("model.layers.1.mlp.experts.down_proj.weight").w.shape(), (V{E, d, f}));
+  EXPECT_EQ(model.param("model.layers.1.mlp.shared_experts.gate_proj.weight").w.shape(), (V{cfg.shared_width(), d}));
+  EXPECT_TRUE(model.param("model.layers.1.mlp.experts.gate_proj.weight").expert);
+  EXPECT_TRUE(model.param("model.layers.1.post_attention_layernorm.weight").no_decay);
+}
+
+/// The simulator's per-rank parameter count as closed forms: each layer's norms,
+/// attention (tp over heads, whole kv heads a rank; MLA's down projections whole),
+/// router, experts over ep, shared expert or dense MLP over tp; embedding and head.
+double closed_form(const ModelConfig& cfg, int tp, int ep, bool embedding, bool head) {
+  const double d = double(cfg.hidden_size), H = double(cfg.num_attention_heads);
+  double n = 0;
+  for (int l = 0; l < cfg.num_hidden_layers; ++l) {
+    n += 2 * d;
+    if (cfg.mla()) {
+      const double ql = double(cfg.q_lora_rank), kl = double(cfg.kv_lora_rank), qk = double(cfg.qk_head_dim());
+      n += ql > 0 ? d * ql + ql + ql * H * qk / tp : d * H * qk / tp;
+      n += d * (kl + double(cfg.qk_rope_head_dim)) + kl + kl * H * double(cfg.qk_nope_head_dim + cfg.v_head_dim) / tp;
+      n += H * double(cfg.v_head_dim) * d / tp;
+    } else {
+      n += 2 * d * double(cfg.q_width()) / tp + 2 * d * double(cfg.kv_heads_per_rank(tp) * cfg.head_dim());
+    }
+    if (cfg.is_moe_layer(l))
+      n += double(cfg.num_experts) * d + 3 * double(cfg.num_experts / ep) * double(cfg.moe_intermediate_size) * d +
+           3 * double(cfg.shared_width()) * d / tp;
+    else
+      n += 3 * double(cfg.intermediate_size) * d / tp;
+  }
+  const double vocab = double(cfg.vocab_size) * d / tp;
+  if (embedding) n += vocab;
+  if (head) n += d + (!cfg.tie_word_embeddings || !embedding ? vocab : 0);
+  return n;
+}
+
+TEST(Parameters, TheSimulatorCountsWhatOneRankHolds) {
+  ModelConfig mla = test::small_moe_config(2, 1, 4, true);
+  mla.kv_lora_rank = 8;
+  mla.qk_nope_head_dim = 8;
+  mla.qk_rope_head_dim = 4;
+  mla.v_head_dim = 8;
+  ModelConfig mla_q = mla;
+  mla_q.q_lora_rank = 12;
+  for (const ModelConfig& cfg : {test::small_moe_config(3, 1, 4, true), gqa_config(), mla, mla_q})
+    for (int tp : {1, 2, 4})
+      for (int ep : {1, 2})
+        for (bool ends : {true, false}) {
+          sim::ParallelSpec par;
+          par.tp = tp;
+          par.ep = ep;
+          double n = 0;
+          sim::for_each_param_tensor(cfg, par, {{0, int(cfg.num_hidden_layers)}}, ends, true,
+                                     [&](double numel, bool) { n += numel; });
+          EXPECT_EQ(n, closed_form(cfg, tp, ep, ends, true)) << "tp " << tp << " ep " << ep;
+        }
 }
 
 TEST(Parameters, TheListAddsUpToTheConfigsCount) {

@@ -380,10 +380,6 @@ Tensor MoEModel::forward_impl(const std::int32_t* ids, const std::int32_t* targe
     throw ConfigError(fmt::format("sequence length {} exceeds model.max_position_embeddings = {}", S,
                                   cfg_.max_position_embeddings));
   const std::int64_t n = B * S, d = cfg_.hidden_size, V = cfg_.vocab_size;
-  if (train) {  // the micro-batch's shape, for the ledger's formulas and the lineages' RoPE
-    batch_ = B;
-    rope_seq_ = S;
-  }
 
   Tensor x = act({n, d}, "stage.input");
   op_context().layer = kOpLayerEmbedding;  // the layer under way, for the op profiler
@@ -395,6 +391,12 @@ Tensor MoEModel::forward_impl(const std::int32_t* ids, const std::int32_t* targe
     if (x_in.dtype != adt_)
       throw Error(fmt::format("stage input is {} but the model runs in {}", to_string(x_in.dtype), to_string(adt_)));
     be_.copy(x.raw(), x_in.data, x.nbytes());
+  }
+  // The micro-batch's shape, for the ledger's formulas and the lineages' RoPE (a stage
+  // that holds only the head decides its saves with it too).
+  if (train) {
+    batch_ = B;
+    rope_seq_ = S;
   }
   for (int l = par_.first_layer; l < par_.last_layer; ++l) {
     op_context().layer = l;

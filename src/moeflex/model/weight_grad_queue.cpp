@@ -95,7 +95,8 @@ Bytes MoEModel::weight_grad_bytes(int mb) const {
   Bytes held = 0;
   for (const PendingWeightGrad& w : it->second)
     for (const Shared& t : w.reads)
-      if (t && seen.insert(t.get()).second) held += Arena::round_up(std::max<Bytes>(1, device_bytes(*t)));
+      if (t && seen.insert(t.get()).second)
+        if (const Bytes b = device_bytes(*t); b > 0) held += Arena::round_up(b);
   return held;
 }
 

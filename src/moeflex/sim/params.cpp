@@ -24,10 +24,20 @@ Bytes tensor_bytes(double numel, double bytes_per_element) {
 void for_each_param_tensor(const ModelConfig& cfg, const ParallelSpec& par, const std::vector<std::pair<int, int>>& ranges,
                            bool embedding, bool head, const std::function<void(double, bool)>& add) {
   // The engine's own parameter list (model/parameters.h), each tensor as one tp rank holds it.
+  // A layer's list depends on its kind only: sized once per kind (the search calls this often).
   const std::int64_t local_experts = cfg.num_experts / std::max(par.ep, 1);  // (ep divides the experts)
+  std::vector<std::pair<double, bool>> kind[2];
+  bool sized[2] = {false, false};
   for (auto [first, last] : ranges)
-    for (int l = first; l < last; ++l)
-      for (const ParamSpec& p : layer_parameters(cfg, l, local_experts)) add(p.numel_per_rank(cfg, par.tp), p.expert);
+    for (int l = first; l < last; ++l) {
+      const int moe = cfg.is_moe_layer(l) ? 1 : 0;
+      if (!sized[moe]) {
+        for (const ParamSpec& p : layer_parameters(cfg, l, local_experts))
+          kind[moe].emplace_back(p.numel_per_rank(cfg, par.tp), p.expert);
+        sized[moe] = true;
+      }
+      for (const auto& [numel, expert] : kind[moe]) add(numel, expert);
+    }
   if (embedding) add(embedding_parameter(cfg).numel_per_rank(cfg, par.tp), false);
   if (head) {
     add(final_norm_parameter(cfg).numel_per_rank(cfg, par.tp), false);

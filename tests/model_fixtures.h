@@ -37,6 +37,18 @@ inline ModelConfig small_moe_config(std::int64_t layers, std::int64_t dense, std
   return c;
 }
 
+/// small_moe_config(layers, 1, 4, tied) with MLA attention (DeepSeek-V2/V3):
+/// kv_lora_rank 8, q_lora_rank as given (0: none), q/k heads of 8 + 4 (rope), v heads of 8.
+inline ModelConfig small_mla_moe_config(std::int64_t layers, std::int64_t q_lora_rank) {
+  ModelConfig c = small_moe_config(layers, 1, 4, true);
+  c.kv_lora_rank = 8;
+  c.q_lora_rank = q_lora_rank;
+  c.qk_nope_head_dim = 8;
+  c.qk_rope_head_dim = 4;
+  c.v_head_dim = 8;
+  return c;
+}
+
 /// Token ids of a micro-batch, skewed towards low ids (uneven routing on purpose),
 /// and uniform targets; a pure function of (global micro-batch, position).
 inline void skewed_batch(std::int64_t global_mb, std::int64_t n, std::int64_t V, std::int32_t* ids,

@@ -20,15 +20,7 @@
 namespace moeflex {
 namespace {
 
-ModelConfig mla_config(std::int64_t q_lora_rank) {
-  ModelConfig c = test::small_moe_config(2, 1, 4, true);
-  c.kv_lora_rank = 8;
-  c.q_lora_rank = q_lora_rank;
-  c.qk_nope_head_dim = 8;
-  c.qk_rope_head_dim = 4;
-  c.v_head_dim = 8;
-  return c;
-}
+ModelConfig mla_config(std::int64_t q_lora_rank) { return test::small_mla_moe_config(2, q_lora_rank); }
 
 std::vector<std::string> names_of(const ModelConfig& cfg, int layer) {
   std::vector<std::string> v;

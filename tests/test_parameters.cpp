@@ -95,13 +95,7 @@ double closed_form(const ModelConfig& cfg, int tp, int ep, bool embedding, bool 
 }
 
 TEST(Parameters, TheSimulatorCountsWhatOneRankHolds) {
-  ModelConfig mla = test::small_moe_config(2, 1, 4, true);
-  mla.kv_lora_rank = 8;
-  mla.qk_nope_head_dim = 8;
-  mla.qk_rope_head_dim = 4;
-  mla.v_head_dim = 8;
-  ModelConfig mla_q = mla;
-  mla_q.q_lora_rank = 12;
+  const ModelConfig mla = test::small_mla_moe_config(2, 0), mla_q = test::small_mla_moe_config(2, 12);
   for (const ModelConfig& cfg : {test::small_moe_config(3, 1, 4, true), gqa_config(), mla, mla_q})
     for (int tp : {1, 2, 4})
       for (int ep : {1, 2})
@@ -117,13 +111,7 @@ TEST(Parameters, TheSimulatorCountsWhatOneRankHolds) {
 }
 
 TEST(Parameters, TheListAddsUpToTheConfigsCount) {
-  ModelConfig mla = test::small_moe_config(2, 1, 4, true);
-  mla.kv_lora_rank = 8;
-  mla.qk_nope_head_dim = 8;
-  mla.qk_rope_head_dim = 4;
-  mla.v_head_dim = 8;
-  ModelConfig mla_q = mla;
-  mla_q.q_lora_rank = 12;
+  const ModelConfig mla = test::small_mla_moe_config(2, 0), mla_q = test::small_mla_moe_config(2, 12);
   for (const ModelConfig& cfg : {test::small_moe_config(3, 1, 4, true), test::small_moe_config(2, 0, 8, false),
                                  gqa_config(), mla, mla_q})
     EXPECT_EQ(listed_params(cfg, 1), double(cfg.num_params()));

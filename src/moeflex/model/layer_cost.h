@@ -1,9 +1,11 @@
 // The time of one transformer layer's forward, backward-input (B) and
 // backward-weight (W) on one rank, and of recomputing each of its saved
-// activations, from a CostModel. It mirrors model.cpp's op sequence
-// (attention_forward/backward, ffn_forward/backward, the head) call for call, so
-// that the simulator (sim/) advances virtual time by the same ops the engine runs
-// and the planner prices a recompute by the ops its lineage replays.
+// activations, from a CostModel. It still repeats the engine's op sequence
+// (attention_block.cpp, moe_block.cpp, the head in model.cpp) call for call: the
+// ledger (ledger.h) holds what a block saves, not yet the ops it runs. The op
+// profiler's in-situ tests (SimOpStream) check both sides take the same calls, so
+// that the simulator advances virtual time by the ops the engine runs and the
+// planner prices a recompute by the ops its lineage replays.
 //
 // What is and is not in a time:
 // - compute only: the expert-parallel all-to-alls (dispatch, combine and their

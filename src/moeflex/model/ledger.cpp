@@ -79,7 +79,6 @@ constexpr Decided dec = Decided::always, nodec = Decided::never, moe_only = Deci
 bool has_mla(const ModelConfig& c) { return c.mla(); }
 bool no_mla(const ModelConfig& c) { return !c.mla(); }
 bool has_q_latent(const ModelConfig& c) { return c.mla() && c.q_lora_rank > 0; }
-bool mla_q_from_latent(const ModelConfig& c) { return c.mla() && c.q_lora_rank > 0; }
 bool mla_q_from_norm(const ModelConfig& c) { return c.mla() && c.q_lora_rank <= 0; }
 bool has_shared(const ModelConfig& c) { return c.n_shared_experts > 0 || c.shared_expert_intermediate_size > 0; }
 
@@ -116,7 +115,7 @@ std::vector<SavedTensor> make_table() {
       row("attn.q", "rope", activation, [](D x) { return LedgerShape{x.n, x.q}; }, "[n, q_width]", {no}, Lineage::always,
           attention, SaveGroup::attention, A, dec, Rebuild::plain, no_mla),
       row("attn.q", "rope", activation, [](D x) { return LedgerShape{x.n, x.q}; }, "[n, q_width]", {"attn.q_latent"},
-          Lineage::always, attention, SaveGroup::attention, A, dec, Rebuild::plain, mla_q_from_latent),
+          Lineage::always, attention, SaveGroup::attention, A, dec, Rebuild::plain, has_q_latent),
       row("attn.q", "rope", activation, [](D x) { return LedgerShape{x.n, x.q}; }, "[n, q_width]", {no}, Lineage::always,
           attention, SaveGroup::attention, A, dec, Rebuild::plain, mla_q_from_norm),
       row("attn.k", "rope", activation, [](D x) { return LedgerShape{x.n, x.k}; }, "[n, k_width]", {no}, Lineage::always,

@@ -18,8 +18,6 @@
 
 #include "moeflex/core/op_context.h"
 #include "moeflex/core/rng.h"
-#include "moeflex/ops/grouped_linear.h"
-#include "moeflex/ops/moe_dispatch.h"
 
 namespace moeflex {
 

@@ -157,3 +157,38 @@ TEST(Ledger, ReportAddsUpEachBlockAtBalancedRouting) {
 
 }  // namespace
 }  // namespace moeflex
+
+namespace moeflex {
+
+// The worst case bounds every routing with at most its rows, the chunked expert
+// transients included: the engine's chunk split is not monotone in the rows (with
+// the default model at EP 2 and capacity factor 1.25, 2,560 rows run as two chunks
+// of 1,280 while 2,048 run as one of 2,048), so the bound must not be the split of
+// the most rows. Fails when worst_case's chunk is cfg.expert_chunk(received).
+TEST(Ledger, WorstCaseChunkBoundsEveryRoutingWithinIt) {
+  ModelConfig cfg;  // the default model's MoE sizes
+  cfg.num_experts = 8;
+  cfg.num_experts_per_tok = 2;
+  cfg.expert_chunk_rows = 2048;
+  const std::int64_t n = 8 * 128;
+  for (const double cf : {0.0, 1.25, 2.0})
+    for (const int ep : {1, 2, 4}) {
+      cfg.capacity_factor = cf;
+      const MoERows worst = MoERows::worst_case(cfg, n, ep);
+      const std::int64_t most = worst.expert_rows(ep > 1);
+      ASSERT_GT(most, 0);
+      for (std::int64_t r = 1; r <= most; ++r) {
+        MoERows actual{r, r};
+        ASSERT_LE(actual.largest_chunk(cfg, ep > 1), worst.largest_chunk(cfg, ep > 1))
+            << "cf " << cf << " ep " << ep << " rows " << r;
+        if (actual.one_chunk(cfg, ep > 1)) ASSERT_TRUE(worst.one_chunk(cfg, ep > 1));
+      }
+      if (cf == 1.25 && ep == 2) {
+        EXPECT_EQ(most, 2560);  // 2 senders x 4 local experts x ceil(1.25 * 1024 * 2 / 8) = 320
+        EXPECT_EQ(cfg.expert_chunk(most), 1280);
+        EXPECT_EQ(worst.largest_chunk(cfg, true), 2048);
+      }
+    }
+}
+
+}  // namespace moeflex

@@ -66,7 +66,21 @@ MoERows MoERows::worst_case(const ModelConfig& cfg, std::int64_t n, int ep_size)
   r.permuted = n * k;
   if (cfg.capacity_factor > 0) r.permuted = std::min(r.permuted, E * ops::expert_capacity(cfg.capacity_factor, n, E, k));
   r.received = ep_size > 1 ? per_sender * ep_size : r.permuted;
+  const std::int64_t rows = r.expert_rows(ep_size > 1);
+  r.chunk = cfg.expert_chunk_rows > 0 ? std::min(rows, cfg.expert_chunk_rows) : rows;
   return r;
+}
+
+std::int64_t MoERows::largest_chunk(const ModelConfig& cfg, bool ep) const {
+  const std::int64_t rows = expert_rows(ep);
+  if (rows <= 0) return 0;
+  return chunk >= 0 ? chunk : cfg.expert_chunk(rows);
+}
+
+bool MoERows::one_chunk(const ModelConfig& cfg, bool ep) const {
+  const std::int64_t rows = expert_rows(ep);
+  if (rows <= 0) return false;
+  return chunk >= 0 || cfg.expert_chunk(rows) >= rows;
 }
 
 namespace {

@@ -36,13 +36,31 @@ inline constexpr int kHeadLayer = 1 << 20;
 struct MoERows {
   std::int64_t permuted = 0;  ///< R: this rank's kept assignments (rows of moe.permuted); n*k when dropless
   std::int64_t received = 0;  ///< Rr: rows this rank's local experts process (= permuted without EP)
+  /// Rows of the largest expert-FFN chunk (model.expert_chunk_rows) when they are a
+  /// bound rather than the engine's split of these rows; -1: derive them
+  /// (largest_chunk). The split is not monotone in the rows: with chunks of at most
+  /// 2,048 rows, 2,560 rows run as two chunks of 1,280 but 2,048 as one of 2,048,
+  /// so the worst case bounds the chunk by min(received, expert_chunk_rows).
+  std::int64_t chunk = -1;
+
+  /// The rows the local experts process: received with EP, else permuted.
+  std::int64_t expert_rows(bool ep) const { return ep ? received : permuted; }
+  /// Rows of the largest chunk the experts' FFN runs in: `chunk` when set, else
+  /// cfg.expert_chunk(expert_rows(ep)) (0 when there are no rows).
+  std::int64_t largest_chunk(const ModelConfig& cfg, bool ep) const;
+  /// Whether the rows run as one chunk (then zero-bubble schedules let the experts'
+  /// weight gradients wait for W). For a bound (`chunk` set): whether some routing
+  /// within it does, i.e. whenever there are rows. The rows that wait are then
+  /// largest_chunk()'s.
+  bool one_chunk(const ModelConfig& cfg, bool ep) const;
 
   /// Balanced routing of n tokens: R = n*k (capacity dropping ignored), Rr = R.
   static MoERows balanced(const ModelConfig& cfg, std::int64_t n);
   /// The most rows a rank can receive: every EP rank sends every assignment it can
   /// to this rank's experts (a token picks distinct experts, so at most
   /// min(k, local experts) of its k per sending rank), capped by the capacity
-  /// factor when one is set.
+  /// factor when one is set; the chunk is the bound over every routing with at most
+  /// those rows (see `chunk`).
   static MoERows worst_case(const ModelConfig& cfg, std::int64_t n, int ep_size);
 };
 

@@ -270,10 +270,11 @@ class MemoryWalk {
   /// combine), with the FC1 outputs and activation allocated whole only when kept.
   void moe_experts(int mb, int l, const LayerSpecs& specs, const ProvisionFn& provision);
   /// ffn_backward's expert loop over Rr rows of (mb, l): fetches what is kept, then
-  /// replays its first (largest) chunk: the gradients, the rebuilt FC1 outputs and
-  /// activation, and a dropped combine input's rows; `defer`: the expert weight
-  /// gradients wait for W (zero-bubble B, the rows in one chunk).
-  void expert_chunks(int mb, int l, std::int64_t Rr, bool defer);
+  /// replays its first (largest) chunk, of `rows` rows (MoERows::largest_chunk): the
+  /// gradients, the rebuilt FC1 outputs and activation, and a dropped combine
+  /// input's rows; `defer`: the expert weight gradients wait for W (zero-bubble B,
+  /// the rows in one chunk).
+  void expert_chunks(int mb, int l, std::int64_t Rr, std::int64_t rows, bool defer);
   void prefetch(int mb, int layer);
   void release_layer(int mb, int layer);
   void keep(int mb, Bytes bytes);  // held until weight(mb) of the current stage
@@ -332,7 +333,7 @@ class MemoryWalk {
   bool probe_ = false, probe_landed_ = false;
   Bytes probe_pre_peak_ = 0, probe_pre_end_ = 0;
   /// What a LayerSummary depends on (see summary_of).
-  using SummaryKey = std::array<std::int64_t, 23>;  // walk::config_key and 8 more
+  using SummaryKey = std::array<std::int64_t, 24>;  // walk::config_key and 9 more
   std::deque<std::pair<SummaryKey, LayerSummary>> local_summaries_;  // beyond the per-thread memo
   void land();
 };

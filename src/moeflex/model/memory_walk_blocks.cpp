@@ -162,7 +162,7 @@ void MemoryWalk::moe_experts(int mb, int l, const LayerSpecs& specs, const Provi
     if (decide(mb, l, specs, id, provision) != Provision::recompute)
       alloc(rounded(Rr * f, ab_));  // kept whole
     else if (Rr > 0)
-      chunk_bytes += rounded(cfg_.expert_chunk(Rr) * f, ab_);
+      chunk_bytes += rounded(s.rows.largest_chunk(cfg_, ep) * f, ab_);
   }
   alloc(rounded(Rr * d, ab_));  // experts.out
   touch(chunk_bytes);      // the first (largest) chunk's transients
@@ -198,7 +198,7 @@ void MemoryWalk::ffn_moe_tail(int mb, int l, const LayerSpecs& specs, const Prov
   has_ctx_ = false;
 }
 
-void MemoryWalk::expert_chunks(int mb, int l, std::int64_t Rr, bool defer) {
+void MemoryWalk::expert_chunks(int mb, int l, std::int64_t Rr, std::int64_t rows, bool defer) {
   const Slot* s = find_slot(mb, l);
   auto kept = [&](int id) {
     const Entry* e = s ? find_entry(*s, id) : nullptr;
@@ -216,7 +216,7 @@ void MemoryWalk::expert_chunks(int mb, int l, std::int64_t Rr, bool defer) {
     if (defer) pin(mb, l, ID("experts.act"));  // W2's dW reads it
   }
   if (Rr <= 0) return;
-  const std::int64_t rows = cfg_.expert_chunk(Rr);  // the first chunk: every later one is no larger
+  // `rows`: the first chunk's, every later one is no larger (a bound for the worst case).
   const Bytes cf = rounded(rows * cfg_.moe_intermediate_size, ab_), cd = rounded(rows * cfg_.hidden_size, ab_);
   // ffn_backward's chunk (model.cpp): dgate, dup, dact, then the rebuilt FC1 outputs;
   // a rebuilt activation goes into dact's block; while they are held, the chunk's
@@ -228,7 +228,7 @@ void MemoryWalk::expert_chunks(int mb, int l, std::int64_t Rr, bool defer) {
   free(own);
   if (defer && !keepa) keep(mb, cf);  // dact's block holds the activation W2's dW reads
   else free(cf);                      // experts.dact
-  if (defer) alloc(rounded(Rr * cfg_.hidden_size, ab_));  // experts.din of its own (one chunk: rows == Rr)
+  if (defer) alloc(rounded(rows * cfg_.hidden_size, ab_));  // experts.din of its own (one chunk: rows == Rr)
   touch(cd);                                         // experts.din_up
   if (defer) keep(mb, 2 * cf);  // dgate and dup wait for W1's and W3's dW
   else free(2 * cf);
@@ -258,8 +258,9 @@ const MemoryWalk::LayerSummary& MemoryWalk::summary_of(int l, const MoERows& row
   // Everything a layer's replay depends on: the sizes, its kind and rows, whether
   // an EP group dispatches, the activation element size (the floor follows from these).
   const bool moe = cfg_.is_moe_layer(l);
-  const SummaryKey key = walk::config_key<8>(cfg_, {B_, S_, moe, moe ? rows.permuted : 0, moe ? rows.received : 0,
-                                                    ep_size > 1, moe ? cfg_.expert_chunk_rows : 0, ab_});
+  const SummaryKey key = walk::config_key<9>(cfg_, {B_, S_, moe, moe ? rows.permuted : 0, moe ? rows.received : 0,
+                                                    ep_size > 1, moe ? cfg_.expert_chunk_rows : 0,
+                                                    moe ? rows.chunk : 0, ab_});
   // Per thread, kept for the process (a few kinds and worst-case rows in practice);
   // beyond kMemo, further summaries live as long as this walk.
   constexpr std::size_t kMemo = 256;
@@ -427,11 +428,13 @@ void MemoryWalk::ffn_backward(int mb, int l) {
       free(rounded(R * d, ab_));  // moe.dcombined
     }
     // The expert weight gradients wait for W only when the rows make one chunk (model.cpp).
-    const bool defer = split_ && Rr > 0 && cfg_.expert_chunk(Rr) >= Rr;  // (no rows: no chunk, no dW)
+    // (For the worst case's bound: whenever some routing within it makes one chunk.)
+    const bool defer = split_ && rows.one_chunk(cfg_, ep);  // (no rows: no chunk, no dW)
+    const std::int64_t chunk = rows.largest_chunk(cfg_, ep);
     get(mb, l, ID("experts.in"));
     if (defer) pin(mb, l, ID("experts.in"));  // W1's and W3's dW read it
-    expert_chunks(mb, l, Rr, defer);  // (experts.din: written over experts.dout, or see there)
-    if (defer) keep(mb, rounded(Rr * d, ab_));    // experts.dout waits for W2's dW
+    expert_chunks(mb, l, Rr, chunk, defer);  // (experts.din: written over experts.dout, or see there)
+    if (defer) keep(mb, rounded(chunk * d, ab_));  // experts.dout waits for W2's dW
     if (ep) {
       alloc(rounded(R * d, ab_));   // moe.dpermuted
       alloc(rounded(Rr * d, ab_));  // all-to-all scratch

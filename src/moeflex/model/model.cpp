@@ -265,7 +265,7 @@ void MoEModel::plan_saves(int mb, int l, SavePoint point, std::initializer_list<
   const bool ep = dispatcher_.active(), moe_layer = l != kHeadLayer && cfg_.is_moe_layer(l);
   const LedgerDims dims = LedgerDims::of(cfg_, batch_, rope_seq_, rows, ep);
   LedgerDims chunk_dims = dims;  // one chunk of the experts' rows (model.expert_chunk_rows)
-  chunk_dims.Rr = cfg_.expert_chunk(dims.Rr);
+  chunk_dims.Rr = rows.largest_chunk(cfg_, ep);
   std::size_t found = 0;
   // The candidates: the ledger's entries of this decision point, in ledger order.
   for (const SavedTensor* e : layer_entries(cfg_, l)) {

@@ -269,12 +269,12 @@ class MemoryWalk {
   /// An MoE layer's experts after its decision (model.cpp: the chunked FFN, the
   /// combine), with the FC1 outputs and activation allocated whole only when kept.
   void moe_experts(int mb, int l, const LayerSpecs& specs, const ProvisionFn& provision);
-  /// ffn_backward's expert loop over Rr rows of (mb, l): fetches what is kept, then
-  /// replays its first (largest) chunk, of `rows` rows (MoERows::largest_chunk): the
+  /// ffn_backward's expert loop of (mb, l): fetches what is kept, then replays its
+  /// first (largest) chunk, of `rows` rows (MoERows::largest_chunk; 0: none): the
   /// gradients, the rebuilt FC1 outputs and activation, and a dropped combine
   /// input's rows; `defer`: the expert weight gradients wait for W (zero-bubble B,
   /// the rows in one chunk).
-  void expert_chunks(int mb, int l, std::int64_t Rr, std::int64_t rows, bool defer);
+  void expert_chunks(int mb, int l, std::int64_t rows, bool defer);
   void prefetch(int mb, int layer);
   void release_layer(int mb, int layer);
   void keep(int mb, Bytes bytes);  // held until weight(mb) of the current stage

@@ -198,7 +198,7 @@ void MemoryWalk::ffn_moe_tail(int mb, int l, const LayerSpecs& specs, const Prov
   has_ctx_ = false;
 }
 
-void MemoryWalk::expert_chunks(int mb, int l, std::int64_t Rr, std::int64_t rows, bool defer) {
+void MemoryWalk::expert_chunks(int mb, int l, std::int64_t rows, bool defer) {
   const Slot* s = find_slot(mb, l);
   auto kept = [&](int id) {
     const Entry* e = s ? find_entry(*s, id) : nullptr;
@@ -215,7 +215,7 @@ void MemoryWalk::expert_chunks(int mb, int l, std::int64_t Rr, std::int64_t rows
     get(mb, l, ID("experts.act"));
     if (defer) pin(mb, l, ID("experts.act"));  // W2's dW reads it
   }
-  if (Rr <= 0) return;
+  if (rows <= 0) return;  // no rows: no chunk
   // `rows`: the first chunk's, every later one is no larger (a bound for the worst case).
   const Bytes cf = rounded(rows * cfg_.moe_intermediate_size, ab_), cd = rounded(rows * cfg_.hidden_size, ab_);
   // ffn_backward's chunk (model.cpp): dgate, dup, dact, then the rebuilt FC1 outputs;
@@ -228,7 +228,7 @@ void MemoryWalk::expert_chunks(int mb, int l, std::int64_t Rr, std::int64_t rows
   free(own);
   if (defer && !keepa) keep(mb, cf);  // dact's block holds the activation W2's dW reads
   else free(cf);                      // experts.dact
-  if (defer) alloc(rounded(rows * cfg_.hidden_size, ab_));  // experts.din of its own (one chunk: rows == Rr)
+  if (defer) alloc(rounded(rows * cfg_.hidden_size, ab_));  // experts.din of its own (one chunk: all the rows)
   touch(cd);                                         // experts.din_up
   if (defer) keep(mb, 2 * cf);  // dgate and dup wait for W1's and W3's dW
   else free(2 * cf);
@@ -433,7 +433,7 @@ void MemoryWalk::ffn_backward(int mb, int l) {
     const std::int64_t chunk = rows.largest_chunk(cfg_, ep);
     get(mb, l, ID("experts.in"));
     if (defer) pin(mb, l, ID("experts.in"));  // W1's and W3's dW read it
-    expert_chunks(mb, l, Rr, chunk, defer);  // (experts.din: written over experts.dout, or see there)
+    expert_chunks(mb, l, chunk, defer);  // (experts.din: written over experts.dout, or see there)
     if (defer) keep(mb, rounded(chunk * d, ab_));  // experts.dout waits for W2's dW
     if (ep) {
       alloc(rounded(R * d, ab_));   // moe.dpermuted

@@ -224,11 +224,11 @@ struct TestSource {
   std::vector<std::unique_ptr<Tensor>> tensors;
   std::vector<Bytes> evicted;
   int id = -1;
-  explicit TestSource(Arena& a, bool can_evict) : arena(a) {
+  explicit TestSource(Arena& a, bool can_evict, bool at_top = false) : arena(a) {
     id = arena.add_relocatable(
-        [this](std::vector<Arena::RelocatableTensor>& out) {
+        [this, can_evict, at_top](std::vector<Arena::RelocatableTensor>& out) {
           for (auto& t : tensors)
-            if (t->defined()) out.push_back(t.get());
+            if (t->defined()) out.emplace_back(t.get(), can_evict, at_top);
         },
         can_evict ? Arena::EvictFn([this](Tensor* t) {
           evicted.push_back(t->nbytes());
@@ -322,4 +322,50 @@ TEST(Arena, MovableTensorsThatCannotBeEvictedDoNotSplitTheFreeBytes) {
   EXPECT_EQ(b0->f32()[7], 107.0f);
   EXPECT_EQ(b1->f32()[1023], 1323.0f);
   EXPECT_EQ(arena.budget() - arena.in_use(), 10 * 1024);  // 12 free + 8 evicted - 10
+}
+
+// Hand-offs between actions (a source's `top` class) go to the top end in a
+// compaction, in their order and with their contents; the rest slides down, so the
+// free bytes between them are one block.
+TEST(Arena, CompactionPlacesTheTopClassAtTheTopEnd) {
+  Arena arena(64 * 1024);
+  TestSource low(arena, false), handoff(arena, false, true);
+  // KiB: [l0 8][h0 4][hole 8][l1 8][h1 4][hole 8][l2 8][hole 16]
+  Tensor* l0 = low.add(2048, 0);
+  Tensor* h0 = handoff.add(1024, 1000);
+  Tensor* g0 = low.add(2048, 0);
+  Tensor* l1 = low.add(2048, 2000);
+  Tensor* h1 = handoff.add(1024, 3000);
+  Tensor* g1 = low.add(2048, 0);
+  Tensor* l2 = low.add(2048, 4000);
+  g0->reset();
+  g1->reset();
+  EXPECT_GT(arena.defragment(false), 0);
+  const char* base = static_cast<const char*>(l0->raw());
+  EXPECT_EQ(static_cast<const char*>(l1->raw()) - base, 8 * 1024);
+  EXPECT_EQ(static_cast<const char*>(l2->raw()) - base, 16 * 1024);
+  EXPECT_EQ(static_cast<const char*>(h1->raw()) - base, 60 * 1024);  // the highest stays highest
+  EXPECT_EQ(static_cast<const char*>(h0->raw()) - base, 56 * 1024);
+  EXPECT_EQ(arena.largest_free_block(), 32 * 1024);
+  EXPECT_EQ(h0->f32()[1023], 2023.0f);
+  EXPECT_EQ(h1->f32()[5], 3005.0f);
+  EXPECT_EQ(l2->f32()[7], 4007.0f);
+  EXPECT_EQ(arena.in_use(), 32 * 1024);
+  EXPECT_EQ(arena.defragment(false), 0);  // one free block: nothing to do
+}
+
+// While from_top is on, activations are served like workspace: from the top end of
+// the highest free block that fits; the guard restores the setting.
+TEST(Arena, FromTopServesActivationsFromTheTop) {
+  Arena arena(16 * 1024);
+  Tensor low(arena, {1024}, MemCategory::activations, "low");
+  const char* base = static_cast<const char*>(low.raw());
+  {
+    Arena::FromTop guard(arena);
+    Tensor t(arena, {1024}, MemCategory::activations, "t");
+    EXPECT_EQ(static_cast<const char*>(t.raw()) - base, 12 * 1024);
+  }
+  EXPECT_FALSE(arena.from_top());
+  Tensor next(arena, {1024}, MemCategory::activations, "next");
+  EXPECT_EQ(static_cast<const char*>(next.raw()) - base, 4 * 1024);
 }

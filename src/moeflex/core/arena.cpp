@@ -138,7 +138,7 @@ void* Arena::allocate(Bytes bytes, MemCategory category, std::string_view op) {
   Bytes offset = 0;
   try {
     try {
-      offset = region_->allocate(size, category, op);
+      offset = region_->allocate(size, category, op, from_top_);
     } catch (const OutOfMemoryError&) {
       // Let offloads in flight land (they pin their blocks); then, with enough bytes
       // free but no block large enough, compact, and evict if that is not enough.
@@ -152,7 +152,7 @@ void* Arena::allocate(Bytes bytes, MemCategory category, std::string_view op) {
       if (budget_ - region_->in_use() < size) throw oom_now();
       if (region_->largest_free_block() < size) compact();
       if (region_->largest_free_block() < size && !make_room(size)) throw oom_now();
-      offset = region_->allocate(size, category, op);
+      offset = region_->allocate(size, category, op, from_top_);
     }
   } catch (const OutOfMemoryError& oom) {
     if (!overflow_ || device_) throw;
@@ -165,6 +165,7 @@ void* Arena::allocate(Bytes bytes, MemCategory category, std::string_view op) {
     return p;
   }
   stats_.account(category, size);
+  window_peak_ = std::max(window_peak_, in_use());
   return base_ + offset;
 }
 
@@ -242,7 +243,8 @@ std::map<Bytes, Arena::Relocatable> Arena::relocatable_by_offset() {
       const auto addr = reinterpret_cast<std::uintptr_t>(t->raw());
       // Only this region's blocks (not another arena's, nor heap blocks of overflow mode).
       if (t->arena_ == this && addr >= lo && addr < lo + static_cast<std::uintptr_t>(budget_))
-        out.insert_or_assign(static_cast<Bytes>(addr - lo), Relocatable{t, &source, r.evictable && bool(source.evict)});
+        out.insert_or_assign(static_cast<Bytes>(addr - lo),
+                             Relocatable{t, &source, r.evictable && bool(source.evict), r.top});
     }
   }
   return out;
@@ -278,10 +280,19 @@ void Arena::move_bytes(char* dst, const char* src, Bytes size) {
   device_->copy_from_host(dst, staging.data(), size);
 }
 
+Bytes Arena::defragment(bool settle) {
+  if (unlimited()) return 0;
+  if (settle)
+    for (auto& [id, source] : relocatable_)
+      if (source.settle) source.settle();
+  return region_->free_block_count() <= 1 ? 0 : compact();
+}
+
 Bytes Arena::compact() {
   if (unlimited()) return 0;
-  const std::map<Bytes, Relocatable> by_offset = relocatable_by_offset();
+  std::map<Bytes, Relocatable> by_offset = relocatable_by_offset();
   if (by_offset.empty()) return 0;
+  std::vector<Staged> staged = stage_top_class(by_offset);
   const auto moves = region_->compact([&](Bytes offset) { return by_offset.count(offset) > 0; });
   Bytes moved = 0;
   for (const BlockMove& m : moves) {
@@ -289,9 +300,41 @@ Bytes Arena::compact() {
     by_offset.at(m.from).tensor->data_ = base_ + m.to;
     moved += m.size;
   }
+  for (const Staged& t : staged) moved += t.size;
+  place_at_top(staged);
   ++compactions_;
   bytes_compacted_ += moved;
   return moved;
+}
+
+// Takes the top class out of by_offset and out of the region, each through a host
+// copy; highest first, so that place_at_top keeps their order.
+std::vector<Arena::Staged> Arena::stage_top_class(std::map<Bytes, Relocatable>& by_offset) {
+  std::vector<Staged> staged;
+  for (auto it = by_offset.rbegin(); it != by_offset.rend(); ++it) {
+    if (!it->second.top) continue;
+    Tensor* t = it->second.tensor;
+    Staged s{t, region_->block_size(it->first), std::vector<char>(std::size_t(t->nbytes()))};
+    if (device_) device_->copy_to_host(s.host.data(), t->raw(), t->nbytes());
+    else std::memcpy(s.host.data(), t->raw(), std::size_t(t->nbytes()));
+    region_->deallocate(it->first, s.size, t->category());
+    staged.push_back(std::move(s));
+  }
+  for (const Staged& s : staged) by_offset.erase(static_cast<Bytes>(static_cast<char*>(s.tensor->raw()) - base_));
+  return staged;
+}
+
+// Puts the staged tensors back, each at the top end of the highest free block that
+// holds it. Each fits in the stretch it left or above (the stretches' free bytes
+// only grew, and higher ones are placed first), so this cannot fail.
+void Arena::place_at_top(std::vector<Staged>& staged) {
+  for (Staged& s : staged) {
+    const Bytes offset = region_->allocate(s.size, s.tensor->category(), "compaction", /*from_top=*/true);
+    char* p = base_ + offset;
+    if (device_) device_->copy_from_host(p, s.host.data(), s.tensor->nbytes());
+    else std::memcpy(p, s.host.data(), std::size_t(s.tensor->nbytes()));
+    s.tensor->data_ = p;
+  }
 }
 
 }  // namespace moeflex

@@ -21,7 +21,8 @@
 //   free bytes, the largest free block, the budget and the operator.
 // - Compaction: a request that fails although enough bytes are free (fragmentation)
 //   makes the arena slide the relocatable tensors down (BlockAllocator::compact),
-//   re-point them and try once more. Relocatable tensors are those the registered
+//   re-point them and try once more; those a source marks `top` (hand-offs between
+//   actions) leave through a host copy first and come back at the top end. Relocatable tensors are those the registered
 //   sources (the activation stashes) own alone with no copy in flight; everything
 //   else is pinned. Bytes in use never change, so the planner's byte projection
 //   stays exact; the cost is a memmove, counted in compactions()/bytes_compacted().
@@ -37,6 +38,14 @@
 //   tensor as movable but not evictable (e.g. one a queued weight-gradient GEMM
 //   will read: moving it is safe, a host copy would free nothing); such a tensor
 //   slides in compaction but neither splits a stretch nor counts as room.
+// - Action-scoped placement: while from_top is on (the pipeline executor turns it
+//   on for backward actions, whose recomputed activations and gradients live only
+//   as long as the action), activations too are served from the top; the
+//   long-lived saves stay below, so what a backward frees of them joins the one
+//   free block between the two ends instead of opening holes under pinned blocks.
+//   Between compute actions the executor calls defragment(), which compacts when
+//   the free bytes are split, while nothing but relocatable tensors and persistent
+//   state is held.
 // - Overflow mode (set_overflow): a request that does not fit is recorded as an OOM
 //   event (counted, the first one kept) and served from the heap instead, so a run
 //   can go on and report its OOMs; heap blocks are told apart by address on free.
@@ -172,6 +181,23 @@ class Arena {
   /// Resets every peak to the current value (call at step boundaries).
   void reset_peaks();
 
+  /// Placement of the requests that follow (see the file comment): while on, every
+  /// request is served from the top end of the highest free block that fits.
+  void set_from_top(bool on) { from_top_ = on; }
+  bool from_top() const { return from_top_; }
+  /// Turns from_top on for its lifetime and restores the previous setting after.
+  class FromTop {
+   public:
+    explicit FromTop(Arena& arena) : arena_(arena), was_(arena.from_top()) { arena_.set_from_top(true); }
+    ~FromTop() { arena_.set_from_top(was_); }
+    FromTop(const FromTop&) = delete;
+    FromTop& operator=(const FromTop&) = delete;
+
+   private:
+    Arena& arena_;
+    bool was_;
+  };
+
   /// Overflow mode (see the file comment): while on, allocate() records a request
   /// that does not fit as an OOM event and serves it from the heap instead of
   /// throwing. No effect without a budget.
@@ -190,10 +216,15 @@ class Arena {
 
   /// One tensor a source offers: movable now, and whether its source's EvictFn can
   /// take it off the device (false: it may only be moved).
+  /// `top`: the tensor belongs at the top end of the region (a hand-off between
+  /// actions, pinned by the next action that reads it): compaction places it there
+  /// instead of sliding it down.
   struct RelocatableTensor {
-    RelocatableTensor(Tensor* t, bool can_evict = true) : tensor(t), evictable(can_evict) {}  // NOLINT: implicit
+    RelocatableTensor(Tensor* t, bool can_evict = true, bool at_top = false)  // NOLINT: implicit
+        : tensor(t), evictable(can_evict), top(at_top) {}
     Tensor* tensor;
     bool evictable;
+    bool top;
   };
   /// A source of relocatable tensors: appends the tensors of this arena that may be
   /// moved right now (held only by owners that read them through the Tensor, never
@@ -214,6 +245,15 @@ class Arena {
   /// Defragments the region now (see the file comment): moves every relocatable
   /// tensor down and re-points it. Returns the bytes moved (0 when unlimited).
   Bytes compact();
+  /// Compacts when the free bytes of the region are split over more than one block
+  /// (a no-op otherwise, and when unlimited). With `settle`, the sources' offloads
+  /// in flight land first (their blocks are freed); else those blocks stay where
+  /// they are. Returns the bytes moved.
+  Bytes defragment(bool settle);
+  /// The most bytes in use since reset_window() (a high-water mark the caller
+  /// scopes, e.g. to one pipeline action; the step's peak is unaffected).
+  Bytes window_peak() const { return window_peak_; }
+  void reset_window() { window_peak_ = in_use(); }
   /// Compactions since construction, and the bytes they moved.
   std::int64_t compactions() const { return compactions_; }
   /// Tensors evicted to make room (see the file comment), and their bytes.
@@ -234,6 +274,8 @@ class Arena {
   MemoryStats stats_;                      // everything handed out, overflow included
   std::unique_ptr<BlockAllocator> region_;  // bounded mode: the blocks of [base_, base_ + budget_)
   bool overflow_ = false;
+  bool from_top_ = false;
+  Bytes window_peak_ = 0;
   std::int64_t oom_events_ = 0;
   std::optional<OutOfMemoryError> first_oom_;
   Bytes overflow_current_ = 0;
@@ -248,9 +290,18 @@ class Arena {
     Tensor* tensor;
     Source* source;
     bool evictable;  // the source offered it for eviction (and has an EvictFn)
+    bool top;        // placed at the top end by compaction
   };
   // Every source's relocatable tensors in this region, by block offset.
   std::map<Bytes, Relocatable> relocatable_by_offset();
+  // Compaction's top class: copies of the tensors that go back at the top end.
+  struct Staged {
+    Tensor* tensor;
+    Bytes size;
+    std::vector<char> host;
+  };
+  std::vector<Staged> stage_top_class(std::map<Bytes, Relocatable>& by_offset);
+  void place_at_top(std::vector<Staged>& staged);
   // Evicts one (counted); returns the bytes freed (0 when its source refuses).
   Bytes evict(const Relocatable& r, Bytes offset);
   std::map<int, Source> relocatable_;

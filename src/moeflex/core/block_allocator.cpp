@@ -21,15 +21,15 @@ Bytes BlockAllocator::round_up(Bytes bytes) const {
   return (b + alignment_ - 1) / alignment_ * alignment_;
 }
 
-Bytes BlockAllocator::allocate(Bytes bytes, MemCategory category, std::string_view op) {
+Bytes BlockAllocator::allocate(Bytes bytes, MemCategory category, std::string_view op, bool from_top) {
   const Bytes size = round_up(bytes);
   auto it = free_.lower_bound({size, 0});
   if (it == free_.end())
     throw OutOfMemoryError(size, capacity_ - in_use(), largest_free_block(), capacity_, category,
                            std::string(op));
   Bytes offset = 0;
-  if (category == MemCategory::workspace) {
-    // Short-lived workspace: the top end of the highest free block that fits, so
+  if (category == MemCategory::workspace || from_top) {
+    // Short-lived blocks: the top end of the highest free block that fits, so
     // transients do not leave holes between the long-lived blocks growing from below.
     auto top = blocks_.rbegin();
     while (top != blocks_.rend() && !(top->second.second && top->second.first >= size)) ++top;

@@ -54,8 +54,9 @@ class BlockAllocator {
   Bytes round_up(Bytes bytes) const;
   /// Reserves round_up(bytes) and returns the block's offset (a multiple of the
   /// alignment). Throws OutOfMemoryError when no free block is large enough; `op`
-  /// names the requester.
-  Bytes allocate(Bytes bytes, MemCategory category, std::string_view op);
+  /// names the requester. Placement: best fit from below; workspace, or any
+  /// category with `from_top`, the top end of the highest free block that fits.
+  Bytes allocate(Bytes bytes, MemCategory category, std::string_view op, bool from_top = false);
   /// Returns the block at `offset`; `bytes` and `category` as given to allocate().
   /// Throws Error for an offset that is not a live block of that size.
   void deallocate(Bytes offset, Bytes bytes, MemCategory category);

@@ -2,8 +2,10 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <optional>
 
 #include "moeflex/core/op_context.h"
 
@@ -22,6 +24,22 @@ PipelineExecutor::PipelineExecutor(const StepPlan& plan, int pp_rank, std::map<i
   }
   program_.actions = walk_actions(plan_, rank_, &walk_at_);
   for (auto& [s, m] : stages_) m->set_step_program(&program_);
+}
+
+void PipelineExecutor::prepare_placement(std::size_t ai, ActionKind kind) {
+  // An action that allocates should find the bytes it adds in one free block: when
+  // the largest one is smaller than what this action added at most so far (or on
+  // its first run), compact, with the hand-offs going to the top end. A backward
+  // lets the offloads in flight land first anyway (the memory program assumes so):
+  // here, so that their blocks do not pin what lies above them.
+  if (action_need_.size() != plan_.actions[std::size_t(rank_)].size())
+    action_need_.assign(plan_.actions[std::size_t(rank_)].size(), -1);
+  if (kind == ActionKind::SendActivation || kind == ActionKind::SendGrad) return;
+  const Bytes need = action_need_[ai];
+  if (need >= 0 && arena_.largest_free_block() >= need) return;
+  const bool backward =
+      kind == ActionKind::Backward || kind == ActionKind::BackwardInput || kind == ActionKind::BackwardWeight;
+  arena_.defragment(backward);
 }
 
 Tensor PipelineExecutor::buffer(const char* name) {
@@ -54,6 +72,18 @@ LossParts PipelineExecutor::run_step(const BatchFn& batch, double grad_scale) {
     m.erase(it);
     return t;
   };
+  // Between actions the tensors handed from one action to another are read only
+  // through these maps: movable (not evictable), and placed at the top end, where
+  // the action that takes one pins it without splitting the free bytes below.
+  struct HeldTensors {
+    Arena& arena;
+    int id;
+    ~HeldTensors() { arena.remove_relocatable(id); }
+  } held{arena_, arena_.add_relocatable([&](std::vector<Arena::RelocatableTensor>& out) {
+           for (auto* m : {&act_in, &act_out, &grad_out, &grad_in})
+             for (auto& [k, t] : *m)
+               if (t.raw()) out.emplace_back(&t, /*can_evict=*/false, /*at_top=*/true);
+         })};
   LossParts loss;
   compute_seconds_ = 0;
   using Clock = std::chrono::steady_clock;
@@ -92,6 +122,16 @@ LossParts PipelineExecutor::run_step(const BatchFn& batch, double grad_scale) {
                 : a.kind == ActionKind::BackwardWeight ? OpPhase::backward_weight
                 : is_compute(a.kind)                   ? OpPhase::backward_input
                                                        : OpPhase::other;
+    prepare_placement(ai, a.kind);
+    std::optional<Arena::FromTop> from_top;
+    if (a.kind != ActionKind::Forward) from_top.emplace(arena_);
+    struct NeedRecorder {  // the most bytes the action added, for prepare_placement
+      Arena& arena;
+      Bytes start;
+      Bytes& need;
+      ~NeedRecorder() { need = std::max(need, arena.window_peak() - start); }
+    } need{arena_, arena_.in_use(), action_need_[ai]};
+    arena_.reset_window();
     switch (a.kind) {
       case ActionKind::RecvActivation: {
         Tensor t = buffer("pipeline.recv_activation");

@@ -51,6 +51,10 @@ class PipelineExecutor {
  private:
   using Key = std::pair<int, int>;  // (micro-batch, stage)
   Tensor buffer(const char* name);
+  // Before action `ai`: compacts the arena when its largest free block may not hold
+  // what the action adds (core/arena.h, "Action-scoped placement").
+  void prepare_placement(std::size_t ai, ActionKind kind);
+  std::vector<Bytes> action_need_;  // per action of this rank: the most bytes it added (-1: not run yet)
   StepProgram program_;              // this rank's step for the planner's projections
   std::vector<std::size_t> walk_at_;  // action index -> index of its step in program_.actions
   const StepPlan& plan_;

@@ -127,6 +127,29 @@ def check_case(binary, src, case, steps, work):
           f"{evicting} with evictions", flush=True)
 
 
+def check_spike_shapes(binary, src, work):
+    """Each spike shape shows its pattern in metrics.jsonl: per layer, the tokens each
+    EP rank's experts received (--ep 2, 4 steps)."""
+    def received(spec, name):
+        out = os.path.join(work, name)
+        args = ["--ep", "2", "--data", os.path.join(src, "data", "brown"), "--steps", "4", "--quiet",
+                "--inject-imbalance", spec, "--out", out]
+        if run(binary, 2, args, out + ".log") != 0:
+            raise SystemExit(f"{spec}: the run failed:\n" + open(out + ".log").read()[-3000:])
+        return [(d["injected_imbalance"], d["ep_received_tokens"]) for d in metrics(out)]
+    hot = lambda layer: max(range(len(layer)), key=lambda r: layer[r])
+    steps = received("preset=rotating", "rotating")  # every step, hot rank moves every 2 steps
+    assert [hot(layers[0]) for _, layers in steps] == [0, 0, 1, 1], steps
+    steps = received("preset=zero-rank:zero=1:every=2", "zero")
+    assert all(layers[l][1] == 0 for inj, layers in steps if inj for l in range(len(layers))), steps
+    assert [inj > 0 for inj, _ in steps] == [False, True, False, True], steps
+    steps = received("every=1:ratio=2:hot=1:per_layer=1", "per-layer")
+    assert all([hot(x) for x in layers] == [(1 + l) % 2 for l in range(len(layers))] for _, layers in steps), steps
+    steps = received("preset=balanced", "balanced")
+    assert all(x[0] == x[1] for _, layers in steps for x in layers), steps
+    print("spike shapes: rotating, zero-token rank, per-layer and balanced patterns in metrics.jsonl", flush=True)
+
+
 def main():
     binary, src = sys.argv[1], sys.argv[2]
     only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else ""
@@ -139,6 +162,9 @@ def main():
                 work = tempfile.mkdtemp()
                 print("work", work)
             check_case(binary, src, case, steps, work)
+    if only in "spike-shapes":
+        with tempfile.TemporaryDirectory() as work:
+            check_spike_shapes(binary, src, work)
 
 
 if __name__ == "__main__":

@@ -82,7 +82,10 @@ OpCase skew_router_logits_case(std::int64_t n, std::int64_t E, std::int64_t k) {
   OpCase c = new_case("skew_router_logits", shape_of({{"n", n}, {"E", E}, {"k", k}, {"groups", 2}}) + ",ratio=1.5");
   c.build = [=] { return std::vector<TensorSpec>{in_place("logits", Elem::act, n * E, 210, 3.0)}; };
   c.forward = [=](ops::Backend& be, OpTensors& t) {
-    be.skew_router_logits(t.v("logits"), n, E, k, 2, 1.5);
+    ops::RouterSkew skew;
+    skew.groups = 2;
+    skew.ratio = 1.5;
+    be.skew_router_logits(t.v("logits"), n, E, k, skew);
     return 0.0;
   };
   return c;

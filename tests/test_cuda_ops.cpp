@@ -1118,8 +1118,11 @@ TEST(CudaBackend, RouterAndRouterLossesMatchTheCpuBackend) {
       cuda_be().z_loss_backward(logits.d(), dz.d(), n, E, 1.0);
       compare("z_loss_backward", t, shape, {{"dlogits +=", &dz}});
       // Spike injection, in place on the logits.
-      cpu_be().skew_router_logits(logits.h(), n, E, k, 2, 1.5);
-      cuda_be().skew_router_logits(logits.d(), n, E, k, 2, 1.5);
+      ops::RouterSkew skew;
+      skew.groups = 2;
+      skew.ratio = 1.5;
+      cpu_be().skew_router_logits(logits.h(), n, E, k, skew);
+      cuda_be().skew_router_logits(logits.d(), n, E, k, skew);
       compare("skew_router_logits", t, shape, {{"logits", &logits}});
     }
   }

@@ -102,7 +102,7 @@ class EmulatedDevice final : public ops::Backend {
   FWD(void, aux_loss_backward, (const std::int32_t* ix, float* dp, std::int64_t n, std::int64_t E, std::int64_t k, double c), (ix, dp, n, E, k, c))
   FWD(double, z_loss_forward, (CView l, std::int64_t n, std::int64_t E, double c), (l, n, E, c))
   FWD(void, z_loss_backward, (CView l, View dl, std::int64_t n, std::int64_t E, double c), (l, dl, n, E, c))
-  FWD(void, skew_router_logits, (View l, std::int64_t n, std::int64_t E, std::int64_t k, int g, double r), (l, n, E, k, g, r))
+  FWD(void, skew_router_logits, (View l, std::int64_t n, std::int64_t E, std::int64_t k, const ops::RouterSkew& s), (l, n, E, k, s))
   FWD(std::int64_t, moe_plan_dispatch, (const std::int32_t* ix, std::int64_t n, std::int64_t E, std::int64_t k, std::int64_t cap, std::int32_t* c, std::int32_t* off, std::int32_t* slot, std::int32_t* hoff), (ix, n, E, k, cap, c, off, slot, hoff))
   FWD(void, permute_forward, (CView x, const std::int32_t* s, View xp, std::int64_t n, std::int64_t k, std::int64_t d), (x, s, xp, n, k, d))
   FWD(void, permute_backward, (CView dxp, const std::int32_t* s, View dx, std::int64_t n, std::int64_t k, std::int64_t d), (dxp, s, dx, n, k, d))

@@ -2,6 +2,7 @@
 // and the router-logit skew (checked by routing the skewed logits with router_forward
 // and counting the load of each expert group).
 #include <gtest/gtest.h>
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <cmath>
@@ -82,7 +83,7 @@ TEST(ImbalanceParse, RefusesWithMessages) {
   expect_refused("prob=1.5:ratio=2:seed=1", "prob must be a number in (0, 1], got '1.5'");
   expect_refused("prob=0.5:ratio=2:seed=-1", "seed must be a non-negative integer, got '-1'");
   expect_refused("prob=0.5:ratio=2", "prob=P requires seed=S");
-  expect_refused("every=10:ratio=2:seed=3", "seed applies to prob=P only");
+  expect_refused("every=10:ratio=2:seed=3", "seed applies to prob=P and dirichlet=A only");
   expect_refused("every=10", "ratio=R is required");
   expect_refused("ratio=2", "one of every=N or prob=P is required");
   expect_refused("every=2:prob=0.5:ratio=2:seed=1", "every and prob cannot both be given");
@@ -275,6 +276,74 @@ TEST(ImbalanceSkewEdges, RefusesBadShapesAndHandlesEmpty) {
   EXPECT_THROW(ops::skew_router_logits(logits.data(), 4, 8, 9, 2, 2.0), ConfigError);  // k > E
   EXPECT_THROW(ops::skew_router_logits(logits.data(), 4, 8, 2, 0, 2.0), ConfigError);
   EXPECT_DOUBLE_EQ(ops::skew_router_logits(logits.data(), 0, 8, 2, 2, 2.0), 1.0);
+}
+
+// ---------------------------------------------------------------------------
+// Spike shapes
+
+TEST(ImbalanceShapes, PresetsExpandAndKeysOverrideThem) {
+  const ImbalanceSpec rot = ops::parse_imbalance("preset=rotating");
+  EXPECT_EQ(rot.mode, ImbalanceSpec::Mode::every);
+  EXPECT_EQ(rot.every_n, 1);
+  EXPECT_EQ(rot.rotate, 2);
+  EXPECT_DOUBLE_EQ(rot.ratio, 2.0);
+  const ImbalanceSpec zr = ops::parse_imbalance("preset=zero-rank:zero=1:every=2");
+  EXPECT_EQ(zr.shape, ImbalanceSpec::Shape::zero);
+  EXPECT_EQ(zr.hot, 1);
+  EXPECT_EQ(zr.every_n, 2);
+  const ImbalanceSpec z = ops::parse_imbalance("preset=hot-rank:zipf=1.5");  // a shape key replaces the preset's
+  EXPECT_EQ(z.shape, ImbalanceSpec::Shape::zipf);
+  EXPECT_DOUBLE_EQ(z.shape_param, 1.5);
+  for (const ops::ImbalancePreset& p : ops::kImbalancePresets) {
+    const ImbalanceSpec a = ops::parse_imbalance(fmt::format("preset={}", p.name));
+    const ImbalanceSpec b = ops::parse_imbalance(ops::format_imbalance(a));
+    EXPECT_EQ(ops::format_imbalance(b), ops::format_imbalance(a)) << p.name;
+  }
+  EXPECT_THROW(ops::parse_imbalance("preset=nope"), ConfigError);
+  EXPECT_THROW(ops::parse_imbalance("every=2:ratio=2:zero=1"), ConfigError);  // two shapes
+  EXPECT_THROW(ops::parse_imbalance("every=2:dirichlet=0.5"), ConfigError);   // needs seed
+  EXPECT_THROW(ops::parse_imbalance("every=2:balanced=1:rotate=2"), ConfigError);
+  EXPECT_THROW(ops::parse_imbalance("every=2:ratio=2:level=node"), ConfigError);
+}
+
+TEST(ImbalanceShapes, HotGroupRotatesWithStepsAndLayers) {
+  const ImbalanceSpec spec = ops::parse_imbalance("every=1:ratio=2:hot=1:rotate=3:per_layer=1");
+  EXPECT_EQ(ops::skew_for(spec, 1, 0, 8, 4).hot, 1);
+  EXPECT_EQ(ops::skew_for(spec, 3, 0, 8, 4).hot, 1);
+  EXPECT_EQ(ops::skew_for(spec, 4, 0, 8, 4).hot, 2);
+  EXPECT_EQ(ops::skew_for(spec, 4, 3, 8, 4).hot, 1);  // (1 + 1 + 3) mod 4
+  EXPECT_EQ(ops::skew_for(ops::parse_imbalance("every=1:ratio=2:level=expert"), 1, 0, 8, 2).groups, 8);
+  EXPECT_THROW(ops::skew_for(ops::parse_imbalance("every=1:ratio=2:hot=4"), 1, 0, 8, 4), ConfigError);
+  // The rotated hot group reaches the ratio where group 0 would have.
+  const std::int64_t n = 256, E = 8, k = 2;
+  std::vector<float> logits = random_logits(n, E, 77);
+  ops::RouterSkew skew = ops::skew_for(spec, 4, 0, E, 4);
+  ops::skew_router_logits(logits.data(), n, E, k, skew);
+  const std::vector<std::int64_t> load = group_loads(logits, n, E, k, 4);
+  EXPECT_EQ(load[2], std::llround(2.0 * double(n * k) / 4));
+  EXPECT_EQ(std::max_element(load.begin(), load.end()) - load.begin(), 2);
+}
+
+TEST(ImbalanceShapes, SharesAreMetExactly) {
+  const std::int64_t n = 300, E = 8, k = 2;
+  for (const char* text : {"every=1:zero=3", "every=1:zipf=1.2:hot=2", "every=1:balanced=1",
+                           "every=1:dirichlet=0.7:seed=5"}) {
+    const ops::RouterSkew skew = ops::skew_for(ops::parse_imbalance(text), 2, 1, E, 4);
+    std::vector<float> logits = random_logits(n, E, 91);
+    ops::skew_router_logits(logits.data(), n, E, k, skew);
+    const std::vector<std::int64_t> load = group_loads(logits, n, E, k, 4);
+    std::int64_t total = 0;
+    for (int g = 0; g < 4; ++g) {
+      total += load[std::size_t(g)];
+      EXPECT_NEAR(double(load[std::size_t(g)]), skew.shares[std::size_t(g)] * double(n * k), 1.0) << text << " g" << g;
+    }
+    EXPECT_EQ(total, n * k);
+  }
+  const ops::RouterSkew zero = ops::skew_for(ops::parse_imbalance("every=1:zero=3"), 1, 0, E, 4);
+  std::vector<float> logits = random_logits(n, E, 92);
+  ops::skew_router_logits(logits.data(), n, E, k, zero);
+  EXPECT_EQ(group_loads(logits, n, E, k, 4)[3], 0);  // the zero-token group gets none
+  EXPECT_DOUBLE_EQ(ops::target_imbalance(ops::parse_imbalance("every=1:zero=3"), 1, 2, E, 4), 4.0 / 3.0);
 }
 
 TEST(ImbalanceLoad, CountsGroups) {

@@ -156,10 +156,22 @@ class MoEModel {
   const std::vector<RoutingStats>& routing() const { return routing_; }
   void clear_routing() { routing_.clear(); }
   void set_expert_impl(ExpertImpl impl) { expert_impl_ = impl; }
-  /// Skews the router (ops::skew_router_logits) so that each MoE layer's imbalance
-  /// (max over EP ranks, or over experts without EP, of assignments / mean) reaches
-  /// `ratio` in the forwards that follow; ratio <= 1 turns it off. For spike tests.
-  void set_router_skew(double ratio) { router_skew_ = ratio; }
+  /// Skews the router in the forwards that follow as `spec` says for step `step`
+  /// (1-based): each MoE layer's skew is ops::skew_for(spec, step, layer, E, EP size
+  /// or E without EP), applied by ops::skew_router_logits. Null turns it off. `spec`
+  /// must outlive its use. For spike tests and benchmarks.
+  void set_router_skew(const ops::ImbalanceSpec* spec, std::int64_t step) {
+    router_skew_ = spec;
+    skew_step_ = step;
+  }
+  /// The classic spike: group 0 (EP rank 0's experts, or expert 0 without EP) gets
+  /// `ratio` x its mean load in every forward that follows; ratio <= 1 turns it off.
+  void set_router_skew(double ratio) {
+    own_skew_.mode = ops::ImbalanceSpec::Mode::every;
+    own_skew_.every_n = 1;
+    own_skew_.ratio = ratio;
+    set_router_skew(ratio > 1 ? &own_skew_ : nullptr, 1);
+  }
   /// The adaptive planner deciding this model's saves (null: the stash's policy alone).
   /// Prices the planner's choices by exposed seconds (recompute time, unhidden copy
   /// time) from this cost model (null: a ranking by op family).
@@ -202,8 +214,7 @@ class MoEModel {
     Tensor counts, offsets, slot_of; ///< [E], [E + 1], [n k] int32: the dispatch plan on the device
     std::vector<std::int32_t> host_offsets, host_counts;  ///< the plan's offsets and counts on the host
     std::int64_t R = 0;              ///< assignments kept (rows of the permuted tensor)
-    double skew = 0;                 ///< the injected router skew, replayed by the logits' lineage
-    int skew_groups = 0;
+    ops::RouterSkew skew;            ///< the injected router skew, replayed by the logits' lineage
   };
   /// Which of the experts' FC1 outputs and activation are held whole (saved or offloaded).
   struct ExpertsKept {
@@ -276,7 +287,9 @@ class MoEModel {
   DType adt_ = DType::f32;  // activations and working weights (bf16 engine: bf16)
   ModelParallel par_;
   bool defer_wgrad_ = false;
-  double router_skew_ = 0;
+  const ops::ImbalanceSpec* router_skew_ = nullptr;
+  std::int64_t skew_step_ = 0;
+  ops::ImbalanceSpec own_skew_;  // set_router_skew(ratio)
   AdaptivePlanner* planner_ = nullptr;
   const CostModel* cost_model_ = nullptr;
   const StepProgram* program_ = nullptr;

@@ -110,9 +110,9 @@ MoEModel::Routed MoEModel::route_forward(int l, const Tensor& m, std::int64_t n,
   r.idx = act({n, k}, "router.topk_idx", DType::i32);
   r.w = act({n, k}, "router.topk_w", DType::f32);
   be_.linear_forward(m.view(), P.gate->working(), r.logits.view(), n, d, E);
-  r.skew = router_skew_;
-  r.skew_groups = dispatcher_.active() ? dispatcher_.ep_size() : int(E);
-  if (r.skew > 1) be_.skew_router_logits(r.logits.view(), n, E, k, r.skew_groups, r.skew);
+  if (router_skew_)
+    r.skew = ops::skew_for(*router_skew_, skew_step_, l, E, dispatcher_.active() ? dispatcher_.ep_size() : int(E));
+  if (r.skew.active()) be_.skew_router_logits(r.logits.view(), n, E, k, r.skew);
   be_.router_forward(r.logits.view(), r.probs.f32(), r.idx.i32(), r.w.f32(), n, E, k, cfg_.norm_topk_prob);
   loss.aux += be_.aux_loss_forward(r.probs.f32(), r.idx.i32(), n, E, k, cfg_.router_aux_loss_coef);
   if (cfg_.router_z_loss_coef > 0) loss.z += be_.z_loss_forward(r.logits.view(), n, E, cfg_.router_z_loss_coef);
@@ -295,10 +295,10 @@ void MoEModel::save_router(int l, int mb, Routed& r, std::int64_t n) {
     };
   };
   RecomputeFn logits_fn = linear_lineage(mb, l, "ffn_norm.out", P.gate, n, d, E, false);
-  if (r.skew > 1)  // the injected skew is a pure function of the logits: replay it
-    logits_fn = [this, inner = std::move(logits_fn), n, E, k, groups = r.skew_groups, skew = r.skew] {
+  if (r.skew.active())  // the injected skew is a pure function of the logits: replay it
+    logits_fn = [this, inner = std::move(logits_fn), n, E, k, skew = r.skew] {
       Tensor t = inner();
-      be_.skew_router_logits(t.view(), n, E, k, groups, skew);
+      be_.skew_router_logits(t.view(), n, E, k, skew);
       return t;
     };
   save(mb, l, "router.logits", std::move(r.logits), std::move(logits_fn));

@@ -281,10 +281,10 @@ class CpuBackend final : public Backend {
     Out D(dlogits, n * E, true);
     ops::z_loss_backward(L.p, D.p, n, E, coef);
   }
-  void skew_router_logits(View logits, std::int64_t n, std::int64_t E, std::int64_t k, int groups,
-                          double ratio) override {
+  void skew_router_logits(View logits, std::int64_t n, std::int64_t E, std::int64_t k,
+                          const ops::RouterSkew& skew) override {
     Out L(logits, n * E, true);
-    ops::skew_router_logits(L.p, n, E, k, groups, ratio);
+    ops::skew_router_logits(L.p, n, E, k, skew);
   }
   std::int64_t moe_plan_dispatch(const std::int32_t* idx, std::int64_t n, std::int64_t E, std::int64_t k,
                                  std::int64_t cap, std::int32_t* counts, std::int32_t* offsets, std::int32_t* slot_of,

@@ -35,6 +35,7 @@
 #include "moeflex/core/arena.h"
 #include "moeflex/core/device.h"
 #include "moeflex/core/tensor.h"
+#include "moeflex/ops/imbalance.h"
 
 namespace moeflex::ops {
 
@@ -99,8 +100,8 @@ class Backend : public Device {
   /// dlogits += the z-loss gradient.
   virtual void z_loss_backward(CView logits, View dlogits, std::int64_t n, std::int64_t E, double coef) = 0;
   /// ops::skew_router_logits on logits [n, E] (spike tests).
-  virtual void skew_router_logits(View logits, std::int64_t n, std::int64_t E, std::int64_t k, int groups,
-                                  double ratio) = 0;
+  virtual void skew_router_logits(View logits, std::int64_t n, std::int64_t E, std::int64_t k,
+                                  const ops::RouterSkew& skew) = 0;
   /// counts, offsets, slot_of (=) as ops::moe_plan_dispatch, plus host_offsets [E+1]
   /// on the host; returns the dropped assignments (waits for the device).
   virtual std::int64_t moe_plan_dispatch(const std::int32_t* topk_idx, std::int64_t n, std::int64_t E,

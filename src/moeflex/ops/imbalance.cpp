@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
+#include <map>
 #include <numeric>
 #include <vector>
 
@@ -31,7 +32,9 @@ std::string trim(const std::string& s) {
 
 [[noreturn]] void refuse(const std::string& text, const std::string& why) {
   throw ConfigError(fmt::format(
-      "--inject-imbalance '{}': {} (expected 'every=N:ratio=R', 'prob=P:ratio=R:seed=S' or 'none')", text, why));
+      "--inject-imbalance '{}': {} (expected 'every=N:ratio=R', 'prob=P:ratio=R:seed=S', 'preset=NAME' or 'none', "
+      "with shape keys hot=G, rotate=N, per_layer=1, level=expert, zero=G, zipf=S, dirichlet=A)",
+      text, why));
 }
 
 bool all_digits(const std::string& v) {
@@ -69,72 +72,178 @@ void check_shape(std::int64_t E, std::int64_t k, int groups, const char* who) {
 
 }  // namespace
 
-ImbalanceSpec parse_imbalance(const std::string& text) {
-  ImbalanceSpec spec;
-  const std::string s = trim(text);
-  if (s.empty() || s == "none") return spec;
+const ImbalancePreset kImbalancePresets[6] = {
+    {"balanced", "every=1:balanced=1"},
+    {"hot-expert", "every=4:ratio=4:level=expert"},
+    {"hot-rank", "every=4:ratio=2"},
+    {"zero-rank", "every=4:zero=0"},
+    {"rotating", "every=1:ratio=2:rotate=2"},
+    {"bursts", "prob=0.25:ratio=3:seed=1"},
+};
 
-  bool have_every = false, have_prob = false, have_ratio = false, have_seed = false;
+namespace {
+
+/// The parts of a spec as key -> value, in order; refuses malformed or repeated keys.
+std::vector<std::pair<std::string, std::string>> split_parts(const std::string& text, const std::string& s) {
+  std::vector<std::pair<std::string, std::string>> parts;
   std::size_t start = 0;
   while (true) {
     const std::size_t colon = s.find(':', start);
     const std::string part = trim(s.substr(start, colon == std::string::npos ? std::string::npos : colon - start));
     const std::size_t eq = part.find('=');
     if (eq == std::string::npos) refuse(text, fmt::format("part '{}' is not of the form key=value", part));
-    const std::string key = trim(part.substr(0, eq));
-    const std::string val = trim(part.substr(eq + 1));
-    auto once = [&](bool& seen) {
-      if (seen) refuse(text, fmt::format("'{}' is given twice", key));
-      seen = true;
-    };
-    if (key == "every") {
-      once(have_every);
-      std::uint64_t n = 0;
-      if (!parse_u64(val, n) || n < 1 || n > 2147483647ull)
-        refuse(text, fmt::format("every must be an integer >= 1, got '{}'", val));
-      spec.every_n = static_cast<int>(n);
-    } else if (key == "prob") {
-      once(have_prob);
-      double p = 0;
-      if (!parse_double(val, p) || !(p > 0.0) || p > 1.0)
-        refuse(text, fmt::format("prob must be a number in (0, 1], got '{}'", val));
-      spec.prob = p;
-    } else if (key == "ratio") {
-      once(have_ratio);
-      double r = 0;
-      if (!parse_double(val, r) || !(r >= 1.0)) refuse(text, fmt::format("ratio must be a number >= 1, got '{}'", val));
-      spec.ratio = r;
-    } else if (key == "seed") {
-      once(have_seed);
-      std::uint64_t sd = 0;
-      if (!parse_u64(val, sd)) refuse(text, fmt::format("seed must be a non-negative integer, got '{}'", val));
-      spec.seed = sd;
-    } else {
-      refuse(text, fmt::format("unknown key '{}' in part '{}'", key, part));
-    }
+    std::string key = trim(part.substr(0, eq));
+    for (const auto& [k, v] : parts)
+      if (k == key) refuse(text, fmt::format("'{}' is given twice", key));
+    parts.emplace_back(std::move(key), trim(part.substr(eq + 1)));
     if (colon == std::string::npos) break;
     start = colon + 1;
   }
+  return parts;
+}
 
+int parse_count(const std::string& text, const std::string& key, const std::string& val, std::uint64_t least) {
+  std::uint64_t n = 0;
+  if (!parse_u64(val, n) || n < least || n > 2147483647ull)
+    refuse(text, fmt::format("{} must be an integer >= {}, got '{}'", key, least, val));
+  return static_cast<int>(n);
+}
+
+double parse_positive(const std::string& text, const std::string& key, const std::string& val) {
+  double x = 0;
+  if (!parse_double(val, x) || !(x > 0.0)) refuse(text, fmt::format("{} must be a number > 0, got '{}'", key, val));
+  return x;
+}
+
+/// Sets the field of one key; `shapes` counts the shape keys given (ratio, zero,
+/// zipf, dirichlet, balanced).
+void apply_key(ImbalanceSpec& spec, const std::string& text, const std::string& key, const std::string& val,
+               int& shapes) {
+  using Shape = ImbalanceSpec::Shape;
+  if (key == "every") {
+    spec.mode = ImbalanceSpec::Mode::every;
+    spec.every_n = parse_count(text, key, val, 1);
+  } else if (key == "prob") {
+    double p = 0;
+    if (!parse_double(val, p) || !(p > 0.0) || p > 1.0)
+      refuse(text, fmt::format("prob must be a number in (0, 1], got '{}'", val));
+    spec.mode = ImbalanceSpec::Mode::prob;
+    spec.prob = p;
+  } else if (key == "ratio") {
+    double r = 0;
+    if (!parse_double(val, r) || !(r >= 1.0)) refuse(text, fmt::format("ratio must be a number >= 1, got '{}'", val));
+    spec.ratio = r;
+    spec.shape = Shape::hot;
+    ++shapes;
+  } else if (key == "seed") {
+    std::uint64_t sd = 0;
+    if (!parse_u64(val, sd)) refuse(text, fmt::format("seed must be a non-negative integer, got '{}'", val));
+    spec.seed = sd;
+  } else if (key == "hot" || key == "zero") {
+    spec.hot = parse_count(text, key, val, 0);
+    if (key == "zero") spec.shape = Shape::zero, ++shapes;
+  } else if (key == "zipf" || key == "dirichlet") {
+    spec.shape = key == "zipf" ? Shape::zipf : Shape::dirichlet;
+    spec.shape_param = parse_positive(text, key, val);
+    ++shapes;
+  } else if (key == "balanced" || key == "per_layer") {
+    if (val != "0" && val != "1") refuse(text, fmt::format("{} must be 0 or 1, got '{}'", key, val));
+    if (key == "per_layer") spec.per_layer = val == "1";
+    else if (val == "1") spec.shape = Shape::balanced, ++shapes;
+  } else if (key == "rotate") {
+    spec.rotate = parse_count(text, key, val, 1);
+  } else if (key == "level") {
+    if (val != "rank" && val != "expert") refuse(text, fmt::format("level must be rank or expert, got '{}'", val));
+    spec.expert_level = val == "expert";
+  } else {
+    refuse(text, fmt::format("unknown key '{}' in part '{}'", key, key + "=" + val));
+  }
+}
+
+}  // namespace
+
+ImbalanceSpec parse_imbalance(const std::string& text) {
+  ImbalanceSpec spec;
+  const std::string s = trim(text);
+  if (s.empty() || s == "none") return spec;
+  auto parts = split_parts(text, s);
+  std::map<std::string, bool> given;
+  for (const auto& [k, v] : parts) given[k] = true;
+  // A preset first: its keys are what the others override.
+  for (const auto& [k, v] : parts) {
+    if (k != "preset") continue;
+    const ImbalancePreset* found = nullptr;
+    for (const ImbalancePreset& p : kImbalancePresets)
+      if (v == p.name) found = &p;
+    if (!found) {
+      std::string names;
+      for (const ImbalancePreset& p : kImbalancePresets) names += fmt::format("{}{}", names.empty() ? "" : ", ", p.name);
+      refuse(text, fmt::format("unknown preset '{}' (presets: {})", v, names));
+    }
+    const auto is_shape = [](const std::string& k) {
+      return k == "ratio" || k == "zero" || k == "zipf" || k == "dirichlet" || k == "balanced";
+    };
+    bool user_shape = false;
+    for (const auto& kv : parts) user_shape |= is_shape(kv.first);
+    std::vector<std::pair<std::string, std::string>> merged;
+    for (auto& kv : split_parts(found->spec, found->spec)) {
+      const bool mode_key = kv.first == "every" || kv.first == "prob" || kv.first == "seed";
+      const bool overridden = given.count(kv.first) || (mode_key && (given.count("every") || given.count("prob"))) ||
+                              (user_shape && is_shape(kv.first));
+      if (!overridden) merged.push_back(kv);
+    }
+    for (auto& kv : parts)
+      if (kv.first != "preset") merged.push_back(kv);
+    parts = std::move(merged);
+  }
+  int shapes = 0;
+  bool have_every = false, have_prob = false, have_seed = false;
+  for (const auto& [k, v] : parts) {
+    apply_key(spec, text, k, v, shapes);
+    have_every |= k == "every";
+    have_prob |= k == "prob";
+    have_seed |= k == "seed";
+  }
+  using Shape = ImbalanceSpec::Shape;
   if (have_every && have_prob) refuse(text, "every and prob cannot both be given");
   if (!have_every && !have_prob) refuse(text, "one of every=N or prob=P is required");
-  if (!have_ratio) refuse(text, "ratio=R is required");
-  if (have_every && have_seed) refuse(text, "seed applies to prob=P only");
-  if (have_prob && !have_seed) refuse(text, "prob=P requires seed=S");
-  spec.mode = have_every ? ImbalanceSpec::Mode::every : ImbalanceSpec::Mode::prob;
+  if (shapes == 0) refuse(text, "ratio=R is required (or a shape: zero=G, zipf=S, dirichlet=A, balanced=1)");
+  if (shapes > 1) refuse(text, "give one of ratio, zero, zipf, dirichlet and balanced");
+  const bool seeded = have_prob || spec.shape == Shape::dirichlet;
+  if (have_seed && !seeded) refuse(text, "seed applies to prob=P and dirichlet=A only");
+  if (seeded && !have_seed) refuse(text, fmt::format("{} requires seed=S", have_prob ? "prob=P" : "dirichlet=A"));
+  if ((spec.shape == Shape::dirichlet || spec.shape == Shape::balanced) && (spec.rotate || spec.per_layer || spec.hot))
+    refuse(text, "hot, rotate and per_layer apply to ratio, zero and zipf only");
+  if (spec.shape != Shape::hot) spec.ratio = 1.0;
   return spec;
 }
 
 std::string format_imbalance(const ImbalanceSpec& spec) {
+  using Shape = ImbalanceSpec::Shape;
+  std::string out;
   switch (spec.mode) {
     case ImbalanceSpec::Mode::every:
-      return fmt::format("every={}:ratio={}", spec.every_n, spec.ratio);
-    case ImbalanceSpec::Mode::prob:
-      return fmt::format("prob={}:ratio={}:seed={}", spec.prob, spec.ratio, spec.seed);
-    case ImbalanceSpec::Mode::none:
+      out = fmt::format("every={}", spec.every_n);
       break;
+    case ImbalanceSpec::Mode::prob:
+      out = fmt::format("prob={}", spec.prob);
+      break;
+    case ImbalanceSpec::Mode::none:
+      return "none";
   }
-  return "none";
+  switch (spec.shape) {
+    case Shape::hot: out += fmt::format(":ratio={}", spec.ratio); break;
+    case Shape::zero: out += fmt::format(":zero={}", spec.hot); break;
+    case Shape::zipf: out += fmt::format(":zipf={}", spec.shape_param); break;
+    case Shape::dirichlet: out += fmt::format(":dirichlet={}", spec.shape_param); break;
+    case Shape::balanced: out += ":balanced=1"; break;
+  }
+  if (spec.mode == ImbalanceSpec::Mode::prob || spec.shape == Shape::dirichlet) out += fmt::format(":seed={}", spec.seed);
+  if (spec.hot && spec.shape != Shape::zero) out += fmt::format(":hot={}", spec.hot);
+  if (spec.rotate) out += fmt::format(":rotate={}", spec.rotate);
+  if (spec.per_layer) out += ":per_layer=1";
+  if (spec.expert_level) out += ":level=expert";
+  return out;
 }
 
 bool imbalance_active(const ImbalanceSpec& spec, std::int64_t step) {

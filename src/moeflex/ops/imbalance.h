@@ -32,24 +32,88 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace moeflex::ops {
 
-/// A parsed `--inject-imbalance` value.
+/// A parsed `--inject-imbalance` value: which steps are skewed (mode) and how (shape).
 struct ImbalanceSpec {
   /// Scoped: an unscoped enumerator `prob` would clash with the member `prob` below.
   enum class Mode { none, every, prob };
   Mode mode = Mode::none;
   int every_n = 0;          ///< Mode every: steps N, 2N, 3N, ... (1-based)
   double prob = 0.0;        ///< Mode prob: chance that a step is skewed, in (0, 1]
-  double ratio = 1.0;       ///< target imbalance, >= 1
-  std::uint64_t seed = 0;   ///< Mode prob: seed of the step set
+  double ratio = 1.0;       ///< shape hot: target imbalance of the hot group, >= 1
+  std::uint64_t seed = 0;   ///< Mode prob: seed of the step set; shape dirichlet: of the draws
+  /// What a skewed step looks like. hot: one group gets `ratio` x its mean load
+  /// (the others keep their natural routing); zero: one group gets no assignment and
+  /// the others share them evenly; zipf: group of rank r (1 = the hot one) gets a
+  /// share proportional to 1 / r^s; dirichlet: shares drawn from a symmetric
+  /// Dirichlet(a) per step and layer; balanced: every group the same share.
+  enum class Shape { hot, zero, zipf, dirichlet, balanced };
+  Shape shape = Shape::hot;
+  double shape_param = 0.0;  ///< zipf: the exponent s > 0; dirichlet: the concentration a > 0
+  int hot = 0;               ///< the hot group (shape zero: the empty one); default 0
+  int rotate = 0;            ///< > 0: the hot group moves to the next every `rotate` steps
+  bool per_layer = false;    ///< the hot group moves to the next from one MoE layer to the next
+  /// Groups are single experts (one hot expert) even under EP; else EP ranks' experts.
+  bool expert_level = false;
 };
 
 /// Parses "every=N:ratio=R", "prob=P:ratio=R:seed=S" (keys in any order), or "none"/""
-/// (mode none). Rules: N >= 1 integer, 0 < P <= 1, R >= 1 finite, S a non-negative
-/// integer. Throws moeflex::ConfigError naming the offending part otherwise.
+/// (mode none), with optional shape keys: hot=G, rotate=N, per_layer=0|1,
+/// level=rank|expert, and instead of ratio one of zero=G (group G gets nothing),
+/// zipf=S, dirichlet=A (needs seed=S), balanced=1. preset=NAME starts from a named
+/// workload (kImbalancePresets) that the other keys then override. Rules: N >= 1
+/// integer, 0 < P <= 1, R >= 1 finite, S a non-negative integer, G a non-negative
+/// integer (checked against the group count by skew_for). Throws moeflex::ConfigError
+/// naming the offending part otherwise.
 ImbalanceSpec parse_imbalance(const std::string& text);
+
+/// The named workloads of preset=NAME, as (name, the spec it stands for), after the
+/// classes of Megatron-LM's MoE imbalance tests: balanced, one hot expert, a hot EP
+/// rank, an EP rank with no tokens, a rotating hotspot, random bursts.
+struct ImbalancePreset {
+  const char* name;
+  const char* spec;
+};
+extern const ImbalancePreset kImbalancePresets[6];
+
+/// How one MoE layer's router is skewed on a skewed step (from skew_for).
+struct RouterSkew {
+  int groups = 0;              ///< expert groups (EP ranks, or experts)
+  double ratio = 0.0;          ///< hot mode: target imbalance of group `hot`; <= 1 off
+  int hot = 0;                 ///< hot mode: the hot group
+  std::vector<double> shares;  ///< share mode: each group's share of the assignments (sum 1)
+  bool active() const { return ratio > 1.0 || !shares.empty(); }
+};
+
+/// The skew of MoE layer `layer` on step `step` (1-based) for a skewed step:
+/// groups = E with expert_level, else `groups` (the EP size, or E without EP); the
+/// hot group is (hot + (step - 1) / rotate + layer if per_layer) mod groups. Throws
+/// ConfigError when hot is not below the group count or shape zero has one group.
+RouterSkew skew_for(const ImbalanceSpec& spec, std::int64_t step, int layer, std::int64_t E, int groups);
+
+/// The imbalance a skewed step aims at (what metrics.jsonl reports as injected):
+/// `ratio` for shape hot, else the largest group share times the group count, the
+/// most over layers [0, layers) (skew_for's groups as for layer l).
+double target_imbalance(const ImbalanceSpec& spec, std::int64_t step, int layers, std::int64_t E, int groups);
+
+/// Skews router logits [n, E] in place as `skew` says: hot mode as
+/// skew_router_logits(ratio) with group `hot` in the place of group 0; share mode by
+/// skew_router_to_shares. Returns the imbalance reached (group_load_imbalance).
+double skew_router_logits(float* logits, std::int64_t n, std::int64_t E, std::int64_t k, const RouterSkew& skew);
+
+/// Skews router logits [n, E] in place so that group g (experts [g G, (g+1) G)) gets
+/// round(shares[g] n k) of the n k assignments (capped at n min(k, G) each, the
+/// excess going to the groups with room, largest share first). Method: tokens in
+/// index order take their experts by decreasing probability from the groups whose
+/// target is not yet met (a token short of k such experts takes its next most
+/// probable ones); a token whose choice differs from its natural top-k gets its
+/// chosen experts raised above all others by one constant, which keeps their order.
+/// Deterministic. Returns the imbalance reached.
+double skew_router_to_shares(float* logits, std::int64_t n, std::int64_t E, std::int64_t k,
+                             const std::vector<double>& shares);
 
 /// Inverse of parse_imbalance (canonical key order), e.g. "every=10:ratio=2.6".
 std::string format_imbalance(const ImbalanceSpec& spec);

@@ -353,10 +353,10 @@ void ProfilingBackend::z_loss_backward(CView logits, View dlogits, std::int64_t 
   timed("z_loss_backward", {n, E}, cost_.z_loss_backward(n, E), false,
         [&] { inner_.z_loss_backward(logits, dlogits, n, E, coef); });
 }
-void ProfilingBackend::skew_router_logits(View logits, std::int64_t n, std::int64_t E, std::int64_t k, int groups,
-                                          double ratio) {
+void ProfilingBackend::skew_router_logits(View logits, std::int64_t n, std::int64_t E, std::int64_t k,
+                                          const ops::RouterSkew& skew) {
   timed("skew_router_logits", {n, E, k}, cost_.elementwise(2 * n * E * kF), false,
-        [&] { inner_.skew_router_logits(logits, n, E, k, groups, ratio); });
+        [&] { inner_.skew_router_logits(logits, n, E, k, skew); });
 }
 std::int64_t ProfilingBackend::moe_plan_dispatch(const std::int32_t* idx, std::int64_t n, std::int64_t E,
                                                  std::int64_t k, std::int64_t cap, std::int32_t* counts,

@@ -182,8 +182,8 @@ class ProfilingBackend final : public ops::Backend {
                          double coef) override;
   double z_loss_forward(CView logits, std::int64_t n, std::int64_t E, double coef) override;
   void z_loss_backward(CView logits, View dlogits, std::int64_t n, std::int64_t E, double coef) override;
-  void skew_router_logits(View logits, std::int64_t n, std::int64_t E, std::int64_t k, int groups,
-                          double ratio) override;
+  void skew_router_logits(View logits, std::int64_t n, std::int64_t E, std::int64_t k,
+                          const ops::RouterSkew& skew) override;
   std::int64_t moe_plan_dispatch(const std::int32_t* topk_idx, std::int64_t n, std::int64_t E, std::int64_t k,
                                  std::int64_t capacity, std::int32_t* counts, std::int32_t* offsets,
                                  std::int32_t* slot_of, std::int32_t* host_offsets) override;

@@ -318,8 +318,12 @@ void Training::build_replica() {
   // What the ledger says one micro-batch keeps, block by block (model/ledger.h).
   if (rank0) progress.note(ledger_report(cfg.model, B, S, layout.ep() > 1));
   imbalance = ops::parse_imbalance(t.inject_imbalance);
+  const int ep_groups = layout.ep() > 1 ? layout.ep() : int(cfg.model.num_experts);
+  // A hot or empty group that does not exist is refused before step 1.
+  if (imbalance.mode != ops::ImbalanceSpec::Mode::none)
+    ops::skew_for(imbalance, 1, 0, cfg.model.num_experts, ep_groups);
   if (imbalance.ratio > 1) {
-    const int groups = layout.ep() > 1 ? layout.ep() : int(cfg.model.num_experts);
+    const int groups = imbalance.expert_level ? int(cfg.model.num_experts) : ep_groups;
     const double cap = ops::max_imbalance_ratio(cfg.model.num_experts, cfg.model.num_experts_per_tok, groups);
     if (imbalance.ratio > cap) {
       // Not what was asked: a warning even under --quiet.

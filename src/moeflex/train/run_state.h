@@ -237,6 +237,9 @@ struct Training {
   std::optional<ScopedBackendOverride> op_override;
   std::unique_ptr<Replica> replica;
   ops::ImbalanceSpec imbalance;
+  /// What skewed step `step` (1-based) aims at (ops::target_imbalance): metrics.jsonl's
+  /// injected_imbalance.
+  double injected_imbalance(std::int64_t step) const;
   fs::path trace_path;
   bool trace_on = false;
   std::unique_ptr<train::TraceWriter> trace;

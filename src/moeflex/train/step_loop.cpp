@@ -96,6 +96,11 @@ struct OverflowScope {
 
 }  // namespace
 
+double Training::injected_imbalance(std::int64_t step) const {
+  return ops::target_imbalance(imbalance, step, int(cfg.model.num_hidden_layers), cfg.model.num_experts,
+                               layout.ep() > 1 ? layout.ep() : int(cfg.model.num_experts));
+}
+
 struct Training::StepRecord {
   Clock::time_point t0;    ///< the step's start
   double cpu0 = 0;         ///< the process's CPU seconds at the start
@@ -159,7 +164,7 @@ void Training::begin_step(std::int64_t step, StepRecord& s) {
   replica->set_trace(s.tracing ? trace.get() : nullptr);
   s.thread_cpu0 = op_profiler ? thread_cpu_seconds() : 0.0;
   if (op_profiler) op_profiler->begin_step(step + 1, s.tracing ? trace.get() : nullptr);
-  for (MoEModel* c : replica->chunks()) c->set_router_skew(s.spike ? imbalance.ratio : 0.0);
+  for (MoEModel* c : replica->chunks()) c->set_router_skew(s.spike ? &imbalance : nullptr, step + 1);
   if (restart_on_oom) arena.clear_oom_events();
   s.sum = [&] {
     OverflowScope overflow(arena, restart_on_oom);
@@ -168,7 +173,7 @@ void Training::begin_step(std::int64_t step, StepRecord& s) {
     });
   }();
   res.steps_run += 1;
-  for (MoEModel* c : replica->chunks()) c->set_router_skew(0.0);  // evaluation routes naturally
+  for (MoEModel* c : replica->chunks()) c->set_router_skew(nullptr, 0);  // evaluation routes naturally
   if (planner) {
     const auto& ds = planner->decision_seconds();
     double dmax = 0, dsum = 0;
@@ -237,7 +242,7 @@ std::int64_t Training::restart_after_oom(std::int64_t step, int oom_rank, double
                  {"oom_message", oom.what()},
                  {"step_seconds", step_seconds},
                  {"peak_device_bytes", std::int64_t(demand)},
-                 {"injected_imbalance", ops::imbalance_active(imbalance, oom_step) ? imbalance.ratio : 0.0}};
+                 {"injected_imbalance", ops::imbalance_active(imbalance, oom_step) ? injected_imbalance(oom_step) : 0.0}};
     append_line(metrics, run_dir / "metrics.jsonl", line.dump());
   }
   if (tried >= t.max_restarts) {
@@ -385,7 +390,7 @@ void Training::record_step(std::int64_t step, StepRecord& s) {
                {"bytes_offloaded", std::int64_t(s.offl)},
                {"arena_compactions", std::int64_t(s.defrag[0])},
                {"bytes_evicted", std::int64_t(s.defrag[2])},
-               {"injected_imbalance", s.spike ? imbalance.ratio : 0.0},
+               {"injected_imbalance", s.spike ? injected_imbalance(step + 1) : 0.0},
                {"oom", false}};
   for (auto& [k, v] : s.plan_line.items()) line[k] = v;
   if (layout.ep() > 1) {

@@ -437,11 +437,11 @@ class CudaBackend final : public Backend {
     ops::z_loss_backward(lg.data(), dl.data(), n, E, coef);
     from_host_floats(dl, dlogits);
   }
-  void skew_router_logits(View logits, std::int64_t n, std::int64_t E, std::int64_t k, int groups,
-                          double ratio) override {
+  void skew_router_logits(View logits, std::int64_t n, std::int64_t E, std::int64_t k,
+                          const ops::RouterSkew& skew) override {
     uniform_dtype("skew_router_logits", {{"logits", logits}});
     std::vector<float> lg = to_host_floats(logits, n * E);
-    ops::skew_router_logits(lg.data(), n, E, k, groups, ratio);
+    ops::skew_router_logits(lg.data(), n, E, k, skew);
     from_host_floats(lg, logits);
   }
   std::int64_t moe_plan_dispatch(const std::int32_t* idx, std::int64_t n, std::int64_t E, std::int64_t k,

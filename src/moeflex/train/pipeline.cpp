@@ -37,9 +37,7 @@ void PipelineExecutor::prepare_placement(std::size_t ai, ActionKind kind) {
   if (kind == ActionKind::SendActivation || kind == ActionKind::SendGrad) return;
   const Bytes need = action_need_[ai];
   if (need >= 0 && arena_.largest_free_block() >= need) return;
-  const bool backward =
-      kind == ActionKind::Backward || kind == ActionKind::BackwardInput || kind == ActionKind::BackwardWeight;
-  arena_.defragment(backward);
+  arena_.defragment(/*settle=*/is_compute(kind) && kind != ActionKind::Forward);
 }
 
 Tensor PipelineExecutor::buffer(const char* name) {

@@ -7,13 +7,19 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "moeflex/core/error.h"
 #include "moeflex/core/rng.h"
 #include "moeflex/ops/imbalance.h"
 #include "moeflex/ops/router.h"
+#include "moeflex/train/imbalance_replay.h"
+#include "scratch_dir.h"
 
 namespace moeflex::test {
 namespace {
@@ -344,6 +350,110 @@ TEST(ImbalanceShapes, SharesAreMetExactly) {
   ops::skew_router_logits(logits.data(), n, E, k, zero);
   EXPECT_EQ(group_loads(logits, n, E, k, 4)[3], 0);  // the zero-token group gets none
   EXPECT_DOUBLE_EQ(ops::target_imbalance(ops::parse_imbalance("every=1:zero=3"), 1, 2, E, 4), 4.0 / 3.0);
+}
+
+/// A loads.jsonl line (moeflex train's format) of dp 2, ep 2, 2 micro-batches and MoE
+/// layers 1 and 2, with `received` [MoE layer][micro-batch][rank]; each rank kept 40.
+nlohmann::json loads_line(int step, const std::vector<std::vector<std::vector<std::int64_t>>>& received) {
+  const std::vector<std::vector<std::vector<std::int64_t>>> kept(2, {{40, 40}, {40, 40}});
+  return {{"step", step}, {"dp", 2}, {"ep", 2}, {"microbatches", 2}, {"moe_layers", {1, 2}},
+          {"received", received}, {"kept", kept}, {"step_cpu_seconds", {0.1, 0.1}}};
+}
+
+/// A model of 3 layers whose first is dense (MoE layers 1 and 2), 8 experts, top-2.
+ModelConfig replay_model() {
+  ModelConfig m;
+  m.num_hidden_layers = 3;
+  m.first_k_dense_replace = 1;
+  return m;
+}
+
+/// A run directory whose loads.jsonl holds two recorded steps.
+std::filesystem::path recorded_run(const std::string& tag) {
+  const auto dir = scratch_dir("moeflex_test_", tag);
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir / "loads.jsonl") << loads_line(1, {{{30, 10}, {20, 20}}, {{0, 40}, {10, 30}}}).dump() << "\n"
+                                     << loads_line(2, {{{40, 0}, {40, 0}}, {{20, 20}, {20, 20}}}).dump() << "\n";
+  return dir;
+}
+
+TEST(ImbalanceShapes, ReplayGivesTheRecordedSharesPerStepAndLayer) {
+  const auto dir = recorded_run("replay-shares");
+  ImbalanceSpec spec = ops::parse_imbalance("replay=" + dir.string());
+  EXPECT_EQ(spec.mode, ImbalanceSpec::Mode::every);  // every step unless told otherwise
+  EXPECT_EQ(spec.every_n, 1);
+  EXPECT_EQ(ops::format_imbalance(spec), "every=1:replay=" + dir.string());
+  EXPECT_EQ(ops::parse_imbalance("prob=0.5:seed=3:replay=x").mode, ImbalanceSpec::Mode::prob);
+  EXPECT_THROW(ops::skew_for(spec, 1, 1, 8, 2), ConfigError);  // the shares are not loaded yet
+  load_replay_shares(spec, replay_model(), 2);
+  // Shares: received rows of EP rank g summed over the micro-batches, over the layer's total.
+  const std::vector<std::vector<std::vector<double>>> want = {
+      {{}, {50.0 / 80, 30.0 / 80}, {10.0 / 80, 70.0 / 80}}, {{}, {1.0, 0.0}, {0.5, 0.5}}};
+  for (int step = 1; step <= 5; ++step)  // steps 3 and 5 replay recorded step 1, step 4 step 2
+    for (int layer = 0; layer < 3; ++layer) {
+      const ops::RouterSkew skew = ops::skew_for(spec, step, layer, 8, 2);
+      const std::vector<double>& w = want[std::size_t((step - 1) % 2)][std::size_t(layer)];
+      ASSERT_EQ(skew.shares.size(), w.size()) << "step " << step << " layer " << layer;
+      for (std::size_t g = 0; g < w.size(); ++g) EXPECT_DOUBLE_EQ(skew.shares[g], w[g]) << step << " " << layer;
+      EXPECT_EQ(skew.active(), layer > 0);  // the dense layer is not skewed
+    }
+  // injected_imbalance: the largest share times the groups, the most over the layers.
+  EXPECT_DOUBLE_EQ(ops::target_imbalance(spec, 1, 3, 8, 2), 1.75);
+  EXPECT_DOUBLE_EQ(ops::target_imbalance(spec, 2, 3, 8, 2), 2.0);
+  EXPECT_DOUBLE_EQ(ops::target_imbalance(spec, 3, 3, 8, 2), 1.75);
+  // The skew meets them exactly where share x n x k is whole: 128 assignments, 80 and 48.
+  const std::int64_t n = 64, E = 8, k = 2;
+  std::vector<float> logits = random_logits(n, E, 93);
+  ops::skew_router_logits(logits.data(), n, E, k, ops::skew_for(spec, 3, 1, E, 2));
+  EXPECT_EQ(group_loads(logits, n, E, k, 2), (std::vector<std::int64_t>{80, 48}));
+  // A file path works as well as its run directory.
+  ImbalanceSpec file = ops::parse_imbalance("every=2:replay=" + (dir / "loads.jsonl").string());
+  load_replay_shares(file, replay_model(), 2);
+  EXPECT_EQ(file.replay_shares, spec.replay_shares);
+}
+
+/// The message of the error of type E that fn throws ("" and a failure if none).
+template <class E, class F>
+std::string error_of(F fn) {
+  try {
+    fn();
+  } catch (const E& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "no error thrown";
+  return "";
+}
+
+TEST(ImbalanceShapes, ReplayRefusesAnotherLayoutAndBadFiles) {
+  const auto dir = recorded_run("replay-refusals");
+  const std::string file = (dir / "loads.jsonl").string();
+  auto load = [&](const std::string& path, const ModelConfig& model, int ep) {
+    ImbalanceSpec spec = ops::parse_imbalance("replay=" + path);
+    load_replay_shares(spec, model, ep);
+  };
+  std::string m = error_of<ConfigError>([&] { load(dir.string(), replay_model(), 4); });
+  EXPECT_NE(m.find("replay=" + file + ": the recording has EP size 2 and this run 4"), std::string::npos) << m;
+  m = error_of<ConfigError>([&] { load(dir.string(), replay_model(), 1); });
+  EXPECT_NE(m.find("EP size 2 and this run 1"), std::string::npos) << m;
+  ModelConfig deeper = replay_model();
+  deeper.num_hidden_layers = 4;
+  m = error_of<ConfigError>([&] { load(dir.string(), deeper, 2); });
+  EXPECT_NE(m.find("the recording has 2 MoE layers and this model 3"), std::string::npos) << m;
+  m = error_of<ConfigError>([&] { load((dir / "nope").string(), replay_model(), 2); });
+  EXPECT_NE(m.find("nope: no such file or directory"), std::string::npos) << m;
+  // A malformed line and a missing field are named with the file and line.
+  { std::ofstream(file, std::ios::app) << "{\"dp\": 2, oops\n"; }
+  m = error_of<DataError>([&] { load(file, replay_model(), 2); });
+  EXPECT_NE(m.find(file + ":3: not valid JSON"), std::string::npos) << m;
+  nlohmann::json no_kept = loads_line(1, {{{30, 10}, {20, 20}}, {{0, 40}, {10, 30}}});
+  no_kept.erase("kept");
+  std::ofstream(file) << no_kept.dump() << "\n";
+  m = error_of<DataError>([&] { load(file, replay_model(), 2); });
+  EXPECT_NE(m.find(file + ":1: 'kept' must be 2 layers x 2 micro-batches x 2 ranks"), std::string::npos) << m;
+  EXPECT_THROW(ops::parse_imbalance("replay="), ConfigError);
+  EXPECT_THROW(ops::parse_imbalance("replay=x:ratio=2"), ConfigError);  // two shapes
+  EXPECT_THROW(ops::parse_imbalance("replay=x:rotate=2"), ConfigError);
+  EXPECT_THROW(ops::parse_imbalance("replay=x:level=expert"), ConfigError);
 }
 
 TEST(ImbalanceLoad, CountsGroups) {

@@ -94,7 +94,7 @@ int main(int argc, char** argv) {
                     "the profile that prices ops for --profile-ops and the adaptive planner (default "
                     "data/hardware/this-machine.json)");
   std::string policy, inject;
-  train->add_option("--inject-imbalance", inject, "routing spikes: every=N:ratio=R, prob=P:ratio=R:seed=S or preset=NAME (balanced, hot-expert, hot-rank, zero-rank, rotating, bursts), with shape keys hot=G, rotate=N, per_layer=1, level=expert, zero=G, zipf=S, dirichlet=A");
+  train->add_option("--inject-imbalance", inject, "routing spikes: every=N:ratio=R, prob=P:ratio=R:seed=S or preset=NAME (balanced, hot-expert, hot-rank, zero-rank, rotating, bursts), with shape keys hot=G, rotate=N, per_layer=1, level=expert, zero=G, zipf=S, dirichlet=A, or replay=PATH (another run's loads.jsonl or run directory: its EP ranks' shares, step by step, on every step)");
   train->add_option("--policy", policy,
                     "activation provisioning: adaptive (the default with --device-memory), none (the default without), full, "
                     "selective, moe-light, moe-medium, moe-full, threshold[=R] (train.policy)");

@@ -33,7 +33,7 @@ std::string trim(const std::string& s) {
 [[noreturn]] void refuse(const std::string& text, const std::string& why) {
   throw ConfigError(fmt::format(
       "--inject-imbalance '{}': {} (expected 'every=N:ratio=R', 'prob=P:ratio=R:seed=S', 'preset=NAME' or 'none', "
-      "with shape keys hot=G, rotate=N, per_layer=1, level=expert, zero=G, zipf=S, dirichlet=A)",
+      "with shape keys hot=G, rotate=N, per_layer=1, level=expert, zero=G, zipf=S, dirichlet=A, replay=PATH)",
       text, why));
 }
 
@@ -116,7 +116,7 @@ double parse_positive(const std::string& text, const std::string& key, const std
 }
 
 /// Sets the field of one key; `shapes` counts the shape keys given (ratio, zero,
-/// zipf, dirichlet, balanced).
+/// zipf, dirichlet, balanced, replay).
 void apply_key(ImbalanceSpec& spec, const std::string& text, const std::string& key, const std::string& val,
                int& shapes) {
   using Shape = ImbalanceSpec::Shape;
@@ -150,6 +150,11 @@ void apply_key(ImbalanceSpec& spec, const std::string& text, const std::string& 
     if (val != "0" && val != "1") refuse(text, fmt::format("{} must be 0 or 1, got '{}'", key, val));
     if (key == "per_layer") spec.per_layer = val == "1";
     else if (val == "1") spec.shape = Shape::balanced, ++shapes;
+  } else if (key == "replay") {
+    if (val.empty()) refuse(text, "replay needs the path of a loads.jsonl or of a run directory holding one");
+    spec.shape = Shape::replay;
+    spec.replay_path = val;
+    ++shapes;
   } else if (key == "rotate") {
     spec.rotate = parse_count(text, key, val, 1);
   } else if (key == "level") {
@@ -181,7 +186,7 @@ ImbalanceSpec parse_imbalance(const std::string& text) {
       refuse(text, fmt::format("unknown preset '{}' (presets: {})", v, names));
     }
     const auto is_shape = [](const std::string& k) {
-      return k == "ratio" || k == "zero" || k == "zipf" || k == "dirichlet" || k == "balanced";
+      return k == "ratio" || k == "zero" || k == "zipf" || k == "dirichlet" || k == "balanced" || k == "replay";
     };
     bool user_shape = false;
     for (const auto& kv : parts) user_shape |= is_shape(kv.first);
@@ -206,14 +211,23 @@ ImbalanceSpec parse_imbalance(const std::string& text) {
   }
   using Shape = ImbalanceSpec::Shape;
   if (have_every && have_prob) refuse(text, "every and prob cannot both be given");
-  if (!have_every && !have_prob) refuse(text, "one of every=N or prob=P is required");
-  if (shapes == 0) refuse(text, "ratio=R is required (or a shape: zero=G, zipf=S, dirichlet=A, balanced=1)");
-  if (shapes > 1) refuse(text, "give one of ratio, zero, zipf, dirichlet and balanced");
+  if (!have_every && !have_prob && !spec.replay_path.empty()) {
+    spec.mode = ImbalanceSpec::Mode::every;  // a replay skews every step unless told otherwise
+    spec.every_n = 1;
+  } else if (!have_every && !have_prob) {
+    refuse(text, "one of every=N or prob=P is required");
+  }
+  if (shapes == 0)
+    refuse(text, "ratio=R is required (or a shape: zero=G, zipf=S, dirichlet=A, balanced=1, replay=PATH)");
+  if (shapes > 1) refuse(text, "give one of ratio, zero, zipf, dirichlet, balanced and replay");
   const bool seeded = have_prob || spec.shape == Shape::dirichlet;
   if (have_seed && !seeded) refuse(text, "seed applies to prob=P and dirichlet=A only");
   if (seeded && !have_seed) refuse(text, fmt::format("{} requires seed=S", have_prob ? "prob=P" : "dirichlet=A"));
-  if ((spec.shape == Shape::dirichlet || spec.shape == Shape::balanced) && (spec.rotate || spec.per_layer || spec.hot))
+  if ((spec.shape == Shape::dirichlet || spec.shape == Shape::balanced || spec.shape == Shape::replay) &&
+      (spec.rotate || spec.per_layer || spec.hot))
     refuse(text, "hot, rotate and per_layer apply to ratio, zero and zipf only");
+  if (spec.shape == Shape::replay && spec.expert_level)
+    refuse(text, "replay gives the shares of the recorded EP ranks: level=expert does not apply");
   if (spec.shape != Shape::hot) spec.ratio = 1.0;
   return spec;
 }
@@ -237,6 +251,7 @@ std::string format_imbalance(const ImbalanceSpec& spec) {
     case Shape::zipf: out += fmt::format(":zipf={}", spec.shape_param); break;
     case Shape::dirichlet: out += fmt::format(":dirichlet={}", spec.shape_param); break;
     case Shape::balanced: out += ":balanced=1"; break;
+    case Shape::replay: out += fmt::format(":replay={}", spec.replay_path); break;
   }
   if (spec.mode == ImbalanceSpec::Mode::prob || spec.shape == Shape::dirichlet) out += fmt::format(":seed={}", spec.seed);
   if (spec.hot && spec.shape != Shape::zero) out += fmt::format(":hot={}", spec.hot);

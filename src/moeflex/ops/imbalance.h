@@ -49,8 +49,9 @@ struct ImbalanceSpec {
   /// (the others keep their natural routing); zero: one group gets no assignment and
   /// the others share them evenly; zipf: group of rank r (1 = the hot one) gets a
   /// share proportional to 1 / r^s; dirichlet: shares drawn from a symmetric
-  /// Dirichlet(a) per step and layer; balanced: every group the same share.
-  enum class Shape { hot, zero, zipf, dirichlet, balanced };
+  /// Dirichlet(a) per step and layer; balanced: every group the same share; replay:
+  /// the shares another run's EP ranks received (replay_shares).
+  enum class Shape { hot, zero, zipf, dirichlet, balanced, replay };
   Shape shape = Shape::hot;
   double shape_param = 0.0;  ///< zipf: the exponent s > 0; dirichlet: the concentration a > 0
   int hot = 0;               ///< the hot group (shape zero: the empty one); default 0
@@ -58,12 +59,20 @@ struct ImbalanceSpec {
   bool per_layer = false;    ///< the hot group moves to the next from one MoE layer to the next
   /// Groups are single experts (one hot expert) even under EP; else EP ranks' experts.
   bool expert_level = false;
+  /// Shape replay: the loads.jsonl, or a run directory holding one, as given (replay=PATH).
+  std::string replay_path;
+  /// Shape replay: per recorded step, per model layer, each EP group's share (sum 1;
+  /// empty for layers without MoE). Filled by the caller from replay_path
+  /// (train/imbalance_replay.h), as ops/ reads no run files; skew_for refuses a replay
+  /// without them. Recorded step ((s - 1) mod size) + 1 is replayed on step s.
+  std::vector<std::vector<std::vector<double>>> replay_shares;
 };
 
 /// Parses "every=N:ratio=R", "prob=P:ratio=R:seed=S" (keys in any order), or "none"/""
 /// (mode none), with optional shape keys: hot=G, rotate=N, per_layer=0|1,
 /// level=rank|expert, and instead of ratio one of zero=G (group G gets nothing),
-/// zipf=S, dirichlet=A (needs seed=S), balanced=1. preset=NAME starts from a named
+/// zipf=S, dirichlet=A (needs seed=S), balanced=1, replay=PATH (every step unless
+/// every=N or prob=P is given; PATH holds no ':'). preset=NAME starts from a named
 /// workload (kImbalancePresets) that the other keys then override. Rules: N >= 1
 /// integer, 0 < P <= 1, R >= 1 finite, S a non-negative integer, G a non-negative
 /// integer (checked against the group count by skew_for). Throws moeflex::ConfigError
@@ -90,8 +99,10 @@ struct RouterSkew {
 
 /// The skew of MoE layer `layer` on step `step` (1-based) for a skewed step:
 /// groups = E with expert_level, else `groups` (the EP size, or E without EP); the
-/// hot group is (hot + (step - 1) / rotate + layer if per_layer) mod groups. Throws
-/// ConfigError when hot is not below the group count or shape zero has one group.
+/// hot group is (hot + (step - 1) / rotate + layer if per_layer) mod groups. Shape
+/// replay: the shares of spec.replay_shares for the step (wrapping around) and layer
+/// (none for a layer without MoE). Throws ConfigError when hot is not below the group
+/// count, shape zero has one group, or replay shares are missing or not `groups` long.
 RouterSkew skew_for(const ImbalanceSpec& spec, std::int64_t step, int layer, std::int64_t E, int groups);
 
 /// The imbalance a skewed step aims at (what metrics.jsonl reports as injected):

@@ -40,6 +40,7 @@ std::vector<double> shape_shares(const ImbalanceSpec& spec, std::int64_t step, i
     }
     case Shape::balanced:
     case Shape::hot:
+    case Shape::replay:  // (replay_skew's)
       break;
   }
   const double sum = std::accumulate(w.begin(), w.end(), 0.0);
@@ -68,10 +69,29 @@ std::vector<std::int64_t> share_targets(const std::vector<double>& shares, std::
   return t;
 }
 
+/// Shape replay: the recorded shares of the step (wrapping around) and layer.
+RouterSkew replay_skew(const ImbalanceSpec& spec, std::int64_t step, int layer, int groups) {
+  const auto& steps = spec.replay_shares;
+  if (steps.empty())
+    throw ConfigError(fmt::format("--inject-imbalance replay={}: the recorded shares were not loaded "
+                                  "(train/imbalance_replay.h load_replay_shares)", spec.replay_path));
+  const std::int64_t n = std::int64_t(steps.size());
+  const auto& layers = steps[at(step >= 1 ? (step - 1) % n : 0)];
+  RouterSkew skew;
+  skew.groups = groups;
+  if (layer < 0 || at(layer) >= layers.size() || layers[at(layer)].empty()) return skew;  // no MoE: no skew
+  skew.shares = layers[at(layer)];
+  if (int(skew.shares.size()) != groups)
+    throw ConfigError(fmt::format("--inject-imbalance replay={}: {} recorded EP ranks, but this run has {} groups "
+                                  "of experts", spec.replay_path, skew.shares.size(), groups));
+  return skew;
+}
+
 }  // namespace
 
 RouterSkew skew_for(const ImbalanceSpec& spec, std::int64_t step, int layer, std::int64_t E, int groups) {
   using Shape = ImbalanceSpec::Shape;
+  if (spec.shape == Shape::replay) return replay_skew(spec, step, layer, groups);
   RouterSkew skew;
   skew.groups = spec.expert_level ? int(E) : groups;
   if (spec.hot >= skew.groups)
@@ -93,6 +113,7 @@ double target_imbalance(const ImbalanceSpec& spec, std::int64_t step, int layers
   double most = 1.0;
   for (int l = 0; l < std::max(layers, 1); ++l) {
     const RouterSkew s = skew_for(spec, step, l, E, groups);
+    if (s.shares.empty()) continue;  // (a replay's layer without MoE)
     most = std::max(most, *std::max_element(s.shares.begin(), s.shares.end()) * double(s.groups));
   }
   return most;

@@ -16,50 +16,6 @@
 
 namespace moeflex::sim {
 
-namespace {
-// Calls fn(record, "file:line") for every non-empty line of a JSON-lines file;
-// throws DataError naming the file (and line) when it cannot be read or parsed.
-void for_each_json_line(const std::filesystem::path& path,
-                        const std::function<void(const nlohmann::json&, const std::string&)>& fn) {
-  std::ifstream in(path);
-  if (!in) throw DataError(fmt::format("{}: cannot read", path.string()));
-  std::string line;
-  int no = 0;
-  while (std::getline(in, line)) {
-    ++no;
-    if (line.empty()) continue;
-    const std::string where = fmt::format("{}:{}", path.string(), no);
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(line);
-    } catch (const nlohmann::json::exception& e) {
-      throw DataError(fmt::format("{}: not valid JSON ({})", where, e.what()));
-    }
-    fn(j, where);
-  }
-}
-
-/// Whether `v` is an integer in [lo, hi] (0 <= lo <= hi), checked as 64 bits before any narrowing.
-bool integer_within(const nlohmann::json& v, std::int64_t lo, std::int64_t hi) {
-  if (v.is_number_unsigned()) return v.get<std::uint64_t>() >= std::uint64_t(lo) && v.get<std::uint64_t>() <= std::uint64_t(hi);
-  return v.is_number_integer() && v.get<std::int64_t>() >= lo && v.get<std::int64_t>() <= hi;
-}
-
-/// An integer field of a loads.jsonl record in [lo, hi]: DataError naming the line,
-/// the field and the value otherwise.
-std::int64_t integer_in(const nlohmann::json& v, const std::string& where, const std::string& field, std::int64_t lo,
-                        std::int64_t hi) {
-  if (!integer_within(v, lo, hi))
-    throw DataError(fmt::format("{}: {} must be an integer in [{}, {}] (got {})", where, field, lo, hi, v.dump()));
-  return v.get<std::int64_t>();
-}
-
-// Bounds of a recorded layout (far beyond any run; they keep products in 64 bits).
-constexpr std::int64_t kMaxRecordedRanks = std::int64_t(1) << 24;
-constexpr std::int64_t kMaxRecordedMicrobatches = std::int64_t(1) << 20;
-constexpr std::int64_t kMaxRecordedRows = std::int64_t(1) << 48;
-}  // namespace
-
 LoadModel LoadModel::from_metrics(const std::filesystem::path& path) {
   LoadModel m;
   for_each_json_line(path, [&](const nlohmann::json& j, const std::string& where) {
@@ -90,73 +46,16 @@ LoadModel LoadModel::from_metrics(const std::filesystem::path& path) {
 }
 
 LoadModel LoadModel::from_loads(const std::filesystem::path& path) {
+  RecordedLoads rec = read_recorded_loads(path);
   LoadModel m;
-  for_each_json_line(path, [&](const nlohmann::json& j, const std::string& where) {
-    int dp = 0, ep = 0, M = 0, L = 0;
-    if (!j.is_object() || !j.contains("dp") || !j.contains("ep") || !j.contains("microbatches") ||
-        !j.contains("moe_layers") || !j["moe_layers"].is_array())
-      throw DataError(fmt::format("{}: needs dp, ep, microbatches and moe_layers (an array)", where));
-    dp = int(integer_in(j["dp"], where, "dp", 1, kMaxRecordedRanks));
-    ep = int(integer_in(j["ep"], where, "ep", 1, kMaxRecordedRanks));
-    M = int(integer_in(j["microbatches"], where, "microbatches", 1, kMaxRecordedMicrobatches));
-    L = int(j["moe_layers"].size());
-    if (dp < 1 || ep < 1 || dp % ep != 0 || M < 1 || L < 1)
-      throw DataError(fmt::format("{}: dp {}, ep {}, microbatches {}, {} MoE layers: need ep dividing dp and "
-                                  "at least one of each", where, dp, ep, M, L));
-    if (!m.rows_.empty() && (dp != m.rec_dp_ || ep != m.rec_ep_ || M != m.rec_m_ || L != m.rec_layers_))
-      throw DataError(fmt::format("{}: layout dp {} ep {} microbatches {} layers {} differs from the first line's "
-                                  "(dp {} ep {} microbatches {} layers {})", where, dp, ep, M, L, m.rec_dp_,
-                                  m.rec_ep_, m.rec_m_, m.rec_layers_));
-    m.rec_dp_ = dp;
-    m.rec_ep_ = ep;
-    m.rec_m_ = M;
-    m.rec_layers_ = L;
-    // The arrays' own sizes before sizing the table by the header's counts.
-    for (const char* field : {"received", "kept"}) {
-      const auto& t = j.contains(field) ? j[field] : nlohmann::json();
-      if (!t.is_array() || int(t.size()) != L || !t[0].is_array() || int(t[0].size()) != M || !t[0][0].is_array() ||
-          int(t[0][0].size()) != dp)
-        throw DataError(fmt::format("{}: '{}' must be {} layers x {} micro-batches x {} ranks of row counts >= 0",
-                                    where, field, L, M, dp));
-    }
-    std::vector<RecordedRows> rows(std::size_t(L) * std::size_t(M) * std::size_t(dp));
-    for (const char* field : {"received", "kept"}) {
-      const auto& t = j.contains(field) ? j[field] : nlohmann::json();
-      bool ok = t.is_array() && int(t.size()) == L;
-      for (int k = 0; ok && k < L; ++k) {
-        ok = t[std::size_t(k)].is_array() && int(t[std::size_t(k)].size()) == M;
-        for (int mb = 0; ok && mb < M; ++mb) {
-          const auto& v = t[std::size_t(k)][std::size_t(mb)];
-          ok = v.is_array() && int(v.size()) == dp;
-          for (int q = 0; ok && q < dp; ++q) {
-            const auto& x = v[std::size_t(q)];
-            if (!integer_within(x, 0, kMaxRecordedRows))  // named only when it fails
-              integer_in(x, where, fmt::format("{}[layer {}][micro-batch {}][rank {}]", field, k, mb, q), 0,
-                         kMaxRecordedRows);
-            auto& r = rows[(std::size_t(k) * std::size_t(M) + std::size_t(mb)) * std::size_t(dp) + std::size_t(q)];
-            (std::string(field) == "received" ? r.received : r.kept) = x.get<std::int64_t>();
-          }
-        }
-      }
-      if (!ok)
-        throw DataError(fmt::format("{}: '{}' must be {} layers x {} micro-batches x {} ranks of row counts >= 0",
-                                    where, field, L, M, dp));
-    }
-    // A rank receives only what its EP group kept (conservation; with capacity
-    // dropping on the receiving side, at most that).
-    for (std::size_t i = 0; i < std::size_t(L) * std::size_t(M); ++i)
-      for (int g = 0; g < dp / ep; ++g) {
-        std::int64_t kept = 0;
-        for (int q = g * ep; q < (g + 1) * ep; ++q) kept += rows[i * std::size_t(dp) + std::size_t(q)].kept;
-        for (int q = g * ep; q < (g + 1) * ep; ++q)
-          if (rows[i * std::size_t(dp) + std::size_t(q)].received > kept)
-            throw DataError(fmt::format("{}: received[layer {}][micro-batch {}][rank {}] = {} is more than the {} "
-                                        "assignments its EP group kept",
-                                        where, i / std::size_t(M), i % std::size_t(M), q,
-                                        rows[i * std::size_t(dp) + std::size_t(q)].received, kept));
-      }
+  m.rec_dp_ = rec.dp;
+  m.rec_ep_ = rec.ep;
+  m.rec_m_ = rec.microbatches;
+  m.rec_layers_ = rec.layers();
+  const int dp = rec.dp, ep = rec.ep;
+  for (const auto& rows : rec.steps) {
     // Per micro-batch and layer: the hottest EP group's max / mean of received rows.
-    std::vector<double> ratios(std::size_t(L) * std::size_t(M), 1.0);
+    std::vector<double> ratios(std::size_t(rec.layers()) * std::size_t(rec.microbatches), 1.0);
     for (std::size_t i = 0; i < ratios.size(); ++i)
       for (int g = 0; g < dp / ep; ++g) {
         double mx = 0, sum = 0;
@@ -167,10 +66,9 @@ LoadModel LoadModel::from_loads(const std::filesystem::path& path) {
         }
         if (sum > 0) ratios[i] = std::max(ratios[i], mx * double(ep) / sum);
       }
-    m.rows_.push_back(std::move(rows));
     m.mb_ratio_.push_back(std::move(ratios));
-  });
-  if (m.rows_.empty()) throw DataError(fmt::format("{}: no steps", path.string()));
+  }
+  m.rows_ = std::move(rec.steps);
   return m;
 }
 

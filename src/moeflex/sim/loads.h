@@ -10,13 +10,12 @@
 #include <string>
 #include <vector>
 
+#include "moeflex/model/recorded_loads.h"
+
 namespace moeflex::sim {
 
 /// One rank's routing of one micro-batch through one MoE layer, as recorded.
-struct RecordedRows {
-  std::int64_t kept = 0;      ///< assignments the rank routed and kept (MoERows::permuted)
-  std::int64_t received = 0;  ///< rows its local experts processed (MoERows::received)
-};
+using RecordedRows = moeflex::RecordedRows;
 
 /// The default distribution follows BaGuaLu-2 (../shared/BACKGROUND.md): 97.1% of
 /// iterations stay under 1.2x, 2.9% spike up to 2.6x. Per iteration, one
@@ -40,8 +39,8 @@ class LoadModel {
   /// Replays a run's loads.jsonl (written by `moeflex train`; format in
   /// train/step_loop.cpp's record_loads): every data-parallel rank's kept and received rows
   /// per step, micro-batch and MoE layer. ratio() is then, per micro-batch and
-  /// layer, the largest max / mean of received rows over the EP groups. Throws
-  /// DataError naming the file, line and field.
+  /// layer, the largest max / mean of received rows over the EP groups. Parsed by
+  /// read_recorded_loads (model/recorded_loads.h): DataError naming the file, line and field.
   static LoadModel from_loads(const std::filesystem::path& loads_jsonl);
   /// from_loads for a loads.jsonl (or a run directory holding one), from_metrics
   /// for any other file.

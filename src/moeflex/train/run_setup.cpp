@@ -21,6 +21,7 @@
 #include "moeflex/ops/cuda/backend.h"
 #endif
 #include "moeflex/model/ledger.h"
+#include "moeflex/train/imbalance_replay.h"
 #include "moeflex/train/run_state.h"
 
 extern "C" void openblas_set_num_threads(int);
@@ -318,6 +319,7 @@ void Training::build_replica() {
   // What the ledger says one micro-batch keeps, block by block (model/ledger.h).
   if (rank0) progress.note(ledger_report(cfg.model, B, S, layout.ep() > 1));
   imbalance = ops::parse_imbalance(t.inject_imbalance);
+  load_replay_shares(imbalance, cfg.model, layout.ep());  // replay=PATH: the recorded shares
   const int ep_groups = layout.ep() > 1 ? layout.ep() : int(cfg.model.num_experts);
   // A hot or empty group that does not exist is refused before step 1.
   if (imbalance.mode != ops::ImbalanceSpec::Mode::none)

@@ -114,7 +114,7 @@ void run(const Scenario& sc) {
   const BlockProjection whole = project_block(sc.cfg, ctx, nullptr);
   Bytes kept = 0;
   for (auto& c : cands) kept += c.bytes;
-  const Bytes budget = Bytes(double(whole.peak() - kept / 2) / (1 - kPlannerMarginFraction));
+  const Bytes budget = whole.peak() - kept / 2;
   std::vector<double> walk_s, decision_s, decision_cpu_s;
   const int reps = 1000;
   for (int i = 0; i < reps; ++i) {

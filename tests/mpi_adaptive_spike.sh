@@ -59,11 +59,17 @@ lines = [json.loads(l) for l in open(f"{run}/metrics.jsonl")]
 assert len(lines) == 3, lines
 for d in lines:
     assert d["infeasible_decisions"] == 0, d
-    assert d["predicted_peak_bytes"] == d["peak_device_bytes"], (d["step"], d["predicted_peak_bytes"], d["peak_device_bytes"])
+    # Exact, except where the arena evicted the zero-bubble W queue's reads to the
+    # host to defragment: those bytes were off the device at the walk's peak.
+    if d["bytes_evicted"] == 0:
+        assert d["predicted_peak_bytes"] == d["peak_device_bytes"], (d["step"], d["predicted_peak_bytes"], d["peak_device_bytes"])
+    else:
+        assert d["peak_device_bytes"] <= d["predicted_peak_bytes"], d
     assert d["peak_device_bytes"] <= float(budget[:-3]) * 2**20, d
-print(run.split("/")[-1], budget, "ok: predicted = measured on every step, no infeasible decision")
+print(run.split("/")[-1], budget, "ok: predicted = measured on every step without eviction",
+      f"({sum(d['bytes_evicted'] > 0 for d in lines)} of {len(lines)} evicted), no infeasible decision")
 PY
-  # At the minimum itself (the planner's 5% margin is a soft target): no OOM, no
+  # At the minimum itself: no OOM, no
   # infeasible decision, the budget holds; fragmentation is the arena's to absorb.
   budget=$(/usr/bin/python3 -c "print(f'{$min + 0.01:.2f}MiB')")
   "${mpi[@]}" "$bin" train --config "$cfg" --pp 2 --schedule $sched --steps 2 --inject-imbalance every=2:ratio=2 \

@@ -194,7 +194,7 @@ TEST(CudaTrain, AdaptivePlannerPredictsTheDevicePeak) {
       program.actions.push_back({WalkAction::Kind::forward, mb, 0});
       program.actions.push_back({WalkAction::Kind::backward, mb, 0});
     }
-    minimum = minimum_budget(cfg, kB, kS, program, state, kPlannerMarginFraction);
+    minimum = minimum_budget(cfg, kB, kS, program, state);
   }
   ASSERT_LT(minimum, free_run.peak);
   const Bytes budget = Arena::round_up(minimum + (free_run.peak - minimum) / 3);

@@ -214,7 +214,7 @@ TEST(DeviceEngine, AdaptivePlannerPredictsTheDeviceArenaPeak) {
     program.actions.push_back({WalkAction::Kind::forward, mb, 0});
     program.actions.push_back({WalkAction::Kind::backward, mb, 0});
   }
-  const Bytes minimum = minimum_budget(cfg, kB, kS, program, state_probe.in_use(), kPlannerMarginFraction);
+  const Bytes minimum = minimum_budget(cfg, kB, kS, program, state_probe.in_use());
   ASSERT_LT(minimum, free_run.peak);
   const Bytes budget = Arena::round_up(minimum + (free_run.peak - minimum) / 3);
   Arena host(budget);

@@ -225,7 +225,7 @@ TEST_P(MemoryPlanPrecision, ChunkedExpertsLowerTheMinimumBudget) {
       program.actions.push_back({WalkAction::Kind::forward, mb, 0});
       program.actions.push_back({WalkAction::Kind::backward, mb, 0});
     }
-    return minimum_budget(c, B, S, program, 0, 0.0);
+    return minimum_budget(c, B, S, program, 0);
   };
   const MoERows worst = MoERows::worst_case(cfg, B * S, 4), balanced = MoERows::balanced(cfg, B * S);
   ASSERT_EQ(worst.received, 4 * B * S * 2);                     // 4 senders x 64 tokens x 2 local experts
@@ -299,7 +299,7 @@ TEST_P(MemoryPlanPrecision, AdaptivePlannerFitsPredictsAndKeepsGradients) {
     program.actions.push_back({WalkAction::Kind::forward, mb, 0});
     program.actions.push_back({WalkAction::Kind::backward, mb, 0});
   }
-  const Bytes minimum = minimum_budget(cfg, kB, kS, program, probe.in_use(), kPlannerMarginFraction);
+  const Bytes minimum = minimum_budget(cfg, kB, kS, program, probe.in_use());
   ASSERT_LT(minimum, free_run.peak) << "the test needs room between the floor and saving everything";
   const Bytes budget = Arena::round_up(minimum + (free_run.peak - minimum) / 3);
   const AdaptiveRun r = run_adaptive(cfg, budget, M, steps);

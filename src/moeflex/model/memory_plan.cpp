@@ -70,14 +70,14 @@ Provision most_memory_saving(const ModelConfig& cfg, const LedgerEntry& e) {
 }
 
 Bytes minimum_budget(const ModelConfig& cfg, std::int64_t B, std::int64_t S, const StepProgram& program,
-                     Bytes persistent, double margin_fraction) {
+                     Bytes persistent) {
   MemoryWalk w(cfg, B, S, persistent);
   const RowsFn worst = [&](int, const StageSpec& st) {
     return std::vector<MoERows>(std::size_t(std::max(0, st.last_layer - st.first_layer)),
                                 MoERows::worst_case(cfg, B * S, st.ep_size));
   };
   w.run(program.actions, 0, program.stages, worst, [&](const LedgerEntry& e) { return most_memory_saving(cfg, e); });
-  return Bytes(std::ceil(double(w.peak()) / (1.0 - margin_fraction)));
+  return w.peak();
 }
 
 // ---------------------------------------------------------------------------------------------

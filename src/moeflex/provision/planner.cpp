@@ -5,6 +5,8 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "moeflex/provision/policies.h"
+
 namespace moeflex {
 
 namespace {
@@ -13,6 +15,34 @@ namespace {
 bool planner_debug() {
   static const bool on = std::getenv("MOEFLEX_PLANNER_DEBUG") != nullptr;
   return on;
+}
+
+/// Exposed seconds of not keeping `c`: its drop_seconds, or the op family's estimate.
+double drop_cost(const SaveCandidate& c) {
+  if (c.drop_seconds > 0) return c.drop_seconds;
+  return (c.recomputable ? 1.0 : 4.0) * recompute_cost_per_byte(c.op) * 1e-12 * double(std::max<Bytes>(1, c.bytes));
+}
+
+double choice_cost(const std::vector<SaveCandidate>& candidates, const BlockChoice& choice) {
+  double s = 0;
+  for (const auto& c : candidates) {
+    auto it = choice.find(c.name);
+    if (it != choice.end() && it->second != Provision::save) s += drop_cost(c);
+  }
+  return s;
+}
+
+/// The block's part of each static policy that drops something here (policies.h):
+/// what the policy recomputes among the candidates with a lineage, distinct choices.
+std::vector<BlockChoice> static_levels(const std::vector<SaveCandidate>& candidates) {
+  std::vector<BlockChoice> levels;
+  for (const std::string& policy : static_policy_names()) {
+    BlockChoice level;
+    for (const auto& c : candidates)
+      if (c.recomputable && static_policy_recomputes(policy, c.name)) level[c.name] = Provision::recompute;
+    if (!level.empty() && std::find(levels.begin(), levels.end(), level) == levels.end()) levels.push_back(level);
+  }
+  return levels;
 }
 
 }  // namespace
@@ -55,10 +85,6 @@ Bytes BlockProjection::peak() const {
   return std::max({compute, tail, landing, held, prefetched, backward, backward_rest, after});
 }
 
-Bytes AdaptivePlanner::margin() const {
-  return arena_.unlimited() ? 0 : Bytes(double(arena_.budget()) * kPlannerMarginFraction);
-}
-
 void AdaptivePlanner::plan_block(int mb, int layer, const std::vector<SaveCandidate>& candidates,
                                  const ProjectFn& project, const std::vector<std::int64_t>& cache_key) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -68,17 +94,15 @@ void AdaptivePlanner::plan_block(int mb, int layer, const std::vector<SaveCandid
   if (arena_.unlimited()) {
     peak = raw = project(nullptr).evaluate(candidates, choice);
   } else {
-    // The margin is a soft target: the cheapest choice under budget - margin when
-    // there is one, else the floor (the lowest peak, the most room left for
-    // fragmentation), infeasible only when even that is over the budget itself.
-    const Bytes limit = arena_.budget() - margin();
+    // The cheapest choice under the budget, else the floor (infeasible: see below).
+    const Bytes limit = arena_.budget();
     // The cache key adds the bytes in use, rounded up to 1/256 of the budget: a
     // cached choice was projected from the top of its bucket, so it still fits.
     const Bytes quantum = std::max<Bytes>(arena_.budget() / 256, Arena::kAlignment);
     std::vector<std::int64_t> key = cache_key;
-    const Bytes bucket = (arena_.in_use() + margin() + quantum - 1) / quantum;
+    const Bytes bucket = (arena_.in_use() + quantum - 1) / quantum;
     key.push_back(bucket);
-    const Bytes slack = bucket * quantum - (arena_.in_use() + margin());
+    const Bytes slack = bucket * quantum - arena_.in_use();
     auto hit = cache_key.empty() ? cache_.end() : cache_.find(key);
     if (hit != cache_.end()) {
       ++cache_hits_;
@@ -95,10 +119,7 @@ void AdaptivePlanner::plan_block(int mb, int layer, const std::vector<SaveCandid
         // Drop the cheapest exposed seconds per byte first; what has no lineage is offloaded.
         std::vector<const SaveCandidate*> order;
         for (const auto& c : candidates) order.push_back(&c);
-        auto cost = [](const SaveCandidate* c) {
-          if (c->drop_seconds > 0) return c->drop_seconds / double(std::max<Bytes>(1, c->bytes));
-          return (c->recomputable ? 1.0 : 4.0) * recompute_cost_per_byte(c->op) * 1e-12;
-        };
+        auto cost = [](const SaveCandidate* c) { return drop_cost(*c) / double(std::max<Bytes>(1, c->bytes)); };
         std::stable_sort(order.begin(), order.end(),
                          [&](const SaveCandidate* a, const SaveCandidate* b) { return cost(a) < cost(b); });
         BlockChoice most;
@@ -131,6 +152,19 @@ void AdaptivePlanner::plan_block(int mb, int layer, const std::vector<SaveCandid
             const Bytes p = projected(choice);
             if (p <= limit) peak = p;
             else choice.insert(std::move(node));
+          }
+          // Greedy by cost per byte is not always the cheapest set (a knapsack): a
+          // static policy's part of the block that fits for less exposed time wins.
+          double best = choice_cost(candidates, choice);
+          for (BlockChoice& level : static_levels(candidates)) {
+            const Bytes p = projected(level);
+            const double c = choice_cost(candidates, level);
+            if (p <= limit && c < best) {
+              best = c;
+              peak = p;
+              choice = std::move(level);
+              ++static_level_choices_;
+            }
           }
         }
       }
@@ -165,6 +199,7 @@ Provision AdaptivePlanner::decide(const LedgerEntry& e) const {
 void AdaptivePlanner::end_step() {
   current_.clear();
   infeasible_ = 0;
+  static_level_choices_ = 0;
   predicted_step_peak_ = 0;
   decision_seconds_.clear();
   projected_peak_ = 0;

@@ -120,7 +120,7 @@ Bytes Simulation::adaptive_minimum(int r) const {
   program.stages = stage_specs(r);
   program.actions = walk_actions(memory_plan, r);
   return rank_bytes(persistent(r),
-                    minimum_budget(cfg, o.micro_batch_size, o.seq_len / o.parallel.tp, program, 0, 0.0));
+                    minimum_budget(cfg, o.micro_batch_size, o.seq_len / o.parallel.tp, program, 0));
 }
 
 Bytes Simulation::walk(int r, int it, const std::vector<double>& mb_ratio, const std::vector<std::string>& mb_policy) {

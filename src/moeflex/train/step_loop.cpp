@@ -184,16 +184,17 @@ void Training::begin_step(std::int64_t step, StepRecord& s) {
     }
     // The step's peak as predicted at its last decision (max over ranks), and the
     // bound the decisions kept under (each projected later blocks at their floor).
-    double pred[3] = {double(planner->predicted_step_peak()), double(planner->last_projected_peak()),
-                      double(planner->infeasible())};
-    if (world_size > 1) world->all_reduce_max(pred, 3);
+    double pred[4] = {double(planner->predicted_step_peak()), double(planner->last_projected_peak()),
+                      double(planner->infeasible()), double(planner->static_level_choices())};
+    if (world_size > 1) world->all_reduce_max(pred, 4);
     const double predicted = pred[0];
     s.plan_line = {{"decisions", ds.size()},
                    {"decision_seconds_max", dmax},
                    {"decision_seconds_total", dsum},
                    {"predicted_peak_bytes", std::int64_t(pred[0])},
                    {"projected_bound_bytes", std::int64_t(pred[1])},
-                   {"infeasible_decisions", std::int64_t(pred[2])}};  // the most on any rank
+                   {"infeasible_decisions", std::int64_t(pred[2])},  // the most on any rank
+                   {"static_level_choices", std::int64_t(pred[3])}};
     res.predicted_peak_bytes = std::max(res.predicted_peak_bytes, std::int64_t(predicted));
     planner->end_step();
   }

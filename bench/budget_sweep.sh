@@ -8,7 +8,7 @@
 # unbudgeted reference, alternately, ROUNDS times; each run's tokens/s over its steps
 # after the first. Prints a table (median tokens/s; adaptive over the same round's
 # fastest static policy and over the same round's unbudgeted run, medians over rounds)
-# and writes bench/results/budget-sweep.md and bench/results/budget-sweep.png.
+# and writes RESULT.md and RESULT.png (RESULT: bench/results/budget-sweep).
 #
 # Goal (the issue "The no-OOM promise at its edge"): adaptive >= the fastest static
 # policy that fits at every budget, and >= 0.90x the unbudgeted run from 1.15x the
@@ -16,11 +16,12 @@
 # `moeflex calibrate` first when that profile is missing.
 #
 # Variables: LAYOUTS (ep2), STEPS (12), POINTS (8), ROUNDS (3), RATIO (2),
-# SPIKE_EVERY (4), POLICIES (none full selective moe-light moe-medium moe-full), BIN
-# (build/moeflex). About 25 minutes for ep2 with the defaults on 2 cores.
+# SPIKE_EVERY (4), POLICIES (none full selective moe-light moe-medium moe-full), RESULT,
+# BIN (build/moeflex). About 25 minutes for ep2 with the defaults on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-build/moeflex}
+RESULT=${RESULT:-bench/results/budget-sweep}
 [[ -f data/hardware/this-machine.json ]] || "$BIN" calibrate --threads 1 --seconds 30
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -30,7 +31,7 @@ mkdir -p bench/results
   echo "# Adaptive against the static policies, minimum to unbudgeted"
   echo
   echo '```sh'
-  echo "LAYOUTS=${LAYOUTS:-ep2} STEPS=${STEPS:-12} POINTS=${POINTS:-8} ROUNDS=${ROUNDS:-3} bash bench/budget_sweep.sh"
+  echo "LAYOUTS=${LAYOUTS:-ep2} RESULT=$RESULT STEPS=${STEPS:-12} POINTS=${POINTS:-8} ROUNDS=${ROUNDS:-3} bash bench/budget_sweep.sh"
   echo '```'
   echo
   echo "Measured $(date -u +%F) on $(nproc) cores ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs))."
@@ -42,6 +43,6 @@ mkdir -p bench/results
   --layout "${LAYOUTS:-ep2}" --steps "${STEPS:-12}" --points "${POINTS:-8}" --rounds "${ROUNDS:-3}" \
   --ratio "${RATIO:-2}" --spike-every "${SPIKE_EVERY:-4}" \
   --policies "${POLICIES:-none full selective moe-light moe-medium moe-full}" \
-  --table "$work/table.md" --plot bench/results/budget-sweep.png
-cat "$work/head.md" "$work/table.md" > bench/results/budget-sweep.md
-echo "wrote bench/results/budget-sweep.md ($(( $(date +%s) - t0 )) s)"
+  --table "$work/table.md" --plot "$RESULT.png"
+cat "$work/head.md" "$work/table.md" > "$RESULT.md"
+echo "wrote $RESULT.md ($(( $(date +%s) - t0 )) s)"

@@ -1,4 +1,4 @@
-// Decision latency of the adaptive planner (issue 4, item 3): the time of one
+// Decision latency of the adaptive planner: the time of one
 // block's projection (a walk of the rest of the rank's step on the memory program)
 // and of a whole decision (projection, closed-form search over the block's
 // choices, and the exact walks the planner adds under pressure), for a layer

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Provisioning policies under routing spikes (issue 4's benchmark), in one run on
+# Provisioning policies under routing spikes in one run on
 # this machine: the default model on NP = 4 ranks with expert parallelism over all
 # of them (--ep 4, 2 experts per rank), a 2.6x routing spike injected on every
 # SPIKE_EVERY-th step (--inject-imbalance every=N:ratio=2.6; the most EP 4 allows

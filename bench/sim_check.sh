@@ -6,7 +6,7 @@
 # data/hardware/this-machine.json; run `mpirun -np 2 moeflex calibrate --threads 1` first),
 # replaying the run's own expert loads, every rank's, from its loads.jsonl (older
 # runs: the summed ones of metrics.jsonl). Prints predicted vs measured and the
-# Spearman rank correlation of TGS. Targets (issue 5): step time within 5%, peak
+# Spearman rank correlation of TGS. Targets: step time within 5%, peak
 # within 1%, Spearman >= 0.8.
 # SIM_ONLY=1 OUT=DIR re-simulates the runs already in DIR (a model change, same runs).
 # CLUSTER=FILE.json simulates on another cluster description (e.g. one whose

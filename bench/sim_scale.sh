@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Scale targets of issue 5: one iteration of DeepSeek-V3 on 12,288 simulated H100s
+# Scale targets: one iteration of DeepSeek-V3 on 12,288 simulated H100s
 # (<= 10 s), and a search over >= 10,000 layouts (<= 60 s). Prints the wall times.
 set -euo pipefail
 cd "$(dirname "$0")/.."

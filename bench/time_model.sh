@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The time model against a real training step (issue 4, "report the time model's
+# The time model against a real training step ("report the time model's
 # error against measured op and step times"; goal: mean error <= 1.5%).
 # Each config trains STEPS steps under `mpirun -np 2` with one thread per rank and
 # `--profile-ops`: every backend op of every step is timed (thread CPU and wall) and

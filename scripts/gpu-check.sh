@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CUDA backend's check on a machine with a GPU (issue 6). Needs no network.
+# The CUDA backend's check on a machine with a GPU. Needs no network.
 #
 #   1. builds the CUDA backend and its tests (cmake -DMOEFLEX_CUDA=ON, in build-gpu/);
 #      when this machine cannot configure the project (e.g. an image without the
@@ -16,7 +16,7 @@
 #      torch.autocast, fp32 master weights and AdamW); the training test
 #      (test_cuda_train: CUDA against CPU from one seed, every policy, the planner's
 #      predicted peak) runs in step 2;
-#   4b. the time model (issue 4): `moeflex calibrate --device cuda`, a profiled fit run,
+#   4b. the time model: `moeflex calibrate --device cuda`, a profiled fit run,
 #      its ops added (`calibrate --from-run`) and two held-out profiled runs; prints the
 #      op and step errors of each against the profile that priced it;
 #   5. prints the table of per-op error and time, the card's measured bf16 GEMM rate,

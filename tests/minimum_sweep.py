@@ -1,6 +1,6 @@
 #!/usr/bin/python3
 """The printed minimum is a guarantee: for a grid of small layouts (schedules, EP,
-PP, precision, capacity factor) train at exactly the smallest budget moeflex names,
+PP, DP, precision, capacity factor, spike shape) train at exactly the smallest budget moeflex names,
 with routing spikes, and check that no step runs out of memory, that each step's
 predicted peak is the measured one, and that the losses are the unbudgeted run's.
 
@@ -32,7 +32,8 @@ eval_every = 0
 checkpoint_every = 0
 """
 
-# (name, ranks, train flags, [model] lines). The first two are the reproductions of
+# (name, ranks, train flags, [model] lines[, --inject-imbalance spec: SPIKES
+# without]). The first two are the reproductions of
 # the fragmentation and capacity-factor errors the minimum once had.
 CASES = [
     ("pp2-ep2-1f1b", 4, "--pp 2 --ep 2 --schedule 1f1b", ""),
@@ -47,6 +48,14 @@ CASES = [
     ("pp2-ep2-1f1b-capacity2", 4, "--pp 2 --ep 2 --schedule 1f1b", "capacity_factor = 2.0"),
     ("pp2-1f1b", 2, "--pp 2 --schedule 1f1b", ""),
     ("ep1", 1, "", ""),
+    # Data parallelism beside EP (4 ranks: dp 4, two EP groups), and spike shapes
+    # other than one hot rank, crossed with layouts.
+    ("dp4-ep2", 4, "--ep 2", ""),
+    ("pp2-ep2-1f1b-rotating", 4, "--pp 2 --ep 2 --schedule 1f1b", "", "preset=rotating"),
+    ("ep2-zero-rank", 2, "--ep 2", "", "every=2:zero=1"),
+    ("pp2-ep2-zb-h1-zipf", 4, "--pp 2 --ep 2 --schedule zb-h1", "", "every=2:zipf=1.5"),
+    ("pp2-ep2-interleaved-hot-expert", 4, "--pp 2 --ep 2 --schedule interleaved --vpp 2", "",
+     "every=2:ratio=4:level=expert"),
 ]
 SPIKES = "every=2:ratio=2"
 BELOW = re.compile(r"below the smallest budget .*?: [0-9.]+ [KMG]iB \((\d+) B")
@@ -89,13 +98,14 @@ def metrics(run_dir):
 
 
 def check_case(binary, src, case, steps, work):
-    name, ranks, flags, extra = case
+    name, ranks, flags, extra = case[:4]
+    spikes = case[4] if len(case) > 4 else SPIKES
     cfg = os.path.join(work, "model.toml")
     with open(cfg, "w") as f:
         f.write(MODEL.format(extra=extra))
     data = os.path.join(src, "data", "brown")
     args = ["--config", cfg, "--data", data, "--quiet"] + flags.split()
-    spiky = args + ["--inject-imbalance", SPIKES, "--steps", str(steps)]
+    spiky = args + ["--inject-imbalance", spikes, "--steps", str(steps)]
     least = minimum(binary, ranks, args, work)
     free_dir, min_dir = os.path.join(work, "free"), os.path.join(work, "min")
     if run(binary, ranks, spiky + ["--out", free_dir], os.path.join(work, "free.log")) != 0:

@@ -1,4 +1,4 @@
-// The training engine on one GPU (issue 6): the same MoEModel, stash, planner and
+// The training engine on one GPU: the same MoEModel, stash, planner and
 // AdamW on the CUDA backend (ops/cuda/backend.h) against the CPU backend from the
 // same seed and batches. fp32: losses and gradients agree within 1e-5 relative
 // error in norm (the issue's fp32 tolerance), routing agrees exactly, and the
@@ -32,7 +32,7 @@ namespace moeflex {
 namespace {
 
 constexpr std::int64_t kB = 2, kS = 16;
-constexpr double kTolF32 = 1e-5;  // relative error in norm, fp32 (issue 6)
+constexpr double kTolF32 = 1e-5;  // relative error in norm, fp32
 
 ModelConfig tiny_config() { return test::small_moe_config(3, 1, 4, true); }
 

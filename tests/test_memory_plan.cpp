@@ -1,6 +1,6 @@
 // The memory program (model/memory_plan) against the engine: the activations it
 // lists are the ones the stash records, byte for byte, and its replayed peak equals
-// the arena's measured peak over whole steps (issue 4: within 0.1%; here exactly),
+// the arena's measured peak over whole steps (exactly),
 // for every static policy, random save/recompute mixes, skewed routing, dense and
 // MoE layers with a shared expert, and several micro-batches in flight; and the
 // planner's projection (project_block) equals an exact walk, phase by phase.

@@ -1,5 +1,5 @@
 // Parity of data and expert parallelism with a single-process run of the same
-// global batch (issue 3, item 5). Run under `mpirun -np 2` and `-np 4`; every
+// global batch. Run under `mpirun -np 2` and `-np 4`; every
 // layout that fits the world size is tried. Each rank also computes the
 // single-process reference itself (it is deterministic) and compares:
 //   - the global loss within 1e-6 relative,

@@ -1,6 +1,6 @@
 // Parity of pipeline parallelism (every schedule) and of its combinations with
 // data and expert parallelism, against a single-process run of the same global
-// batch (issue 3, item 5). Run under `mpirun -np 2` and `-np 4`: each case whose
+// batch. Run under `mpirun -np 2` and `-np 4`: each case whose
 // world size matches runs. Every rank computes the single-process reference
 // itself and compares the global loss and each gradient tensor it holds:
 //   - pipeline-only layouts: the cross-entropy loss is bit-identical;

@@ -358,9 +358,10 @@ TEST(Planner, ProjectionEvaluatesChoicesInClosedForm) {
 // first when it does not (and puts back what then fits), offloads what has no
 // lineage, and counts a decision whose every choice is over the budget.
 TEST(Planner, DecidesFromTheProjectionAndBudget) {
-  Arena arena(128 * kMiB);  // no margin: the limit is the budget
+  Arena arena(128 * kMiB);  // margin: 5% = 6.4 MiB
   void* held = arena.allocate(80 * kMiB, MemCategory::weights, "weights");
   AdaptivePlanner planner(arena);
+  EXPECT_EQ(planner.margin(), Bytes(128 * kMiB * kPlannerMarginFraction));
   const std::vector<SaveCandidate> layer = {{"experts.act", "swiglu", 4 * kMiB, true},
                                             {"experts.gate_out", "grouped_gemm", 4 * kMiB, true},
                                             {"moe.combined", "grouped_gemm", 4 * kMiB, false}};
@@ -381,15 +382,17 @@ TEST(Planner, DecidesFromTheProjectionAndBudget) {
   planner.plan_block(0, 1, layer, [&](const BlockChoice* c) { ++calls; return flat(115 * kMiB)(c); }, {1});  // same situation: cached
   EXPECT_EQ(calls, 1);
   EXPECT_EQ(planner.cache_hits(), 1);
-  planner.plan_block(0, 2, layer, flat(131 * kMiB), {2});  // 3 MiB over: the cheapest per byte goes
+  // Limit 128 - 6.4 = 121.6 MiB.
+  planner.plan_block(0, 2, layer, flat(125 * kMiB), {2});  // 3.4 MiB over: the cheapest per byte goes
   EXPECT_EQ(planner.decide(entry(2, "experts.act")), Provision::recompute);  // elementwise
   EXPECT_EQ(planner.decide(entry(2, "experts.gate_out")), Provision::save);  // a GEMM output: dearer
   EXPECT_EQ(planner.decide(entry(2, "moe.combined")), Provision::save);
-  planner.plan_block(0, 3, layer, flat(138 * kMiB), {3});  // everything goes: the all-to-all output to host
+  planner.plan_block(0, 3, layer, flat(130 * kMiB), {3});  // everything goes: the all-to-all output to host
   EXPECT_EQ(planner.decide(entry(3, "experts.gate_out")), Provision::recompute);
   EXPECT_EQ(planner.decide(entry(3, "moe.combined")), Provision::offload);
   EXPECT_EQ(planner.infeasible(), 0);
-  // 128 after dropping all 12: exactly the budget, the floor, feasible.
+  // 128 after dropping all 12: over the margin's soft target but within the budget
+  // itself: the floor, feasible.
   planner.plan_block(0, 4, layer, flat(140 * kMiB), {4});
   EXPECT_EQ(planner.infeasible(), 0);
   EXPECT_EQ(planner.decide(entry(4, "experts.act")), Provision::recompute);
@@ -403,7 +406,7 @@ TEST(Planner, DecidesFromTheProjectionAndBudget) {
   arena.deallocate(held, 80 * kMiB, MemCategory::weights);
 }
 
-// Greedy by cost per byte can miss the cheapest set: freeing 6 MiB, it drops q (1 MiB
+// Greedy by cost per byte can miss the cheapest set: freeing 5.5 MiB, it drops q (1 MiB
 // for 1 s), k (4 MiB, 4.2 s) and v (4 MiB, 4.4 s), then puts q back: 8.6 s. The
 // `selective` policy's part of the block, attn.probs alone (6 MiB, 7.2 s), frees as
 // much for less, and the planner takes it; when its bytes do not suffice, greedy stands.
@@ -425,11 +428,14 @@ TEST(Planner, TakesAStaticPolicysPartWhenItIsCheaper) {
     };
   };
   auto entry = [](int layer, const char* name) { return LedgerEntry{name, "", layer, 0, 0, true}; };
-  planner.plan_block(0, 1, block, flat(134 * kMiB), {});
+  // The limit is the budget less the margin; the cache bucket's slack (under 0.5 MiB)
+  // adds to every projection.
+  const Bytes limit = 128 * kMiB - planner.margin();
+  planner.plan_block(0, 1, block, flat(limit + 11 * kMiB / 2), {});  // 5.5 MiB (+ slack) over
   EXPECT_EQ(planner.decide(entry(1, "attn.probs")), Provision::recompute);
   for (const char* kept : {"attn.q", "attn.k", "attn.v"}) EXPECT_EQ(planner.decide(entry(1, kept)), Provision::save);
   EXPECT_EQ(planner.static_level_choices(), 1);
-  planner.plan_block(0, 2, block, flat(135 * kMiB), {});  // 7 MiB over: attn.probs alone is short
+  planner.plan_block(0, 2, block, flat(limit + 13 * kMiB / 2), {});  // 6.5 MiB over: attn.probs alone is short
   EXPECT_EQ(planner.decide(entry(2, "attn.probs")), Provision::save);
   EXPECT_EQ(planner.decide(entry(2, "attn.q")), Provision::save);  // put back
   for (const char* dropped : {"attn.k", "attn.v"}) EXPECT_EQ(planner.decide(entry(2, dropped)), Provision::recompute);

@@ -1,4 +1,4 @@
-// Pipeline schedules as an IR (issue 3, section 4): every generator passes the
+// Pipeline schedules as an IR: every generator passes the
 // validator over many (p, m, v); the validator names what is wrong with broken
 // plans; in unit-cost virtual time each schedule's bubble equals its published
 // closed form (under the cost assumptions where that form is exact) and its

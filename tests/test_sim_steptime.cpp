@@ -1,4 +1,4 @@
-// The simulator's per-step work beyond the plan's actions (issue 5, "step time
+// The simulator's per-step work beyond the plan's actions ("step time
 // within 5%"): the measured optimizer_step table (zero_grads, norm, clip, AdamW)
 // priced by parameters held, and `moeflex calibrate` measuring it; the replay of a
 // run's loads taking the run's batch shape, and the refusals of flags that a

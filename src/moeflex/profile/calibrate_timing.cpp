@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "moeflex/profile/calibrate_internal.h"
+#include "moeflex/profile/op_profiler.h"
 
 extern "C" void openblas_set_num_threads(int);
 
@@ -29,12 +30,6 @@ namespace {
 /// With several threads a kernel's time is that of its slowest thread, which only
 /// the wall clock sees.
 bool g_thread_cpu_clock = false;
-
-Seconds thread_cpu_seconds() {
-  timespec ts{};
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
-}
 
 Seconds time_once(const std::function<void()>& fn) {
   if (g_thread_cpu_clock) {

@@ -47,6 +47,10 @@ std::vector<BlockChoice> static_levels(const std::vector<SaveCandidate>& candida
 
 }  // namespace
 
+Bytes AdaptivePlanner::margin() const {
+  return arena_.unlimited() ? 0 : Bytes(double(arena_.budget()) * kPlannerMarginFraction);
+}
+
 double recompute_cost_per_byte(const std::string& op) {
   // Arithmetic intensity of rebuilding one output byte (FLOP per byte, rough): a GEMM
   // output of [n, out] from [n, in] costs 2*in FLOP per element; elementwise ops ~1.
@@ -94,15 +98,17 @@ void AdaptivePlanner::plan_block(int mb, int layer, const std::vector<SaveCandid
   if (arena_.unlimited()) {
     peak = raw = project(nullptr).evaluate(candidates, choice);
   } else {
-    // The cheapest choice under the budget, else the floor (infeasible: see below).
-    const Bytes limit = arena_.budget();
+    // The margin is a soft target: the cheapest choice under budget - margin when
+    // there is one, else the floor (the lowest peak, the most room left for
+    // fragmentation), infeasible only when even that is over the budget itself.
+    const Bytes limit = arena_.budget() - margin();
     // The cache key adds the bytes in use, rounded up to 1/256 of the budget: a
     // cached choice was projected from the top of its bucket, so it still fits.
     const Bytes quantum = std::max<Bytes>(arena_.budget() / 256, Arena::kAlignment);
     std::vector<std::int64_t> key = cache_key;
-    const Bytes bucket = (arena_.in_use() + quantum - 1) / quantum;
+    const Bytes bucket = (arena_.in_use() + margin() + quantum - 1) / quantum;
     key.push_back(bucket);
-    const Bytes slack = bucket * quantum - arena_.in_use();
+    const Bytes slack = bucket * quantum - (arena_.in_use() + margin());
     auto hit = cache_key.empty() ? cache_.end() : cache_.find(key);
     if (hit != cache_.end()) {
       ++cache_hits_;

@@ -5,11 +5,10 @@
 
 #include <filesystem>
 #include <fmt/format.h>
-#include <fstream>
-#include <unistd.h>
 #include <unordered_map>
 
 #include "moeflex/core/error.h"
+#include "moeflex/core/file_io.h"
 #include "moeflex/core/rng.h"
 
 namespace moeflex {
@@ -63,26 +62,6 @@ void append_training_lines(std::string_view doc, std::vector<std::string_view>& 
     if (!blank(line)) out.push_back(line);
     if (end == doc.size()) break;
     begin = end + 1;
-  }
-}
-
-void write_file_atomically(const fs::path& path, const std::string& bytes) {
-  const fs::path tmp = path.string() + fmt::format(".tmp{}", ::getpid());
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out.write(bytes.data(), std::streamsize(bytes.size()));
-    out.close();
-    if (!out) {
-      std::error_code ec;
-      fs::remove(tmp, ec);
-      throw DataError(fmt::format("Cannot write '{}'.", path.string()));
-    }
-  }
-  std::error_code ec;
-  fs::rename(tmp, path, ec);
-  if (ec) {
-    fs::remove(tmp, ec);
-    throw DataError(fmt::format("Cannot rename a temporary file to '{}': {}.", path.string(), ec.message()));
   }
 }
 

@@ -44,7 +44,7 @@ struct DataConfig {
   double val_fraction = 0.05;  ///< share of documents held out for validation
 };
 
-/// How the run is split over ranks (issue 3). Sizes multiply to the world size.
+/// How the run is split over ranks. Sizes multiply to the world size.
 struct ParallelConfig {
   int pp = 1;                      ///< pipeline-parallel size
   int dp = 0;                      ///< data-parallel size; 0 = world size / pp

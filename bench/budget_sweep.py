@@ -11,8 +11,7 @@ Usage: budget_sweep.py --binary build/moeflex --data data/brown --work DIR
 Per layout it
   1. trains `none` without a budget: the speed reference and the top of the sweep (U,
      the largest per-step peak over ranks);
-  2. finds the printed minimum M (probes: a refusal names it, tests/minimum_sweep.py's
-     bisection);
+  2. finds the printed minimum M (tests/minimum_sweep.py's probes: a refusal names it);
   3. trains every static policy without a budget once: its peak says at which budgets
      it can fit;
   4. at POINTS budgets from M to U (equal steps), trains adaptive and every static
@@ -25,13 +24,14 @@ unbudgeted reference, both from the same round (the machine is shared and noisy)
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from minimum_sweep import minimum  # noqa: E402  (the printed minimum, probed by bisection)
+
 MIB = 2 ** 20
-BELOW = re.compile(r"is below the smallest budget .*?\((\d+) B")
 LAYOUTS = {"ep2": (2, ["--ep", "2"]), "pp2ep2": (4, ["--pp", "2", "--ep", "2", "--schedule", "1f1b"])}
 STATIC = ["none", "full", "selective", "moe-light", "moe-medium", "moe-full"]
 
@@ -51,29 +51,6 @@ def summary(run_dir):
 def metrics(run_dir):
     path = os.path.join(run_dir, "metrics.jsonl")
     return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
-
-
-def minimum(binary, ranks, args, work):
-    """The smallest budget moeflex names for `args` (bisection between a budget too
-    small for the model state and one that trains, until a refusal names it)."""
-    lo, hi, budget = 0.0, None, 16.0
-    for _ in range(24):
-        tag = f"{budget:.3f}"
-        log = os.path.join(work, f"probe-{tag}.log")
-        rc = run(binary, ranks, args + ["--steps", "1", "--device-memory", f"{int(budget * MIB)}B",
-                                        "--out", os.path.join(work, f"probe-{tag}")], log)
-        text = open(log).read()
-        m = BELOW.search(text)
-        if m:
-            return int(m.group(1))
-        if "cannot hold this rank's model state" in text:
-            lo = budget
-        elif rc == 0:
-            hi = budget
-        else:
-            sys.exit(f"budget_sweep: probe at {tag} MiB neither refused nor trained:\n{text[-3000:]}")
-        budget = (lo + hi) / 2 if hi is not None else budget * 2
-    sys.exit("budget_sweep: no minimum named")
 
 
 class Run:
@@ -111,7 +88,7 @@ def sweep(a, layout):
     if not unbudgeted["none"].ok:
         sys.exit(f"budget_sweep: the unbudgeted run failed; see {work}/none-free.log")
     top = unbudgeted["none"].peak
-    least = minimum(a.binary, ranks, ["--data", a.data] + flags, work)
+    least = minimum(a.binary, ranks, ["--data", a.data, "--quiet", "--threads", "1"] + flags, work)
     print(f"  minimum {least / MIB:.2f} MiB, unbudgeted peak {top / MIB:.2f} MiB; static peaks: " +
           ", ".join(f"{p} {r.peak / MIB:.1f}" for p, r in unbudgeted.items() if r.ok), flush=True)
     budgets = [least + (top - least) * i // (a.points - 1) for i in range(a.points)]

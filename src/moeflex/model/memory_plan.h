@@ -92,8 +92,9 @@ Provision most_memory_saving(const ModelConfig& cfg, const LedgerEntry& entry);
 /// (DESIGN.md, "The planner's contract"): the peak of one step of `program` with
 /// every activation the planner decides at its most memory-saving choice and every
 /// MoE layer at its worst-case routing (MoERows::worst_case), from `persistent`
-/// bytes. The planner keeps no fragmentation margin (provision/planner.h): what
-/// fragmentation there is at the minimum the arena handles by compaction and eviction.
+/// bytes. It carries no margin: the planner's fragmentation margin is a soft target
+/// (kPlannerMarginFraction), and what fragmentation remains at the minimum the arena
+/// handles by compaction and eviction.
 Bytes minimum_budget(const ModelConfig& cfg, std::int64_t B, std::int64_t S, const StepProgram& program,
                      Bytes persistent);
 

@@ -116,7 +116,7 @@ def check_case(binary, src, case, steps, work):
                          open(os.path.join(work, "min.log")).read()[-3000:])
     free, at_min = metrics(free_dir), metrics(min_dir)
     assert len(at_min) == steps, (name, len(at_min))
-    evicting = 0
+    evicting = stitching = 0
     for d in at_min:
         assert d["infeasible_decisions"] == 0, (name, d)
         assert d["peak_device_bytes"] <= d["predicted_peak_bytes"] <= least, \
@@ -124,6 +124,7 @@ def check_case(binary, src, case, steps, work):
         # An eviction (the arena making room when placement split the free bytes)
         # takes bytes off the device after the step's last decision: the peak can
         # then only be lower than predicted. Without one the prediction is exact.
+        stitching += d["bytes_stitched"] > 0
         if d["bytes_evicted"]:
             evicting += 1
         else:
@@ -134,7 +135,7 @@ def check_case(binary, src, case, steps, work):
         (name, "losses differ from the unbudgeted run", [d["loss"] for d in at_min], [d["loss"] for d in free])
     peak = max(d["peak_device_bytes"] for d in at_min)
     print(f"{name}: minimum {least} B, peak {peak} B ({100.0 * peak / least:.2f}%), {steps} steps, losses equal, "
-          f"{evicting} with evictions", flush=True)
+          f"{evicting} with evictions, {stitching} with stitching", flush=True)
 
 
 def check_spike_shapes(binary, src, work):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The zero-bubble schedules at exactly their minimum budget (in bytes, as the
-# refusal names it): the adaptive planner's minimum carries no margin, so the
-# arena must absorb every fragmentation. What queued weight-gradient work (W)
+# refusal names it): the adaptive planner's minimum carries no margin but the
+# placement reserve, so the arena must absorb every fragmentation. What queued weight-gradient work (W)
 # reads stays held from B to W across other micro-batches' F and B; pinned, those
 # blocks split the free bytes and these runs died of OOM with the free bytes
 # covering the request (zb-h1: 'attn.dprobs' asked 512 KiB with 512 KiB free,
@@ -24,7 +24,7 @@ run_at_minimum() {
   shift 2
   local mpi=(mpirun --allow-run-as-root --oversubscribe -np "$np" -x OMP_NUM_THREADS=1)
   local min="" probe
-  for probe in 16MiB 24MiB 32MiB; do  # under the minimum, above the model state
+  for probe in 16MiB 24MiB 26MiB 28MiB 29MiB 30MiB 31MiB 32MiB; do  # under the minimum, above the model state
     set +e
     "${mpi[@]}" "$bin" train --config "$cfg" "$@" --steps 1 --device-memory "$probe" --out "$out/probe-$name" \
       > "$out/probe-$name.log" 2>&1

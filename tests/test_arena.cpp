@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <sys/resource.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -216,6 +218,32 @@ TEST(BlockAllocator, CompactSlidesMovableBlocksDownToThePinnedOnes) {
   EXPECT_EQ(b.largest_free_block(), 1000 * 64);
 }
 
+// allocate_at reserves exactly the range asked for inside one free block and keeps
+// the rest of that block free; a range outside a free block, or misaligned, throws.
+TEST(BlockAllocator, AllocateAtReservesAnExactRangeInsideAFreeBlock) {
+  BlockAllocator b(100 * 64, 64);
+  b.allocate_at(10 * 64, 20 * 64, MemCategory::activations);
+  EXPECT_EQ(b.in_use(), 20 * 64);
+  ASSERT_EQ(b.layout().size(), 3u);  // free [0, 10), used [10, 30), free [30, 100)
+  EXPECT_TRUE(b.layout()[0].free);
+  EXPECT_EQ(b.layout()[0].size, 10 * 64);
+  EXPECT_FALSE(b.layout()[1].free);
+  EXPECT_EQ(b.layout()[1].offset, 10 * 64);
+  EXPECT_EQ(b.largest_free_block(), 70 * 64);
+  EXPECT_THROW(b.allocate_at(25 * 64, 64, MemCategory::activations), Error);       // inside a used block
+  EXPECT_THROW(b.allocate_at(95 * 64, 10 * 64, MemCategory::activations), Error);  // past the free block's end
+  EXPECT_THROW(b.allocate_at(33, 64, MemCategory::activations), Error);            // misaligned
+  EXPECT_EQ(b.in_use(), 20 * 64);
+  b.allocate_at(0, 10 * 64, MemCategory::activations);  // the whole lower block
+  EXPECT_EQ(b.free_block_count(), 1u);
+  EXPECT_EQ(b.allocate(70 * 64, MemCategory::activations, "rest"), 30 * 64);
+  b.deallocate(0, 10 * 64, MemCategory::activations);
+  b.deallocate(10 * 64, 20 * 64, MemCategory::activations);
+  b.deallocate(30 * 64, 70 * 64, MemCategory::activations);
+  EXPECT_EQ(b.free_block_count(), 1u);
+  EXPECT_EQ(b.largest_free_block(), 100 * 64);
+}
+
 namespace {
 // A compaction source owning tensors of one arena; eviction frees a tensor and
 // remembers its bytes.
@@ -263,36 +291,38 @@ TEST(Arena, CompactsOnFragmentationAndMovesTheContents) {
   EXPECT_EQ(arena.evictions(), 0);
 }
 
-// Pinned blocks split the free bytes so that compaction is not enough: the arena
-// evicts relocatable tensors of the stretch that can hold the request.
+// Pinned blocks split the free bytes so that compaction is not enough, and the holes
+// hold no whole page to stitch (each is smaller than a page): the arena evicts
+// relocatable tensors of the stretch that can hold the request.
 TEST(Arena, EvictsRelocatableTensorsWhenPinnedBlocksSplitTheFreeBytes) {
-  Arena arena(64 * 1024);
+  Arena arena(16 * 1024);
   TestSource src(arena, true);
-  // KiB: [m0 4][m1 4][p0 4][m2 4][p1 4][m3 16][m4 8][p2 4][p3 16]; p pinned (not the source's).
-  Tensor* m0 = src.add(1024, 0);
-  Tensor* m1 = src.add(1024, 1);
-  Tensor p0(arena, {1024}, MemCategory::activations, "pinned0");
-  Tensor* m2 = src.add(1024, 2);
-  Tensor p1(arena, {1024}, MemCategory::activations, "pinned1");
-  Tensor* m3 = src.add(4096, 3);
-  Tensor* m4 = src.add(2048, 4);
-  Tensor p2(arena, {1024}, MemCategory::activations, "pinned2");
-  Tensor p3(arena, {4096}, MemCategory::activations, "pinned3");
-  ASSERT_EQ(arena.in_use(), 64 * 1024);
+  // KiB: [m0 1][m1 1][p0 1][m2 1][p1 1][m3 4][m4 2][p2 1][p3 4]; p pinned (not the source's).
+  Tensor* m0 = src.add(256, 0);
+  Tensor* m1 = src.add(256, 1);
+  Tensor p0(arena, {256}, MemCategory::activations, "pinned0");
+  Tensor* m2 = src.add(256, 2);
+  Tensor p1(arena, {256}, MemCategory::activations, "pinned1");
+  Tensor* m3 = src.add(1024, 3);
+  Tensor* m4 = src.add(512, 4);
+  Tensor p2(arena, {256}, MemCategory::activations, "pinned2");
+  Tensor p3(arena, {1024}, MemCategory::activations, "pinned3");
+  ASSERT_EQ(arena.in_use(), 16 * 1024);
   m1->reset();
   m2->reset();
-  m4->reset();  // 16 KiB free in holes of 4, 4 and 8 KiB
-  // 12 KiB: the stretch between p1 and p2 holds 8 KiB free plus m3's 16 KiB.
-  Tensor big(arena, {3 * 1024}, MemCategory::activations, "big");
+  m4->reset();  // 4 KiB free in holes of 1, 1 and 2 KiB (none holds a whole 4 KiB page)
+  // 3 KiB: the stretch between p1 and p2 holds 2 KiB free plus m3's 4 KiB.
+  Tensor big(arena, {3 * 256}, MemCategory::activations, "big");
+  EXPECT_EQ(arena.stitches(), 0);
   EXPECT_EQ(arena.evictions(), 1);
   ASSERT_EQ(src.evicted.size(), 1u);
-  EXPECT_EQ(src.evicted[0], 16 * 1024);  // m3, the only relocatable tensor of that stretch
+  EXPECT_EQ(src.evicted[0], 4 * 1024);  // m3, the only relocatable tensor of that stretch
   EXPECT_TRUE(m0->defined());
   EXPECT_EQ(m0->f32()[5], 5.0f);
   EXPECT_FALSE(m3->defined());
-  // 20 KiB free now, but no stretch can hold 16 KiB (big is pinned): a typed OOM.
-  EXPECT_EQ(arena.budget() - arena.in_use(), 20 * 1024);
-  EXPECT_THROW(Tensor(arena, {4 * 1024}, MemCategory::activations, "huge"), OutOfMemoryError);
+  // 5 KiB free now, but no stretch can hold 4 KiB (big is pinned): a typed OOM.
+  EXPECT_EQ(arena.budget() - arena.in_use(), 5 * 1024);
+  EXPECT_THROW(Tensor(arena, {1024}, MemCategory::activations, "huge"), OutOfMemoryError);
 }
 
 // Tensors a source can move but not evict (the zero-bubble W queue's: a host copy
@@ -300,28 +330,110 @@ TEST(Arena, EvictsRelocatableTensorsWhenPinnedBlocksSplitTheFreeBytes) {
 // neither split a stretch nor count as room. Only then can the evictable tensors
 // around them make a block here.
 TEST(Arena, MovableTensorsThatCannotBeEvictedDoNotSplitTheFreeBytes) {
-  Arena arena(32 * 1024);
+  Arena arena(8 * 1024);
   TestSource evictable(arena, true), movable(arena, false);
-  // KiB: [a0 8][b0 4][hole 4][p 4][b1 4][hole 8]; a evictable, b movable only, p pinned.
-  Tensor* a0 = evictable.add(2048, 0);
-  Tensor* b0 = movable.add(1024, 100);
-  Tensor* h1 = movable.add(1024, 0);
-  Tensor p(arena, {1024}, MemCategory::activations, "pinned");
-  Tensor* b1 = movable.add(1024, 300);
-  Tensor* h2 = movable.add(2048, 0);
-  ASSERT_EQ(arena.in_use(), 32 * 1024);
+  // KiB: [a0 2][b0 1][hole 1][p 1][b1 1][hole 2]; a evictable, b movable only, p
+  // pinned; the holes hold no whole page, so nothing can be stitched.
+  Tensor* a0 = evictable.add(512, 0);
+  Tensor* b0 = movable.add(256, 100);
+  Tensor* h1 = movable.add(256, 0);
+  Tensor p(arena, {256}, MemCategory::activations, "pinned");
+  Tensor* b1 = movable.add(256, 300);
+  Tensor* h2 = movable.add(512, 0);
+  ASSERT_EQ(arena.in_use(), 8 * 1024);
   h1->reset();
   h2->reset();
-  // 10 KiB of the 12 free: no stretch has a block that large, even compacted (4
-  // under p, 8 on top); under p, the hole plus a0 (evicted) make 12 once b0 slides.
-  Tensor big(arena, {2560}, MemCategory::activations, "big");
+  // 2.5 KiB of the 3 free: no stretch has a block that large, even compacted (1
+  // under p, 2 on top); under p, the hole plus a0 (evicted) make 3 once b0 slides.
+  Tensor big(arena, {640}, MemCategory::activations, "big");
   EXPECT_EQ(arena.evictions(), 1);
   ASSERT_EQ(evictable.evicted.size(), 1u);
   EXPECT_FALSE(a0->defined());
   EXPECT_TRUE(movable.evicted.empty());
   EXPECT_EQ(b0->f32()[7], 107.0f);
-  EXPECT_EQ(b1->f32()[1023], 1323.0f);
-  EXPECT_EQ(arena.budget() - arena.in_use(), 10 * 1024);  // 12 free + 8 evicted - 10
+  EXPECT_EQ(b1->f32()[255], 555.0f);
+  EXPECT_EQ(arena.budget() - arena.in_use(), 2560);  // 3 KiB free + 2 evicted - 2.5
+}
+
+// Pinned blocks split the free bytes into holes of whole pages: the arena maps those
+// pages, in address order, into one range, without moving or evicting anything. The
+// tensor reads and writes through it as one block; the bytes land in the holes; on
+// release the holes are free again.
+TEST(Arena, StitchesWholeFreePagesWhenPinnedBlocksSplitTheFreeBytes) {
+  const Bytes page = sysconf(_SC_PAGESIZE);
+  const std::int64_t floats = page / 4;  // one page of floats
+  Arena arena(8 * page);
+  TestSource src(arena, true);
+  // Pages: [p0][h1][p1][h2 h2][p2][m][p3]; p pinned, m evictable, h freed below.
+  std::vector<std::unique_ptr<Tensor>> pinned, holes;
+  const auto pin = [&](std::int64_t n, std::vector<std::unique_ptr<Tensor>>& into) {
+    into.push_back(std::make_unique<Tensor>(arena, std::vector<std::int64_t>{n}, MemCategory::activations, "p"));
+  };
+  pin(floats, pinned);
+  pin(floats, holes);
+  pin(floats, pinned);
+  pin(2 * floats, holes);
+  pin(floats, pinned);
+  Tensor* m = src.add(floats, 7);
+  pin(floats, pinned);
+  ASSERT_EQ(arena.in_use(), 8 * page);
+  const char* base = static_cast<const char*>(pinned[0]->raw());
+  for (auto& h : holes) h->reset();  // 3 pages free in holes of 1 and 2 pages
+  for (auto& t : pinned) std::fill_n(t->f32(), t->numel(), -1.0f);
+  Tensor big(arena, {3 * floats}, MemCategory::activations, "big");
+  EXPECT_EQ(arena.stitches(), 1);
+  EXPECT_EQ(arena.bytes_stitched(), 3 * page);
+  EXPECT_EQ(arena.evictions(), 0);
+  EXPECT_TRUE(m->defined());
+  EXPECT_EQ(arena.budget() - arena.in_use(), 0);
+  const char* at = static_cast<const char*>(big.raw());
+  EXPECT_TRUE(at < base || at >= base + 8 * page);  // a range of its own
+  for (std::int64_t i = 0; i < big.numel(); ++i) big.f32()[i] = float(i);
+  // Through the region's own view: page 1 holds big's first page, pages 3-4 the rest.
+  const float* region = reinterpret_cast<const float*>(base);
+  EXPECT_EQ(region[1 * floats + 3], 3.0f);
+  EXPECT_EQ(region[3 * floats], float(floats));
+  EXPECT_EQ(region[5 * floats - 1], float(3 * floats - 1));
+  for (auto& t : pinned) EXPECT_EQ(t->f32()[t->numel() - 1], -1.0f);  // neighbours untouched
+  EXPECT_EQ(m->f32()[1], 8.0f);
+  big.reset();
+  // The holes are free again (and distinct blocks: no block of 3 pages).
+  EXPECT_EQ(arena.budget() - arena.in_use(), 3 * page);
+  EXPECT_EQ(arena.largest_free_block(), 2 * page);
+  Tensor again(arena, {2 * floats}, MemCategory::activations, "again");
+  EXPECT_EQ(static_cast<const char*>(again.raw()), base + 3 * page);
+  EXPECT_EQ(arena.stitches(), 1);
+}
+
+// A hole loses its partial pages: when the whole pages are too few, the arena falls
+// back to eviction, and without relocatable tensors to an OOM naming the request.
+TEST(Arena, StitchingNeedsWholePagesElseEvictsOrFails) {
+  const Bytes page = sysconf(_SC_PAGESIZE);
+  const std::int64_t floats = page / 4;
+  Arena arena(4 * page);
+  // [p0 half][h1 1.5 pages][p1 half][h2 1.5 pages]: 3 pages free, 2 of them whole.
+  Tensor p0(arena, {floats / 2}, MemCategory::activations, "p0");
+  Tensor h1(arena, {3 * floats / 2}, MemCategory::activations, "h1");
+  Tensor p1(arena, {floats / 2}, MemCategory::activations, "p1");
+  Tensor h2(arena, {3 * floats / 2}, MemCategory::activations, "h2");
+  h1.reset();
+  h2.reset();
+  EXPECT_EQ(arena.budget() - arena.in_use(), 3 * page);
+  {
+    Tensor two(arena, {2 * floats}, MemCategory::activations, "two");  // the 2 whole pages
+    EXPECT_EQ(arena.stitches(), 1);
+    two.f32()[2 * floats - 1] = 1.0f;
+  }
+  try {
+    Tensor three(arena, {3 * floats}, MemCategory::activations, "experts.fc1");  // 3 pages: 2 whole
+    FAIL();
+  } catch (const OutOfMemoryError& e) {
+    EXPECT_EQ(e.requested, 3 * page);
+    EXPECT_EQ(e.free, 3 * page);
+    EXPECT_EQ(e.op, "experts.fc1");
+  }
+  EXPECT_EQ(arena.stitches(), 1);
+  EXPECT_EQ(arena.budget() - arena.in_use(), 3 * page);
 }
 
 // Hand-offs between actions (a source's `top` class) go to the top end in a
@@ -368,4 +480,19 @@ TEST(Arena, FromTopServesActivationsFromTheTop) {
   EXPECT_FALSE(arena.from_top());
   Tensor next(arena, {1024}, MemCategory::activations, "next");
   EXPECT_EQ(static_cast<const char*>(next.raw()) - base, 4 * 1024);
+}
+
+// The placement reserve is 1/128 of a budget, at most 256 KiB; budget_with_reserve
+// is the smallest budget whose bytes less its reserve hold a peak.
+TEST(Arena, PlacementReserveAndTheSmallestBudgetAroundIt) {
+  EXPECT_EQ(Arena::placement_reserve(Bytes(128) << 20), Arena::kPlacementReserve);
+  EXPECT_EQ(Arena::placement_reserve(Bytes(1) << 20), Bytes(8) << 10);
+  EXPECT_EQ(Arena::budget_with_reserve(Bytes(40) << 20), (Bytes(40) << 20) + Arena::kPlacementReserve);
+  for (const Bytes peak : {Bytes(1), Bytes(590976), Bytes(1) << 20, Bytes(32) << 20, Bytes(33554431)}) {
+    const Bytes b = Arena::budget_with_reserve(peak);
+    EXPECT_EQ(b % Arena::kAlignment, 0) << peak;
+    EXPECT_GE(b - Arena::placement_reserve(b), peak) << peak;
+    const Bytes less = b - Arena::kAlignment;
+    EXPECT_LT(less - Arena::placement_reserve(less), peak) << peak;
+  }
 }

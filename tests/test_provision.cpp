@@ -24,7 +24,7 @@ struct PolicyRun {
   Bytes activation_peak = 0;
   ActivationStash::Counters counters;
   double loss = 0;
-  std::int64_t compactions = 0, evictions = 0;
+  std::int64_t compactions = 0, evictions = 0, stitches = 0, stitched_extents = 0;
   Bytes peak = 0;  // the arena's peak over the run (every category)
   Bytes wgrad_evicted = 0;  // of it, what queued weight-gradient work reads
 };
@@ -70,6 +70,8 @@ PolicyRun run(const ModelConfig& cfg, const ProvisionPolicy& policy, bool split_
   r.counters = model.stash().counters();
   r.compactions = arena.compactions();
   r.evictions = arena.evictions();
+  r.stitches = arena.stitches();
+  r.stitched_extents = arena.stitched_extents();
   r.wgrad_evicted = model.weight_grad_bytes_evicted();
   for (auto& p : model.params()) r.grads.emplace_back(p.g.f32(), p.g.f32() + p.g.numel());
   EXPECT_EQ(arena.stat(MemCategory::activations).current, 0) << "activations leaked";
@@ -240,6 +242,38 @@ TEST(Provision, ZeroBubbleRunsFitABudgetOfExactlyTheirPeak) {
   }
 }
 
+// At the end of a zero-bubble B the planner keeps what its W reads on the device when
+// the rest of the step fits under budget - margin that way, else offloads it; the
+// step's predicted peak is the projection of the choice taken; an offload that
+// still does not fit the budget less its reserve is infeasible.
+TEST(Planner, KeepsTheWReadsWhenTheyFitElseOffloadsThem) {
+  Arena arena(128 * kMiB);  // limit 128 - 6.4 = 121.6 MiB
+  AdaptivePlanner planner(arena);
+  std::vector<bool> asked;
+  const auto projection = [&](Bytes keep, Bytes offload) {
+    return [&asked, keep, offload](bool off) {
+      asked.push_back(off);
+      return off ? offload : keep;
+    };
+  };
+  EXPECT_FALSE(planner.plan_weight_reads(projection(120 * kMiB, 100 * kMiB)));
+  EXPECT_EQ(asked, std::vector<bool>{false});  // keeping fits: the offload is not even projected
+  EXPECT_EQ(planner.predicted_step_peak(), 120 * kMiB);
+  EXPECT_TRUE(planner.plan_weight_reads(projection(122 * kMiB, 110 * kMiB)));
+  EXPECT_EQ(planner.predicted_step_peak(), 110 * kMiB);
+  EXPECT_EQ(planner.infeasible(), 0);
+  const Bytes hard = 128 * kMiB - Arena::placement_reserve(arena.budget());
+  EXPECT_TRUE(planner.plan_weight_reads(projection(130 * kMiB, hard)));
+  EXPECT_EQ(planner.infeasible(), 0);  // the floor within the budget less the reserve
+  EXPECT_TRUE(planner.plan_weight_reads(projection(130 * kMiB, hard + 64)));
+  EXPECT_EQ(planner.infeasible(), 1);
+  EXPECT_EQ(planner.weight_read_decisions(), 4);
+  EXPECT_EQ(planner.weight_read_offloads(), 3);
+  Arena unlimited;  // no budget: always kept
+  AdaptivePlanner free_planner(unlimited);
+  EXPECT_FALSE(free_planner.plan_weight_reads(projection(Bytes(1) << 40, 0)));
+}
+
 // The arena's defragmentation moves saved activations and what queued weight-
 // gradient work reads (compaction) and copies them to the host and back (eviction)
 // behind the model's back: with either done before every allocation, every policy
@@ -249,8 +283,10 @@ TEST_P(ProvisionPrecision, ArenaCompactionAndEvictionKeepGradientsBitIdentical) 
   ModelConfig cfg = test::small_moe_config(3, 1, 4, true);
   cfg.bf16 = GetParam();
   const PolicyRun base = run(cfg, {});
-  for (Arena::Stress stress : {Arena::Stress::compact, Arena::Stress::evict}) {
-    const std::string what = stress == Arena::Stress::compact ? "compact" : "evict";
+  for (Arena::Stress stress : {Arena::Stress::compact, Arena::Stress::evict, Arena::Stress::stitch}) {
+    const std::string what = stress == Arena::Stress::compact ? "compact"
+                             : stress == Arena::Stress::evict ? "evict"
+                                                              : "stitch";
     for (std::uint64_t seed = 0; seed < 4; ++seed) {
       ProvisionPolicy random = [seed](const LedgerEntry& e) {
         std::uint64_t h = seed * 7919u + std::uint64_t(e.layer) * 131u + std::uint64_t(e.microbatch) * 17u;
@@ -263,6 +299,10 @@ TEST_P(ProvisionPrecision, ArenaCompactionAndEvictionKeepGradientsBitIdentical) 
       expect_same_grads(base, r, what + " stress, random assignment " + std::to_string(seed));
       if (stress == Arena::Stress::compact) {
         EXPECT_GT(r.compactions, 0);
+      }
+      if (stress == Arena::Stress::stitch) {
+        EXPECT_GT(r.stitches, 0);
+        EXPECT_GT(r.stitched_extents, r.stitches) << "tensors of several pages, mapped page by page";
       }
       if (stress == Arena::Stress::evict) {
         EXPECT_GT(r.evictions, 0);
@@ -391,13 +431,14 @@ TEST(Planner, DecidesFromTheProjectionAndBudget) {
   EXPECT_EQ(planner.decide(entry(3, "experts.gate_out")), Provision::recompute);
   EXPECT_EQ(planner.decide(entry(3, "moe.combined")), Provision::offload);
   EXPECT_EQ(planner.infeasible(), 0);
-  // 128 after dropping all 12: over the margin's soft target but within the budget
-  // itself: the floor, feasible.
-  planner.plan_block(0, 4, layer, flat(140 * kMiB), {4});
+  // 128 less the placement reserve after dropping all 12: over the margin's soft
+  // target but within the budget less the reserve: the floor, feasible.
+  const Bytes hard = 140 * kMiB - Arena::placement_reserve(arena.budget());
+  planner.plan_block(0, 4, layer, flat(hard), {4});
   EXPECT_EQ(planner.infeasible(), 0);
   EXPECT_EQ(planner.decide(entry(4, "experts.act")), Provision::recompute);
   EXPECT_EQ(planner.decide(entry(4, "moe.combined")), Provision::offload);
-  planner.plan_block(0, 4, layer, flat(140 * kMiB + 64), {});  // 64 B over the budget: infeasible
+  planner.plan_block(0, 4, layer, flat(hard + 64), {});  // 64 B into the reserve: infeasible
   EXPECT_EQ(planner.infeasible(), 1);
   EXPECT_EQ(planner.decide(entry(4, "experts.act")), Provision::recompute);
   EXPECT_EQ(planner.decisions(), 6);

@@ -5,6 +5,7 @@
 
 #include <malloc.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <climits>
@@ -79,8 +80,17 @@ Arena::Arena(Bytes budget) : budget_(budget) {
     if (budget_ < kAlignment)
       throw ConfigError(fmt::format("device memory budget must be at least {} B (got {} B)", kAlignment, budget_));
     budget_ = budget_ / kAlignment * kAlignment;
-    void* p = mmap(nullptr, static_cast<std::size_t>(budget_), PROT_READ | PROT_WRITE,
-                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    page_ = std::max<Bytes>(kAlignment, sysconf(_SC_PAGESIZE));
+    // A memory file behind the region, so that its pages can also be mapped
+    // elsewhere (stitching); an anonymous mapping where the kernel has none.
+    fd_ = memfd_create("moeflex-arena", MFD_CLOEXEC);
+    if (fd_ >= 0 && ftruncate(fd_, off_t((budget_ + page_ - 1) / page_ * page_)) != 0) {
+      close(fd_);
+      fd_ = -1;
+    }
+    void* p = fd_ >= 0 ? mmap(nullptr, std::size_t(budget_), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, fd_, 0)
+                       : mmap(nullptr, std::size_t(budget_), PROT_READ | PROT_WRITE,
+                              MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED)
       throw Error(fmt::format("cannot reserve a device region of {}", format_bytes(budget_)));
     base_ = static_cast<char*>(p);
@@ -98,7 +108,9 @@ Arena::Arena(Bytes budget, void* region, Device* device) : budget_(budget), devi
 }
 
 Arena::~Arena() {
+  for (auto& [addr, st] : stitched_) munmap(reinterpret_cast<void*>(addr), std::size_t(st.length));
   if (base_ && !device_) munmap(base_, static_cast<std::size_t>(budget_));
+  if (fd_ >= 0) close(fd_);
 }
 
 void MemoryStats::account(MemCategory c, Bytes delta) {
@@ -115,6 +127,13 @@ void MemoryStats::reset_peaks() {
   total_.peak = total_.current;
 }
 
+Bytes Arena::budget_with_reserve(Bytes bytes) {
+  Bytes b = round_up(bytes + bytes / 127);
+  while (b - placement_reserve(b) < bytes) b += kAlignment;
+  while (b > kAlignment && b - kAlignment - placement_reserve(b - kAlignment) >= bytes) b -= kAlignment;
+  return b;
+}
+
 Bytes Arena::largest_free_block() const { return region_ ? region_->largest_free_block() : -1; }
 
 Bytes Arena::fragmentation_peak() const { return region_ ? region_->fragmentation_peak() : 0; }
@@ -129,7 +148,13 @@ void* Arena::allocate(Bytes bytes, MemCategory category, std::string_view op) {
     stats_.account(category, size);
     return p;
   }
-  if (stress_ != Stress::off && !relocatable_.empty()) {
+  if (stress_ == Stress::stitch && size >= page_)
+    if (void* p = stitch(size, category, /*page_by_page=*/true)) {
+      stats_.account(category, size);
+      window_peak_ = std::max(window_peak_, in_use());
+      return p;
+    }
+  if ((stress_ == Stress::compact || stress_ == Stress::evict) && !relocatable_.empty()) {
     if (stress_ == Stress::evict)
       for (const auto& [offset, r] : relocatable_by_offset())
         if (r.evictable) evict(r, offset);
@@ -141,8 +166,8 @@ void* Arena::allocate(Bytes bytes, MemCategory category, std::string_view op) {
       offset = region_->allocate(size, category, op, from_top_);
     } catch (const OutOfMemoryError&) {
       // Let offloads in flight land (they pin their blocks); then, with enough bytes
-      // free but no block large enough, compact, and evict if that is not enough.
-      if (relocatable_.empty()) throw;
+      // free but no block large enough, compact; when pinned blocks still split the
+      // free bytes, stitch whole free pages, and evict if that is not enough.
       for (auto& [id, source] : relocatable_)
         if (source.settle) source.settle();
       const auto oom_now = [&] {
@@ -151,7 +176,14 @@ void* Arena::allocate(Bytes bytes, MemCategory category, std::string_view op) {
       };
       if (budget_ - region_->in_use() < size) throw oom_now();
       if (region_->largest_free_block() < size) compact();
-      if (region_->largest_free_block() < size && !make_room(size)) throw oom_now();
+      if (region_->largest_free_block() < size) {
+        if (void* p = stitch(size, category)) {
+          stats_.account(category, size);
+          window_peak_ = std::max(window_peak_, in_use());
+          return p;
+        }
+        if (!make_room(size)) throw oom_now();
+      }
       offset = region_->allocate(size, category, op, from_top_);
     }
   } catch (const OutOfMemoryError& oom) {
@@ -178,12 +210,65 @@ void Arena::deallocate(void* ptr, Bytes bytes, MemCategory category) {
     return;
   }
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr), lo = reinterpret_cast<std::uintptr_t>(base_);
+  if (auto it = stitched_.find(addr); it != stitched_.end()) {
+    unstitch(it);
+    return;
+  }
   if (addr < lo || addr >= lo + static_cast<std::uintptr_t>(budget_)) {  // served from the heap in overflow mode
     overflow_current_ -= size;
     heap_free(ptr);
     return;
   }
   region_->deallocate(static_cast<Bytes>(addr - lo), size, category);
+}
+
+void* Arena::stitch(Bytes size, MemCategory category, bool page_by_page) {
+  if (fd_ < 0 || device_) return nullptr;
+  // The whole pages inside each free block, largest first, until they hold `size`
+  // (page_by_page: each page its own extent, lowest first).
+  const Bytes need = (size + page_ - 1) / page_ * page_;
+  std::vector<std::pair<Bytes, Bytes>> pages;  // (bytes, offset)
+  for (const auto& b : region_->layout()) {
+    if (!b.free) continue;
+    const Bytes lo = (b.offset + page_ - 1) / page_ * page_, hi = (b.offset + b.size) / page_ * page_;
+    if (page_by_page)
+      for (Bytes p = lo; p < hi; p += page_) pages.emplace_back(page_, p);
+    else if (hi > lo)
+      pages.emplace_back(hi - lo, lo);
+  }
+  if (!page_by_page)
+    std::sort(pages.begin(), pages.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  Stitched st{need, {}, category};
+  Bytes got = 0;
+  for (std::size_t i = 0; i < pages.size() && got < need; ++i) {
+    st.extents.emplace_back(pages[i].second, std::min(pages[i].first, need - got));
+    got += st.extents.back().second;
+  }
+  if (got < need) return nullptr;
+  // In address order, so that the range reads the holes bottom to top.
+  std::sort(st.extents.begin(), st.extents.end());
+  void* range = mmap(nullptr, std::size_t(need), PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (range == MAP_FAILED) return nullptr;
+  char* at = static_cast<char*>(range);
+  for (const auto& [offset, bytes] : st.extents) {
+    if (mmap(at, std::size_t(bytes), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd_, off_t(offset)) == MAP_FAILED) {
+      munmap(range, std::size_t(need));
+      return nullptr;
+    }
+    at += bytes;
+  }
+  for (const auto& [offset, bytes] : st.extents) region_->allocate_at(offset, bytes, category);
+  ++stitches_;
+  stitched_extents_ += std::int64_t(st.extents.size());
+  bytes_stitched_ += need;
+  stitched_[reinterpret_cast<std::uintptr_t>(range)] = std::move(st);
+  return range;
+}
+
+void Arena::unstitch(std::map<std::uintptr_t, Stitched>::iterator it) {
+  for (const auto& [offset, bytes] : it->second.extents) region_->deallocate(offset, bytes, it->second.category);
+  munmap(reinterpret_cast<void*>(it->first), std::size_t(it->second.length));
+  stitched_.erase(it);
 }
 
 int Arena::add_relocatable(RelocatableSource source, EvictFn evict, SettleFn settle) {

@@ -30,7 +30,7 @@
 //   device blocks are pinned until the copy lands (the planner counts them as gone
 //   by the next decision point anyway).
 //   When compaction is not enough (blocks pinned by the running operator split the
-//   free bytes), the arena evicts relocatable tensors of the stretch between pinned
+//   free bytes) and stitching (below) cannot serve the request, the arena evicts relocatable tensors of the stretch between pinned
 //   blocks that can hold the request (their sources copy them to the host and bring
 //   them back when next needed), then compacts again: bytes in use only go down, so
 //   a plan that fits in bytes never fails on fragmentation while relocatable tensors
@@ -38,6 +38,17 @@
 //   tensor as movable but not evictable (e.g. one a queued weight-gradient GEMM
 //   will read: moving it is safe, a host copy would free nothing); such a tensor
 //   slides in compaction but neither splits a stretch nor counts as room.
+// - Stitching (as CUDA's virtual memory management lets PyTorch's expandable
+//   segments do): the host region is a memory file mapped once as the arena's view.
+//   When compaction leaves the free bytes split by pinned blocks (those the running
+//   operator holds), the arena first serves the request from several free holes at
+//   once, before evicting anything (mapping pages costs no copy): it takes whole pages out of them and maps those pages, in order,
+//   into one fresh virtual range, which the tensor sees as contiguous. A hole loses
+//   less than a page at each end, so a request fits whenever the free bytes exceed it
+//   by two pages per hole; the placement reserve keeps that room (for 32 holes from
+//   a 32 MiB budget up), and the planner and the printed minimum never plan into it. A stitched block is pinned
+//   for its life (compaction and eviction leave it). Counted in stitches(). The CUDA
+//   arena (a cudaMalloc region) does not stitch.
 // - Action-scoped placement: while from_top is on (the pipeline executor turns it
 //   on for backward actions, whose recomputed activations and gradients live only
 //   as long as the action), activations too are served from the top; the
@@ -50,6 +61,7 @@
 //   event (counted, the first one kept) and served from the heap instead, so a run
 //   can go on and report its OOMs; heap blocks are told apart by address on free.
 #pragma once
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -142,6 +154,19 @@ class Arena {
   /// ceiling for M_MMAP_THRESHOLD on 64-bit (HEAP_MAX_SIZE / 2). Larger blocks
   /// still get mappings of their own.
   static constexpr Bytes kRetainedBlockLimit = Bytes(32) << 20;
+  /// The most bytes of a budget the planner and minimum_budget() leave free for
+  /// placement: stitching loses less than one 4 KiB page at each end of a hole, and
+  /// this is room for 32 holes (pinned blocks of a running operator number far fewer).
+  static constexpr Bytes kPlacementReserve = Bytes(256) << 10;
+  /// The placement reserve of a budget (bytes): 1/128 of it, at most
+  /// kPlacementReserve (small budgets hold small tensors, whose holes are rarely
+  /// whole pages), a multiple of kAlignment.
+  static Bytes placement_reserve(Bytes budget) {
+    return std::min(kPlacementReserve, budget / 128 / kAlignment * kAlignment);
+  }
+  /// The smallest budget (a multiple of kAlignment) whose bytes less its placement
+  /// reserve hold `bytes`.
+  static Bytes budget_with_reserve(Bytes bytes);
 
   /// budget: capacity in bytes, or kUnlimited (then calls retain_freed_heap()).
   explicit Arena(Bytes budget = kUnlimited);
@@ -258,12 +283,20 @@ class Arena {
   std::int64_t compactions() const { return compactions_; }
   /// Tensors evicted to make room (see the file comment), and their bytes.
   std::int64_t evictions() const { return evictions_; }
+  /// Requests served by stitching free pages into one virtual range (see the file
+  /// comment), their bytes, and the free-page extents they were made of.
+  std::int64_t stitches() const { return stitches_; }
+  std::int64_t stitched_extents() const { return stitched_extents_; }
+  Bytes bytes_stitched() const { return bytes_stitched_; }
   Bytes bytes_evicted() const { return bytes_evicted_; }
   /// Testing: before every allocation, compact (compact) or evict every
   /// relocatable tensor and compact (evict), so that a pointer into a relocatable
   /// tensor held across an allocation, or a wrong bring-back, shows up as wrong
-  /// results.
-  enum class Stress { off, compact, evict };
+  /// results; or (stitch) serve every request of a page or more by stitching,
+  /// each page of it mapped on its own from the lowest free pages, so that a
+  /// tensor spread over the region, or wrongly treated as a region block, shows
+  /// up the same way.
+  enum class Stress { off, compact, evict, stitch };
   void set_stress(Stress stress) { stress_ = stress; }
   Bytes bytes_compacted() const { return bytes_compacted_; }
 
@@ -271,6 +304,22 @@ class Arena {
   Bytes budget_;
   char* base_ = nullptr;
   Device* device_ = nullptr;  // null: host memory, mapped (and unmapped) here
+  int fd_ = -1;               // the memory file behind a host region (-1: none, no stitching)
+  Bytes page_ = 4096;         // the host's page size
+  // Stitched blocks by address: their virtual range's length and physical extents.
+  struct Stitched {
+    Bytes length = 0;
+    std::vector<std::pair<Bytes, Bytes>> extents;  // (offset, bytes) in the region
+    MemCategory category = MemCategory::activations;
+  };
+  std::map<std::uintptr_t, Stitched> stitched_;
+  std::int64_t stitches_ = 0, stitched_extents_ = 0;
+  Bytes bytes_stitched_ = 0;
+  // Serves `size` bytes from whole free pages (of the largest free blocks, or page by
+  // page from the lowest) mapped into one range; null when the free pages are too
+  // few (or the region has no memory file).
+  void* stitch(Bytes size, MemCategory category, bool page_by_page = false);
+  void unstitch(std::map<std::uintptr_t, Stitched>::iterator it);
   MemoryStats stats_;                      // everything handed out, overflow included
   std::unique_ptr<BlockAllocator> region_;  // bounded mode: the blocks of [base_, base_ + budget_)
   bool overflow_ = false;

@@ -33,33 +33,47 @@ Bytes BlockAllocator::allocate(Bytes bytes, MemCategory category, std::string_vi
     // transients do not leave holes between the long-lived blocks growing from below.
     auto top = blocks_.rbegin();
     while (top != blocks_.rend() && !(top->second.second && top->second.first >= size)) ++top;
-    const Bytes block_offset = top->first, block_size = top->second.first;  // exists: `it` fits somewhere
-    free_.erase({block_size, block_offset});
-    offset = block_offset + block_size - size;
-    blocks_[offset] = {size, false};
-    if (block_size > size) {
-      blocks_[block_offset] = {block_size - size, true};
-      free_.insert({block_size - size, block_offset});
-    }
+    offset = top->first + top->second.first - size;  // exists: `it` fits somewhere
+    take(top->first, offset, size, category);
   } else {
-    const auto [block_size, block_offset] = *it;
-    offset = block_offset;
-    free_.erase(it);
-    blocks_[offset] = {size, false};
-    if (block_size > size) {
-      blocks_[offset + size] = {block_size - size, true};
-      free_.insert({block_size - size, offset + size});
-    }
+    offset = it->second;
+    take(it->second, offset, size, category);
+  }
+  return offset;
+}
+
+void BlockAllocator::allocate_at(Bytes offset, Bytes bytes, MemCategory category) {
+  const Bytes size = round_up(bytes);
+  auto it = blocks_.upper_bound(offset);
+  if (offset % alignment_ != 0 || it == blocks_.begin())
+    throw Error(fmt::format("arena: cannot reserve {} B at offset {}", size, offset));
+  --it;
+  if (!it->second.second || offset + size > it->first + it->second.first)
+    throw Error(fmt::format("arena: cannot reserve {} B at offset {}: not inside a free block", size, offset));
+  take(it->first, offset, size, category);
+}
+
+void BlockAllocator::take(Bytes block_offset, Bytes offset, Bytes size, MemCategory category) {
+  const Bytes block_size = blocks_.at(block_offset).first;
+  free_.erase({block_size, block_offset});
+  if (offset > block_offset) {
+    blocks_[block_offset] = {offset - block_offset, true};
+    free_.insert({offset - block_offset, block_offset});
+  }
+  blocks_[offset] = {size, false};
+  const Bytes end = offset + size, block_end = block_offset + block_size;
+  if (block_end > end) {
+    blocks_[end] = {block_end - end, true};
+    free_.insert({block_end - end, end});
   }
   stats_.account(category, size);
   // Fragmentation: bytes free below the highest used block's end.
   auto last_used = blocks_.rbegin();
   while (last_used != blocks_.rend() && last_used->second.second) ++last_used;
   if (last_used != blocks_.rend()) {
-    const Bytes end = last_used->first + last_used->second.first;
-    frag_peak_ = std::max(frag_peak_, end - in_use());
+    const Bytes used_end = last_used->first + last_used->second.first;
+    frag_peak_ = std::max(frag_peak_, used_end - in_use());
   }
-  return offset;
 }
 
 void BlockAllocator::deallocate(Bytes offset, Bytes bytes, MemCategory category) {

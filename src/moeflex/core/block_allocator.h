@@ -57,6 +57,10 @@ class BlockAllocator {
   /// names the requester. Placement: best fit from below; workspace, or any
   /// category with `from_top`, the top end of the highest free block that fits.
   Bytes allocate(Bytes bytes, MemCategory category, std::string_view op, bool from_top = false);
+  /// Reserves exactly [offset, offset + round_up(bytes)), which must lie inside one
+  /// free block (offset a multiple of the alignment); the rest of that block stays
+  /// free. For the Arena's stitched allocations. Throws Error otherwise.
+  void allocate_at(Bytes offset, Bytes bytes, MemCategory category);
   /// Returns the block at `offset`; `bytes` and `category` as given to allocate().
   /// Throws Error for an offset that is not a live block of that size.
   void deallocate(Bytes offset, Bytes bytes, MemCategory category);
@@ -107,6 +111,9 @@ class BlockAllocator {
   std::map<Bytes, std::pair<Bytes, bool>> blocks_;
   std::set<std::pair<Bytes, Bytes>> free_;
   Bytes frag_peak_ = 0;
+  // Marks [offset, offset + size) of the free block at block_offset used (size
+  // aligned, inside it), keeps the rest free, accounts and tracks fragmentation.
+  void take(Bytes block_offset, Bytes offset, Bytes size, MemCategory category);
 };
 
 }  // namespace moeflex

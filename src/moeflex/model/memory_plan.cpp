@@ -76,8 +76,9 @@ Bytes minimum_budget(const ModelConfig& cfg, std::int64_t B, std::int64_t S, con
     return std::vector<MoERows>(std::size_t(std::max(0, st.last_layer - st.first_layer)),
                                 MoERows::worst_case(cfg, B * S, st.ep_size));
   };
+  w.set_offload_weight_reads(true);
   w.run(program.actions, 0, program.stages, worst, [&](const LedgerEntry& e) { return most_memory_saving(cfg, e); });
-  return w.peak();
+  return Arena::budget_with_reserve(w.peak());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -448,7 +449,8 @@ BlockProjection project_block(const ModelConfig& cfg, const BlockContext& ctx, c
   MemoryWalk w(cfg, ctx.B, ctx.S, ctx.in_use);
   for (const auto& [e, on] : ctx.ledger) w.adopt(e, on, stage.ep_size);
   if (ctx.program)
-    for (const auto& [key, bytes] : ctx.program->pending_weight_bytes) w.adopt_retained(key.first, key.second, bytes);
+    w.adopt_pending_weights(*ctx.program);
+  w.set_offload_weight_reads(true);  // the later Bs' W reads at their floor, as the planner may take it
   std::vector<MoERows> own(std::size_t(std::max(0, stage.last_layer - stage.first_layer)), worst);
   if (ctx.point == SavePoint::moe) own.at(std::size_t(l - stage.first_layer)) = ctx.rows;
   const RowsFn future = [&](int, const StageSpec& st) {
@@ -486,6 +488,22 @@ BlockProjection project_block(const ModelConfig& cfg, const BlockContext& ctx, c
           .compute = w.phase_peak(P::kCompute)};
 }
 
+Bytes project_weight_reads(const ModelConfig& cfg, const BlockContext& ctx, bool offload) {
+  MemoryWalk w(cfg, ctx.B, ctx.S, ctx.in_use);
+  for (const auto& [e, on] : ctx.ledger) w.adopt(e, on, ctx.stage.ep_size);
+  w.adopt_pending_weights(*ctx.program);
+  if (offload) w.offload_retained(ctx.microbatch, ctx.stage.first_layer);
+  w.set_offload_weight_reads(true);
+  MemoryWalk::Projection floor;  // no block: every later save at its floor, later layers summarized
+  w.set_projection(&floor);
+  const RowsFn worst = [&](int, const StageSpec& st) {
+    return std::vector<MoERows>(std::size_t(std::max(0, st.last_layer - st.first_layer)),
+                                MoERows::worst_case(cfg, ctx.B * ctx.S, st.ep_size));
+  };
+  w.run(ctx.program->actions, ctx.program->current + 1, ctx.program->stages, worst, nullptr);
+  return w.peak();
+}
+
 std::vector<std::int64_t> block_cache_key(const BlockContext& ctx) {
   std::uint64_t digest = 1469598103934665603ull;  // FNV-1a over the ledger's state
   auto mix = [&](std::uint64_t x) { digest = (digest ^ x) * 1099511628211ull; };
@@ -497,7 +515,7 @@ std::vector<std::int64_t> block_cache_key(const BlockContext& ctx) {
   if (ctx.program)
     for (const auto& [key, bytes] : ctx.program->pending_weight_bytes) {
       mix(std::uint64_t(key.first) << 32 ^ std::uint64_t(key.second));
-      mix(std::uint64_t(bytes));
+      mix(std::uint64_t(bytes) << 1 ^ std::uint64_t(ctx.program->offloaded_weight_reads.count(key)));
     }
   return {ctx.layer, int(ctx.point), ctx.program ? std::int64_t(ctx.program->current) : -1, ctx.rows.permuted,
           ctx.rows.received, std::int64_t(digest)};

@@ -17,6 +17,7 @@
 #include <deque>
 #include <functional>
 #include <map>
+#include <set>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -78,6 +79,9 @@ struct StepProgram {
   /// Bytes each zero-bubble B left held for its W, by (micro-batch, stage's first
   /// layer), until that W runs (written by the model chunks as they run).
   mutable std::map<std::pair<int, int>, Bytes> pending_weight_bytes;
+  /// The keys of pending_weight_bytes whose reads the planner offloaded (on the host
+  /// until their W brings them back).
+  mutable std::set<std::pair<int, int>> offloaded_weight_reads;
 };
 
 /// Whether the adaptive planner decides an activation (else it is saved): every
@@ -92,9 +96,11 @@ Provision most_memory_saving(const ModelConfig& cfg, const LedgerEntry& entry);
 /// (DESIGN.md, "The planner's contract"): the peak of one step of `program` with
 /// every activation the planner decides at its most memory-saving choice and every
 /// MoE layer at its worst-case routing (MoERows::worst_case), from `persistent`
-/// bytes. It carries no margin: the planner's fragmentation margin is a soft target
-/// (kPlannerMarginFraction), and what fragmentation remains at the minimum the arena
-/// handles by compaction and eviction.
+/// bytes, plus the arena's placement reserve (Arena::budget_with_reserve: 1/128
+/// of the budget, at most 256 KiB). It carries no other margin: the planner's
+/// fragmentation margin is a soft target (kPlannerMarginFraction), and what
+/// fragmentation remains at the minimum the arena handles by compaction, stitching
+/// (which the reserve leaves room for) and eviction.
 Bytes minimum_budget(const ModelConfig& cfg, std::int64_t B, std::int64_t S, const StepProgram& program,
                      Bytes persistent);
 
@@ -131,13 +137,24 @@ class MemoryWalk {
   /// allocated (output gradients, copies of the residual gradient, the activations
   /// they multiply) until weight(mb, stage).
   void backward(int mb, const StageSpec& stage, bool split = false);
-  /// The zero-bubble W of `mb` through `stage`: frees what its B kept.
+  /// The zero-bubble W of `mb` through `stage`: frees what its B kept, after
+  /// bringing it back first if it was offloaded (MoEModel::backward_weight).
   void weight(int mb, const StageSpec& stage);
+  /// Offloads what the B of `mb` through the stage starting at `first_layer` keeps
+  /// for its W (the bytes leave the device now; its W brings them back). No-op when
+  /// nothing is kept or it is offloaded already.
+  void offload_retained(int mb, int first_layer);
+  /// From now on (on): every zero-bubble B offloads what it keeps for its W at its
+  /// end, the planner's most memory-saving choice for those reads.
+  void set_offload_weight_reads(bool on) { offload_weight_reads_ = on; }
   /// Bytes the B of `mb` through `stage` keeps for its W (0 once W ran).
   Bytes retained(int mb, const StageSpec& stage) const;
   /// Takes over `bytes` a real zero-bubble B left held for the W of `mb` through the
-  /// stage starting at `first_layer` (already in the walk's starting use).
-  void adopt_retained(int mb, int first_layer, Bytes bytes) { retained_[{mb, first_layer}] += bytes; }
+  /// stage starting at `first_layer`: in the walk's starting use when on_device,
+  /// else offloaded (see offload_retained).
+  void adopt_retained(int mb, int first_layer, Bytes bytes, bool on_device = true);
+  /// adopt_retained for everything `program` has pending, with its residency.
+  void adopt_pending_weights(const StepProgram& program);
   /// Allocates (+1) or frees (-1) `count` pipeline buffers of [B*S, d] floats.
   void buffer(int count);
 
@@ -282,6 +299,8 @@ class MemoryWalk {
   bool split_ = false;
   int stage_id_ = 0;                                      // first layer of the stage under backward
   std::map<std::pair<int, int>, Bytes> retained_;         // (mb, stage) -> bytes held for W
+  std::set<std::pair<int, int>> retained_offloaded_;      // those of retained_ on the host
+  bool offload_weight_reads_ = false;
   MoERows rows_at(const StageSpec& st, int l, const std::vector<MoERows>& rows) const;
   /// layer_activations (or head_activations for kHeadLayer), memoized by layer kind and rows.
   const LayerSpecs& specs_of(int layer, const MoERows& rows, bool ep);
@@ -362,6 +381,14 @@ struct BlockContext {
 /// later block the planner decides at its most memory-saving choice, and every
 /// routing not yet known at its worst case (MoERows::worst_case).
 BlockProjection project_block(const ModelConfig& cfg, const BlockContext& ctx, const BlockChoice* choice);
+
+/// The projection of a zero-bubble B's W-read decision (AdaptivePlanner::
+/// plan_weight_reads) at the end of the B of ctx.microbatch through ctx.stage: the
+/// exact peak of the rest of the rank's step (ctx.program, from the action after
+/// the current one) with those reads kept on the device or offloaded until their W,
+/// every later decision at its most memory-saving choice and every routing at its
+/// worst case. ctx.program must be set.
+Bytes project_weight_reads(const ModelConfig& cfg, const BlockContext& ctx, bool offload);
 
 /// The planner's cache key for the block: its layer, save point, place in the
 /// step and rows, and a digest of the ledger (name, size, provision, residency of

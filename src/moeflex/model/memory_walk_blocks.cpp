@@ -250,8 +250,25 @@ Bytes MemoryWalk::retained(int mb, const StageSpec& st) const {
 void MemoryWalk::weight(int mb, const StageSpec& st) {
   auto it = retained_.find({mb, st.first_layer});
   if (it == retained_.end()) return;
+  if (retained_offloaded_.erase(it->first)) alloc(it->second);  // brought back before the GEMMs run
   free(it->second);
   retained_.erase(it);
+}
+
+void MemoryWalk::offload_retained(int mb, int first_layer) {
+  auto it = retained_.find({mb, first_layer});
+  if (it == retained_.end() || it->second == 0 || !retained_offloaded_.insert(it->first).second) return;
+  free(it->second);
+}
+
+void MemoryWalk::adopt_retained(int mb, int first_layer, Bytes bytes, bool on_device) {
+  retained_[{mb, first_layer}] += bytes;
+  if (!on_device) retained_offloaded_.insert({mb, first_layer});
+}
+
+void MemoryWalk::adopt_pending_weights(const StepProgram& program) {
+  for (const auto& [key, bytes] : program.pending_weight_bytes)
+    adopt_retained(key.first, key.second, bytes, !program.offloaded_weight_reads.count(key));
 }
 
 const MemoryWalk::LayerSummary& MemoryWalk::summary_of(int l, const MoERows& rows, int ep_size) {
@@ -365,6 +382,7 @@ void MemoryWalk::backward(int mb, const StageSpec& st, bool split) {
     keep(mb, rounded(n * d, ab_));  // the embedding's W scatters it
   else
     free(rounded(n * d, ab_));  // grad.residual
+  if (split && offload_weight_reads_) offload_retained(mb, st.first_layer);
   split_ = false;
   for (int l = st.first_layer; l < st.last_layer; ++l)
     if (Slot* s = find_slot(mb, l)) s->has_rows = false;

@@ -234,8 +234,7 @@ RecomputeFn MoEModel::swiglu_lineage(int mb, int l, std::string gate, std::strin
   };
 }
 
-void MoEModel::plan_saves(int mb, int l, SavePoint point, std::initializer_list<Held> held, const MoERows& rows) {
-  if (!planner_) return;
+BlockContext MoEModel::decision_context(int mb, int l, SavePoint point, const MoERows& rows) {
   BlockContext ctx;
   ctx.microbatch = mb;
   ctx.layer = l;
@@ -253,6 +252,12 @@ void MoEModel::plan_saves(int mb, int l, SavePoint point, std::initializer_list<
     auto part = st->ledger();
     ctx.ledger.insert(ctx.ledger.end(), part.begin(), part.end());
   }
+  return ctx;
+}
+
+void MoEModel::plan_saves(int mb, int l, SavePoint point, std::initializer_list<Held> held, const MoERows& rows) {
+  if (!planner_) return;
+  BlockContext ctx = decision_context(mb, l, point, rows);
   // Exposed seconds of not keeping each candidate, from the calibrated cost model:
   // its recompute time, or the part of its offload and prefetch copies that the
   // rest of the forward and the backward of the layer above cannot hide.
@@ -500,10 +505,14 @@ void MoEModel::backward_stage(const std::int32_t* ids, const std::int32_t* targe
           fmt::format("stage input gradient is {} but the model runs in {}", to_string(dx_in.dtype), to_string(adt_)));
     be_.copy(dx_in.data, dx.raw(), dx.nbytes());
   }
+  dx.reset();  // (the memory program frees the residual gradient here, before the W-read decision)
   stash_.release_microbatch(mb);
   // What this B leaves held for its W, for the planner's projections until then:
   // what the queue holds, measured (evicted reads counted: they come back for W).
-  if (defer_wgrad_ && program_) program_->pending_weight_bytes[{mb, par_.first_layer}] = weight_grad_bytes(mb);
+  if (defer_wgrad_ && program_) {
+    program_->pending_weight_bytes[{mb, par_.first_layer}] = weight_grad_bytes(mb);
+    plan_weight_reads(mb);
+  }
 }
 
 }  // namespace moeflex

@@ -139,6 +139,9 @@ class MoEModel {
   /// host to defragment (Arena::make_room), since construction; they came back
   /// before their W ran.
   Bytes weight_grad_bytes_evicted() const { return wgrad_bytes_evicted_; }
+  /// Bytes of what queued weight-gradient work reads that the adaptive planner
+  /// offloaded at the end of a zero-bubble B (plan_weight_reads), since construction.
+  Bytes weight_grad_bytes_offloaded() const { return wgrad_bytes_offloaded_; }
 
   /// Forward only (no activations kept): the loss if targets != null, and the
   /// logits of the last position of each sequence into `last_logits` [B, V] if non-null.
@@ -345,7 +348,14 @@ class MoEModel {
   bool evict_queued_read(Tensor* t);  // Arena::EvictFn of the W queue's source
   void bring_back(Tensor* t);         // an evicted queued read, back on the device
   int relocatable_id_ = -1;  // the W queue's compaction source in arena_
-  Bytes wgrad_bytes_evicted_ = 0;
+  Bytes wgrad_bytes_evicted_ = 0, wgrad_bytes_offloaded_ = 0;
+  /// At the end of a zero-bubble B of `mb` (with a planner and a step program): asks
+  /// the planner whether its W reads stay on the device until W, and offloads them
+  /// to the host if not (AdaptivePlanner::plan_weight_reads).
+  void plan_weight_reads(int mb);
+  /// The planner's view of the rank now, for a decision at (mb, l, point): lets
+  /// offloads in flight land, then takes the bytes in use and every chunk's ledger.
+  BlockContext decision_context(int mb, int l, SavePoint point, const MoERows& rows);
   TokenDispatcher dispatcher_;
   std::map<std::pair<int, int>, DispatchLayout> dispatch_layouts_;  // (mb, layer) -> counts for backward
   std::vector<Param> params_;

@@ -8,6 +8,7 @@
 #include <unordered_set>
 
 #include "moeflex/core/op_context.h"
+#include "moeflex/model/memory_plan.h"
 #include "moeflex/model/model.h"
 
 namespace moeflex {
@@ -61,10 +62,38 @@ void MoEModel::weight_grad(int mb, std::vector<Shared> reads, std::function<void
   wgrad_queue_[mb].push_back({std::move(reads), std::move(fn)});
 }
 
+void MoEModel::plan_weight_reads(int mb) {
+  const std::pair<int, int> key{mb, par_.first_layer};
+  if (!planner_ || !program_ || weight_grad_bytes(mb) == 0) return;
+  const BlockContext ctx = decision_context(mb, kHeadLayer, SavePoint::attention, MoERows{});
+  if (!planner_->plan_weight_reads([&](bool offload) { return project_weight_reads(cfg_, ctx, offload); })) return;
+  // Offloaded: every read goes to the host now, and backward_weight brings it back.
+  for (const PendingWeightGrad& w : wgrad_queue_.at(mb))
+    for (const Shared& t : w.reads) {
+      if (!t || !t->defined() || t->arena() != &arena_) continue;
+      const Bytes bytes = t->nbytes();
+      if (!evict_queued_read(t.get()))
+        throw Error(fmt::format("model: a read of micro-batch {}'s queued weight gradients is held elsewhere and "
+                                "cannot be offloaded",
+                                mb));
+      wgrad_bytes_offloaded_ += bytes;
+      wgrad_bytes_evicted_ -= bytes;  // (counted apart from the arena's evictions)
+    }
+  program_->offloaded_weight_reads.insert(key);
+}
+
 void MoEModel::backward_weight(int mb) {
-  if (program_) program_->pending_weight_bytes.erase({mb, par_.first_layer});
+  if (program_) {
+    program_->pending_weight_bytes.erase({mb, par_.first_layer});
+    program_->offloaded_weight_reads.erase({mb, par_.first_layer});
+  }
   auto it = wgrad_queue_.find(mb);
   if (it == wgrad_queue_.end()) return;
+  // What was offloaded or evicted comes back first, all of it (the memory program's
+  // W: its reads back, then the GEMMs).
+  for (PendingWeightGrad& w : it->second)
+    for (const Shared& t : w.reads)
+      if (t && !t->defined() && wgrad_reads_.count(t.get()) && wgrad_reads_.at(t.get()).host) bring_back(t.get());
   for (PendingWeightGrad& w : it->second) {
     if (!w.fn) continue;  // (ran before an error cut this W short)
     // Running: its tensors are pinned from here (one more reference than the queue

@@ -48,7 +48,9 @@ std::vector<BlockChoice> static_levels(const std::vector<SaveCandidate>& candida
 }  // namespace
 
 Bytes AdaptivePlanner::margin() const {
-  return arena_.unlimited() ? 0 : Bytes(double(arena_.budget()) * kPlannerMarginFraction);
+  return arena_.unlimited() ? 0
+                            : std::max(Bytes(double(arena_.budget()) * kPlannerMarginFraction),
+                                       Arena::placement_reserve(arena_.budget()));
 }
 
 double recompute_cost_per_byte(const std::string& op) {
@@ -100,7 +102,8 @@ void AdaptivePlanner::plan_block(int mb, int layer, const std::vector<SaveCandid
   } else {
     // The margin is a soft target: the cheapest choice under budget - margin when
     // there is one, else the floor (the lowest peak, the most room left for
-    // fragmentation), infeasible only when even that is over the budget itself.
+    // fragmentation), infeasible only when even that is over the budget less the
+    // arena's placement reserve.
     const Bytes limit = arena_.budget() - margin();
     // The cache key adds the bytes in use, rounded up to 1/256 of the budget: a
     // cached choice was projected from the top of its bucket, so it still fits.
@@ -139,7 +142,7 @@ void AdaptivePlanner::plan_block(int mb, int layer, const std::vector<SaveCandid
           peak = exact;
           raw_exact = exact;
           cacheable = false;
-          if (peak > arena_.budget()) {
+          if (peak > arena_.budget() - Arena::placement_reserve(arena_.budget())) {
             ++infeasible_;
             if (planner_debug())
               std::fprintf(stderr, "infeasible mb %d layer %d: floor %.2f MiB > budget %.2f MiB\n", mb, layer,
@@ -200,6 +203,25 @@ void AdaptivePlanner::plan_block(int mb, int layer, const std::vector<SaveCandid
 Provision AdaptivePlanner::decide(const LedgerEntry& e) const {
   auto it = current_.find({e.microbatch, e.layer, e.name});
   return it == current_.end() ? Provision::save : it->second;
+}
+
+bool AdaptivePlanner::plan_weight_reads(const std::function<Bytes(bool offload)>& project) {
+  ++weight_read_decisions_;
+  Bytes raw = project(false);
+  const bool offload = !arena_.unlimited() && raw > arena_.budget() - margin();
+  if (offload) {
+    raw = project(true);
+    ++weight_read_offloads_;
+    if (raw > arena_.budget() - Arena::placement_reserve(arena_.budget())) {
+      ++infeasible_;
+      if (planner_debug())
+        std::fprintf(stderr, "infeasible W reads: floor %.2f MiB > budget %.2f MiB\n", raw / 1048576.0,
+                     arena_.budget() / 1048576.0);
+    }
+  }
+  projected_peak_ = std::max(projected_peak_, raw);
+  predicted_step_peak_ = std::max(arena_.peak(), raw);
+  return offload;
 }
 
 void AdaptivePlanner::end_step() {

@@ -87,14 +87,11 @@ using ProjectFn = std::function<BlockProjection(const BlockChoice* choice)>;
 /// a soft target. The planner takes the cheapest choice whose projected peak stays
 /// under budget - margin when one exists, else the floor (the most memory-saving
 /// choice: the lowest peak); a decision is infeasible only when the floor exceeds
-/// the budget itself, the invariant's hard limit. What fragmentation the margin
-/// cannot absorb, the arena does by compaction and eviction, so the smallest
-/// feasible budget (minimum_budget) carries no margin. Constant, so that a
-/// decision's projection still holds at the next one. Not 0: the walk is exact in
-/// bytes but not in placement, and without the margin the arena's relocation could
-/// not always gather the free bytes (--pp 2 --ep 2 1f1b-overlap --vpp 2 at 32 MiB,
-/// minimum 30.8 MiB: the LM head's 8 MiB logits found 9.06 MiB free in pieces, in 2
-/// of 3 one-step runs).
+/// the budget less its Arena::placement_reserve, the invariant's hard limit. What
+/// fragmentation the margin cannot absorb, the arena does by compaction, stitching
+/// and eviction, so the smallest feasible budget (minimum_budget) carries only the
+/// placement reserve. Constant, so that a decision's projection still holds at the
+/// next one. The margin spares the arena those slower paths on calm steps.
 inline constexpr double kPlannerMarginFraction = 0.05;
 
 class AdaptivePlanner {
@@ -107,6 +104,12 @@ class AdaptivePlanner {
   /// for no caching. The decision is what decide() answers for these entries.
   void plan_block(int microbatch, int layer, const std::vector<SaveCandidate>& candidates, const ProjectFn& project,
                   const std::vector<std::int64_t>& cache_key);
+  /// Decides, at the end of a zero-bubble B, whether what its queued weight-gradient
+  /// GEMMs read stays on the device until their W (false) or waits on the host
+  /// (true: the most memory-saving choice). project(offload): the exact peak of the
+  /// rest of the step with that choice and every later decision at its floor
+  /// (project_weight_reads). Keeps them when that fits under budget - margin.
+  bool plan_weight_reads(const std::function<Bytes(bool offload)>& project);
   /// The policy callback for ActivationStash::set_policy.
   Provision decide(const LedgerEntry& e) const;
   ProvisionPolicy policy() {
@@ -116,11 +119,14 @@ class AdaptivePlanner {
   void end_step();
 
   /// Bytes kept out of the budget for the allocator's fragmentation
-  /// (kPlannerMarginFraction of the budget).
+  /// (kPlannerMarginFraction of the budget, at least its Arena::placement_reserve).
   Bytes margin() const;
 
   std::int64_t decisions() const { return decisions_; }
   std::int64_t cache_hits() const { return cache_hits_; }
+  /// W-read decisions (plan_weight_reads) since construction, and those that offloaded.
+  std::int64_t weight_read_decisions() const { return weight_read_decisions_; }
+  std::int64_t weight_read_offloads() const { return weight_read_offloads_; }
   /// Decisions of the current step where a static policy's part of the block was
   /// cheaper than the greedy choice and fit, so the planner took it.
   std::int64_t static_level_choices() const { return static_level_choices_; }
@@ -148,6 +154,7 @@ class AdaptivePlanner {
   std::map<std::vector<std::int64_t>, Cached> cache_;
   Bytes projected_peak_ = 0, predicted_step_peak_ = 0;
   std::int64_t decisions_ = 0, cache_hits_ = 0, infeasible_ = 0, static_level_choices_ = 0;
+  std::int64_t weight_read_decisions_ = 0, weight_read_offloads_ = 0;
   std::vector<double> decision_seconds_;
 };
 

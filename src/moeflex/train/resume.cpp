@@ -59,7 +59,8 @@ void check_trainer_state(const json& st, const fs::path& ckpt) {
   check("initial_val_loss", true, "a number", number);
   for (const char* k : {"peak_device_bytes", "oom_count", "restarts", "lost_steps", "steps_run",
                         "oom_peak_demand_bytes", "bytes_recomputed", "bytes_offloaded", "provisioned_steps",
-                        "arena_compactions", "bytes_compacted", "bytes_evicted", "decisions", "predicted_peak_bytes"})
+                        "arena_compactions", "bytes_compacted", "bytes_evicted", "bytes_stitched", "decisions",
+                        "predicted_peak_bytes"})
     check(k, false, "a non-negative integer", count);
   for (const char* k : {"last_val_loss", "last_train_loss", "train_seconds", "restart_seconds", "max_load_ratio"})
     check(k, false, "a number", number);
@@ -229,6 +230,7 @@ void Training::resume_from(const fs::path& dir) {
   res.arena_compactions = st.value("arena_compactions", std::int64_t(0));
   res.bytes_compacted = st.value("bytes_compacted", std::int64_t(0));
   res.bytes_evicted = st.value("bytes_evicted", std::int64_t(0));
+  res.bytes_stitched = st.value("bytes_stitched", std::int64_t(0));
   decisions_before = st.value("decisions", std::int64_t(0));
   res.max_load_ratio = st.value("max_load_ratio", 1.0);
   res.predicted_peak_bytes = st.value("predicted_peak_bytes", std::int64_t(0));
@@ -302,6 +304,7 @@ void Training::save(std::int64_t step) {
              {"arena_compactions", res.arena_compactions},
              {"bytes_compacted", res.bytes_compacted},
              {"bytes_evicted", res.bytes_evicted},
+             {"bytes_stitched", res.bytes_stitched},
              {"decisions", decisions_before + std::int64_t(all_decision_seconds.size())},
              {"max_load_ratio", res.max_load_ratio},
              {"predicted_peak_bytes", res.predicted_peak_bytes}};

@@ -266,8 +266,11 @@ struct Training {
   double last_val = 0;
   const bool restart_on_oom;
   std::map<std::int64_t, std::int64_t> restarts_at;  ///< 1-based step -> restarts caused by it
-  /// Arena fragmentation handling so far on this rank: compactions, bytes moved, bytes evicted.
-  double defrag_seen[3] = {0, 0, 0};
+  /// Arena fragmentation handling so far on this rank: compactions, bytes moved,
+  /// evicted, stitched.
+  double defrag_seen[4] = {0, 0, 0, 0};
+  /// Bytes of zero-bubble W reads the planner offloaded so far on this rank (all chunks).
+  double weight_reads_offloaded_seen = 0;
 };
 
 }  // namespace moeflex::run

@@ -49,6 +49,7 @@ void write_summary(const RunContext& ctx, const RunRecord& rec, double wall, boo
   s["arena_compactions"] = res.arena_compactions;
   s["bytes_compacted"] = res.bytes_compacted;
   s["bytes_evicted"] = res.bytes_evicted;
+  s["bytes_stitched"] = res.bytes_stitched;
   s["decisions"] = res.decisions;
   s["provisioned_steps"] = res.provisioned_steps;
   s["decision_seconds_p99"] = res.decision_seconds_p99;

@@ -113,7 +113,7 @@ struct Training::StepRecord {
   double gnorm = 0, fb_seconds = 0, lr = 0;  ///< gradient norm, forward/backward seconds, learning rate
   double provisioned[2] = {0, 0};  ///< bytes saved, recomputed (this step, all ranks)
   double offl = 0;                 ///< bytes offloaded (this step, all ranks)
-  double defrag[3] = {0, 0, 0};    ///< compactions, bytes compacted, bytes evicted (this step, all ranks)
+  double defrag[4] = {0, 0, 0, 0};  ///< compactions, bytes compacted, evicted, stitched (this step, all ranks)
   double max_imbalance = 1.0;
   std::int64_t dropped = 0;
   json ep_received = json::array();
@@ -309,16 +309,21 @@ void Training::gather_step_stats(StepRecord& s) {
   if (world_size > 1) world->all_reduce_sum(s.provisioned, 2);
   res.bytes_recomputed += std::int64_t(s.provisioned[1]);
   for (MoEModel* c : replica->chunks()) s.offl += double(c->stash().counters().offloaded);
+  double w_reads = 0;  // zero-bubble W reads offloaded until their W (all chunks, so far)
+  for (MoEModel* c : replica->chunks()) w_reads += double(c->weight_grad_bytes_offloaded());
+  s.offl += w_reads >= weight_reads_offloaded_seen ? w_reads - weight_reads_offloaded_seen : w_reads;  // (rebuilt)
+  weight_reads_offloaded_seen = w_reads;
   if (world_size > 1) world->all_reduce_sum(&s.offl, 1);
   res.bytes_offloaded += std::int64_t(s.offl);
   if (s.provisioned[1] > 0 || s.offl > 0) res.provisioned_steps += 1;
-  const double defrag_now[3] = {double(arena.compactions()), double(arena.bytes_compacted()),
-                                double(arena.bytes_evicted())};
-  for (int i = 0; i < 3; ++i) s.defrag[i] = defrag_now[i] - defrag_seen[i], defrag_seen[i] = defrag_now[i];
-  if (world_size > 1) world->all_reduce_sum(s.defrag, 3);  // this step, all ranks
+  const double defrag_now[4] = {double(arena.compactions()), double(arena.bytes_compacted()),
+                                double(arena.bytes_evicted()), double(arena.bytes_stitched())};
+  for (int i = 0; i < 4; ++i) s.defrag[i] = defrag_now[i] - defrag_seen[i], defrag_seen[i] = defrag_now[i];
+  if (world_size > 1) world->all_reduce_sum(s.defrag, 4);  // this step, all ranks
   res.arena_compactions += std::int64_t(s.defrag[0]);
   res.bytes_compacted += std::int64_t(s.defrag[1]);
   res.bytes_evicted += std::int64_t(s.defrag[2]);
+  res.bytes_stitched += std::int64_t(s.defrag[3]);
   std::map<int, std::int64_t> received_by_layer;  // rows this rank's experts received, summed over micro-batches
   for (const auto& r : replica->routing()) {
     s.max_imbalance = std::max(s.max_imbalance, r.imbalance);
@@ -391,6 +396,7 @@ void Training::record_step(std::int64_t step, StepRecord& s) {
                {"bytes_offloaded", std::int64_t(s.offl)},
                {"arena_compactions", std::int64_t(s.defrag[0])},
                {"bytes_evicted", std::int64_t(s.defrag[2])},
+               {"bytes_stitched", std::int64_t(s.defrag[3])},
                {"injected_imbalance", s.spike ? injected_imbalance(step + 1) : 0.0},
                {"oom", false}};
   for (auto& [k, v] : s.plan_line.items()) line[k] = v;

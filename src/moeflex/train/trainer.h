@@ -42,6 +42,7 @@ struct TrainResult {
   std::int64_t arena_compactions = 0;  ///< arena defragmentations (all ranks; Arena::compact)
   std::int64_t bytes_compacted = 0;    ///< bytes those compactions moved
   std::int64_t bytes_evicted = 0;      ///< activation bytes evicted to the host to make room (Arena::make_room)
+  std::int64_t bytes_stitched = 0;     ///< bytes served by stitching free pages together (Arena::stitch)
   std::int64_t decisions = 0;         ///< adaptive planner layer decisions
   std::int64_t provisioned_steps = 0;  ///< steps that recomputed or offloaded any activation
   double decision_seconds_p99 = 0;    ///< 99th percentile of one layer decision's time

@@ -4,7 +4,7 @@ to the unbudgeted peak (bench/budget_sweep.sh is the entry point; its header say
 is measured and how).
 
 Usage: budget_sweep.py --binary build/moeflex --data data/brown --work DIR
-       [--layout ep2|pp2ep2] [--steps 8] [--spike-every 4] [--ratio 2]
+       [--layout ep2|pp2ep2|pp2ep2-zbh1] [--steps 8] [--spike-every 4] [--ratio 2]
        [--points 8] [--rounds 1] [--policies "full selective ..."]
        [--table OUT.md] [--plot OUT.png]
 
@@ -32,7 +32,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from minimum_sweep import minimum  # noqa: E402  (the printed minimum, probed by bisection)
 
 MIB = 2 ** 20
-LAYOUTS = {"ep2": (2, ["--ep", "2"]), "pp2ep2": (4, ["--pp", "2", "--ep", "2", "--schedule", "1f1b"])}
+LAYOUTS = {"ep2": (2, ["--ep", "2"]), "pp2ep2": (4, ["--pp", "2", "--ep", "2", "--schedule", "1f1b"]),
+           "pp2ep2-zbh1": (4, ["--pp", "2", "--ep", "2", "--schedule", "zb-h1"])}
 STATIC = ["none", "full", "selective", "moe-light", "moe-medium", "moe-full"]
 
 

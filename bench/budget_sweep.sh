@@ -15,7 +15,7 @@
 # minimum up. The planner prices with data/hardware/this-machine.json; the script runs
 # `moeflex calibrate` first when that profile is missing.
 #
-# Variables: LAYOUTS (ep2), STEPS (12), POINTS (8), ROUNDS (3), RATIO (2),
+# Variables: LAYOUTS (ep2; also pp2ep2, pp2ep2-zbh1), STEPS (12), POINTS (8), ROUNDS (3), RATIO (2),
 # SPIKE_EVERY (4), POLICIES (none full selective moe-light moe-medium moe-full), RESULT,
 # BIN (build/moeflex). About 25 minutes for ep2 with the defaults on 2 cores.
 set -euo pipefail

@@ -42,12 +42,17 @@ cfg="$out/pp.toml"
 printf '[train]\ngrad_accum = 4\nmicro_batch_size = 2\neval_every = 0\neval_batches = 1\n' > "$cfg"
 for sched in "zb-h1" "dualpipev --vpp 2"; do
   name=${sched%% *}
-  set +e
-  "${mpi[@]}" "$bin" train --config "$cfg" --pp 2 --schedule $sched --steps 1 --device-memory 120MiB \
-    --out "$out/min-$name" > "$out/min-$name.log" 2>&1
-  set -e
-  min=$(sed -n 's/.*smallest budget for which adaptive provisioning can guarantee no out-of-memory error: \([0-9.]*\) MiB.*/\1/p' \
-        "$out/min-$name.log" | head -1)
+  min=""
+  for probe in 120 110 100 90 80 70 60; do  # downwards until one is under the minimum
+    rm -rf "$out/min-$name"
+    set +e
+    "${mpi[@]}" "$bin" train --config "$cfg" --pp 2 --schedule $sched --steps 1 --device-memory ${probe}MiB \
+      --out "$out/min-$name" > "$out/min-$name.log" 2>&1
+    set -e
+    min=$(sed -n 's/.*smallest budget for which adaptive provisioning can guarantee no out-of-memory error: \([0-9.]*\) MiB.*/\1/p' \
+          "$out/min-$name.log" | head -1)
+    [[ -n "$min" ]] && break
+  done
   [[ -n "$min" ]] || { echo "no minimum named for $sched"; cat "$out/min-$name.log"; exit 1; }
   budget=$(/usr/bin/python3 -c "print(f'{$min + 1:.2f}MiB')")
   "${mpi[@]}" "$bin" train --config "$cfg" --pp 2 --schedule $sched --steps 3 --inject-imbalance every=2:ratio=2 \

@@ -6,7 +6,8 @@
 # blocks split the free bytes and these runs died of OOM with the free bytes
 # covering the request (zb-h1: 'attn.dprobs' asked 512 KiB with 512 KiB free,
 # largest block 475 KiB). The arena now moves and evicts them (MoEModel's W queue
-# is a compaction source). A small model, whose single transients are a large
+# is a compaction source), and the planner offloads them layer by layer when the
+# budget needs it. A small model, whose single transients are a large
 # part of the budget; 2 ranks (zb-h1 fp32 and bf16, dualpipev) and 4 ranks
 # (pp 2 x ep 2, zb-h1, 2x routing spikes).
 set -euo pipefail
@@ -45,9 +46,9 @@ assert s["peak_device_bytes"] <= budget, (s["peak_device_bytes"], budget)
 for d in map(json.loads, open(f"{run}/metrics.jsonl")):
     assert d["infeasible_decisions"] == 0, d
     assert d["peak_device_bytes"] <= d["predicted_peak_bytes"] <= budget, d
-assert s["arena_compactions"] > 0, "the run must have needed defragmentation to test it"
-print(run.split("/")[-1], budget, "B ok at the minimum: compactions", s["arena_compactions"], "evicted",
-      s["bytes_evicted"] / 2**20, "MiB")
+# (At the minimum the planner offloads the W queue's reads, so defragmentation may not be needed.)
+print(run.split("/")[-1], budget, "B ok at the minimum: compactions", s["arena_compactions"], "stitched",
+      s["bytes_stitched"], "evicted", s["bytes_evicted"] / 2**20, "MiB")
 PY
 }
 

@@ -139,7 +139,7 @@ Result run(Arena& arena, const std::string& policy) {
   MoEModel model(cfg, arena);
   model.init_weights(3);
   model.set_router_skew(2.0);
-  AdaptivePlanner planner(arena);
+  AdaptivePlanner planner(arena, kPlannerMarginFraction);  // the same margin on the host and the device arena
   test::apply_policy(model, planner, policy);
   AdamW opt(model.params(), arena, AdamWConfig{});
   const std::int64_t n = kB * kS;

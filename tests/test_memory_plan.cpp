@@ -375,7 +375,7 @@ BlockContext pipeline_context(const ModelConfig& cfg, StepProgram& program, cons
   for (int l = stage.first_layer; l < layer; ++l) hold(mb, l, false);
   if (point != SavePoint::attention) hold(mb, layer, true);
   program.pending_weight_bytes.clear();
-  if (schedule == "zb-h1") program.pending_weight_bytes[{0, stage.first_layer}] = 5 * kMiB;  // a W still queued
+  if (schedule == "zb-h1") program.pending_weight_bytes[{0, stage.first_layer}] = {3 * kMiB, 2 * kMiB};  // a W still queued
   for (const ActivationSpec& a : layer_activations(cfg, layer, kB, kS, ctx.rows, ep > 1)) {
     const bool attn = a.name.starts_with("attn");
     if (point == SavePoint::attention ? attn
@@ -457,9 +457,11 @@ TEST_P(MemoryPlanPrecision, ProjectionEqualsAnExactWalkOfTheRestOfTheStep) {
             EXPECT_EQ(p.compute, w.phase_peak(P::kCompute)) << what;
             if (point == SavePoint::moe) {
               EXPECT_GT(p.compute, 0) << what;
-              // The closed form bounds the exact walk of the choice from the block kept whole.
+              // The closed form bounds the exact walk of the choice from the block kept
+              // whole (after the decision: the walk's peak also holds the use it starts from).
               if (c) {
-                EXPECT_LE(w.peak(), project_block(cfg, ctx, nullptr).evaluate(candidates_of(cfg, ctx), *c)) << what;
+                const Bytes bound = project_block(cfg, ctx, nullptr).evaluate(candidates_of(cfg, ctx), *c);
+                EXPECT_LE(w.peak(), std::max(bound, ctx.in_use)) << what;
               }
             }
             EXPECT_EQ(p.tail, w.phase_peak(P::kTail)) << what;
@@ -504,8 +506,9 @@ Bytes pipeline_minimum(const ModelConfig& cfg, const std::string& schedule, bool
 }
 
 // What the zero-bubble W queue holds from B to W is a planner choice: at its floor
-// (offloaded from the end of the B until the W) zb-h1's smallest budget is lower
-// than with the reads kept on the device.
+// (each layer's reads offloaded once the B is past it, back just before that
+// layer's W GEMMs) zb-h1's smallest budget is far lower than with the reads kept on
+// the device, and above 1F1B's (the sweep's model: 1.04x, tests/minimum_sweep.py).
 TEST_P(MemoryPlanPrecision, ZeroBubbleMinimumOffloadsTheWReads) {
   ModelConfig cfg = test::small_moe_config(4, 1, 4, true);
   cfg.bf16 = GetParam();
@@ -516,7 +519,8 @@ TEST_P(MemoryPlanPrecision, ZeroBubbleMinimumOffloadsTheWReads) {
                 schedule.c_str(), static_cast<long long>(offloaded), static_cast<long long>(kept),
                 static_cast<long long>(one_f_one_b));
     EXPECT_LT(offloaded, kept) << schedule;
-    EXPECT_GE(offloaded, one_f_one_b) << schedule;  // (a B still holds its own reads until it ends)
+    EXPECT_LT(double(offloaded), 0.5 * double(kept)) << schedule;
+    EXPECT_GE(offloaded, one_f_one_b) << schedule;  // (a layer's reads wait for its W GEMMs)
   }
 }
 }  // namespace

@@ -247,8 +247,8 @@ TEST(Provision, ZeroBubbleRunsFitABudgetOfExactlyTheirPeak) {
 // step's predicted peak is the projection of the choice taken; an offload that
 // still does not fit the budget less its reserve is infeasible.
 TEST(Planner, KeepsTheWReadsWhenTheyFitElseOffloadsThem) {
-  Arena arena(128 * kMiB);  // limit 128 - 6.4 = 121.6 MiB
-  AdaptivePlanner planner(arena);
+  Arena arena(128 * kMiB);
+  AdaptivePlanner planner(arena, kPlannerMarginFraction);  // limit 128 - 6.4 = 121.6 MiB
   std::vector<bool> asked;
   const auto projection = [&](Bytes keep, Bytes offload) {
     return [&asked, keep, offload](bool off) {
@@ -398,9 +398,10 @@ TEST(Planner, ProjectionEvaluatesChoicesInClosedForm) {
 // first when it does not (and puts back what then fits), offloads what has no
 // lineage, and counts a decision whose every choice is over the budget.
 TEST(Planner, DecidesFromTheProjectionAndBudget) {
-  Arena arena(128 * kMiB);  // margin: 5% = 6.4 MiB
+  Arena arena(128 * kMiB);
   void* held = arena.allocate(80 * kMiB, MemCategory::weights, "weights");
-  AdaptivePlanner planner(arena);
+  EXPECT_EQ(AdaptivePlanner(arena).margin(), Arena::placement_reserve(arena.budget()));  // a host arena stitches
+  AdaptivePlanner planner(arena, kPlannerMarginFraction);  // margin: 5% = 6.4 MiB (as without stitching)
   EXPECT_EQ(planner.margin(), Bytes(128 * kMiB * kPlannerMarginFraction));
   const std::vector<SaveCandidate> layer = {{"experts.act", "swiglu", 4 * kMiB, true},
                                             {"experts.gate_out", "grouped_gemm", 4 * kMiB, true},

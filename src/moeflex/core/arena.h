@@ -286,6 +286,8 @@ class Arena {
   /// Requests served by stitching free pages into one virtual range (see the file
   /// comment), their bytes, and the free-page extents they were made of.
   std::int64_t stitches() const { return stitches_; }
+  /// Whether this arena stitches (a host region backed by a memory file).
+  bool can_stitch() const { return fd_ >= 0 && !device_; }
   std::int64_t stitched_extents() const { return stitched_extents_; }
   Bytes bytes_stitched() const { return bytes_stitched_; }
   Bytes bytes_evicted() const { return bytes_evicted_; }

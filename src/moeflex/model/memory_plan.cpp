@@ -492,7 +492,7 @@ Bytes project_weight_reads(const ModelConfig& cfg, const BlockContext& ctx, bool
   MemoryWalk w(cfg, ctx.B, ctx.S, ctx.in_use);
   for (const auto& [e, on] : ctx.ledger) w.adopt(e, on, ctx.stage.ep_size);
   w.adopt_pending_weights(*ctx.program);
-  if (offload) w.offload_retained(ctx.microbatch, ctx.stage.first_layer);
+  if (!offload) w.keep_weight_reads(ctx.microbatch, ctx.stage.first_layer);
   w.set_offload_weight_reads(true);
   MemoryWalk::Projection floor;  // no block: every later save at its floor, later layers summarized
   w.set_projection(&floor);
@@ -500,7 +500,7 @@ Bytes project_weight_reads(const ModelConfig& cfg, const BlockContext& ctx, bool
     return std::vector<MoERows>(std::size_t(std::max(0, st.last_layer - st.first_layer)),
                                 MoERows::worst_case(cfg, ctx.B * ctx.S, st.ep_size));
   };
-  w.run(ctx.program->actions, ctx.program->current + 1, ctx.program->stages, worst, nullptr);
+  w.run(ctx.program->actions, ctx.program->current, ctx.program->stages, worst, nullptr);  // from the B itself
   return w.peak();
 }
 
@@ -513,9 +513,10 @@ std::vector<std::int64_t> block_cache_key(const BlockContext& ctx) {
     mix(std::uint64_t(e.bytes) << 3 ^ std::uint64_t(e.provision) << 1 ^ std::uint64_t(on));
   }
   if (ctx.program)
-    for (const auto& [key, bytes] : ctx.program->pending_weight_bytes) {
+    for (const auto& [key, groups] : ctx.program->pending_weight_bytes) {
       mix(std::uint64_t(key.first) << 32 ^ std::uint64_t(key.second));
-      mix(std::uint64_t(bytes) << 1 ^ std::uint64_t(ctx.program->offloaded_weight_reads.count(key)));
+      mix(std::uint64_t(ctx.program->offloaded_weight_reads.count(key)));
+      for (const Bytes b : groups) mix(std::uint64_t(b));
     }
   return {ctx.layer, int(ctx.point), ctx.program ? std::int64_t(ctx.program->current) : -1, ctx.rows.permuted,
           ctx.rows.received, std::int64_t(digest)};

@@ -77,8 +77,10 @@ struct StepProgram {
   std::vector<WalkAction> actions;
   std::size_t current = 0;
   /// Bytes each zero-bubble B left held for its W, by (micro-batch, stage's first
-  /// layer), until that W runs (written by the model chunks as they run).
-  mutable std::map<std::pair<int, int>, Bytes> pending_weight_bytes;
+  /// layer), until that W runs: one figure per layer group of the W (the head's
+  /// GEMMs first, then each layer's from the last, then the embedding's), in the
+  /// W's order (written by the model chunks as they run).
+  mutable std::map<std::pair<int, int>, std::vector<Bytes>> pending_weight_bytes;
   /// The keys of pending_weight_bytes whose reads the planner offloaded (on the host
   /// until their W brings them back).
   mutable std::set<std::pair<int, int>> offloaded_weight_reads;
@@ -137,22 +139,24 @@ class MemoryWalk {
   /// allocated (output gradients, copies of the residual gradient, the activations
   /// they multiply) until weight(mb, stage).
   void backward(int mb, const StageSpec& stage, bool split = false);
-  /// The zero-bubble W of `mb` through `stage`: frees what its B kept, after
-  /// bringing it back first if it was offloaded (MoEModel::backward_weight).
+  /// The zero-bubble W of `mb` through `stage`, one layer group at a time (the
+  /// order of MoEModel::backward_weight): brings the group's reads back if they
+  /// were offloaded, then frees them.
   void weight(int mb, const StageSpec& stage);
-  /// Offloads what the B of `mb` through the stage starting at `first_layer` keeps
-  /// for its W (the bytes leave the device now; its W brings them back). No-op when
-  /// nothing is kept or it is offloaded already.
-  void offload_retained(int mb, int first_layer);
-  /// From now on (on): every zero-bubble B offloads what it keeps for its W at its
-  /// end, the planner's most memory-saving choice for those reads.
+  /// From now on (on): every zero-bubble B offloads what it keeps for its W, each
+  /// layer's group once that layer's backward is done (MoEModel::backward_stage),
+  /// the planner's most memory-saving choice for those reads.
   void set_offload_weight_reads(bool on) { offload_weight_reads_ = on; }
+  /// The B of `mb` through the stage starting at `first_layer` keeps its W reads on
+  /// the device, whatever set_offload_weight_reads says (a planner's choice).
+  void keep_weight_reads(int mb, int first_layer) { keep_exceptions_.insert({mb, first_layer}); }
   /// Bytes the B of `mb` through `stage` keeps for its W (0 once W ran).
   Bytes retained(int mb, const StageSpec& stage) const;
-  /// Takes over `bytes` a real zero-bubble B left held for the W of `mb` through the
-  /// stage starting at `first_layer`: in the walk's starting use when on_device,
-  /// else offloaded (see offload_retained).
-  void adopt_retained(int mb, int first_layer, Bytes bytes, bool on_device = true);
+  /// Takes over what a real zero-bubble B left held for the W of `mb` through the
+  /// stage starting at `first_layer`, by layer group (StepProgram::
+  /// pending_weight_bytes): in the walk's starting use when on_device, else on
+  /// the host until the W.
+  void adopt_retained(int mb, int first_layer, const std::vector<Bytes>& groups, bool on_device = true);
   /// adopt_retained for everything `program` has pending, with its residency.
   void adopt_pending_weights(const StepProgram& program);
   /// Allocates (+1) or frees (-1) `count` pipeline buffers of [B*S, d] floats.
@@ -298,9 +302,19 @@ class MemoryWalk {
   void pin(int mb, int layer, int id);  // read by a deferred weight gradient
   bool split_ = false;
   int stage_id_ = 0;                                      // first layer of the stage under backward
-  std::map<std::pair<int, int>, Bytes> retained_;         // (mb, stage) -> bytes held for W
-  std::set<std::pair<int, int>> retained_offloaded_;      // those of retained_ on the host
+  /// What a B keeps for its W: bytes by layer group in the W's order; the first
+  /// `offloaded` groups are on the host.
+  struct Retained {
+    std::vector<std::pair<int, Bytes>> groups;  // (layer, bytes)
+    std::size_t offloaded = 0;
+    Bytes total() const;
+  };
+  std::map<std::pair<int, int>, Retained> retained_;  // (mb, stage) -> what it holds for W
+  int keep_layer_ = 0;                                // the layer whose group keep() adds to
   bool offload_weight_reads_ = false;
+  bool offload_this_b_ = false;                    // the B under way offloads its groups as it goes
+  std::set<std::pair<int, int>> keep_exceptions_;  // Bs that keep their reads (keep_weight_reads)
+  void offload_groups(int mb);                     // the B under way's groups so far, to the host
   MoERows rows_at(const StageSpec& st, int l, const std::vector<MoERows>& rows) const;
   /// layer_activations (or head_activations for kHeadLayer), memoized by layer kind and rows.
   const LayerSpecs& specs_of(int layer, const MoERows& rows, bool ep);
@@ -383,11 +397,11 @@ struct BlockContext {
 BlockProjection project_block(const ModelConfig& cfg, const BlockContext& ctx, const BlockChoice* choice);
 
 /// The projection of a zero-bubble B's W-read decision (AdaptivePlanner::
-/// plan_weight_reads) at the end of the B of ctx.microbatch through ctx.stage: the
-/// exact peak of the rest of the rank's step (ctx.program, from the action after
-/// the current one) with those reads kept on the device or offloaded until their W,
-/// every later decision at its most memory-saving choice and every routing at its
-/// worst case. ctx.program must be set.
+/// plan_weight_reads) at the start of the B of ctx.microbatch through ctx.stage:
+/// the exact peak of the rest of the rank's step (ctx.program, from the current
+/// action, the B itself) with what its W reads kept on the device until the W, or
+/// offloaded layer by layer as the B goes, every later decision at its most
+/// memory-saving choice and every routing at its worst case. ctx.program must be set.
 Bytes project_weight_reads(const ModelConfig& cfg, const BlockContext& ctx, bool offload);
 
 /// The planner's cache key for the block: its layer, save point, place in the

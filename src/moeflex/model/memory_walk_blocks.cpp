@@ -234,7 +234,25 @@ void MemoryWalk::expert_chunks(int mb, int l, std::int64_t rows, bool defer) {
   else free(2 * cf);
 }
 
-void MemoryWalk::keep(int mb, Bytes bytes) { retained_[{mb, stage_id_}] += bytes; }
+void MemoryWalk::keep(int mb, Bytes bytes) {
+  auto& groups = retained_[{mb, stage_id_}].groups;
+  if (groups.empty() || groups.back().first != keep_layer_) groups.emplace_back(keep_layer_, 0);
+  groups.back().second += bytes;
+}
+
+Bytes MemoryWalk::Retained::total() const {
+  Bytes t = 0;
+  for (const auto& [layer, bytes] : groups) t += bytes;
+  return t;
+}
+
+void MemoryWalk::offload_groups(int mb) {
+  if (!offload_this_b_) return;
+  auto it = retained_.find({mb, stage_id_});
+  if (it == retained_.end()) return;
+  Retained& r = it->second;
+  for (; r.offloaded < r.groups.size(); ++r.offloaded) free(r.groups[r.offloaded].second);
+}
 
 void MemoryWalk::pin(int mb, int layer, int id) {
   if (!split_) return;
@@ -244,31 +262,29 @@ void MemoryWalk::pin(int mb, int layer, int id) {
 
 Bytes MemoryWalk::retained(int mb, const StageSpec& st) const {
   auto it = retained_.find({mb, st.first_layer});
-  return it == retained_.end() ? 0 : it->second;
+  return it == retained_.end() ? 0 : it->second.total();
 }
 
 void MemoryWalk::weight(int mb, const StageSpec& st) {
   auto it = retained_.find({mb, st.first_layer});
   if (it == retained_.end()) return;
-  if (retained_offloaded_.erase(it->first)) alloc(it->second);  // brought back before the GEMMs run
-  free(it->second);
+  const Retained& r = it->second;
+  for (std::size_t g = 0; g < r.groups.size(); ++g) {
+    if (g < r.offloaded) alloc(r.groups[g].second);  // back before the group's GEMMs run
+    free(r.groups[g].second);
+  }
   retained_.erase(it);
 }
 
-void MemoryWalk::offload_retained(int mb, int first_layer) {
-  auto it = retained_.find({mb, first_layer});
-  if (it == retained_.end() || it->second == 0 || !retained_offloaded_.insert(it->first).second) return;
-  free(it->second);
-}
-
-void MemoryWalk::adopt_retained(int mb, int first_layer, Bytes bytes, bool on_device) {
-  retained_[{mb, first_layer}] += bytes;
-  if (!on_device) retained_offloaded_.insert({mb, first_layer});
+void MemoryWalk::adopt_retained(int mb, int first_layer, const std::vector<Bytes>& groups, bool on_device) {
+  Retained& r = retained_[{mb, first_layer}];
+  for (const Bytes b : groups) r.groups.emplace_back(-2, b);  // (layers of an earlier B: never extended)
+  if (!on_device) r.offloaded = r.groups.size();
 }
 
 void MemoryWalk::adopt_pending_weights(const StepProgram& program) {
-  for (const auto& [key, bytes] : program.pending_weight_bytes)
-    adopt_retained(key.first, key.second, bytes, !program.offloaded_weight_reads.count(key));
+  for (const auto& [key, groups] : program.pending_weight_bytes)
+    adopt_retained(key.first, key.second, groups, !program.offloaded_weight_reads.count(key));
 }
 
 const MemoryWalk::LayerSummary& MemoryWalk::summary_of(int l, const MoERows& rows, int ep_size) {
@@ -315,7 +331,7 @@ const MemoryWalk::LayerSummary& MemoryWalk::summary_of(int l, const MoERows& row
     w.backward_body(0, l);
     sum.body_peak[split] = w.peak_ - base;
     sum.body_delta[split] = w.in_use_ - base;
-    sum.body_retained[split] = w.retained_.empty() ? 0 : w.retained_.begin()->second;
+    sum.body_retained[split] = w.retained_.empty() ? 0 : w.retained_.begin()->second.total();
   }
   auto& store = memo.size() < kMemo ? memo : local_summaries_;
   return store.emplace_back(key, sum).second;
@@ -338,6 +354,8 @@ void MemoryWalk::backward(int mb, const StageSpec& st, bool split) {
   const std::int64_t n = B_ * S_, d = cfg_.hidden_size;
   split_ = split;
   stage_id_ = st.first_layer;
+  offload_this_b_ = split && offload_weight_reads_ && !keep_exceptions_.count({mb, st.first_layer});
+  keep_layer_ = kHeadLayer;
   land();  // the engine waits for copies in flight before a backward
   enter(kPrefetched, mb, kHeadLayer);
   prefetch(mb, kHeadLayer);
@@ -358,8 +376,10 @@ void MemoryWalk::backward(int mb, const StageSpec& st, bool split) {
     free(rounded(n * d, ab_));  // lm_head.dx
   }
   release_layer(mb, kHeadLayer);
+  offload_groups(mb);
   enter(kAfter, mb, kHeadLayer);
   for (int l = st.last_layer - 1; l >= st.first_layer; --l) {
+    keep_layer_ = l;
     if (l > st.first_layer) {
       enter(kPrefetched, mb, l - 1);
       prefetch(mb, l - 1);
@@ -376,13 +396,16 @@ void MemoryWalk::backward(int mb, const StageSpec& st, bool split) {
     } else {
       backward_body(mb, l);
     }
+    offload_groups(mb);
     enter(kAfter, mb, l);
   }
+  keep_layer_ = -1;
   if (split && st.embedding)
     keep(mb, rounded(n * d, ab_));  // the embedding's W scatters it
   else
     free(rounded(n * d, ab_));  // grad.residual
-  if (split && offload_weight_reads_) offload_retained(mb, st.first_layer);
+  offload_groups(mb);
+  offload_this_b_ = false;
   split_ = false;
   for (int l = st.first_layer; l < st.last_layer; ++l)
     if (Slot* s = find_slot(mb, l)) s->has_rows = false;

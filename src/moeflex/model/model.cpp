@@ -463,6 +463,7 @@ Tensor MoEModel::forward_impl(const std::int32_t* ids, const std::int32_t* targe
 void MoEModel::backward_stage(const std::int32_t* ids, const std::int32_t* targets, CView dy, View dx_in,
                               std::int64_t B, std::int64_t S, int mb, double grad_scale) {
   const std::int64_t n = B * S, d = cfg_.hidden_size, V = cfg_.vocab_size;
+  offload_w_reads_ = defer_wgrad_ && plan_weight_reads(mb);
   // Offloads still copying land first (the memory program assumes so), then the
   // offloaded activations come back one layer ahead of their backward.
   for (ActivationStash* st : rank_stashes()) st->sync();
@@ -485,12 +486,14 @@ void MoEModel::backward_stage(const std::int32_t* ids, const std::int32_t* targe
     be_.copy(dx.raw(), dy.data, dx.nbytes());
   }
   stash_.release_layer(mb, kHeadLayer);
+  if (offload_w_reads_) offload_queued_reads(mb);
   for (int l = par_.last_layer - 1; l >= par_.first_layer; --l) {
     if (l > par_.first_layer) stash_.prefetch_layer(mb, l - 1);
     op_context().layer = l;
     ffn_backward(l, dx, n, mb, grad_scale);
     attention_backward(l, dx, B, S, mb);
     stash_.release_layer(mb, l);
+    if (offload_w_reads_) offload_queued_reads(mb);
   }
   op_context().layer = kOpLayerEmbedding;
   if (par_.embedding) {
@@ -505,14 +508,16 @@ void MoEModel::backward_stage(const std::int32_t* ids, const std::int32_t* targe
           fmt::format("stage input gradient is {} but the model runs in {}", to_string(dx_in.dtype), to_string(adt_)));
     be_.copy(dx_in.data, dx.raw(), dx.nbytes());
   }
-  dx.reset();  // (the memory program frees the residual gradient here, before the W-read decision)
+  dx.reset();  // (the memory program frees the residual gradient here)
+  if (offload_w_reads_) offload_queued_reads(mb);
   stash_.release_microbatch(mb);
   // What this B leaves held for its W, for the planner's projections until then:
   // what the queue holds, measured (evicted reads counted: they come back for W).
   if (defer_wgrad_ && program_) {
-    program_->pending_weight_bytes[{mb, par_.first_layer}] = weight_grad_bytes(mb);
-    plan_weight_reads(mb);
+    program_->pending_weight_bytes[{mb, par_.first_layer}] = weight_grad_groups(mb);
+    if (offload_w_reads_) program_->offloaded_weight_reads.insert({mb, par_.first_layer});
   }
+  offload_w_reads_ = false;
 }
 
 }  // namespace moeflex

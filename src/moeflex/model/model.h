@@ -135,6 +135,8 @@ class MoEModel {
   /// Arena bytes (rounded) of the tensors queued weight-gradient work of
   /// `microbatch` reads: held on the device, or evicted and brought back before it runs.
   Bytes weight_grad_bytes(int microbatch) const;
+  /// The same by layer group of the W, in its order (StepProgram::pending_weight_bytes).
+  std::vector<Bytes> weight_grad_groups(int microbatch) const;
   /// Bytes of what queued weight-gradient work reads that the arena evicted to the
   /// host to defragment (Arena::make_room), since construction; they came back
   /// before their W ran.
@@ -328,6 +330,7 @@ class MoEModel {
   struct PendingWeightGrad {
     std::vector<Shared> reads;
     std::function<void()> fn;
+    int layer = 0;  ///< op_context().layer when queued: backward_weight runs the GEMMs by layer group
   };
   std::map<int, std::vector<PendingWeightGrad>> wgrad_queue_;
   /// Every tensor queued W work reads: its references held by the queue (and one
@@ -349,10 +352,14 @@ class MoEModel {
   void bring_back(Tensor* t);         // an evicted queued read, back on the device
   int relocatable_id_ = -1;  // the W queue's compaction source in arena_
   Bytes wgrad_bytes_evicted_ = 0, wgrad_bytes_offloaded_ = 0;
-  /// At the end of a zero-bubble B of `mb` (with a planner and a step program): asks
-  /// the planner whether its W reads stay on the device until W, and offloads them
-  /// to the host if not (AdaptivePlanner::plan_weight_reads).
-  void plan_weight_reads(int mb);
+  /// At the start of a zero-bubble B of `mb` (with a planner and a step program):
+  /// whether the planner offloads what its W will read (AdaptivePlanner::
+  /// plan_weight_reads); then offload_queued_reads runs after each layer.
+  bool plan_weight_reads(int mb);
+  /// Offloads to the host every read of `mb`'s queued weight gradients still on the
+  /// device (backward_weight brings them back). Throws Error for one held elsewhere.
+  void offload_queued_reads(int mb);
+  bool offload_w_reads_ = false;  // the B under way offloads its W reads layer by layer
   /// The planner's view of the rank now, for a decision at (mb, l, point): lets
   /// offloads in flight land, then takes the bytes in use and every chunk's ledger.
   BlockContext decision_context(int mb, int l, SavePoint point, const MoERows& rows);

@@ -59,27 +59,29 @@ void MoEModel::weight_grad(int mb, std::vector<Shared> reads, std::function<void
       fn();
     };
   count_reads(reads, +1);
-  wgrad_queue_[mb].push_back({std::move(reads), std::move(fn)});
+  wgrad_queue_[mb].push_back({std::move(reads), std::move(fn), op_context().layer});
 }
 
-void MoEModel::plan_weight_reads(int mb) {
-  const std::pair<int, int> key{mb, par_.first_layer};
-  if (!planner_ || !program_ || weight_grad_bytes(mb) == 0) return;
+bool MoEModel::plan_weight_reads(int mb) {
+  if (!planner_ || !program_) return false;
   const BlockContext ctx = decision_context(mb, kHeadLayer, SavePoint::attention, MoERows{});
-  if (!planner_->plan_weight_reads([&](bool offload) { return project_weight_reads(cfg_, ctx, offload); })) return;
-  // Offloaded: every read goes to the host now, and backward_weight brings it back.
-  for (const PendingWeightGrad& w : wgrad_queue_.at(mb))
+  return planner_->plan_weight_reads([&](bool offload) { return project_weight_reads(cfg_, ctx, offload); });
+}
+
+void MoEModel::offload_queued_reads(int mb) {
+  auto it = wgrad_queue_.find(mb);
+  if (it == wgrad_queue_.end()) return;
+  for (const PendingWeightGrad& w : it->second)
     for (const Shared& t : w.reads) {
       if (!t || !t->defined() || t->arena() != &arena_) continue;
       const Bytes bytes = t->nbytes();
-      if (!evict_queued_read(t.get()))
-        throw Error(fmt::format("model: a read of micro-batch {}'s queued weight gradients is held elsewhere and "
-                                "cannot be offloaded",
-                                mb));
+      if (!evict_queued_read(t.get()))  // the memory program offloads every group the B is past
+        throw Error(fmt::format("model: a {} B tensor read by micro-batch {}'s queued weight gradients (layer {}) "
+                                "is held elsewhere and cannot be offloaded",
+                                bytes, mb, w.layer));
       wgrad_bytes_offloaded_ += bytes;
       wgrad_bytes_evicted_ -= bytes;  // (counted apart from the arena's evictions)
     }
-  program_->offloaded_weight_reads.insert(key);
 }
 
 void MoEModel::backward_weight(int mb) {
@@ -89,21 +91,27 @@ void MoEModel::backward_weight(int mb) {
   }
   auto it = wgrad_queue_.find(mb);
   if (it == wgrad_queue_.end()) return;
-  // What was offloaded or evicted comes back first, all of it (the memory program's
-  // W: its reads back, then the GEMMs).
-  for (PendingWeightGrad& w : it->second)
-    for (const Shared& t : w.reads)
-      if (t && !t->defined() && wgrad_reads_.count(t.get()) && wgrad_reads_.at(t.get()).host) bring_back(t.get());
-  for (PendingWeightGrad& w : it->second) {
-    if (!w.fn) continue;  // (ran before an error cut this W short)
-    // Running: its tensors are pinned from here (one more reference than the queue
-    // counts) until it has run; evicted ones come back first.
-    const std::vector<Shared> running = w.reads;
-    for (const Shared& t : running)
-      if (!t->defined()) bring_back(t.get());
-    w.fn();
-    count_reads(w.reads, -1);
-    w = {};
+  // One layer group at a time (the memory program's W): what the group reads comes
+  // back from the host first, then its GEMMs run and free what no later one reads.
+  auto& queue = it->second;
+  for (std::size_t g = 0; g < queue.size();) {
+    std::size_t end = g;
+    while (end < queue.size() && queue[end].layer == queue[g].layer) ++end;
+    for (std::size_t i = g; i < end; ++i)
+      for (const Shared& t : queue[i].reads)
+        if (t && !t->defined()) bring_back(t.get());
+    for (; g < end; ++g) {
+      PendingWeightGrad& w = queue[g];
+      if (!w.fn) continue;  // (ran before an error cut this W short)
+      // Running: its tensors are pinned from here (one more reference than the
+      // queue counts) until it has run; evicted ones come back first.
+      const std::vector<Shared> running = w.reads;
+      for (const Shared& t : running)
+        if (!t->defined()) bring_back(t.get());
+      w.fn();
+      count_reads(w.reads, -1);
+      w = {};
+    }
   }
   wgrad_queue_.erase(it);
 }
@@ -117,15 +125,24 @@ Bytes MoEModel::device_bytes(const Tensor& t) const {
   return Bytes(numel) * dtype_size(it->second.dtype);
 }
 
-Bytes MoEModel::weight_grad_bytes(int mb) const {
+std::vector<Bytes> MoEModel::weight_grad_groups(int mb) const {
   auto it = wgrad_queue_.find(mb);
-  if (it == wgrad_queue_.end()) return 0;
+  if (it == wgrad_queue_.end()) return {};
   std::unordered_set<const Tensor*> seen;
-  Bytes held = 0;
-  for (const PendingWeightGrad& w : it->second)
+  std::vector<Bytes> groups;
+  for (std::size_t i = 0; i < it->second.size(); ++i) {
+    const PendingWeightGrad& w = it->second[i];
+    if (i == 0 || w.layer != it->second[i - 1].layer) groups.push_back(0);
     for (const Shared& t : w.reads)
       if (t && seen.insert(t.get()).second)
-        if (const Bytes b = device_bytes(*t); b > 0) held += Arena::round_up(b);
+        if (const Bytes b = device_bytes(*t); b > 0) groups.back() += Arena::round_up(b);
+  }
+  return groups;
+}
+
+Bytes MoEModel::weight_grad_bytes(int mb) const {
+  Bytes held = 0;
+  for (const Bytes b : weight_grad_groups(mb)) held += b;
   return held;
 }
 

@@ -49,7 +49,7 @@ std::vector<BlockChoice> static_levels(const std::vector<SaveCandidate>& candida
 
 Bytes AdaptivePlanner::margin() const {
   return arena_.unlimited() ? 0
-                            : std::max(Bytes(double(arena_.budget()) * kPlannerMarginFraction),
+                            : std::max(Bytes(double(arena_.budget()) * margin_fraction_),
                                        Arena::placement_reserve(arena_.budget()));
 }
 

@@ -83,20 +83,28 @@ struct BlockProjection {
 /// is then that choice's projected peak).
 using ProjectFn = std::function<BlockProjection(const BlockChoice* choice)>;
 
-/// The planner's margin for allocator fragmentation, as a fraction of the budget:
-/// a soft target. The planner takes the cheapest choice whose projected peak stays
-/// under budget - margin when one exists, else the floor (the most memory-saving
-/// choice: the lowest peak); a decision is infeasible only when the floor exceeds
-/// the budget less its Arena::placement_reserve, the invariant's hard limit. What
-/// fragmentation the margin cannot absorb, the arena does by compaction, stitching
-/// and eviction, so the smallest feasible budget (minimum_budget) carries only the
-/// placement reserve. Constant, so that a decision's projection still holds at the
-/// next one. The margin spares the arena those slower paths on calm steps.
+/// The planner's margin for allocator fragmentation, as a fraction of the budget,
+/// on an arena that cannot stitch (the CUDA arena): a soft target. The planner takes
+/// the cheapest choice whose projected peak stays under budget - margin when one
+/// exists, else the floor (the most memory-saving choice: the lowest peak); a
+/// decision is infeasible only when the floor exceeds the budget less its
+/// Arena::placement_reserve, the invariant's hard limit. What fragmentation the
+/// margin cannot absorb, the arena does by compaction and eviction, so the smallest
+/// feasible budget (minimum_budget) carries only the placement reserve. Constant,
+/// so that a decision's projection still holds at the next one. A host arena
+/// stitches free pages whenever held blocks split them, so its margin is the
+/// placement reserve alone (Arena::can_stitch).
 inline constexpr double kPlannerMarginFraction = 0.05;
 
 class AdaptivePlanner {
  public:
-  explicit AdaptivePlanner(Arena& arena) : arena_(arena) {}
+  /// margin_fraction: of the budget, kept out of the planner's target (at least the
+  /// placement reserve); negative: kPlannerMarginFraction on an arena that cannot
+  /// stitch, else none beyond the reserve.
+  explicit AdaptivePlanner(Arena& arena, double margin_fraction = -1)
+      : arena_(arena), margin_fraction_(margin_fraction >= 0 ? margin_fraction
+                                        : arena.can_stitch() ? 0.0
+                                                             : kPlannerMarginFraction) {}
 
   /// Decides the provision of one block's activations (called just before they are
   /// saved). `cache_key`: what, besides the arena's use, determines the projection
@@ -104,9 +112,9 @@ class AdaptivePlanner {
   /// for no caching. The decision is what decide() answers for these entries.
   void plan_block(int microbatch, int layer, const std::vector<SaveCandidate>& candidates, const ProjectFn& project,
                   const std::vector<std::int64_t>& cache_key);
-  /// Decides, at the end of a zero-bubble B, whether what its queued weight-gradient
-  /// GEMMs read stays on the device until their W (false) or waits on the host
-  /// (true: the most memory-saving choice). project(offload): the exact peak of the
+  /// Decides, at the start of a zero-bubble B, whether what its queued weight-gradient
+  /// GEMMs will read stays on the device until their W (false) or waits on the host,
+  /// each layer's once the B is past it (true: the most memory-saving choice). project(offload): the exact peak of the
   /// rest of the step with that choice and every later decision at its floor
   /// (project_weight_reads). Keeps them when that fits under budget - margin.
   bool plan_weight_reads(const std::function<Bytes(bool offload)>& project);
@@ -118,8 +126,8 @@ class AdaptivePlanner {
   /// At the end of a step: clears the step's decisions and per-step statistics.
   void end_step();
 
-  /// Bytes kept out of the budget for the allocator's fragmentation
-  /// (kPlannerMarginFraction of the budget, at least its Arena::placement_reserve).
+  /// Bytes kept out of the budget for the allocator's fragmentation (the margin
+  /// fraction of the budget, at least its Arena::placement_reserve).
   Bytes margin() const;
 
   std::int64_t decisions() const { return decisions_; }
@@ -144,6 +152,7 @@ class AdaptivePlanner {
 
  private:
   Arena& arena_;
+  double margin_fraction_;
   std::map<std::tuple<int, int, std::string>, Provision> current_;
   struct Cached {
     BlockChoice choice;

@@ -412,8 +412,7 @@ void Training::check_feasibility() {
           "--device-memory {} ({} B{}) is below the smallest budget for which adaptive provisioning can guarantee "
           "no out-of-memory error: {} ({} B: {} of weights, gradients and optimizer state on the fullest rank, "
           "plus one step with every activation recomputed or offloaded and worst-case expert routing, plus {} kept "
-          "free for placement); use "
-          "--device-memory {} or more ({:.0f}% more lets the planner keep a fragmentation margin)",
+          "free for placement); use --device-memory {} or more",
           format_bytes(arena.budget()), arena.budget(),
           arena.budget() != cfg.device_memory
               ? fmt::format(", {} B rounded down to the arena's {}-byte alignment", cfg.device_memory,
@@ -421,7 +420,7 @@ void Training::check_feasibility() {
               : std::string(),
           format_bytes(Bytes(need[0])), Bytes(need[0]), format_bytes(Bytes(need[1])),
           format_bytes(Arena::placement_reserve(Bytes(need[0]))),
-          format_bytes(Bytes(std::ceil(need[0] / double(kMiB)) * double(kMiB))), 100 * kPlannerMarginFraction));
+          format_bytes(Bytes(std::ceil(need[0] / double(kMiB)) * double(kMiB)))));
     progress.note(fmt::format("adaptive provisioning: budget {}, smallest feasible {}", format_bytes(arena.budget()),
                               format_bytes(Bytes(need[0]))));
   }

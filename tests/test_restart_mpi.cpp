@@ -332,13 +332,45 @@ TEST(ResumeMpi, RotationKeepsItsCountAndNoCommonStepIsRefusedAlikeByName) {
     ADD_FAILURE() << "resumed without a step in common";
   } catch (const DataError& e) {
     const std::string m = e.what();
-    EXPECT_NE(m.find("the newest step every rank completed is 2, but rank 0 holds no complete checkpoint of it"),
+    EXPECT_NE(m.find("the newest step every rank completed is 2, but rank 0 holds no intact checkpoint of it"),
               std::string::npos)
         << m;
     EXPECT_NE(m.find("rank00000/checkpoints/step_00000002"), std::string::npos) << m;
   }
   g_world->barrier();
   EXPECT_TRUE(fs::exists(mine2 / (rank == 0 ? "step_00000004" : "step_00000002")));  // nothing deleted
+}
+
+// One rank's newest checkpoint damaged at its full size (a flipped byte): that rank
+// names it and moves it aside, every rank resumes from the newest step all hold
+// intact, and the run ends as the uninterrupted one does.
+TEST(ResumeMpi, ADamagedCheckpointOnOneRankFallsBackOnEvery) {
+  if (g_world->size() != 2) GTEST_SKIP() << "needs mpirun -np 2";
+  const int rank = g_world->rank();
+  RunConfig cfg = tiny_run(6, 2);
+  cfg.train.checkpoint_every = 2;
+  cfg.train.keep_checkpoints = 2;
+  const TrainResult whole = run_training(options(cfg, shared_dir("damaged-straight")));
+  const fs::path out = shared_dir("damaged");
+  TrainOptions first = options(cfg, out);
+  first.stop_after = 4;
+  run_training(first);
+  const fs::path step4 = out / fmt::format("rank{:05d}", rank) / "checkpoints" / "step_00000004";
+  if (rank == 1) {
+    std::fstream f(step4 / "model.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(200);
+    const char byte = char(f.get() ^ 0x01);
+    f.seekp(200);
+    f.put(byte);
+  }
+  g_world->barrier();
+  TrainOptions again = options(cfg, out);
+  again.resume = out;
+  const TrainResult r = run_training(again);
+  EXPECT_EQ(r.steps, 6);
+  EXPECT_EQ(r.final_val_loss, whole.final_val_loss);  // resumed from step 2 on both ranks, bit for bit
+  EXPECT_EQ(fs::exists(step4.string() + ".damaged"), rank == 1);
+  g_world->barrier();
 }
 
 TEST(RestartOnOOM, ConfigIsValidatedAndRoundTrips) {

@@ -15,6 +15,7 @@
 #include "moeflex/core/arena.h"
 #include "moeflex/core/error.h"
 #include "moeflex/provision/cost_model.h"
+#include "moeflex/train/checkpoint.h"
 #include "moeflex/train/generate.h"
 #include "moeflex/train/trainer.h"
 #include "scratch_dir.h"
@@ -124,6 +125,54 @@ TEST(Train, ResumeReproducesUninterruptedRun) {
   for (std::size_t i = 0; i < la.size(); ++i) EXPECT_EQ(la[i], lb[i]) << "step " << i + 1;  // bit for bit
   fs::remove_all(a);
   fs::remove_all(b);
+}
+
+// A damaged newest checkpoint (truncated, or one byte flipped at the same size) is
+// named with what is wrong, moved aside untouched, and the run resumes from the
+// newest intact one, reproducing the uninterrupted run bit for bit; its own next save
+// of that step does not write over the damaged one.
+TEST(Train, ResumeFallsBackPastADamagedCheckpointAndKeepsIt) {
+  RunConfig cfg = small_run(12);
+  cfg.train.checkpoint_every = 4;
+  cfg.train.keep_checkpoints = 3;
+  const fs::path straight = fresh_dir("fallback-straight");
+  const TrainResult whole = run_training(options(cfg, straight));
+  for (const bool truncate : {true, false}) {
+    const fs::path run = fresh_dir(truncate ? "fallback-truncated" : "fallback-flipped");
+    TrainOptions first = options(cfg, run);
+    first.stop_after = 8;
+    run_training(first);
+    const fs::path step8 = train::checkpoint_dir(run, 8), model = step8 / train::kModelFileName;
+    ASSERT_TRUE(fs::exists(model));
+    const auto size = fs::file_size(model);
+    if (truncate) {
+      fs::resize_file(model, size - 100);
+    } else {
+      std::fstream f(model, std::ios::in | std::ios::out | std::ios::binary);
+      f.seekg(std::streamoff(size / 2));
+      const char byte = char(f.get() ^ 0x5a);
+      f.seekp(std::streamoff(size / 2));
+      f.put(byte);
+    }
+    const auto damaged_size = fs::file_size(model);
+    TrainOptions second = options(cfg, run);
+    second.resume = run;
+    testing::internal::CaptureStderr();
+    const TrainResult r = run_training(second);
+    const std::string said = testing::internal::GetCapturedStderr();
+    const std::string what = truncate ? "truncated" : "corrupted";
+    EXPECT_NE(said.find("checkpoint step 8"), std::string::npos) << said;
+    EXPECT_NE(said.find(what), std::string::npos) << said;
+    EXPECT_NE(said.find("resuming from step 4"), std::string::npos) << said;
+    const fs::path aside = step8.string() + ".damaged";
+    ASSERT_TRUE(fs::exists(aside / train::kModelFileName)) << what;
+    EXPECT_EQ(fs::file_size(aside / train::kModelFileName), damaged_size) << what;  // kept as it was
+    EXPECT_TRUE(fs::exists(step8 / train::kManifestFileName)) << "the resumed run saved step 8 anew";
+    EXPECT_EQ(r.final_val_loss, whole.final_val_loss) << what;
+    EXPECT_EQ(losses(run), losses(straight)) << what;  // bit for bit
+    fs::remove_all(run);
+  }
+  fs::remove_all(straight);
 }
 
 // The bf16 engine through the trainer: a resumed run reproduces the uninterrupted

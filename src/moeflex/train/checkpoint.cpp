@@ -307,6 +307,40 @@ bool checkpoint_complete(const fs::path& ckpt_dir, std::int64_t step) {
   }
 }
 
+std::string checkpoint_damage(const fs::path& ckpt_dir, std::int64_t step) {
+  try {
+    const nlohmann::json m = read_checkpoint_manifest(ckpt_dir);
+    if (m["step"].get<std::int64_t>() != step)
+      return fmt::format("Its manifest records step {}, not {}.", m["step"].get<std::int64_t>(), step);
+    for (const auto& [name, record] : m["files"].items()) open_verified(ckpt_dir / name, record);
+    return {};
+  } catch (const Error& e) {
+    return e.what();
+  } catch (const nlohmann::json::exception& e) {
+    return fmt::format("Its manifest cannot be read: {}.", e.what());
+  }
+}
+
+std::optional<fs::path> newest_intact_checkpoint(const fs::path& run_dir, std::vector<DamagedCheckpoint>& damaged) {
+  for (const auto& [step, dir] : step_dirs(run_dir / "checkpoints")) {
+    std::string why = checkpoint_damage(dir, step);
+    if (why.empty()) return dir;
+    damaged.push_back({dir, step, std::move(why)});
+  }
+  return std::nullopt;
+}
+
+fs::path move_checkpoint_aside(const fs::path& dir) {
+  fs::path to = dir.string() + ".damaged";
+  std::error_code ec;
+  for (int k = 2; fs::exists(to, ec); ++k) to = fmt::format("{}.damaged.{}", dir.string(), k);
+  fs::rename(dir, to, ec);
+  if (ec)
+    throw DataError(fmt::format("Cannot move the damaged checkpoint '{}' aside to '{}': {}.", dir.string(),
+                                to.string(), ec.message()));
+  return to;
+}
+
 std::optional<fs::path> latest_checkpoint(const fs::path& run_dir) {
   for (const auto& [step, dir] : step_dirs(run_dir / "checkpoints"))
     if (checkpoint_complete(dir, step)) return dir;  // else not usable: try an older one

@@ -79,6 +79,28 @@ bool checkpoint_complete(const std::filesystem::path& ckpt_dir, std::int64_t ste
 /// are skipped. Checksums are verified by load_checkpoint, not here.
 std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& run_dir);
 
+/// Why `ckpt_dir` cannot be resumed from as a checkpoint of `step` (its manifest,
+/// and every file it lists: present, of the recorded size and SHA-256), as the
+/// error's own sentence; empty when it is intact. Reads every file.
+std::string checkpoint_damage(const std::filesystem::path& ckpt_dir, std::int64_t step);
+
+/// A checkpoint newer than the one a resume found intact, and what is wrong with it.
+struct DamagedCheckpoint {
+  std::filesystem::path dir;
+  std::int64_t step = 0;
+  std::string why;
+};
+
+/// The newest step_* directory under <run_dir>/checkpoints that checkpoint_damage
+/// finds intact; every newer one goes into `damaged` (newest first), with why.
+std::optional<std::filesystem::path> newest_intact_checkpoint(const std::filesystem::path& run_dir,
+                                                              std::vector<DamagedCheckpoint>& damaged);
+
+/// Renames a damaged checkpoint folder aside, to <dir>.damaged (or .damaged.2, ...:
+/// never over another), so that no later save writes over it and no resume picks
+/// it. Returns the new path; throws DataError naming both paths if it cannot.
+std::filesystem::path move_checkpoint_aside(const std::filesystem::path& dir);
+
 /// Reads and validates <ckpt_dir>/manifest.json (format, version, step, files,
 /// trainer_state). Throws DataError naming the file and the problem.
 nlohmann::json read_checkpoint_manifest(const std::filesystem::path& ckpt_dir);

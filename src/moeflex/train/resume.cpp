@@ -127,8 +127,16 @@ void find_resume_checkpoint(RunContext& ctx) {
   const int rank = ctx.rank;
   const int world_size = ctx.world_size;
   const fs::path& ckpt_root = ctx.ckpt_root;
-  ctx.ckpt = train::latest_checkpoint(ckpt_root);
-  if (world_size == 1 && !ctx.ckpt) throw no_checkpoint_error(ckpt_root);
+  // The newest checkpoint intact (every file's size and SHA-256), and the damaged
+  // ones newer than it: named, and moved aside once the ranks agree.
+  std::vector<train::DamagedCheckpoint> damaged;
+  ctx.ckpt = train::newest_intact_checkpoint(ckpt_root, damaged);
+  if (world_size == 1 && !ctx.ckpt) {
+    if (damaged.empty()) throw no_checkpoint_error(ckpt_root);
+    throw DataError(fmt::format("--resume: no intact checkpoint in '{}': the oldest, step {} ('{}'), is damaged: {}",
+                                ckpt_root.string(), damaged.back().step, damaged.back().dir.string(),
+                                damaged.back().why));
+  }
   if (world_size > 1) {
     // Every check below ends alike on every rank (an all-reduce first): a rank that
     // threw alone would leave the others waiting in the next collective.
@@ -144,12 +152,12 @@ void find_resume_checkpoint(RunContext& ctx) {
     // A rank without a usable checkpoint of that step (rotated away, or cut short by
     // a crash) leaves no step in common: every rank refuses, naming the last such rank.
     const fs::path older = train::checkpoint_dir(ckpt_root, common);
-    double missing = common == own || train::checkpoint_complete(older, common) ? 0 : rank + 1;
+    double missing = common == own || train::checkpoint_damage(older, common).empty() ? 0 : rank + 1;
     world->all_reduce_max(&missing, 1);
     if (missing > 0)
       throw DataError(fmt::format(
-          "--resume: the newest step every rank completed is {}, but rank {} holds no complete checkpoint of it "
-          "('{}' is missing or incomplete): the ranks hold no checkpoint in common to resume from",
+          "--resume: the newest step every rank completed is {}, but rank {} holds no intact checkpoint of it "
+          "('{}' is missing, incomplete or damaged): the ranks hold no checkpoint in common to resume from",
           common, int(missing) - 1,
           train::checkpoint_dir(run_dir / train::rank_folder_name(int(missing) - 1), common).string()));
     if (common != own) {
@@ -157,6 +165,15 @@ void find_resume_checkpoint(RunContext& ctx) {
                                           rank, common);
       ctx.ckpt = older;
     }
+  }
+  // Every damaged checkpoint is newer than the one resumed from: it goes aside, so
+  // that the run's next save of that step cannot write over it.
+  for (const train::DamagedCheckpoint& d : damaged) {
+    const fs::path aside = train::move_checkpoint_aside(d.dir);
+    std::string note = fmt::format("{}checkpoint step {} ('{}') is damaged: {} Moved aside to '{}'; resuming from step {}",
+                                   world_size > 1 ? fmt::format("rank {}: ", rank) : std::string(), d.step,
+                                   d.dir.string(), d.why, aside.string(), train::checkpoint_step(*ctx.ckpt));
+    ctx.progress_note_pending += (ctx.progress_note_pending.empty() ? "" : "\nmoeflex: ") + note;
   }
 }
 

@@ -6,6 +6,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <csignal>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -495,4 +497,23 @@ TEST(Arena, PlacementReserveAndTheSmallestBudgetAroundIt) {
     const Bytes less = b - Arena::kAlignment;
     EXPECT_LT(less - Arena::placement_reserve(less), peak) << peak;
   }
+}
+
+// The host region is a shared mapping (stitching maps its pages twice): a forked
+// child must not share it (it would write into the parent's tensors), so it gets
+// none of it.
+TEST(ArenaDeathTest, AForkedChildGetsNoneOfTheRegion) {
+  Arena arena(Bytes(1) << 20);
+  if (!arena.can_stitch()) GTEST_SKIP() << "no memory file behind the region";
+  Tensor t(arena, {1024}, MemCategory::activations, "t");
+  t.f32()[0] = 1.0f;
+  GTEST_FLAG_SET(death_test_style, "fast");  // fork, no exec: the child sees this process's mappings
+  EXPECT_EXIT(
+      {
+        volatile float x = t.f32()[0];
+        (void)x;
+        std::_Exit(0);
+      },
+      ::testing::KilledBySignal(SIGSEGV), "");
+  EXPECT_EQ(t.f32()[0], 1.0f);
 }

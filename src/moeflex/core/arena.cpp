@@ -93,6 +93,9 @@ Arena::Arena(Bytes budget) : budget_(budget) {
                               MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED)
       throw Error(fmt::format("cannot reserve a device region of {}", format_bytes(budget_)));
+    // A shared mapping would be shared with a forked child too (no copy on write):
+    // children get none of it.
+    if (fd_ >= 0) madvise(p, std::size_t(budget_), MADV_DONTFORK);
     base_ = static_cast<char*>(p);
     region_ = std::make_unique<BlockAllocator>(budget_, kAlignment);
   }
@@ -251,12 +254,14 @@ void* Arena::stitch(Bytes size, MemCategory category, bool page_by_page) {
   if (range == MAP_FAILED) return nullptr;
   char* at = static_cast<char*>(range);
   for (const auto& [offset, bytes] : st.extents) {
-    if (mmap(at, std::size_t(bytes), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd_, off_t(offset)) == MAP_FAILED) {
+    void* mapped = mmap(at, std::size_t(bytes), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd_, off_t(offset));
+    if (mapped == MAP_FAILED) {
       munmap(range, std::size_t(need));
       return nullptr;
     }
     at += bytes;
   }
+  madvise(range, std::size_t(need), MADV_DONTFORK);  // (as the region: see the constructor)
   for (const auto& [offset, bytes] : st.extents) region_->allocate_at(offset, bytes, category);
   ++stitches_;
   stitched_extents_ += std::int64_t(st.extents.size());

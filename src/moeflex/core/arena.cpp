@@ -151,12 +151,13 @@ void* Arena::allocate(Bytes bytes, MemCategory category, std::string_view op) {
     stats_.account(category, size);
     return p;
   }
+  const auto served = [&](void* p) {  // accounts a block handed out of the region (or stitched from it)
+    stats_.account(category, size);
+    window_peak_ = std::max(window_peak_, in_use());
+    return p;
+  };
   if (stress_ == Stress::stitch && size >= page_)
-    if (void* p = stitch(size, category, /*page_by_page=*/true)) {
-      stats_.account(category, size);
-      window_peak_ = std::max(window_peak_, in_use());
-      return p;
-    }
+    if (void* p = stitch(size, category, /*page_by_page=*/true)) return served(p);
   if ((stress_ == Stress::compact || stress_ == Stress::evict) && !relocatable_.empty()) {
     if (stress_ == Stress::evict)
       for (const auto& [offset, r] : relocatable_by_offset())
@@ -180,11 +181,7 @@ void* Arena::allocate(Bytes bytes, MemCategory category, std::string_view op) {
       if (budget_ - region_->in_use() < size) throw oom_now();
       if (region_->largest_free_block() < size) compact();
       if (region_->largest_free_block() < size) {
-        if (void* p = stitch(size, category)) {
-          stats_.account(category, size);
-          window_peak_ = std::max(window_peak_, in_use());
-          return p;
-        }
+        if (void* p = stitch(size, category)) return served(p);
         if (!make_room(size)) throw oom_now();
       }
       offset = region_->allocate(size, category, op, from_top_);
@@ -199,9 +196,7 @@ void* Arena::allocate(Bytes bytes, MemCategory category, std::string_view op) {
     stats_.account(category, size);
     return p;
   }
-  stats_.account(category, size);
-  window_peak_ = std::max(window_peak_, in_use());
-  return base_ + offset;
+  return served(base_ + offset);
 }
 
 void Arena::deallocate(void* ptr, Bytes bytes, MemCategory category) {

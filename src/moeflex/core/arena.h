@@ -30,28 +30,28 @@
 //   device blocks are pinned until the copy lands (the planner counts them as gone
 //   by the next decision point anyway).
 //   When compaction is not enough (blocks pinned by the running operator split the
-//   free bytes) and stitching (below) cannot serve the request, the arena evicts relocatable tensors of the stretch between pinned
-//   blocks that can hold the request (their sources copy them to the host and bring
-//   them back when next needed), then compacts again: bytes in use only go down, so
-//   a plan that fits in bytes never fails on fragmentation while relocatable tensors
-//   can make room. Counted in evictions()/bytes_evicted(). A source may list a
-//   tensor as movable but not evictable (e.g. one a queued weight-gradient GEMM
-//   will read: moving it is safe, a host copy would free nothing); such a tensor
-//   slides in compaction but neither splits a stretch nor counts as room.
+//   free bytes) and stitching (below) cannot serve the request, the arena evicts
+//   relocatable tensors of the stretch between pinned blocks that can hold the
+//   request (their sources copy them to the host and bring them back when next
+//   needed), then compacts again: bytes in use only go down, so a plan that fits in
+//   bytes never fails on fragmentation while relocatable tensors can make room.
+//   Counted in evictions()/bytes_evicted(). A source may list a tensor as movable
+//   but not evictable (e.g. one a queued weight-gradient GEMM will read: moving it
+//   is safe, a host copy would free nothing); such a tensor slides in compaction
+//   but neither splits a stretch nor counts as room.
 // - Stitching (as CUDA's virtual memory management lets PyTorch's expandable
 //   segments do): the host region is a memory file mapped once as the arena's view.
 //   When compaction leaves the free bytes split by pinned blocks (those the running
 //   operator holds), the arena first serves the request from several free holes at
 //   once, before evicting anything (mapping pages costs no copy): it takes whole
 //   pages out of them and maps those pages, in order, into one fresh virtual range,
-//   which the tensor sees as contiguous. A hole loses
-//   less than a page at each end, so a request fits whenever the free bytes exceed it
-//   by two pages per hole; the placement reserve keeps that room (for 32 holes from
-//   a 32 MiB budget up), and the planner and the printed minimum never plan into
-//   it. A stitched block is pinned for its life (compaction and eviction leave it).
-//   Counted in stitches(). A forked child gets none of the region (MADV_DONTFORK: a
-//   shared mapping is not copied on write). The CUDA arena (a cudaMalloc region)
-//   does not stitch.
+//   which the tensor sees as contiguous. A hole loses less than a page at each end,
+//   so a request fits whenever the free bytes exceed it by two pages per hole; the
+//   placement reserve keeps that room (for 32 holes from a 32 MiB budget up), and
+//   the planner and the printed minimum never plan into it. A stitched block is
+//   pinned for its life (compaction and eviction leave it). Counted in stitches().
+//   A forked child gets none of the region (MADV_DONTFORK: a shared mapping is not
+//   copied on write). The CUDA arena (a cudaMalloc region) does not stitch.
 // - Action-scoped placement: while from_top is on (the pipeline executor turns it
 //   on for backward actions, whose recomputed activations and gradients live only
 //   as long as the action), activations too are served from the top; the

@@ -71,7 +71,12 @@ MoEModel::MoEModel(const ModelConfig& cfg, Arena& arena, const ModelParallel& pa
         for (auto& [t, r] : wgrad_reads_)
           if (r.tensor.use_count() == r.holds && t->arena() == &arena_) out.emplace_back(const_cast<Tensor*>(t));
       },
-      [this](Tensor* t) { return evict_queued_read(t); });
+      [this](Tensor* t) {
+        const Bytes bytes = t->nbytes();
+        if (!evict_queued_read(t)) return false;
+        wgrad_bytes_evicted_ += bytes;
+        return true;
+      });
   if (par_.last_layer < 0) par_.last_layer = int(cfg.num_hidden_layers);
   if (par_.first_layer < 0 || par_.first_layer > par_.last_layer || par_.last_layer > cfg.num_hidden_layers)
     throw ConfigError(fmt::format("model stage holds layers [{}, {}) of {}", par_.first_layer, par_.last_layer,

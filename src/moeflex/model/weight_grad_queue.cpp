@@ -26,7 +26,6 @@ bool MoEModel::evict_queued_read(Tensor* t) {
   r.dtype = t->dtype();
   r.category = t->category();
   t->reset();
-  wgrad_bytes_evicted_ += bytes;
   return true;
 }
 
@@ -80,7 +79,6 @@ void MoEModel::offload_queued_reads(int mb) {
                                 "is held elsewhere and cannot be offloaded",
                                 bytes, mb, w.layer));
       wgrad_bytes_offloaded_ += bytes;
-      wgrad_bytes_evicted_ -= bytes;  // (counted apart from the arena's evictions)
     }
 }
 

@@ -114,9 +114,10 @@ class AdaptivePlanner {
                   const std::vector<std::int64_t>& cache_key);
   /// Decides, at the start of a zero-bubble B, whether what its queued weight-gradient
   /// GEMMs will read stays on the device until their W (false) or waits on the host,
-  /// each layer's once the B is past it (true: the most memory-saving choice). project(offload): the exact peak of the
-  /// rest of the step with that choice and every later decision at its floor
-  /// (project_weight_reads). Keeps them when that fits under budget - margin.
+  /// each layer's once the B is past it (true: the most memory-saving choice).
+  /// project(offload): the exact peak of the rest of the step with that choice and
+  /// every later decision at its floor (project_weight_reads). Keeps them when that
+  /// fits under budget - margin.
   bool plan_weight_reads(const std::function<Bytes(bool offload)>& project);
   /// The policy callback for ActivationStash::set_policy.
   Provision decide(const LedgerEntry& e) const;

@@ -170,9 +170,10 @@ void find_resume_checkpoint(RunContext& ctx) {
   // that the run's next save of that step cannot write over it.
   for (const train::DamagedCheckpoint& d : damaged) {
     const fs::path aside = train::move_checkpoint_aside(d.dir);
-    std::string note = fmt::format("{}checkpoint step {} ('{}') is damaged: {} Moved aside to '{}'; resuming from step {}",
-                                   world_size > 1 ? fmt::format("rank {}: ", rank) : std::string(), d.step,
-                                   d.dir.string(), d.why, aside.string(), train::checkpoint_step(*ctx.ckpt));
+    std::string note =
+        fmt::format("{}checkpoint step {} ('{}') is damaged: {} Moved aside to '{}'; resuming from step {}",
+                    world_size > 1 ? fmt::format("rank {}: ", rank) : std::string(), d.step, d.dir.string(), d.why,
+                    aside.string(), train::checkpoint_step(*ctx.ckpt));
     ctx.progress_note_pending += (ctx.progress_note_pending.empty() ? "" : "\nmoeflex: ") + note;
   }
 }

@@ -117,24 +117,26 @@ OpCase rope_case(std::string name, std::int64_t B, std::int64_t S, std::int64_t 
   return c;
 }
 
-OpCase attention_case(std::string name, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd) {
-  const std::int64_t N = B * S * H * hd, P = B * H * S * S;
-  OpCase c = new_case(std::move(name), shape_of({{"B", B}, {"S", S}, {"H", H}, {"hd", hd}}));
+/// Causal attention of H query heads over Hkv key/value heads (GQA when Hkv < H).
+OpCase attention_case(std::string name, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t Hkv,
+                      std::int64_t hd) {
+  const std::int64_t N = B * S * H * hd, Nkv = B * S * Hkv * hd, P = B * H * S * S;
+  OpCase c = new_case(std::move(name), shape_of({{"B", B}, {"S", S}, {"H", H}, {"Hkv", Hkv}, {"hd", hd}}));
   c.build = [=] {
     return std::vector<TensorSpec>{
-        input("q", Elem::act, N, 50, 1.5), input("k", Elem::act, N, 51, 1.5), input("v", Elem::act, N, 52),
+        input("q", Elem::act, N, 50, 1.5), input("k", Elem::act, Nkv, 51, 1.5), input("v", Elem::act, Nkv, 52),
         output("out", Elem::act, N),
         // The CUDA flash kernels keep only the logsumexp in probs (ops/backend.h).
         saved("probs", Elem::act, P, false), scratch("dprobs_ws", Elem::act, P), seed("dout", "out", Elem::act, N, 53),
-        grad("dq", "q", Elem::act, N), grad("dk", "k", Elem::act, N), grad("dv", "v", Elem::act, N)};
+        grad("dq", "q", Elem::act, N), grad("dk", "k", Elem::act, Nkv), grad("dv", "v", Elem::act, Nkv)};
   };
   c.forward = [=](ops::Backend& be, OpTensors& t) {
-    be.attention_forward(t.c("q"), t.c("k"), t.c("v"), t.v("out"), t.v("probs"), B, S, H, hd);
+    be.attention_forward(t.c("q"), t.c("k"), t.c("v"), t.v("out"), t.v("probs"), B, S, H, Hkv, hd);
     return 0.0;
   };
   c.backward = [=](ops::Backend& be, OpTensors& t) {
     be.attention_backward(t.c("dout"), t.c("q"), t.c("k"), t.c("v"), t.c("out"), t.c("probs"), t.v("dq"), t.v("dk"),
-                          t.v("dv"), t.v("dprobs_ws"), B, S, H, hd);
+                          t.v("dv"), t.v("dprobs_ws"), B, S, H, Hkv, hd);
   };
   c.tol = kSmooth;
   c.forward_flops = 4.0 * double(B * H * S * S * hd);  // attention.h: the causal half is not skipped
@@ -255,8 +257,11 @@ void add_dense_cases(std::vector<OpCase>& cases) {
   cases.push_back(rmsnorm_case("rmsnorm_wide", 3, 67));
   cases.push_back(rope_case("rope_small", 1, 3, 2, 4));
   cases.push_back(rope_case("rope_batched", 2, 5, 3, 8));
-  cases.push_back(attention_case("attention_small", 1, 4, 2, 4));
-  cases.push_back(attention_case("attention_batched", 2, 7, 3, 8));
+  cases.push_back(attention_case("attention_small", 1, 4, 2, 2, 4));
+  cases.push_back(attention_case("attention_batched", 2, 7, 3, 3, 8));
+  cases.push_back(attention_case("attention_gqa", 2, 7, 4, 2, 8));  // two query heads per kv head
+  cases.push_back(attention_case("attention_mqa", 1, 5, 3, 1, 4));  // multi-query: one kv head
+  cases.push_back(attention_case("attention_gqa_head_dim_12", 1, 6, 4, 2, 12));  // head_dim != hidden / heads
   cases.push_back(swiglu_case("swiglu", 41));
   cases.push_back(add_inplace_case(37));
   cases.push_back(cast_case("cast_f32_to_act", Elem::f32, Elem::act, 129));
@@ -267,7 +272,7 @@ void add_dense_cases(std::vector<OpCase>& cases) {
   // Training-like shapes for the timing figures.
   cases.push_back(at_timing_size(linear_case("linear_timing", 512, 512, 1024, false)));
   cases.push_back(at_timing_size(rmsnorm_case("rmsnorm_timing", 512, 1024)));
-  cases.push_back(at_timing_size(attention_case("attention_timing", 1, 256, 4, 64)));
+  cases.push_back(at_timing_size(attention_case("attention_timing", 1, 256, 4, 4, 64)));
   cases.push_back(at_timing_size(swiglu_case("swiglu_timing", 512 * 1024)));
   cases.push_back(at_timing_size(cross_entropy_case("cross_entropy_timing", 256, 8192)));
 }

@@ -164,10 +164,10 @@ TEST(CudaBench, TrainingSizeTimings) {
     const std::string shape = shape_str({{"B", B}, {"S", S}, {"H", H}, {"hd", hd}});
     OpRow f{"attention_fwd", "bf16", shape}, b{"attention_bwd", "bf16", shape};
     f.flops = 2.0 * B * H * double(S) * double(S) * hd, b.flops = 2.5 * f.flops;
-    f.ms = time_ms([&] { gops::attention_forward(q.get(), k.get(), v.get(), o.get(), lse.get(), B, S, H, hd, s); }, 5);
+    f.ms = time_ms([&] { gops::attention_forward(q.get(), k.get(), v.get(), o.get(), lse.get(), B, S, H, H, hd, s); }, 5);
     b.ms = time_ms([&] {
       gops::attention_backward(dout.get(), q.get(), k.get(), v.get(), o.get(), lse.get(), dq.get(), dk.get(), dv.get(),
-                               ws.get(), B, S, H, hd, s);
+                               ws.get(), B, S, H, H, hd, s);
     }, 5);
     report(f), report(b);
   }

@@ -685,7 +685,8 @@ TEST(CudaOps, RouterFp32GradientMatchesFiniteDifferences) {
 // Attention (own flash kernels) against the CPU attention (which stores probs)
 
 /// lse[b,h,i] = log sum_{j<=i} exp(q_i k_j / sqrt(hd)), in double.
-Vec reference_lse(const Vec& q, const Vec& k, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd) {
+Vec reference_lse(const Vec& q, const Vec& k, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t Hkv,
+                  std::int64_t hd) {
   Vec lse(sz(B * H * S));
   const double scale = 1.0 / std::sqrt(double(hd));
   for (std::int64_t b = 0; b < B; ++b)
@@ -695,7 +696,7 @@ Vec reference_lse(const Vec& q, const Vec& k, std::int64_t B, std::int64_t S, st
         for (std::int64_t j = 0; j <= i; ++j) {
           double d = 0;
           for (std::int64_t c = 0; c < hd; ++c)
-            d += q[sz(((b * S + i) * H + h) * hd + c)] * k[sz(((b * S + j) * H + h) * hd + c)];
+            d += q[sz(((b * S + i) * H + h) * hd + c)] * k[sz(((b * S + j) * Hkv + h / (H / Hkv)) * hd + c)];
           s.push_back(d * scale);
         }
         const double m = *std::max_element(s.begin(), s.end());
@@ -707,27 +708,28 @@ Vec reference_lse(const Vec& q, const Vec& k, std::int64_t B, std::int64_t S, st
 }
 
 template <typename T>
-void check_attention(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd) {
-  const std::size_t N = sz(B * S * H * hd);
-  const Vec q = quantize<T>(random_vec(N, 100, 1.5)), k = quantize<T>(random_vec(N, 101, 1.5));
-  const Vec v = quantize<T>(random_vec(N, 102)), dout = quantize<T>(random_vec(N, 103));
-  Vec out_ref(N), probs(sz(B * H * S * S)), dq_ref(N), dk_ref(N), dv_ref(N), dprobs(probs.size());
-  ops::attention_forward<double>(q.data(), k.data(), v.data(), out_ref.data(), probs.data(), B, S, H, hd);
+void check_attention(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd, std::int64_t Hkv = 0) {
+  if (Hkv == 0) Hkv = H;  // multi-head; fewer: grouped-query
+  const std::size_t N = sz(B * S * H * hd), Nkv = sz(B * S * Hkv * hd);
+  const Vec q = quantize<T>(random_vec(N, 100, 1.5)), k = quantize<T>(random_vec(Nkv, 101, 1.5));
+  const Vec v = quantize<T>(random_vec(Nkv, 102)), dout = quantize<T>(random_vec(N, 103));
+  Vec out_ref(N), probs(sz(B * H * S * S)), dq_ref(N), dk_ref(Nkv), dv_ref(Nkv), dprobs(probs.size());
+  ops::attention_forward<double>(q.data(), k.data(), v.data(), out_ref.data(), probs.data(), B, S, H, Hkv, hd);
   ops::attention_backward<double>(dout.data(), q.data(), k.data(), v.data(), probs.data(), dq_ref.data(), dk_ref.data(),
-                                  dv_ref.data(), dprobs.data(), B, S, H, hd);
-  const Vec lse_ref = reference_lse(q, k, B, S, H, hd);
+                                  dv_ref.data(), dprobs.data(), B, S, H, Hkv, hd);
+  const Vec lse_ref = reference_lse(q, k, B, S, H, Hkv, hd);
 
   DevArray<T> dQ(q, "q"), dK(k, "k"), dV(v, "v"), dO(std::int64_t(N), "out"), dDO(dout, "dout"), dDQ(std::int64_t(N), "dq"),
-      dDK(std::int64_t(N), "dk"), dDV(std::int64_t(N), "dv");
+      dDK(std::int64_t(Nkv), "dk"), dDV(std::int64_t(Nkv), "dv");
   DevArray<float> dLse(B * H * S, "lse"), ws(gops::attention_backward_workspace_bytes(B, S, H) / 4 + 1, "ws");
   for (auto* a : {&dO, &dDQ, &dDK, &dDV}) a->fill_nan();
   dLse.fill_nan();
   ws.fill_nan();
   const cudaStream_t s = gpu().s();
-  gops::attention_forward(dQ.get(), dK.get(), dV.get(), dO.get(), dLse.get(), B, S, H, hd, s);
+  gops::attention_forward(dQ.get(), dK.get(), dV.get(), dO.get(), dLse.get(), B, S, H, Hkv, hd, s);
   gops::attention_backward(dDO.get(), dQ.get(), dK.get(), dV.get(), dO.get(), dLse.get(), dDQ.get(), dDK.get(),
-                           dDV.get(), ws.get(), B, S, H, hd, s);
-  const std::string shape = shape_str({{"B", B}, {"S", S}, {"H", H}, {"hd", hd}});
+                           dDV.get(), ws.get(), B, S, H, Hkv, hd, s);
+  const std::string shape = shape_str({{"B", B}, {"S", S}, {"H", H}, {"Hkv", Hkv}, {"hd", hd}});
   OpRow f{"attention_fwd", dtype_name<T>(), shape, rel_err(dO.download(), out_ref), tol<T>()};
   expect_close("attention out " + shape, f.err, f.tol);
   expect_close("attention lse (fp32) " + shape, rel_err(dLse.download(), lse_ref), kTolF32);
@@ -739,16 +741,16 @@ void check_attention(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_
   OpRow b{"attention_bwd", dtype_name<T>(), shape, std::max({eq, ek, ev}), tol<T>()};
   // Deterministic: no atomics, so a second backward gives the same bits.
   gops::attention_backward(dDO.get(), dQ.get(), dK.get(), dV.get(), dO.get(), dLse.get(), dDQ.get(), dDK.get(),
-                           dDV.get(), ws.get(), B, S, H, hd, s);
+                           dDV.get(), ws.get(), B, S, H, Hkv, hd, s);
   EXPECT_TRUE(bit_equal(dDQ.download_raw(), dq1) && bit_equal(dDK.download_raw(), dk1) &&
               bit_equal(dDV.download_raw(), dv1))
       << "attention backward is not deterministic";
   f.flops = 2.0 * B * H * double(S) * double(S) * hd;  // causal half of 4 B H S^2 hd
   b.flops = 2.5 * f.flops;
-  f.ms = time_ms([&] { gops::attention_forward(dQ.get(), dK.get(), dV.get(), dO.get(), dLse.get(), B, S, H, hd, s); });
+  f.ms = time_ms([&] { gops::attention_forward(dQ.get(), dK.get(), dV.get(), dO.get(), dLse.get(), B, S, H, Hkv, hd, s); });
   b.ms = time_ms([&] {
     gops::attention_backward(dDO.get(), dQ.get(), dK.get(), dV.get(), dO.get(), dLse.get(), dDQ.get(), dDK.get(),
-                             dDV.get(), ws.get(), B, S, H, hd, s);
+                             dDV.get(), ws.get(), B, S, H, Hkv, hd, s);
   });
   report(f);
   report(b);
@@ -763,8 +765,13 @@ TEST(CudaOps, FlashAttentionForwardBackwardMatchTheCpu) {
   check_attention<float>(2, 33, 2, 48);  // head_dim not a multiple of 32
   check_attention<bf16>(1, 1, 1, 32);    // one token
   check_attention<bf16>(1, 256, 4, 64);
+  check_attention<float>(2, 77, 4, 64, 2);  // grouped-query: 2 query heads per kv head
+  check_attention<bf16>(2, 77, 4, 64, 2);
+  check_attention<float>(1, 130, 6, 40, 2);  // groups of 3, padded head dim
+  check_attention<bf16>(1, 130, 4, 128, 1);  // multi-query
   DevArray<float> x(Vec(256, 0.0), "x"), l(Vec(2, 0.0), "l");
-  EXPECT_THROW(gops::attention_forward(x.get(), x.get(), x.get(), x.get(), l.get(), 1, 1, 1, 256, gpu().s()), Error);
+  EXPECT_THROW(gops::attention_forward(x.get(), x.get(), x.get(), x.get(), l.get(), 1, 1, 1, 1, 256, gpu().s()), Error);
+  EXPECT_THROW(gops::attention_forward(x.get(), x.get(), x.get(), x.get(), l.get(), 1, 1, 3, 2, 32, gpu().s()), Error);
 }
 
 TEST(CudaOps, FlashAttentionFp32GradientsMatchFiniteDifferences) {
@@ -780,13 +787,13 @@ TEST(CudaOps, FlashAttentionFp32GradientsMatchFiniteDifferences) {
     dQ.upload(axpy(q, eps, uq));
     dK.upload(axpy(k, eps, uk));
     dV.upload(axpy(v, eps, uv));
-    gops::attention_forward(dQ.get(), dK.get(), dV.get(), dO.get(), dLse.get(), B, S, H, hd, gpu().s());
+    gops::attention_forward(dQ.get(), dK.get(), dV.get(), dO.get(), dLse.get(), B, S, H, H, hd, gpu().s());
     return dot(dO.download(), probe);
   };
   const double eps = 1e-3, lp = loss(eps), lm = loss(-eps);
   loss(0);
   gops::attention_backward(dP.get(), dQ.get(), dK.get(), dV.get(), dO.get(), dLse.get(), dDQ.get(), dDK.get(),
-                           dDV.get(), ws.get(), B, S, H, hd, gpu().s());
+                           dDV.get(), ws.get(), B, S, H, H, hd, gpu().s());
   const double analytic = dot(dDQ.download(), uq) + dot(dDK.download(), uk) + dot(dDV.download(), uv);
   expect_directional_derivative("attention (dq, dk, dv)", analytic, lp, lm, eps);
 }
@@ -1011,26 +1018,28 @@ TEST(CudaBackend, NormRopeSwigluAddAndCastMatchTheCpuBackend) {
 TEST(CudaBackend, AttentionMatchesTheCpuBackend) {
   MOEFLEX_REQUIRE_GPU();
   for (DType t : kDtypes) {
-    for (auto [B, S, H, hd] : {std::array<std::int64_t, 4>{2, 37, 3, 64}, {1, 2, 2, 32}}) {
-      const std::int64_t N = B * S * H * hd, P = B * H * S * S;
-      const std::string shape = shape_str({{"B", B}, {"S", S}, {"H", H}, {"hd", hd}});
-      Both q(t, random_vec(sz(N), 230, 1.5), "q"), k(t, random_vec(sz(N), 231, 1.5), "k"), v(t, random_vec(sz(N), 232), "v");
+    for (auto [B, S, H, Hkv, hd] :
+         {std::array<std::int64_t, 5>{2, 37, 3, 3, 64}, {1, 2, 2, 2, 32}, {2, 37, 4, 2, 64}}) {
+      const std::int64_t N = B * S * H * hd, Nkv = B * S * Hkv * hd, P = B * H * S * S;
+      const std::string shape = shape_str({{"B", B}, {"S", S}, {"H", H}, {"Hkv", Hkv}, {"hd", hd}});
+      Both q(t, random_vec(sz(N), 230, 1.5), "q"), k(t, random_vec(sz(Nkv), 231, 1.5), "k"),
+          v(t, random_vec(sz(Nkv), 232), "v");
       Both dout(t, random_vec(sz(N), 233), "dout"), out(t, N, "out"), probs(t, P, "probs"), ws(t, P, "dprobs_ws");
-      Both dq(t, N, "dq"), dk(t, N, "dk"), dv(t, N, "dv");
+      Both dq(t, N, "dq"), dk(t, Nkv, "dk"), dv(t, Nkv, "dv");
       for (Both* b : {&out, &probs, &ws, &dq, &dk, &dv}) b->fill_nan();
-      cpu_be().attention_forward(q.h(), k.h(), v.h(), out.h(), probs.h(), B, S, H, hd);
-      cuda_be().attention_forward(q.d(), k.d(), v.d(), out.d(), probs.d(), B, S, H, hd);
+      cpu_be().attention_forward(q.h(), k.h(), v.h(), out.h(), probs.h(), B, S, H, Hkv, hd);
+      cuda_be().attention_forward(q.d(), k.d(), v.d(), out.d(), probs.d(), B, S, H, Hkv, hd);
       compare("attention_forward", t, shape, {{"out", &out}});
       cpu_be().attention_backward(dout.h(), q.h(), k.h(), v.h(), out.h(), probs.h(), dq.h(), dk.h(), dv.h(), ws.h(), B,
-                                  S, H, hd);
+                                  S, H, Hkv, hd);
       cuda_be().attention_backward(dout.d(), q.d(), k.d(), v.d(), out.d(), probs.d(), dq.d(), dk.d(), dv.d(), ws.d(),
-                                   B, S, H, hd);
+                                   B, S, H, Hkv, hd);
       compare("attention_backward", t, shape, {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}});
     }
   }
   // One token with a bf16 probs buffer: 2 bytes cannot hold the fp32 logsumexp.
   Both x(DType::bf16, Vec(32, 0.5), "x"), o(DType::bf16, 32, "o"), p(DType::bf16, 1, "p");
-  EXPECT_THROW(cuda_be().attention_forward(x.d(), x.d(), x.d(), o.d(), p.d(), 1, 1, 1, 32), Error);
+  EXPECT_THROW(cuda_be().attention_forward(x.d(), x.d(), x.d(), o.d(), p.d(), 1, 1, 1, 1, 32), Error);
 }
 
 TEST(CudaBackend, EmbeddingAndCrossEntropyMatchTheCpuBackend) {
@@ -1242,7 +1251,7 @@ TEST(CudaBackend, MixedDtypesAreErrorsNamingTheOpAndDtypes) {
   EXPECT_THROW(cuda_be().cross_entropy_forward(x16.d(), targets.data(), y32.d(), y32.df(), 4, 16), Error);
   EXPECT_THROW(cuda_be().z_loss_backward(x16.d(), y32.d(), 4, 16, 1.0), Error);
   // Attention's probs buffer too: it shares q's dtype.
-  EXPECT_THROW(cuda_be().attention_forward(x16.d(), x16.d(), x16.d(), y16.d(), y32.d(), 1, 2, 1, 16), Error);
+  EXPECT_THROW(cuda_be().attention_forward(x16.d(), x16.d(), x16.d(), y16.d(), y32.d(), 1, 2, 1, 1, 16), Error);
   // Integer views are not activations.
   Both ints(DType::i32, 64, "ints");
   EXPECT_THROW(cuda_be().swiglu_forward(ints.d(), ints.d(), ints.d(), 64), Error);

@@ -147,6 +147,20 @@ TEST_P(MemoryPlanPrecision, PeakEqualsTheArenaForEveryStaticPolicy) {
   EXPECT_EQ(r.predicted, r.measured) << "threshold=1.1";
 }
 
+// Grouped-query attention with a head_dim of its own (2 kv heads for 4 query heads of
+// 12 on hidden 32): narrower k and v, a wider q and attention output; the walk must
+// replay them exactly, saved and recomputed, with and without the zero-bubble split.
+TEST_P(MemoryPlanPrecision, PeakEqualsTheArenaWithGroupedQueryAttention) {
+  ModelConfig cfg = config_with_dense_and_shared(GetParam());
+  cfg.num_key_value_heads = 2;
+  cfg.head_dim_override = 12;
+  for (const char* name : {"none", "full", "selective", "moe-medium"})
+    for (bool split : {false, true}) {
+      const StepResult r = run_step(cfg, make_static_policy(name), 2, 2.0, 11, split);
+      EXPECT_EQ(r.predicted, r.measured) << "policy " << name << (split ? " split" : "");
+    }
+}
+
 // The zero-bubble split: what the deferred weight gradients read stays until W.
 TEST_P(MemoryPlanPrecision, PeakEqualsTheArenaWithTheZeroBubbleSplit) {
   const ModelConfig cfg = config_with_dense_and_shared(GetParam());

@@ -73,6 +73,10 @@ TEST(Golden, DroplessMatchesPyTorchReference) { check_golden("golden_v1.safetens
 
 TEST(Golden, CapacityTiedMatchesPyTorchReference) { check_golden("golden_v1_capacity.safetensors"); }
 
+// Grouped-query attention (4 query heads over 2 kv heads) with head_dim 12, not
+// hidden 32 / 4 heads: q and o_proj are 48 wide, k and v 24.
+TEST(Golden, GqaMatchesPyTorchReference) { check_golden("golden_v1_gqa.safetensors"); }
+
 // d loss along random directions vs central differences of the float model.
 TEST(Model, DirectionalFiniteDifferences) {
   ModelConfig cfg = test::small_moe_config(2, 0, 4, false);

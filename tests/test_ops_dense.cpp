@@ -13,6 +13,7 @@
 
 #include "moeflex/core/error.h"
 #include "moeflex/ops/attention.h"
+#include "moeflex/ops/backend.h"
 #include "moeflex/ops/blas.h"
 #include "moeflex/ops/cross_entropy.h"
 #include "moeflex/ops/embedding.h"
@@ -434,7 +435,7 @@ void naive_attention(const AttnCase& c, Vec& out, Vec& probs) {
 TEST(OpsDense, AttentionForwardMatchesNaiveAndIsCausal) {
   AttnCase c(2, 5, 3, 4, 2.0);
   Vec out(c.numel(), kNaN), probs(c.pnumel(), kNaN), ref_out, ref_probs;
-  attention_forward(c.q.data(), c.k.data(), c.v.data(), out.data(), probs.data(), c.B, c.S, c.H, c.hd);
+  attention_forward(c.q.data(), c.k.data(), c.v.data(), out.data(), probs.data(), c.B, c.S, c.H, c.H, c.hd);
   naive_attention(c, ref_out, ref_probs);
   EXPECT_LT(rel_err(out, ref_out), 1e-13);
   EXPECT_LT(rel_err(probs, ref_probs), 1e-13);
@@ -458,7 +459,7 @@ TEST(OpsDense, AttentionForwardMatchesNaiveAndIsCausal) {
         c2.v[c.at(b, c.S - 1, h, t)] *= 5.0;
       }
   Vec out2(c.numel()), probs2(c.pnumel());
-  attention_forward(c2.q.data(), c2.k.data(), c2.v.data(), out2.data(), probs2.data(), c.B, c.S, c.H, c.hd);
+  attention_forward(c2.q.data(), c2.k.data(), c2.v.data(), out2.data(), probs2.data(), c.B, c.S, c.H, c.H, c.hd);
   for (int b = 0; b < c.B; ++b)
     for (int s = 0; s + 1 < c.S; ++s)
       for (int h = 0; h < c.H; ++h)
@@ -470,12 +471,12 @@ TEST(OpsDense, AttentionStableForLargeScores) {
   // Scores of several hundred: a softmax without the max subtraction overflows.
   AttnCase c(1, 6, 2, 8, 30.0);
   Vec out(c.numel()), probs(c.pnumel()), ref_out, ref_probs;
-  attention_forward(c.q.data(), c.k.data(), c.v.data(), out.data(), probs.data(), c.B, c.S, c.H, c.hd);
+  attention_forward(c.q.data(), c.k.data(), c.v.data(), out.data(), probs.data(), c.B, c.S, c.H, c.H, c.hd);
   naive_attention(c, ref_out, ref_probs);
   EXPECT_LT(rel_err(out, ref_out), 1e-12);
   auto qf = to_f(c.q), kf = to_f(c.k), vf = to_f(c.v);
   std::vector<float> outf(c.numel()), probsf(c.pnumel());
-  attention_forward(qf.data(), kf.data(), vf.data(), outf.data(), probsf.data(), c.B, c.S, c.H, c.hd);
+  attention_forward(qf.data(), kf.data(), vf.data(), outf.data(), probsf.data(), c.B, c.S, c.H, c.H, c.hd);
   for (float x : outf) EXPECT_TRUE(std::isfinite(x));
 }
 
@@ -483,29 +484,74 @@ TEST(OpsDense, AttentionGradientsMatchFiniteDifferences) {
   AttnCase c(2, 4, 2, 3, 1.5);
   Vec out(c.numel()), probs(c.pnumel());
   auto loss = [&] {
-    attention_forward(c.q.data(), c.k.data(), c.v.data(), out.data(), probs.data(), c.B, c.S, c.H, c.hd);
+    attention_forward(c.q.data(), c.k.data(), c.v.data(), out.data(), probs.data(), c.B, c.S, c.H, c.H, c.hd);
     return dot(out, c.probe);
   };
   loss();
   Vec dq(c.numel(), kNaN), dk(c.numel(), kNaN), dv(c.numel(), kNaN), ws(c.pnumel(), kNaN);
   attention_backward(c.probe.data(), c.q.data(), c.k.data(), c.v.data(), probs.data(), dq.data(), dk.data(),
-                     dv.data(), ws.data(), c.B, c.S, c.H, c.hd);
+                     dv.data(), ws.data(), c.B, c.S, c.H, c.H, c.hd);
   expect_grad_close("attention dq", dq, c.q, loss);
   expect_grad_close("attention dk", dk, c.k, loss);
   expect_grad_close("attention dv", dv, c.v, loss);
 }
 
+// Grouped-query attention (Ainslie et al. 2023): H query heads share Hkv key/value
+// heads, query head h reading kv head h / (H / Hkv). It must equal multi-head
+// attention over k and v with each kv head repeated for its group, and its dk, dv
+// the group's sums of that attention's gradients.
+TEST(OpsDense, GroupedQueryAttentionIsMultiHeadOverRepeatedKv) {
+  for (int Hkv : {2, 1}) {
+    const int B = 2, S = 5, H = 4, hd = 3, group = H / Hkv;
+    AttnCase full(B, S, H, hd, 1.5);  // q and probe; k, v rebuilt from the kv heads below
+    const Vec kk = random_vec(std::size_t(B) * S * Hkv * hd, 61, 1.5), vv = random_vec(kk.size(), 62);
+    auto kv_at = [&](int b, int s, int g, int i) { return ((b * S + s) * Hkv + g) * hd + i; };
+    for (int b = 0; b < B; ++b)
+      for (int s = 0; s < S; ++s)
+        for (int h = 0; h < H; ++h)
+          for (int i = 0; i < hd; ++i) {
+            full.k[full.at(b, s, h, i)] = kk[kv_at(b, s, h / group, i)];
+            full.v[full.at(b, s, h, i)] = vv[kv_at(b, s, h / group, i)];
+          }
+    Vec out(full.numel(), kNaN), probs(full.pnumel(), kNaN), ref_out(full.numel()), ref_probs(full.pnumel());
+    attention_forward(full.q.data(), kk.data(), vv.data(), out.data(), probs.data(), B, S, H, Hkv, hd);
+    attention_forward(full.q.data(), full.k.data(), full.v.data(), ref_out.data(), ref_probs.data(), B, S, H, H, hd);
+    EXPECT_LT(rel_err(out, ref_out), 1e-14) << "Hkv " << Hkv;
+    EXPECT_LT(rel_err(probs, ref_probs), 1e-14) << "Hkv " << Hkv;
+    Vec dq(full.numel(), kNaN), dk(kk.size(), kNaN), dv(kk.size(), kNaN), ws(full.pnumel(), kNaN);
+    attention_backward(full.probe.data(), full.q.data(), kk.data(), vv.data(), probs.data(), dq.data(), dk.data(),
+                       dv.data(), ws.data(), B, S, H, Hkv, hd);
+    Vec rdq(full.numel()), rdk(full.numel()), rdv(full.numel()), rws(full.pnumel());
+    attention_backward(full.probe.data(), full.q.data(), full.k.data(), full.v.data(), ref_probs.data(), rdq.data(),
+                       rdk.data(), rdv.data(), rws.data(), B, S, H, H, hd);
+    Vec sdk(kk.size(), 0.0), sdv(kk.size(), 0.0);
+    for (int b = 0; b < B; ++b)
+      for (int s = 0; s < S; ++s)
+        for (int h = 0; h < H; ++h)
+          for (int i = 0; i < hd; ++i) {
+            sdk[kv_at(b, s, h / group, i)] += rdk[full.at(b, s, h, i)];
+            sdv[kv_at(b, s, h / group, i)] += rdv[full.at(b, s, h, i)];
+          }
+    EXPECT_LT(rel_err(dq, rdq), 1e-13) << "Hkv " << Hkv;
+    EXPECT_LT(rel_err(dk, sdk), 1e-13) << "Hkv " << Hkv;
+    EXPECT_LT(rel_err(dv, sdv), 1e-13) << "Hkv " << Hkv;
+  }
+  EXPECT_THROW(check_kv_heads("attention_forward", 3, 2), Error);  // 3 query heads cannot share 2 kv heads
+  EXPECT_THROW(check_kv_heads("attention_forward", 4, 0), Error);
+  EXPECT_NO_THROW(check_kv_heads("attention_forward", 4, 2));
+}
+
 TEST(OpsDense, AttentionFloatMatchesDouble) {
   AttnCase c(2, 16, 2, 8);
   Vec out(c.numel()), probs(c.pnumel()), dq(c.numel()), dk(c.numel()), dv(c.numel()), ws(c.pnumel());
-  attention_forward(c.q.data(), c.k.data(), c.v.data(), out.data(), probs.data(), c.B, c.S, c.H, c.hd);
+  attention_forward(c.q.data(), c.k.data(), c.v.data(), out.data(), probs.data(), c.B, c.S, c.H, c.H, c.hd);
   attention_backward(c.probe.data(), c.q.data(), c.k.data(), c.v.data(), probs.data(), dq.data(), dk.data(),
-                     dv.data(), ws.data(), c.B, c.S, c.H, c.hd);
+                     dv.data(), ws.data(), c.B, c.S, c.H, c.H, c.hd);
   auto qf = to_f(c.q), kf = to_f(c.k), vf = to_f(c.v), pf = to_f(c.probe);
   std::vector<float> o(c.numel()), p(c.pnumel()), gq(c.numel()), gk(c.numel()), gv(c.numel()), w(c.pnumel());
-  attention_forward(qf.data(), kf.data(), vf.data(), o.data(), p.data(), c.B, c.S, c.H, c.hd);
+  attention_forward(qf.data(), kf.data(), vf.data(), o.data(), p.data(), c.B, c.S, c.H, c.H, c.hd);
   attention_backward(pf.data(), qf.data(), kf.data(), vf.data(), p.data(), gq.data(), gk.data(), gv.data(), w.data(),
-                     c.B, c.S, c.H, c.hd);
+                     c.B, c.S, c.H, c.H, c.hd);
   EXPECT_LT(rel_err(to_d(o), out), kFloatTol);
   EXPECT_LT(rel_err(to_d(p), probs), kFloatTol);
   EXPECT_LT(rel_err(to_d(gq), dq), kFloatTol);
@@ -676,7 +722,7 @@ TEST(OpsDense, AllOpsBitIdenticalAcrossRuns) {
     linear_forward(a.data(), w.data() + 2 * d * d, v.data(), n, d, d);
     rope_forward(q.data(), B, S, H, hd, 10000.0);
     rope_forward(k.data(), B, S, H, hd, 10000.0);
-    attention_forward(q.data(), k.data(), v.data(), o.data(), p.data(), B, S, H, hd);
+    attention_forward(q.data(), k.data(), v.data(), o.data(), p.data(), B, S, H, H, hd);
     std::vector<float> g(std::size_t(n) * f), u(g.size()), s(g.size());
     linear_forward(o.data(), w1.data(), g.data(), n, d, f);
     linear_forward(a.data(), w1.data(), u.data(), n, d, f);
@@ -689,7 +735,7 @@ TEST(OpsDense, AllOpsBitIdenticalAcrossRuns) {
     linear_backward(logits.data(), o.data(), lm.data(), dout.data(), dlm.data(), n, d, V);
     std::vector<float> dq(h.size()), dk(h.size()), dv(h.size()), ws(p.size());
     attention_backward(dout.data(), q.data(), k.data(), v.data(), p.data(), dq.data(), dk.data(), dv.data(),
-                       ws.data(), B, S, H, hd);
+                       ws.data(), B, S, H, H, hd);
     rope_backward(dq.data(), B, S, H, hd, 10000.0);
     std::vector<float> dg(g.size()), du(g.size());
     swiglu_backward(s.data(), g.data(), u.data(), dg.data(), du.data(), std::int64_t(g.size()));

@@ -93,6 +93,33 @@ TEST(Train, ValidationLossFallsOnRealCorpus) {
   fs::remove_all(out);
 }
 
+// The shipped Qwen3-MoE-shaped config (grouped-query attention, heads wider than
+// hidden / heads, 16 experts top-4) learns, under a device budget below its unlimited
+// peak that the adaptive planner must meet by recomputing or offloading.
+TEST(Train, ShippedGqaConfigLearnsUnderABudget) {
+  ASSERT_TRUE(fs::exists(kSrc / "data" / "brown")) << "run `make data` first";
+  RunConfig cfg = RunConfig::from_file((kSrc / "configs" / "qwen3-moe-small.toml").string());
+  ASSERT_EQ(cfg.model.kv_heads(), 2);
+  ASSERT_EQ(cfg.model.q_width(), 512);
+  cfg.train.steps = 40;
+  cfg.train.eval_every = 0;
+  cfg.train.eval_batches = 4;
+  cfg.train.checkpoint_every = 0;
+  cfg.data.path = (kSrc / "data" / "brown").string();
+  cfg.device_memory = Bytes(240) << 20;  // unlimited, the run peaks at ~337 MiB
+  const fs::path out = fresh_dir("gqa");
+  TrainResult r = run_training(options(cfg, out));
+  EXPECT_EQ(r.steps, 40);
+  EXPECT_LT(r.final_val_loss, 0.9 * r.initial_val_loss)
+      << "initial " << r.initial_val_loss << " final " << r.final_val_loss;
+  auto s = nlohmann::json::parse(std::ifstream(out / "summary.json"));
+  EXPECT_EQ(s["oom_count"], 0);
+  EXPECT_LE(s["peak_device_bytes"].get<Bytes>(), cfg.device_memory);
+  EXPECT_EQ(s["predicted_peak_bytes"], s["peak_device_bytes"]) << "the planner's peak is the arena's";
+  EXPECT_GT(s["bytes_recomputed"].get<Bytes>() + s["bytes_offloaded"].get<Bytes>(), 0) << "the budget binds";
+  fs::remove_all(out);
+}
+
 TEST(Train, ResumeReproducesUninterruptedRun) {
   const fs::path a = fresh_dir("straight"), b = fresh_dir("resumed");
   const TrainResult whole = run_training(options(small_run(12), a));

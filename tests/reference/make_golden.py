@@ -7,6 +7,8 @@ Writes
   golden_v1.safetensors           dropless, untied LM head, B=2, S=8
   golden_v1_capacity.safetensors  capacity_factor=1.0, tied embeddings, B=4, S=8, with a
                                   router skewed on purpose so that assignments are dropped
+  golden_v1_gqa.safetensors       grouped-query attention (4 query heads, 2 kv heads) with
+                                  head_dim 12 != hidden 32 / 4 heads, B=2, S=8
 and checks the reference's own float64 gradients against finite differences.
 Deterministic: the same torch build gives the same bytes.
 """
@@ -128,6 +130,9 @@ def run_case(cfg: MoEConfig, B: int, S: int, seed: int, skew: "tuple[int, float]
 
 def write_case(path: str, cfg: MoEConfig, B: int, S: int, r: dict) -> None:
     conf = cfg.to_dict()
+    for key in ("num_key_value_heads", "head_dim"):  # 0 = the default: left out, as HF does
+        if conf[key] == 0:
+            del conf[key]
     conf["batch_size"] = B
     conf["seq_len"] = S
     meta = {"magic": MAGIC, "version": VERSION, "config": json.dumps(conf, sort_keys=True),
@@ -239,8 +244,16 @@ def main() -> int:
     write_case(p2, cfg2, B2, S2, r2)
     describe("capacity", p2, cfg2, r2)
 
+    # Case 3: grouped-query attention with a head_dim of its own (Qwen3's shape of heads).
+    cfg3 = tiny_config(num_key_value_heads=2, head_dim=12)
+    B3, S3 = 2, 8
+    r3 = run_case(cfg3, B3, S3, seed=20241203)
+    p3 = os.path.join(args.out_dir, "golden_v1_gqa.safetensors")
+    write_case(p3, cfg3, B3, S3, r3)
+    describe("gqa", p3, cfg3, r3)
+
     # Routing must not be near a tie, or an fp32 engine could pick other experts.
-    for label, r in (("dropless", r1), ("capacity", r2)):
+    for label, r in (("dropless", r1), ("capacity", r2), ("gqa", r3)):
         margin = min(st.margin for st in r["stats"])
         if margin < 1e-4:
             print(f"error: [{label}] top-k margin {margin:.2e} too small", file=sys.stderr)
@@ -253,6 +266,9 @@ def main() -> int:
                                        "model.layers.2.post_attention_layernorm.weight"])
         ok &= finite_difference_check(cfg2, r2, B2, S2, "capacity",
                                       ["model.layers.2.mlp.gate.weight",
+                                       "model.layers.1.input_layernorm.weight"])
+        ok &= finite_difference_check(cfg3, r3, B3, S3, "gqa",
+                                      ["model.layers.0.self_attn.k_proj.weight",
                                        "model.layers.1.input_layernorm.weight"])
     print("OK" if ok else "FAILED")
     return 0 if ok else 1

@@ -30,6 +30,8 @@ class MoEConfig:
     hidden_size: int = 32
     num_hidden_layers: int = 3
     num_attention_heads: int = 4
+    num_key_value_heads: int = 0  # 0 means num_attention_heads (multi-head); fewer: GQA
+    head_dim: int = 0  # 0 means hidden_size // num_attention_heads
     max_position_embeddings: int = 2048
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
@@ -49,8 +51,13 @@ class MoEConfig:
 
     # ---- derived quantities -------------------------------------------------
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    def head_size(self) -> int:
+        """Width of one attention head: head_dim when given, else hidden_size / heads."""
+        return self.head_dim if self.head_dim > 0 else self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads if self.num_key_value_heads > 0 else self.num_attention_heads
 
     @property
     def shared_width(self) -> int:
@@ -64,8 +71,10 @@ class MoEConfig:
         return layer >= self.first_k_dense_replace
 
     def validate(self) -> None:
-        assert self.hidden_size % self.num_attention_heads == 0, "hidden_size % num_attention_heads"
-        assert self.head_dim % 2 == 0, "head_dim must be even for RoPE"
+        assert self.head_dim > 0 or self.hidden_size % self.num_attention_heads == 0, \
+            "hidden_size % num_attention_heads"
+        assert self.head_size % 2 == 0, "head_dim must be even for RoPE"
+        assert self.num_attention_heads % self.kv_heads == 0, "num_key_value_heads must divide the heads"
         assert 1 <= self.num_experts_per_tok <= self.num_experts, "1 <= num_experts_per_tok <= num_experts"
         assert 0 <= self.first_k_dense_replace <= self.num_hidden_layers
 
@@ -104,8 +113,11 @@ def param_shapes(cfg: MoEConfig) -> "Dict[str, Tuple[int, ...]]":
     for l in range(cfg.num_hidden_layers):
         p = f"model.layers.{l}."
         shapes[p + "input_layernorm.weight"] = (d,)
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            shapes[p + f"self_attn.{proj}.weight"] = (d, d)
+        qw, kvw = cfg.num_attention_heads * cfg.head_size, cfg.kv_heads * cfg.head_size
+        shapes[p + "self_attn.q_proj.weight"] = (qw, d)
+        shapes[p + "self_attn.k_proj.weight"] = (kvw, d)
+        shapes[p + "self_attn.v_proj.weight"] = (kvw, d)
+        shapes[p + "self_attn.o_proj.weight"] = (d, qw)
         shapes[p + "post_attention_layernorm.weight"] = (d,)
         if cfg.is_moe_layer(l):
             shapes[p + "mlp.gate.weight"] = (E, d)
@@ -187,11 +199,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def causal_attention(a: torch.Tensor, P: Dict[str, torch.Tensor], prefix: str, cfg: MoEConfig,
                      B: int, S: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    H, hd = cfg.num_attention_heads, cfg.head_dim
+    H, Hkv, hd = cfg.num_attention_heads, cfg.kv_heads, cfg.head_size
     q = (a @ P[prefix + "q_proj.weight"].T).view(B, S, H, hd)
-    k = (a @ P[prefix + "k_proj.weight"].T).view(B, S, H, hd)
-    v = (a @ P[prefix + "v_proj.weight"].T).view(B, S, H, hd)
+    k = (a @ P[prefix + "k_proj.weight"].T).view(B, S, Hkv, hd)
+    v = (a @ P[prefix + "v_proj.weight"].T).view(B, S, Hkv, hd)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    # Grouped-query attention: kv head g serves query heads g*H/Hkv .. (g+1)*H/Hkv - 1.
+    k, v = (t.repeat_interleave(H // Hkv, dim=2) for t in (k, v))
     q, k, v = (t.permute(0, 2, 1, 3) for t in (q, k, v))  # [B, H, S, hd]
     scores = q @ k.transpose(-1, -2) / math.sqrt(hd)  # [B, H, S, S]
     mask = torch.ones(S, S, dtype=torch.bool).tril()  # key j visible to query i iff j <= i
@@ -297,7 +311,7 @@ def forward(cfg: MoEConfig, P: Dict[str, torch.Tensor], ids: torch.Tensor, targe
     B, S = ids.shape
     dtype = P["model.embed_tokens.weight"].dtype
     eps = cfg.rms_norm_eps
-    cos, sin = rope_cos_sin(S, cfg.head_dim, cfg.rope_theta, dtype)
+    cos, sin = rope_cos_sin(S, cfg.head_size, cfg.rope_theta, dtype)
     x = P["model.embed_tokens.weight"][ids.reshape(-1)]  # [n, d]
     aux_total = torch.zeros((), dtype=dtype)
     z_total = torch.zeros((), dtype=dtype)

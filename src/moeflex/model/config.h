@@ -109,9 +109,9 @@ struct ModelConfig {
   /// Key/value heads on one of `tp` tensor-parallel ranks: kv_heads / tp, at least one
   /// (fewer kv heads than ranks are replicated).
   std::int64_t kv_heads_per_rank(int tp) const { return std::max<std::int64_t>(kv_heads() / std::max(tp, 1), 1); }
-  /// True for the attention moeflex's training engine runs: multi-head, head_dim =
-  /// hidden_size / num_attention_heads (the simulator also prices GQA and wider heads).
-  bool engine_attention() const { return !mla() && q_width() == hidden_size && kv_heads() == num_attention_heads; }
+  /// True for the attention moeflex's training engine runs: multi-head or grouped-query,
+  /// any head_dim (the simulator also prices MLA).
+  bool engine_attention() const { return !mla(); }
   std::int64_t shared_width() const {
     return shared_expert_intermediate_size > 0 ? shared_expert_intermediate_size
                                                : n_shared_experts * moe_intermediate_size;

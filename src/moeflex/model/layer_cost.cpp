@@ -187,7 +187,7 @@ AttentionOps multi_head_attention(const CostModel& c, std::int64_t B, std::int64
 }
 
 /// Multi-head latent attention's projections (ModelConfig::mla; the simulator's only:
-/// the engine runs multi-head attention). H heads on this rank; the down projections
+/// the engine runs multi-head and grouped-query attention). H heads on this rank; the down projections
 /// (d -> q_lora_rank, d -> kv_lora_rank + qk_rope_head_dim) are whole on every
 /// tensor-parallel rank, the up projections and o split by heads, as Megatron-Core's
 /// MLA. The core is priced as attention with (qk + v) / 2-wide heads: q k^T over
@@ -272,8 +272,8 @@ LayerCost layer_cost(const CostModel& c, const ModelConfig& cfg, int layer, cons
   const int tp = std::max(wk.tp, 1);
   const std::int64_t B = wk.B, S = wk.S, n = B * S, d = cfg.hidden_size;
   const std::int64_t ns = n / tp;  // tokens of this rank's sequence-parallel shard
-  // q and the attention output are H heads wide, k and v KVh (GQA; KVh = H for the
-  // engine's multi-head attention); with tp, each rank holds its share of the heads.
+  // q and the attention output are H heads wide, k and v KVh (GQA; KVh = H for
+  // multi-head attention); with tp, each rank holds its share of the heads.
   const std::int64_t H = cfg.num_attention_heads / tp, hd = cfg.head_dim();
   const std::int64_t KVh = cfg.kv_heads_per_rank(tp);
   const bool split = wk.split_backward;

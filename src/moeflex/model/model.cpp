@@ -36,10 +36,10 @@ MoEModel::MoEModel(const ModelConfig& cfg, Arena& arena, const ModelParallel& pa
   cfg_.validate();
   if (!cfg_.engine_attention())
     throw ConfigError(
-        fmt::format("model: the training engine runs multi-head attention with head_dim = hidden_size / "
-                    "num_attention_heads = {}; head_dim {}, num_key_value_heads {} and kv_lora_rank {} (wider "
-                    "heads, GQA, MLA) are priced by the simulator only",
-                    cfg_.hidden_size / cfg_.num_attention_heads, cfg_.head_dim(), cfg_.kv_heads(), cfg_.kv_lora_rank));
+        fmt::format("model: kv_lora_rank {} asks for multi-head latent attention, which the simulator prices "
+                    "but the training engine does not run yet (it runs multi-head and grouped-query "
+                    "attention: set kv_lora_rank = 0)",
+                    cfg_.kv_lora_rank));
   if (cfg_.group_limited())
     throw ConfigError(
         fmt::format("model: group-limited routing (n_group {}, topk_group {}) is priced by the "
@@ -225,7 +225,7 @@ RecomputeFn MoEModel::linear_lineage(int mb, int l, std::string input, const Par
     Tensor y = act({n, out}, "linear.out");
     be_.linear_forward(x->view(), w->working(), y.view(), n, in, out);
     if (rope)
-      be_.rope_forward(y.view(), n / rope_seq_, rope_seq_, cfg_.num_attention_heads, cfg_.head_dim(), cfg_.rope_theta);
+      be_.rope_forward(y.view(), n / rope_seq_, rope_seq_, out / cfg_.head_dim(), cfg_.head_dim(), cfg_.rope_theta);
     return y;
   };
 }

@@ -180,20 +180,23 @@ class CpuBackend final : public Backend {
     ops::rope_backward(DX.p, B, S, H, hd, theta);
   }
   void attention_forward(CView q, CView k, CView v, View out, View probs, std::int64_t B, std::int64_t S,
-                         std::int64_t H, std::int64_t hd) override {
+                         std::int64_t H, std::int64_t Hkv, std::int64_t hd) override {
     same_dtype("attention_forward", {q, k, v, out, probs});
-    const std::int64_t t = B * S * H * hd;
-    In Q(q, t), K(k, t), V(v, t);
+    check_kv_heads("attention_forward", H, Hkv);
+    const std::int64_t t = B * S * H * hd, tkv = B * S * Hkv * hd;
+    In Q(q, t), K(k, tkv), V(v, tkv);
     Out O(out, t), P(probs, B * H * S * S);
-    ops::attention_forward(Q.p, K.p, V.p, O.p, P.p, B, S, H, hd);
+    ops::attention_forward(Q.p, K.p, V.p, O.p, P.p, B, S, H, Hkv, hd);
   }
   void attention_backward(CView dout, CView q, CView k, CView v, CView out, CView probs, View dq, View dk, View dv,
-                          View dprobs_ws, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd) override {
+                          View dprobs_ws, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t Hkv,
+                          std::int64_t hd) override {
     same_dtype("attention_backward", {dout, q, k, v, out, probs, dq, dk, dv, dprobs_ws});  // (out: read on CUDA)
-    const std::int64_t t = B * S * H * hd;
-    In DO(dout, t), Q(q, t), K(k, t), V(v, t), P(probs, B * H * S * S);
-    Out DQ(dq, t), DK(dk, t), DV(dv, t), WS(dprobs_ws, B * H * S * S);
-    ops::attention_backward(DO.p, Q.p, K.p, V.p, P.p, DQ.p, DK.p, DV.p, WS.p, B, S, H, hd);
+    check_kv_heads("attention_backward", H, Hkv);
+    const std::int64_t t = B * S * H * hd, tkv = B * S * Hkv * hd;
+    In DO(dout, t), Q(q, t), K(k, tkv), V(v, tkv), P(probs, B * H * S * S);
+    Out DQ(dq, t), DK(dk, tkv), DV(dv, tkv), WS(dprobs_ws, B * H * S * S);
+    ops::attention_backward(DO.p, Q.p, K.p, V.p, P.p, DQ.p, DK.p, DV.p, WS.p, B, S, H, Hkv, hd);
   }
   void swiglu_forward(CView gate, CView up, View out, std::int64_t n) override {
     same_dtype("swiglu_forward", {gate, up, out});
@@ -375,6 +378,11 @@ class CpuBackend final : public Backend {
 };
 
 }  // namespace
+
+void check_kv_heads(const char* op, std::int64_t H, std::int64_t Hkv) {
+  if (Hkv < 1 || Hkv > H || H % Hkv != 0)
+    throw Error(fmt::format("{}: {} key/value heads must divide {} query heads", op, Hkv, H));
+}
 
 Backend& cpu_backend() {
   static CpuBackend backend;

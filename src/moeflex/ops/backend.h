@@ -60,11 +60,13 @@ class Backend : public Device {
                             double theta) = 0;
   virtual void rope_backward(View dx, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd,
                              double theta) = 0;
+  /// Causal attention (ops/attention.h): q, out [B, S, H, hd]; k, v [B, S, Hkv, hd]
+  /// (grouped-query when Hkv < H, which it must divide, else Error).
   virtual void attention_forward(CView q, CView k, CView v, View out, View probs, std::int64_t B, std::int64_t S,
-                                 std::int64_t H, std::int64_t hd) = 0;
+                                 std::int64_t H, std::int64_t Hkv, std::int64_t hd) = 0;
   virtual void attention_backward(CView dout, CView q, CView k, CView v, CView out, CView probs, View dq, View dk,
                                   View dv, View dprobs_ws, std::int64_t B, std::int64_t S, std::int64_t H,
-                                  std::int64_t hd) = 0;
+                                  std::int64_t Hkv, std::int64_t hd) = 0;
   virtual void swiglu_forward(CView gate, CView up, View out, std::int64_t n) = 0;
   virtual void swiglu_backward(CView dout, CView gate, CView up, View dgate, View dup, std::int64_t n) = 0;
   /// y += x over n elements.
@@ -155,6 +157,10 @@ struct DeviceContext {
 
 /// The CPU context: an Arena(budget) (kUnlimited or bytes) on the CPU backend.
 DeviceContext make_cpu_context(Bytes budget);
+
+/// Throws Error naming `op` unless 1 <= Hkv <= H and Hkv divides H (grouped-query
+/// attention's key/value heads; the backends' attention ops check it).
+void check_kv_heads(const char* op, std::int64_t H, std::int64_t Hkv);
 
 /// The CPU backend (ops/*.h on host memory); one per process.
 Backend& cpu_backend();

@@ -169,16 +169,16 @@ class AttentionBench {
   std::function<void()> forward(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd) {
     auto probs = std::make_shared<std::vector<float>>(std::size_t(B * H * S * S));
     return [this, probs, B, S, H, hd] {
-      ops::attention_forward(q_.data(), k_.data(), v_.data(), o_.data(), probs->data(), B, S, H, hd);
+      ops::attention_forward(q_.data(), k_.data(), v_.data(), o_.data(), probs->data(), B, S, H, H, hd);
     };
   }
   std::function<void()> backward(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd) {
     auto probs = std::make_shared<std::vector<float>>(std::size_t(B * H * S * S));
     auto dprobs = std::make_shared<std::vector<float>>(std::size_t(B * H * S * S));
-    ops::attention_forward(q_.data(), k_.data(), v_.data(), o_.data(), probs->data(), B, S, H, hd);
+    ops::attention_forward(q_.data(), k_.data(), v_.data(), o_.data(), probs->data(), B, S, H, H, hd);
     return [this, probs, dprobs, B, S, H, hd] {
       ops::attention_backward(dout_.data(), q_.data(), k_.data(), v_.data(), probs->data(), dq_.data(), dk_.data(),
-                              dv_.data(), dprobs->data(), B, S, H, hd);
+                              dv_.data(), dprobs->data(), B, S, H, H, hd);
     };
   }
 

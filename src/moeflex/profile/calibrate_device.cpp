@@ -136,13 +136,13 @@ void measure_attention(HardwareProfile& p, ops::DeviceContext& ctx, ops::Backend
     const Bytes key = op_bytes::attention_softmax_forward(1, S, 1);
     const double heads = double(B * H);
     const Seconds tf = time_calls(
-        be, [&] { be.attention_forward(q.f32(), k.f32(), v.f32(), o.f32(), P.f32(), B, S, H, hd); }, share);
-    be.attention_forward(q.f32(), k.f32(), v.f32(), o.f32(), P.f32(), B, S, H, hd);  // the backward's saved state
+        be, [&] { be.attention_forward(q.f32(), k.f32(), v.f32(), o.f32(), P.f32(), B, S, H, H, hd); }, share);
+    be.attention_forward(q.f32(), k.f32(), v.f32(), o.f32(), P.f32(), B, S, H, H, hd);  // the backward's saved state
     const Seconds tb = time_calls(
         be,
         [&] {
           be.attention_backward(dout.f32(), q.f32(), k.f32(), v.f32(), o.f32(), P.f32(), dq.f32(), dk.f32(), dv.f32(),
-                                dP.f32(), B, S, H, hd);
+                                dP.f32(), B, S, H, H, hd);
         },
         share);
     fwd.push_back({key, tf / heads});

@@ -280,15 +280,16 @@ void ProfilingBackend::rope_backward(View dx, std::int64_t B, std::int64_t S, st
         [&] { inner_.rope_backward(dx, B, S, H, hd, theta); });
 }
 void ProfilingBackend::attention_forward(CView q, CView k, CView v, View out, View probs, std::int64_t B,
-                                         std::int64_t S, std::int64_t H, std::int64_t hd) {
+                                         std::int64_t S, std::int64_t H, std::int64_t Hkv, std::int64_t hd) {
+  // Priced and keyed by the query heads: kv heads shared by a group change no FLOPs.
   timed("attention_forward", {B, S, H, hd}, cost_.attention_forward(B, S, H, hd), false,
-        [&] { inner_.attention_forward(q, k, v, out, probs, B, S, H, hd); });
+        [&] { inner_.attention_forward(q, k, v, out, probs, B, S, H, Hkv, hd); });
 }
 void ProfilingBackend::attention_backward(CView dout, CView q, CView k, CView v, CView out, CView probs, View dq,
                                           View dk, View dv, View dprobs_ws, std::int64_t B, std::int64_t S,
-                                          std::int64_t H, std::int64_t hd) {
+                                          std::int64_t H, std::int64_t Hkv, std::int64_t hd) {
   timed("attention_backward", {B, S, H, hd}, cost_.attention_backward(B, S, H, hd), false,
-        [&] { inner_.attention_backward(dout, q, k, v, out, probs, dq, dk, dv, dprobs_ws, B, S, H, hd); });
+        [&] { inner_.attention_backward(dout, q, k, v, out, probs, dq, dk, dv, dprobs_ws, B, S, H, Hkv, hd); });
 }
 void ProfilingBackend::swiglu_forward(CView gate, CView up, View out, std::int64_t n) {
   timed("swiglu_forward", {n}, cost_.swiglu_forward(n), false, [&] { inner_.swiglu_forward(gate, up, out, n); });

@@ -157,9 +157,10 @@ class ProfilingBackend final : public ops::Backend {
   void rope_forward(View x, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd, double theta) override;
   void rope_backward(View dx, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd, double theta) override;
   void attention_forward(CView q, CView k, CView v, View out, View probs, std::int64_t B, std::int64_t S,
-                         std::int64_t H, std::int64_t hd) override;
+                         std::int64_t H, std::int64_t Hkv, std::int64_t hd) override;
   void attention_backward(CView dout, CView q, CView k, CView v, CView out, CView probs, View dq, View dk, View dv,
-                          View dprobs_ws, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd) override;
+                          View dprobs_ws, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t Hkv,
+                          std::int64_t hd) override;
   void swiglu_forward(CView gate, CView up, View out, std::int64_t n) override;
   void swiglu_backward(CView dout, CView gate, CView up, View dgate, View dup, std::int64_t n) override;
   void add_inplace(View y, CView x, std::int64_t n) override;

@@ -80,11 +80,12 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads) attention_forward_kernel(const T* __restrict__ q, const T* __restrict__ k,
                                                                      const T* __restrict__ v, T* __restrict__ out,
                                                                      float* __restrict__ lse, std::int64_t S,
-                                                                     std::int64_t H, int hd, float scale) {
+                                                                     std::int64_t H, std::int64_t Hkv, int hd,
+                                                                     float scale) {
   __shared__ float ks[kTile][kMaxHd];
   __shared__ float vs[kTile][kMaxHd];
   const std::int64_t bh = blockIdx.y;
-  const HeadView hv = tc_head(bh, S, H, hd);
+  const HeadView hv = tc_head(bh, S, H, hd), kvh = tc::tc_kv_head(bh, S, H, Hkv, hd);
   const int warp = threadIdx.x / detail::kWarp, lane = threadIdx.x % detail::kWarp;
   const std::int64_t row0 = std::int64_t(blockIdx.x) * kBlockRows + warp * kRowsPerWarp;
 
@@ -100,8 +101,8 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(const T* __
   const std::int64_t block_end = std::int64_t(blockIdx.x + 1) * kBlockRows;
   const std::int64_t block_last = (block_end < S ? block_end : S) - 1;
   for (std::int64_t k0 = 0; k0 <= block_last; k0 += kTile) {
-    load_tile(ks, k, hv, k0, S, hd);
-    load_tile(vs, v, hv, k0, S, hd);
+    load_tile(ks, k, kvh, k0, S, hd);
+    load_tile(vs, v, kvh, k0, S, hd);
     __syncthreads();
 #pragma unroll
     for (int rr = 0; rr < kRowsPerWarp; ++rr) {
@@ -165,13 +166,14 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads)
     attention_backward_dq_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                  const T* __restrict__ dout, const float* __restrict__ lse, float* __restrict__ D,
-                                 T* __restrict__ dq, std::int64_t S, std::int64_t H, int hd, float scale) {
+                                 T* __restrict__ dq, std::int64_t S, std::int64_t H, std::int64_t Hkv, int hd,
+                                 float scale) {
   // bf16: D is this kernel's output (exact in fp32); fp32: its input (row-dot kernel).
   constexpr bool kSumD = std::is_same_v<T, bf16>;
   __shared__ float ks[kTile][kMaxHd];
   __shared__ float vs[kTile][kMaxHd];
   const std::int64_t bh = blockIdx.y;
-  const HeadView hv = tc_head(bh, S, H, hd);
+  const HeadView hv = tc_head(bh, S, H, hd), kvh = tc::tc_kv_head(bh, S, H, Hkv, hd);
   const int warp = threadIdx.x / detail::kWarp, lane = threadIdx.x % detail::kWarp;
   const std::int64_t row0 = std::int64_t(blockIdx.x) * kBlockRows + warp * kRowsPerWarp;
 
@@ -191,8 +193,8 @@ __global__ void __launch_bounds__(kThreads)
   const std::int64_t block_end = std::int64_t(blockIdx.x + 1) * kBlockRows;
   const std::int64_t block_last = (block_end < S ? block_end : S) - 1;
   for (std::int64_t k0 = 0; k0 <= block_last; k0 += kTile) {
-    load_tile(ks, k, hv, k0, S, hd);
-    load_tile(vs, v, hv, k0, S, hd);
+    load_tile(ks, k, kvh, k0, S, hd);
+    load_tile(vs, v, kvh, k0, S, hd);
     __syncthreads();
 #pragma unroll
     for (int rr = 0; rr < kRowsPerWarp; ++rr) {
@@ -243,13 +245,13 @@ __global__ void __launch_bounds__(kThreads)
     attention_backward_dkdv_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                    const T* __restrict__ dout, const float* __restrict__ lse,
                                    const float* __restrict__ D, T* __restrict__ dk, T* __restrict__ dv,
-                                   std::int64_t S, std::int64_t H, int hd, float scale) {
+                                   std::int64_t S, std::int64_t H, std::int64_t Hkv, int hd, float scale) {
   __shared__ float qs[kTile][kMaxHd];
   __shared__ float dos[kTile][kMaxHd];
   __shared__ float lse_s[kTile];
   __shared__ float D_s[kTile];
-  const std::int64_t bh = blockIdx.y;
-  const HeadView hv = tc_head(bh, S, H, hd);
+  const std::int64_t bg = blockIdx.y, group = H / Hkv;  // kv head bg % Hkv of sequence bg / Hkv
+  const HeadView kvh = tc_head(bg, S, Hkv, hd);
   const int warp = threadIdx.x / detail::kWarp, lane = threadIdx.x % detail::kWarp;
   const std::int64_t key_block = std::int64_t(blockIdx.x) * kBlockRows;
   const std::int64_t key0 = key_block + warp * kRowsPerWarp;
@@ -258,13 +260,18 @@ __global__ void __launch_bounds__(kThreads)
   float dk_acc[kRowsPerWarp][kDPerLane], dv_acc[kRowsPerWarp][kDPerLane];
 #pragma unroll
   for (int rr = 0; rr < kRowsPerWarp; ++rr) {
-    load_row(kr[rr], k, hv, key0 + rr, S, hd, lane);
-    load_row(vr[rr], v, hv, key0 + rr, S, hd, lane);
+    load_row(kr[rr], k, kvh, key0 + rr, S, hd, lane);
+    load_row(vr[rr], v, kvh, key0 + rr, S, hd, lane);
 #pragma unroll
     for (int t = 0; t < kDPerLane; ++t) dk_acc[rr][t] = dv_acc[rr][t] = 0.0f;
   }
-  // Queries i >= key: start at the tile holding the block's first key.
-  for (std::int64_t q0 = key_block / kTile * kTile; q0 < S; q0 += kTile) {
+  // Queries i >= key: from the tile holding the block's first key, of each query head
+  // of the kv head in turn.
+  const std::int64_t first = key_block / kTile * kTile, tiles = (S - first + kTile - 1) / kTile;
+  for (std::int64_t tile = 0; tile < group * tiles; ++tile) {
+    const std::int64_t q0 = first + (tile % tiles) * kTile;
+    const std::int64_t bh = (bg / Hkv) * H + (bg % Hkv) * group + tile / tiles;
+    const HeadView hv = tc_head(bh, S, H, hd);
     load_tile(qs, q, hv, q0, S, hd);
     load_tile(dos, dout, hv, q0, S, hd);
     for (int i = threadIdx.x; i < kTile; i += blockDim.x) {
@@ -298,14 +305,17 @@ __global__ void __launch_bounds__(kThreads)
     for (int t = 0; t < kDPerLane; ++t) {
       const int d = lane + t * detail::kWarp;
       if (d < hd) {
-        dk[hv.base + key * hv.stride + d] = from_f<T>(dk_acc[rr][t] * scale);
-        dv[hv.base + key * hv.stride + d] = from_f<T>(dv_acc[rr][t]);
+        dk[kvh.base + key * kvh.stride + d] = from_f<T>(dk_acc[rr][t] * scale);
+        dv[kvh.base + key * kvh.stride + d] = from_f<T>(dv_acc[rr][t]);
       }
     }
   }
 }
 
-void check_attention_shape(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd) {
+void check_attention_shape(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t Hkv, std::int64_t hd) {
+  if (Hkv <= 0 || H % Hkv != 0)
+    throw Error("attention (CUDA): " + std::to_string(H) + " query heads cannot share " + std::to_string(Hkv) +
+                " key/value heads (need a positive divisor)");
   if (hd <= 0 || hd > kAttentionMaxHeadDim)
     throw Error("attention (CUDA): head_dim " + std::to_string(hd) + " must be in [1, " +
                 std::to_string(kAttentionMaxHeadDim) + "]");
@@ -337,20 +347,20 @@ tc::bfr* as_tc(bf16* p) { return reinterpret_cast<tc::bfr*>(p); }
 
 template <int HDP>
 void tc_forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, std::int64_t B, std::int64_t S,
-                std::int64_t H, std::int64_t hd, cudaStream_t stream) {
+                std::int64_t H, std::int64_t Hkv, std::int64_t hd, cudaStream_t stream) {
   constexpr int smem = tc::tc_forward_smem(HDP);
   MOEFLEX_CUDA_CHECK(
       cudaFuncSetAttribute(tc::tc_attention_forward<HDP>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const dim3 grid(static_cast<unsigned>((S + tc::kRows - 1) / tc::kRows), static_cast<unsigned>(B * H));
   tc::tc_attention_forward<HDP><<<grid, tc::kThreads, smem, stream>>>(as_tc(q), as_tc(k), as_tc(v), as_tc(out), lse,
-                                                                       S, H, int(hd), 1.0f / sqrtf(float(hd)));
+                                                                       S, H, Hkv, int(hd), 1.0f / sqrtf(float(hd)));
   MOEFLEX_CHECK_LAUNCH("attention_forward (tensor cores)");
 }
 
 template <int HDP>
 void tc_backward(const bf16* dout, const bf16* q, const bf16* k, const bf16* v, const float* lse, bf16* dq, bf16* dk,
-                 bf16* dv, float* D, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd,
-                 cudaStream_t stream) {
+                 bf16* dv, float* D, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t Hkv,
+                 std::int64_t hd, cudaStream_t stream) {
   constexpr int smem_dq = tc::tc_dq_smem(HDP), smem_dkdv = tc::tc_dkdv_smem(HDP);
   MOEFLEX_CUDA_CHECK(
       cudaFuncSetAttribute(tc::tc_attention_dq<HDP>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_dq));
@@ -359,10 +369,11 @@ void tc_backward(const bf16* dout, const bf16* q, const bf16* k, const bf16* v, 
   const dim3 grid(static_cast<unsigned>((S + tc::kRows - 1) / tc::kRows), static_cast<unsigned>(B * H));
   const float scale = 1.0f / sqrtf(float(hd));
   tc::tc_attention_dq<HDP><<<grid, tc::kThreads, smem_dq, stream>>>(as_tc(q), as_tc(k), as_tc(v), as_tc(dout), lse,
-                                                                     D, as_tc(dq), S, H, int(hd), scale);
+                                                                     D, as_tc(dq), S, H, Hkv, int(hd), scale);
   MOEFLEX_CHECK_LAUNCH("attention_backward dq (tensor cores)");
-  tc::tc_attention_dkdv<HDP><<<grid, tc::kThreads, smem_dkdv, stream>>>(
-      as_tc(q), as_tc(k), as_tc(v), as_tc(dout), lse, D, as_tc(dk), as_tc(dv), S, H, int(hd), scale);
+  const dim3 grid_kv(grid.x, static_cast<unsigned>(B * Hkv));  // one block per key tile of a kv head
+  tc::tc_attention_dkdv<HDP><<<grid_kv, tc::kThreads, smem_dkdv, stream>>>(
+      as_tc(q), as_tc(k), as_tc(v), as_tc(dout), lse, D, as_tc(dk), as_tc(dv), S, H, Hkv, int(hd), scale);
   MOEFLEX_CHECK_LAUNCH("attention_backward dk/dv (tensor cores)");
 }
 
@@ -382,17 +393,17 @@ void with_head_dim(std::int64_t hd, Fn&& fn) {
 
 template <typename T>
 void attention_forward(const T* q, const T* k, const T* v, T* out, float* lse, std::int64_t B, std::int64_t S,
-                       std::int64_t H, std::int64_t hd, cudaStream_t stream) {
-  check_attention_shape(B, S, H, hd);
+                       std::int64_t H, std::int64_t Hkv, std::int64_t hd, cudaStream_t stream) {
+  check_attention_shape(B, S, H, Hkv, hd);
   if (B <= 0 || S <= 0 || H <= 0) return;
   if constexpr (std::is_same_v<T, bf16>) {
     if (use_tensor_cores(tc::tc_forward_smem(tc::instantiated_head_dim(hd)))) {
-      with_head_dim(hd, [&]<int HDP>() { tc_forward<HDP>(q, k, v, out, lse, B, S, H, hd, stream); });
+      with_head_dim(hd, [&]<int HDP>() { tc_forward<HDP>(q, k, v, out, lse, B, S, H, Hkv, hd, stream); });
       return;
     }
   }
   const dim3 grid(static_cast<unsigned>((S + kBlockRows - 1) / kBlockRows), static_cast<unsigned>(B * H));
-  attention_forward_kernel<T><<<grid, kThreads, 0, stream>>>(q, k, v, out, lse, S, H, int(hd),
+  attention_forward_kernel<T><<<grid, kThreads, 0, stream>>>(q, k, v, out, lse, S, H, Hkv, int(hd),
                                                              1.0f / sqrtf(float(hd)));
   MOEFLEX_CHECK_LAUNCH("attention_forward");
 }
@@ -404,13 +415,13 @@ Bytes attention_backward_workspace_bytes(std::int64_t B, std::int64_t S, std::in
 template <typename T>
 void attention_backward(const T* dout, const T* q, const T* k, const T* v, const T* out, const float* lse, T* dq,
                         T* dk, T* dv, float* workspace, std::int64_t B, std::int64_t S, std::int64_t H,
-                        std::int64_t hd, cudaStream_t stream) {
-  check_attention_shape(B, S, H, hd);
+                        std::int64_t Hkv, std::int64_t hd, cudaStream_t stream) {
+  check_attention_shape(B, S, H, Hkv, hd);
   if (B <= 0 || S <= 0 || H <= 0) return;
   if constexpr (std::is_same_v<T, bf16>) {
     if (use_tensor_cores(tc::tc_dkdv_smem(tc::instantiated_head_dim(hd)))) {
       with_head_dim(hd, [&]<int HDP>() {
-        tc_backward<HDP>(dout, q, k, v, lse, dq, dk, dv, workspace, B, S, H, hd, stream);
+        tc_backward<HDP>(dout, q, k, v, lse, dq, dk, dv, workspace, B, S, H, Hkv, hd, stream);
       });
       return;
     }
@@ -423,23 +434,24 @@ void attention_backward(const T* dout, const T* q, const T* k, const T* v, const
   }
   const dim3 grid(static_cast<unsigned>((S + kBlockRows - 1) / kBlockRows), static_cast<unsigned>(B * H));
   const float scale = 1.0f / sqrtf(float(hd));
-  attention_backward_dq_kernel<T><<<grid, kThreads, 0, stream>>>(q, k, v, dout, lse, workspace, dq, S, H, int(hd),
-                                                                 scale);
+  attention_backward_dq_kernel<T><<<grid, kThreads, 0, stream>>>(q, k, v, dout, lse, workspace, dq, S, H, Hkv,
+                                                                 int(hd), scale);
   MOEFLEX_CHECK_LAUNCH("attention_backward_dq");
-  attention_backward_dkdv_kernel<T><<<grid, kThreads, 0, stream>>>(q, k, v, dout, lse, workspace, dk, dv, S, H,
-                                                                   int(hd), scale);
+  const dim3 grid_kv(grid.x, static_cast<unsigned>(B * Hkv));  // one block per key tile of a kv head
+  attention_backward_dkdv_kernel<T><<<grid_kv, kThreads, 0, stream>>>(q, k, v, dout, lse, workspace, dk, dv, S, H,
+                                                                      Hkv, int(hd), scale);
   MOEFLEX_CHECK_LAUNCH("attention_backward_dkdv");
 }
 
 template void attention_forward<float>(const float*, const float*, const float*, float*, float*, std::int64_t,
-                                       std::int64_t, std::int64_t, std::int64_t, cudaStream_t);
+                                       std::int64_t, std::int64_t, std::int64_t, std::int64_t, cudaStream_t);
 template void attention_forward<bf16>(const bf16*, const bf16*, const bf16*, bf16*, float*, std::int64_t,
-                                      std::int64_t, std::int64_t, std::int64_t, cudaStream_t);
+                                      std::int64_t, std::int64_t, std::int64_t, std::int64_t, cudaStream_t);
 template void attention_backward<float>(const float*, const float*, const float*, const float*, const float*,
                                         const float*, float*, float*, float*, float*, std::int64_t, std::int64_t,
-                                        std::int64_t, std::int64_t, cudaStream_t);
+                                        std::int64_t, std::int64_t, std::int64_t, cudaStream_t);
 template void attention_backward<bf16>(const bf16*, const bf16*, const bf16*, const bf16*, const bf16*,
                                        const float*, bf16*, bf16*, bf16*, float*, std::int64_t, std::int64_t,
-                                       std::int64_t, std::int64_t, cudaStream_t);
+                                       std::int64_t, std::int64_t, std::int64_t, cudaStream_t);
 
 }  // namespace moeflex::ops::cuda

@@ -1,5 +1,6 @@
 // Tensor-core flash attention for bf16 (WMMA, 16x16x16 bf16 tiles with fp32
-// accumulation), causal, [B, S, H, hd] layout; the semantics of attention.h.
+// accumulation), causal, q [B, S, H, hd] and k, v [B, S, Hkv, hd] (grouped-query when
+// Hkv < H); the semantics of attention.h.
 //
 // Work layout, the same in the three kernels: a block of 4 warps owns 64 rows of one
 // head (query rows in forward and dq, key rows in dk/dv), each warp 16 of them, and
@@ -14,8 +15,9 @@
 //     D_i = sum_j P_ij dP_ij in fp32 from the recomputed P and dP = dO V^T (exact,
 //     where <dout_i, out_i> would use the rounded out); the second accumulates
 //     dq_i += dS_ij k_j with dS = P (dP - D). Writes D for the dk/dv kernel.
-//   dk/dv: per key block, over the query tiles at or after it: P^T and dS^T from
-//     S^T = K Q^T and dP^T = V dO^T; dV += P^T dO, dK += dS^T Q.
+//   dk/dv: per key block of one kv head, over the query tiles at or after it of each
+//     query head that reads it: P^T and dS^T from S^T = K Q^T and dP^T = V dO^T;
+//     dV += P^T dO, dK += dS^T Q.
 // No atomics: deterministic. Exact where the math is: a row with one key (query 0)
 // has P = 1 and dS = 0, so dq_0 = 0 and its dk contribution is 0 bit for bit.
 //
@@ -72,6 +74,13 @@ struct TcHead {
 __device__ __forceinline__ TcHead tc_head(std::int64_t bh, std::int64_t S, std::int64_t H, int hd) {
   const std::int64_t b = bh / H, h = bh % H;
   return {b * S * H * hd + h * hd, H * hd};
+}
+/// The key/value head query head bh = b * H + h reads in [B, S, Hkv, hd]: kv head
+/// h / (H / Hkv) of sequence b (grouped-query attention; Hkv = H: the same head).
+__device__ __forceinline__ TcHead tc_kv_head(std::int64_t bh, std::int64_t S, std::int64_t H, std::int64_t Hkv,
+                                             int hd) {
+  const std::int64_t b = bh / H, g = (bh % H) / (H / Hkv);
+  return {b * S * Hkv * hd + g * hd, Hkv * hd};
 }
 
 /// Rows [r0, r0 + 64) of one head into a [64][HDP] bf16 tile, zeros past S or hd.
@@ -139,8 +148,8 @@ constexpr int tc_dkdv_smem(int HDP) {
 template <int HDP>
 __global__ void __launch_bounds__(kThreads)
     tc_attention_forward(const bfr* __restrict__ q, const bfr* __restrict__ k, const bfr* __restrict__ v,
-                         bfr* __restrict__ out, float* __restrict__ lse, std::int64_t S, std::int64_t H, int hd,
-                         float scale) {
+                         bfr* __restrict__ out, float* __restrict__ lse, std::int64_t S, std::int64_t H,
+                         std::int64_t Hkv, int hd, float scale) {
   MOEFLEX_TC_SMEM(tc_smem);
   bfr* Qs = reinterpret_cast<bfr*>(tc_smem);  // [64][HDP]
   bfr* Ks = Qs + kRows * HDP;                  // [64][HDP]
@@ -154,7 +163,7 @@ __global__ void __launch_bounds__(kThreads)
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const std::int64_t bh = blockIdx.y;
-  const TcHead h = tc_head(bh, S, H, hd);
+  const TcHead h = tc_head(bh, S, H, hd), kvh = tc_kv_head(bh, S, H, Hkv, hd);
   const std::int64_t q0 = std::int64_t(blockIdx.x) * kRows;
   tc_load_tile<HDP>(Qs, q, h, q0, S, hd);
   for (int i = threadIdx.x; i < kRows * HDP; i += kThreads) Ob[i] = 0.0f;
@@ -169,8 +178,8 @@ __global__ void __launch_bounds__(kThreads)
   const std::int64_t q_end = q0 + kRows < S ? q0 + kRows : S;
   for (std::int64_t k0 = 0; k0 < q_end; k0 += kRows) {
     __syncthreads();  // the previous tile's K and V are no longer read
-    tc_load_tile<HDP>(Ks, k, h, k0, S, hd);
-    tc_load_tile<HDP>(Vs, v, h, k0, S, hd);
+    tc_load_tile<HDP>(Ks, k, kvh, k0, S, hd);
+    tc_load_tile<HDP>(Vs, v, kvh, k0, S, hd);
     __syncthreads();
     tc_rows_dot_rows<HDP>(Sw, Qs + w0 * HDP, Ks);
     __syncwarp();
@@ -227,7 +236,8 @@ template <int HDP>
 __global__ void __launch_bounds__(kThreads)
     tc_attention_dq(const bfr* __restrict__ q, const bfr* __restrict__ k, const bfr* __restrict__ v,
                     const bfr* __restrict__ dout, const float* __restrict__ lse, float* __restrict__ D,
-                    bfr* __restrict__ dq, std::int64_t S, std::int64_t H, int hd, float scale) {
+                    bfr* __restrict__ dq, std::int64_t S, std::int64_t H, std::int64_t Hkv, int hd,
+                    float scale) {
   MOEFLEX_TC_SMEM(tc_smem);
   bfr* Qs = reinterpret_cast<bfr*>(tc_smem);  // [64][HDP]
   bfr* dOs = Qs + kRows * HDP;                 // [64][HDP]
@@ -241,7 +251,7 @@ __global__ void __launch_bounds__(kThreads)
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const std::int64_t bh = blockIdx.y;
-  const TcHead h = tc_head(bh, S, H, hd);
+  const TcHead h = tc_head(bh, S, H, hd), kvh = tc_kv_head(bh, S, H, Hkv, hd);
   const std::int64_t q0 = std::int64_t(blockIdx.x) * kRows;
   tc_load_tile<HDP>(Qs, q, h, q0, S, hd);
   tc_load_tile<HDP>(dOs, dout, h, q0, S, hd);
@@ -261,8 +271,8 @@ MOEFLEX_TC_UNROLL
   for (int pass = 0; pass < 2; ++pass) {  // 0: D; 1: dq
     for (std::int64_t k0 = 0; k0 < q_end; k0 += kRows) {
       __syncthreads();
-      tc_load_tile<HDP>(Ks, k, h, k0, S, hd);
-      tc_load_tile<HDP>(Vs, v, h, k0, S, hd);
+      tc_load_tile<HDP>(Ks, k, kvh, k0, S, hd);
+      tc_load_tile<HDP>(Vs, v, kvh, k0, S, hd);
       __syncthreads();
       tc_rows_dot_rows<HDP>(Sw, Qs + w0 * HDP, Ks);
       tc_rows_dot_rows<HDP>(dPw, dOs + w0 * HDP, Vs);
@@ -307,14 +317,15 @@ MOEFLEX_TC_UNROLL
   }
 }
 
-/// dk (=) and dv (=), from D of tc_attention_dq. Grid (ceil(S / 64), B * H), 128
-/// threads, tc_dkdv_smem(HDP) bytes of dynamic shared memory.
+/// dk (=) and dv (=), from D of tc_attention_dq, each kv head's summed over the
+/// H / Hkv query heads that read it. Grid (ceil(S / 64), B * Hkv), 128 threads,
+/// tc_dkdv_smem(HDP) bytes of dynamic shared memory.
 template <int HDP>
 __global__ void __launch_bounds__(kThreads)
     tc_attention_dkdv(const bfr* __restrict__ q, const bfr* __restrict__ k, const bfr* __restrict__ v,
                       const bfr* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ D,
-                      bfr* __restrict__ dk, bfr* __restrict__ dv, std::int64_t S, std::int64_t H, int hd,
-                      float scale) {
+                      bfr* __restrict__ dk, bfr* __restrict__ dv, std::int64_t S, std::int64_t H,
+                      std::int64_t Hkv, int hd, float scale) {
   MOEFLEX_TC_SMEM(tc_smem);
   bfr* Ks = reinterpret_cast<bfr*>(tc_smem);  // [64][HDP] this block's keys
   bfr* Vs = Ks + kRows * HDP;                  // [64][HDP]
@@ -328,11 +339,11 @@ __global__ void __launch_bounds__(kThreads)
   float* col_D = col_lse + kRows;
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const std::int64_t bh = blockIdx.y;
-  const TcHead h = tc_head(bh, S, H, hd);
+  const std::int64_t bg = blockIdx.y, group = H / Hkv;  // kv head g = bg % Hkv of sequence bg / Hkv
+  const TcHead kvh = tc_head(bg, S, Hkv, hd);
   const std::int64_t key0 = std::int64_t(blockIdx.x) * kRows;
-  tc_load_tile<HDP>(Ks, k, h, key0, S, hd);
-  tc_load_tile<HDP>(Vs, v, h, key0, S, hd);
+  tc_load_tile<HDP>(Ks, k, kvh, key0, S, hd);
+  tc_load_tile<HDP>(Vs, v, kvh, key0, S, hd);
   const int w0 = warp * kWarpRows;
   float* Sw = Sb + w0 * kRows;
   float* dPw = dPb + w0 * kRows;
@@ -344,7 +355,12 @@ MOEFLEX_TC_UNROLL
     wm::fill_fragment(dk_acc[n], 0.0f);
     wm::fill_fragment(dv_acc[n], 0.0f);
   }
-  for (std::int64_t q0 = key0; q0 < S; q0 += kRows) {  // queries at or after the block's keys
+  // The query tiles at or after the block's keys, of each query head of kv head g in turn.
+  const std::int64_t tiles = (S - key0 + kRows - 1) / kRows;
+  for (std::int64_t tile = 0; tile < group * tiles; ++tile) {
+    const std::int64_t q0 = key0 + (tile % tiles) * kRows;
+    const std::int64_t bh = (bg / Hkv) * H + (bg % Hkv) * group + tile / tiles;
+    const TcHead h = tc_head(bh, S, H, hd);
     __syncthreads();
     tc_load_tile<HDP>(Qs, q, h, q0, S, hd);
     tc_load_tile<HDP>(dOs, dout, h, q0, S, hd);
@@ -382,7 +398,7 @@ MOEFLEX_TC_UNROLL
   for (int i = lane; i < kWarpRows * HDP; i += 32) {
     const int r = w0 + i / HDP, d = i % HDP;
     const std::int64_t key = key0 + r;
-    if (key < S && d < hd) dk[h.base + key * h.stride + d] = float_to_bfr(dKw[i] * scale);
+    if (key < S && d < hd) dk[kvh.base + key * kvh.stride + d] = float_to_bfr(dKw[i] * scale);
   }
   __syncwarp();
 MOEFLEX_TC_UNROLL
@@ -391,7 +407,7 @@ MOEFLEX_TC_UNROLL
   for (int i = lane; i < kWarpRows * HDP; i += 32) {
     const int r = w0 + i / HDP, d = i % HDP;
     const std::int64_t key = key0 + r;
-    if (key < S && d < hd) dv[h.base + key * h.stride + d] = float_to_bfr(dKw[i]);
+    if (key < S && d < hd) dv[kvh.base + key * kvh.stride + d] = float_to_bfr(dKw[i]);
   }
 }
 

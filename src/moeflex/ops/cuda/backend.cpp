@@ -294,17 +294,20 @@ class CudaBackend final : public Backend {
     });
   }
   void attention_forward(CView q, CView k, CView v, View out, View probs, std::int64_t B, std::int64_t S,
-                         std::int64_t H, std::int64_t hd) override {
+                         std::int64_t H, std::int64_t Hkv, std::int64_t hd) override {
+    check_kv_heads("attention_forward", H, Hkv);
     const DType t = uniform_dtype("attention_forward", {{"q", q}, {"k", k}, {"v", v}, {"out", out}, {"probs", probs}});
     // Flash attention: only the logsumexp [B, H, S] is kept, in the head of `probs`.
     float* lse = static_cast<float*>(const_cast<void*>(lse_in("attention_forward", probs, B, S, H)));
     with_type(t, [&](auto tag) {
       using T = decltype(tag);
-      cuda::attention_forward<T>(ptr<T>(q), ptr<T>(k), ptr<T>(v), ptr<T>(out), lse, B, S, H, hd, stream());
+      cuda::attention_forward<T>(ptr<T>(q), ptr<T>(k), ptr<T>(v), ptr<T>(out), lse, B, S, H, Hkv, hd, stream());
     });
   }
   void attention_backward(CView dout, CView q, CView k, CView v, CView out, CView probs, View dq, View dk, View dv,
-                          View dprobs_ws, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t hd) override {
+                          View dprobs_ws, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t Hkv,
+                          std::int64_t hd) override {
+    check_kv_heads("attention_backward", H, Hkv);
     const DType t = uniform_dtype("attention_backward", {{"dout", dout}, {"q", q}, {"k", k}, {"v", v}, {"out", out},
                                                          {"probs", probs}, {"dq", dq}, {"dk", dk}, {"dv", dv},
                                                          {"dprobs_ws", dprobs_ws}});
@@ -317,7 +320,7 @@ class CudaBackend final : public Backend {
     with_type(t, [&](auto tag) {
       using T = decltype(tag);
       cuda::attention_backward<T>(ptr<T>(dout), ptr<T>(q), ptr<T>(k), ptr<T>(v), ptr<T>(out), lse, ptr<T>(dq),
-                                  ptr<T>(dk), ptr<T>(dv), ws, B, S, H, hd, stream());
+                                  ptr<T>(dk), ptr<T>(dv), ws, B, S, H, Hkv, hd, stream());
     });
   }
   void swiglu_forward(CView gate, CView up, View out, std::int64_t n) override {

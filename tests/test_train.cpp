@@ -16,6 +16,7 @@
 #include "moeflex/core/error.h"
 #include "moeflex/provision/cost_model.h"
 #include "moeflex/train/checkpoint.h"
+#include "moeflex/train/dataset.h"
 #include "moeflex/train/generate.h"
 #include "moeflex/train/trainer.h"
 #include "scratch_dir.h"
@@ -606,4 +607,109 @@ TEST(Train, RunFoldersAreNeverTakenOverOrRewritten) {
   il.model.capacity_factor = -1;
   EXPECT_NE(message_of([&] { il.validate(); }).find("capacity_factor"), std::string::npos);
   for (const fs::path& d : {multi, killed, refused}) fs::remove_all(d);
+}
+
+namespace {
+
+// The first `n` training tokens of the Brown corpus prepared with a 2048-token
+// vocabulary (documents closed by eos, id 2).
+std::vector<std::int32_t> brown_tokens(std::size_t n) {
+  const DatasetInfo info =
+      prepare_dataset(kSrc / "data" / "brown", kSrc / "data" / "tokenized" / "brown-v2048", 2048, 0.05, 1234,
+                      [](const std::string&) {});
+  std::vector<std::int32_t> tokens(n);
+  TokenDataset::open(info.dir).copy_tokens(Split::kTrain, 0, std::int64_t(n), tokens.data());
+  return tokens;
+}
+
+}  // namespace
+
+// A flat uint16 token file of the Brown corpus (the prepared dataset's ids, whose
+// documents end with eos): trains, records its identity, and a changed file is refused.
+TEST(Train, FlatTokenFileTrainsAndAChangedFileIsRefused) {
+  ASSERT_TRUE(fs::exists(kSrc / "data" / "brown")) << "run `make data` first";
+  const fs::path dir = fresh_dir("flat");
+  fs::create_directories(dir);
+  const std::vector<std::int32_t> tokens = brown_tokens(200000);
+  const std::vector<std::uint16_t> narrow(tokens.begin(), tokens.end());
+  const auto write = [&](const std::vector<std::uint16_t>& t) {
+    std::ofstream(dir / "brown.u16", std::ios::binary | std::ios::trunc)
+        .write(reinterpret_cast<const char*>(t.data()), std::streamsize(t.size() * 2));
+  };
+  write(narrow);
+  RunConfig cfg = small_run(12);
+  cfg.data.path = (dir / "brown.u16").string();
+  cfg.data.eos_id = 2;  // the prepared dataset's eos (tokenizer.h)
+  const TrainResult r = run_training(options(cfg, dir / "run"));
+  EXPECT_LT(r.final_val_loss, 0.95 * r.initial_val_loss) << "initial " << r.initial_val_loss << " final " << r.final_val_loss;
+  std::vector<std::uint16_t> changed = narrow;
+  changed[changed.size() - 1] = 5;  // the last token: inside the last sampled block
+  write(changed);
+  TrainOptions again = options(cfg, dir / "run");
+  again.resume = dir / "run";
+  again.config.train.steps = 20;
+  try {
+    run_training(again);
+    ADD_FAILURE() << "resumed on other data";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("differs from the data the run began with"), std::string::npos) << e.what();
+  }
+  fs::remove_all(dir);
+}
+
+// A Megatron indexed dataset (written by tests/reference/write_megatron.py from the
+// prepared corpus's tokens, one document per eos) trains as it is: the loss falls, a
+// resumed run reproduces an uninterrupted one bit for bit, a resume whose files were
+// replaced is refused, and sampling (which needs a tokenizer) says why it cannot.
+TEST(Train, MegatronIndexedDataTrainsAndResumes) {
+  ASSERT_TRUE(fs::exists(kSrc / "data" / "brown")) << "run `make data` first";
+  const fs::path dir = fresh_dir("megatron");
+  fs::create_directories(dir);
+  const std::vector<std::int32_t> tokens = brown_tokens(200000);
+  std::ofstream(dir / "tokens.i32", std::ios::binary)
+      .write(reinterpret_cast<const char*>(tokens.data()), std::streamsize(tokens.size() * 4));
+  const auto write = [&](const std::string& args) {
+    const std::string cmd = fmt::format("/usr/bin/python3 '{}' {}",
+                                        (kSrc / "tests" / "reference" / "write_megatron.py").string(), args);
+    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  };
+  write(fmt::format("'{}' uint16 tokens '{}' 2", (dir / "brown").string(), (dir / "tokens.i32").string()));
+  RunConfig cfg = small_run(12);
+  cfg.data.path = (dir / "brown.idx").string();
+  const fs::path a = dir / "straight", b = dir / "resumed";
+  const TrainResult whole = run_training(options(cfg, a));
+  EXPECT_LT(whole.final_val_loss, 0.95 * whole.initial_val_loss)
+      << "initial " << whole.initial_val_loss << " final " << whole.final_val_loss;
+  EXPECT_TRUE(fs::exists(a / "tokens.json"));
+  EXPECT_FALSE(fs::exists(a / "tokenizer.model"));
+  TrainOptions first = options(cfg, b);
+  first.stop_after = 5;
+  run_training(first);
+  TrainOptions second = options(cfg, b);
+  second.config.train.steps = -1;
+  second.resume = b;
+  EXPECT_EQ(run_training(second).final_val_loss, whole.final_val_loss);
+  EXPECT_EQ(losses(a), losses(b));
+  GenerateOptions g;
+  g.run_dir = a;
+  g.prompt = "The";
+  try {
+    generate_text(g);
+    ADD_FAILURE() << "sampled without a tokenizer";
+  } catch (const DataError& e) {
+    EXPECT_NE(std::string(e.what()).find("pre-tokenized"), std::string::npos) << e.what();
+  }
+  // Other documents under the run's file names: refused, and the run left as it was.
+  write(fmt::format("'{}' uint16 random 4 40 1000", (dir / "brown").string()));
+  TrainOptions longer = options(cfg, a);
+  longer.resume = a;
+  longer.config.train.steps = 20;
+  try {
+    run_training(longer);
+    ADD_FAILURE() << "resumed on other data";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("differs from the data the run began with"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(losses(a).size(), 12u);
+  fs::remove_all(dir);
 }

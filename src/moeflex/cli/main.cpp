@@ -76,7 +76,11 @@ int main(int argc, char** argv) {
   train->add_option("--device-memory", device_memory, "device-memory budget, e.g. 512MiB, 2GiB (default unlimited)");
   std::string device;
   train->add_option("--device", device, "where to compute: cpu (default) or cuda (one GPU; device.kind)");
-  train->add_option("--data", data_path, "a UTF-8 text file or folder (default: the Brown corpus from `make data`)");
+  train->add_option("--data", data_path,
+                    "a UTF-8 text file or folder, a Megatron indexed dataset (PREFIX, PREFIX.idx or .bin) or a flat "
+                    "token file (.u16, .u32); default: the Brown corpus from `make data`");
+  std::int64_t data_eos_id = -2;
+  train->add_option("--data-eos-id", data_eos_id, "a flat token file's end-of-document id (data.eos_id; -1 none)");
   train->add_option("--resume", resume_dir, "continue the run in this directory from its newest checkpoint");
   train->add_option("--data-cache", data_cache, "where tokenized corpora are cached")->capture_default_str();
   train->add_option("--threads", threads,
@@ -203,6 +207,7 @@ int main(int argc, char** argv) {
       if (!device_memory.empty()) o.config.device_memory = parse_size(device_memory);
       if (!device.empty()) o.config.device = device;
       if (!data_path.empty()) o.config.data.path = data_path;
+      if (train->count("--data-eos-id")) o.config.data.eos_id = data_eos_id;
       if (!policy.empty()) o.config.train.policy = policy;
       if (!inject.empty()) o.config.train.inject_imbalance = inject;
       if (!on_oom.empty()) o.config.train.on_oom = on_oom;
@@ -222,6 +227,7 @@ int main(int argc, char** argv) {
       o.out_dir = out_dir.empty() ? fs::path(timestamp_dir()) : fs::path(out_dir);
       if (!resume_dir.empty()) {
         const bool others = !config_path.empty() || !device_memory.empty() || !data_path.empty() || !policy.empty() ||
+                            train->count("--data-eos-id") ||
                             !inject.empty() || pp > 0 || dp >= 0 || ep > 0 || vpp > 0 || !schedule.empty() ||
                             seed >= 0 || !on_oom.empty() || max_restarts >= 0 || restart_seconds >= 0 ||
                             checkpoint_every >= 0 || !device.empty() || expert_chunk_rows >= 0 || !out_dir.empty() ||

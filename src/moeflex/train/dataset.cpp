@@ -30,9 +30,8 @@ namespace {
 constexpr int kDatasetFormatVersion = 1;
 constexpr const char* kDatasetJson = "dataset.json";
 constexpr const char* kTokenizerPrefix = "tokenizer";
-// rng streams: which split a document goes to; train/val window sampling.
+// rng stream of which split a document goes to (token_dataset.cpp: of window sampling).
 constexpr std::uint64_t kSplitStream = 0x5E1EC7;
-constexpr std::uint64_t kSampleStream = 0xBA7C4000;
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -249,6 +248,30 @@ std::vector<std::int32_t> read_token_shard(const fs::path& path, int vocab_size)
   return tokens;
 }
 
+std::vector<char> assign_validation_documents(std::size_t n, double val_fraction, std::uint64_t seed) {
+  // Document i is held out when its draw is below val_fraction.
+  auto draw = [&](std::size_t i) { return uniform01(seed, kSplitStream, i); };
+  std::vector<char> is_val(n);
+  std::size_t val_count = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    is_val[i] = draw(i) < val_fraction;
+    val_count += std::size_t(is_val[i]);
+  }
+  if (n < 2) return is_val;
+  if (val_count == 0) {  // hold out the document with the lowest draw
+    std::size_t best = 0;
+    for (std::size_t i = 1; i < n; ++i)
+      if (draw(i) < draw(best)) best = i;
+    is_val[best] = 1;
+  } else if (val_count == n) {  // keep the one with the highest draw for training
+    std::size_t best = 0;
+    for (std::size_t i = 1; i < n; ++i)
+      if (draw(i) > draw(best)) best = i;
+    is_val[best] = 0;
+  }
+  return is_val;
+}
+
 DatasetInfo prepare_dataset(const fs::path& corpus_path, const fs::path& out_dir, int vocab_size,
                             double val_fraction, std::uint64_t seed, const LogFn& log_fn) {
   const LogFn log = log_fn ? log_fn : LogFn([](const std::string& line) { fmt::print(stderr, "{}\n", line); });
@@ -287,25 +310,7 @@ DatasetInfo prepare_dataset(const fs::path& corpus_path, const fs::path& out_dir
                     "bytes are merged into one document.",
                     corpus_path.string(), n, target_doc_bytes));
 
-  // Deterministic split: document i is held out when its draw is below val_fraction.
-  std::vector<char> is_val(n);
-  std::size_t val_count = 0;
-  for (std::size_t i = 0; i < n; ++i) {
-    is_val[i] = uniform01(seed, kSplitStream, i) < val_fraction;
-    val_count += std::size_t(is_val[i]);
-  }
-  auto draw = [&](std::size_t i) { return uniform01(seed, kSplitStream, i); };
-  if (val_count == 0) {  // hold out the document with the lowest draw
-    std::size_t best = 0;
-    for (std::size_t i = 1; i < n; ++i)
-      if (draw(i) < draw(best)) best = i;
-    is_val[best] = 1;
-  } else if (val_count == n) {  // keep the one with the highest draw for training
-    std::size_t best = 0;
-    for (std::size_t i = 1; i < n; ++i)
-      if (draw(i) > draw(best)) best = i;
-    is_val[best] = 0;
-  }
+  const std::vector<char> is_val = assign_validation_documents(n, val_fraction, seed);
 
   log(fmt::format("dataset: {} documents from {} file(s) ({}) in '{}'; training a {}-piece BPE tokenizer...", n,
                   corpus.files.size(), format_bytes(corpus.total_bytes), corpus_path.string(), vocab_size));
@@ -397,7 +402,8 @@ TokenDataset TokenDataset::open(const fs::path& dir) {
                                   kDatasetFormatVersion));
     ds.vocab_size_ = meta.at("vocab_size").get<int>();
     for (Split split : {Split::kTrain, Split::kVal}) {
-      std::vector<std::int32_t>& out = split == Split::kTrain ? ds.train_ : ds.val_;
+      Part& part = split == Split::kTrain ? ds.train_ : ds.val_;
+      std::vector<std::int32_t>& out = part.owned;
       const json& s = meta.at("splits").at(split_name(split));
       out.reserve(s.at("tokens").get<std::size_t>());
       for (const json& shard : s.at("shards")) {
@@ -411,59 +417,14 @@ TokenDataset TokenDataset::open(const fs::path& dir) {
       }
       if (out.empty())
         throw DataError(fmt::format("The {} split of '{}' is empty.", split_name(split), dir.string()));
+      part.total = std::int64_t(out.size());
+      part.begin = {0};  // its shards as one range of `owned`
+      part.offset = {0, part.total};
     }
   } catch (const json::exception& e) {
     throw DataError(fmt::format("'{}' is incomplete or malformed: {}.", meta_path.string(), e.what()));
   }
   return ds;
-}
-
-void TokenDataset::sample_batch(Split split, std::uint64_t seed, std::int64_t step, std::int64_t micro_batch_index,
-                                int B, int S, std::int32_t* inputs, std::int32_t* targets) const {
-  check_config(B > 0 && S > 0, fmt::format("batch size and sequence length must be positive, got B={} S={}.", B, S));
-  check_config(step >= 0 && micro_batch_index >= 0,
-               fmt::format("step and micro-batch index must be non-negative, got {} and {}.", step, micro_batch_index));
-  const std::span<const std::int32_t> toks = tokens(split);
-  const std::int64_t n = std::int64_t(toks.size());
-  if (n < std::int64_t(S) + 1)
-    throw DataError(fmt::format("The {} split of '{}' has {} tokens, too few for one window of {} (sequence "
-                                "length {} + 1).", split_name(split), dir_.string(), n, std::int64_t(S) + 1, S));
-  const std::int64_t starts = n - S;  // windows [start, start + S] with start in [0, n - S)
-  // One rng stream per (split, step); the index encodes (micro-batch, row).
-  const std::uint64_t stream = mix64(kSampleStream + std::uint64_t(split == Split::kVal)) ^ mix64(std::uint64_t(step));
-  for (int b = 0; b < B; ++b) {
-    const std::uint64_t index = (std::uint64_t(micro_batch_index) << 32) | std::uint64_t(b);
-    const auto start = std::min<std::int64_t>(std::int64_t(uniform01(seed, stream, index) * double(starts)), starts - 1);
-    std::copy_n(toks.data() + start, S, inputs + std::int64_t(b) * S);
-    std::copy_n(toks.data() + start + 1, S, targets + std::int64_t(b) * S);
-  }
-}
-
-std::int64_t TokenDataset::num_val_batches(int B, int S, std::int64_t max_batches) const {
-  check_config(B > 0 && S > 0, fmt::format("batch size and sequence length must be positive, got B={} S={}.", B, S));
-  const std::int64_t windows = (num_tokens(Split::kVal) - 1) / S;
-  const std::int64_t batches = windows / B;
-  if (batches < 1)
-    throw DataError(fmt::format("The validation split of '{}' has {} tokens, too few for one batch of {} windows "
-                                "of {} tokens; raise val_fraction or lower the batch size or sequence length.",
-                                dir_.string(), num_tokens(Split::kVal), B, std::int64_t(S) + 1));
-  return max_batches > 0 ? std::min(batches, max_batches) : batches;
-}
-
-void TokenDataset::val_batch(std::int64_t index, int B, int S, std::int64_t max_batches, std::int32_t* inputs,
-                             std::int32_t* targets) const {
-  const std::int64_t batches = num_val_batches(B, S, max_batches);
-  check_config(index >= 0 && index < batches,
-               fmt::format("validation batch index {} is outside [0, {}).", index, batches));
-  const std::int64_t windows = (num_tokens(Split::kVal) - 1) / S;  // disjoint chunks of S (+1) tokens
-  const std::int64_t used = batches * B;
-  for (int b = 0; b < B; ++b) {
-    const std::int64_t k = index * B + b;
-    const std::int64_t chunk = k * windows / used;  // spread the used windows evenly
-    const std::int32_t* w = val_.data() + chunk * S;
-    std::copy_n(w, S, inputs + std::int64_t(b) * S);
-    std::copy_n(w + 1, S, targets + std::int64_t(b) * S);
-  }
 }
 
 }  // namespace moeflex

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
@@ -74,18 +75,52 @@ void write_token_shard(const std::filesystem::path& path, std::span<const std::i
 /// (expected vs actual bytes) or a token id >= vocab_size.
 std::vector<std::int32_t> read_token_shard(const std::filesystem::path& path, int vocab_size);
 
-/// The prepared token splits in memory, with deterministic batch sampling.
+/// Which documents of `n` go to the validation split: document i when the
+/// counter-based draw of (seed, i) is below val_fraction, moved so that both splits
+/// get at least one document when n >= 2. The same arguments give the same split.
+std::vector<char> assign_validation_documents(std::size_t n, double val_fraction, std::uint64_t seed);
+
+class MappedFile;
+struct MegatronIndex;
+
+/// The token splits, with deterministic batch sampling: a prepared dataset read into
+/// memory (open), or a Megatron indexed dataset or flat token file memory-mapped
+/// (open_megatron, open_flat). A
+/// split is its documents back to back; windows may cross document ends (a prepared
+/// dataset closes every document with eos; Megatron data with its own end-of-document
+/// token when preprocess_data.py ran with --append-eod).
 class TokenDataset {
  public:
   /// Loads `dir`/dataset.json and every shard it lists. Throws DataError.
   static TokenDataset open(const std::filesystem::path& dir);
+  /// Maps PREFIX.bin and reads PREFIX.idx (indexed_data.h), splitting the non-empty
+  /// documents as assign_validation_documents. Token ids are checked against
+  /// `vocab_size` as batches are read. Throws DataError for a malformed index, a
+  /// .bin that does not match it, or fewer than 2 non-empty documents.
+  static TokenDataset open_megatron(const std::filesystem::path& prefix, int vocab_size, double val_fraction,
+                                    std::uint64_t seed);
+  /// Maps a flat token file (indexed_data.h: FILE.u16/.uint16 or .u32/.uint32), whose
+  /// documents end after each `eos_id` (or are kFlatPieces equal pieces when eos_id is
+  /// -1), split as open_megatron. Throws ConfigError for another name, DataError for a
+  /// missing file, a size that is not whole tokens, or fewer than 2 documents.
+  static TokenDataset open_flat(const std::filesystem::path& file, int vocab_size, double val_fraction,
+                                std::uint64_t seed, std::int64_t eos_id);
 
   int vocab_size() const { return vocab_size_; }
-  std::int64_t num_tokens(Split split) const { return std::int64_t(tokens(split).size()); }
-  std::span<const std::int32_t> tokens(Split split) const {
-    return split == Split::kTrain ? std::span<const std::int32_t>(train_) : std::span<const std::int32_t>(val_);
-  }
+  std::int64_t num_tokens(Split split) const { return part(split).total; }
+  /// Where the tokens come from: the prepared folder, the Megatron .bin or the flat file.
   const std::filesystem::path& dir() const { return dir_; }
+  /// True for pre-tokenized data that comes without moeflex's tokenizer.
+  bool pretokenized() const { return bool(map_); }
+  /// SHA-256 of the Megatron index and the .bin's size, or a flat file's size, eos id and
+  /// sampled hash ("" for a prepared dataset):
+  /// what a resumed run compares to know its data is the same.
+  const std::string& identity() const { return identity_; }
+
+  /// Copies tokens [start, start + n) of the split (its documents back to back) to
+  /// `out`. Throws DataError for a range outside the split or a token id outside
+  /// [0, vocab_size) (naming the file and the token's position in it).
+  void copy_tokens(Split split, std::int64_t start, std::int64_t n, std::int32_t* out) const;
 
   /// Fills inputs[B*S] and targets[B*S] (row-major [B, S]) with B windows of
   /// S+1 consecutive tokens of `split`: inputs are tokens [0, S) of a window,
@@ -107,9 +142,26 @@ class TokenDataset {
                  std::int32_t* targets) const;
 
  private:
+  /// A split as ranges of the token source: document k holds `total`-relative tokens
+  /// [offset[k], offset[k + 1]) and starts at token begin[k] of the source.
+  struct Part {
+    std::vector<std::int32_t> owned;  ///< a prepared dataset's tokens (the source), else empty
+    std::vector<std::int64_t> begin, offset;
+    std::int64_t total = 0;
+  };
+  /// The non-empty documents of `ix` in the mapped `map`, split; `name` heads errors.
+  static TokenDataset from_documents(std::shared_ptr<const MappedFile> map, const MegatronIndex& ix,
+                                     const std::string& name, int vocab_size, double val_fraction,
+                                     std::uint64_t seed);
+  const Part& part(Split split) const { return split == Split::kTrain ? train_ : val_; }
+  void window(Split split, std::int64_t start, int S, std::int32_t* inputs, std::int32_t* targets) const;
+
   std::filesystem::path dir_;
   int vocab_size_ = 0;
-  std::vector<std::int32_t> train_, val_;
+  Part train_, val_;
+  std::shared_ptr<const MappedFile> map_;  ///< the Megatron .bin or flat file, else null
+  int token_code_ = 4, token_bytes_ = 4;   ///< the .bin's dtype (indexed_data.h)
+  std::string identity_;
 };
 
 }  // namespace moeflex

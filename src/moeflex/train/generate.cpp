@@ -102,6 +102,11 @@ std::string generate_text(const GenerateOptions& opts) {
   if (opts.top_k < 0) throw ConfigError(fmt::format("--top-k must be >= 0 (0 = the whole vocabulary), got {}", opts.top_k));
   if (opts.max_new_tokens < 0) throw ConfigError("--max-new-tokens must be >= 0");
   RunConfig cfg = RunConfig::from_file((run / "config.toml").string());
+  if (!fs::exists(run / "tokenizer.model"))
+    throw DataError(fmt::format("run '{}' has no tokenizer.model{}: `moeflex generate` turns text into token ids "
+                                "with the run's own tokenizer", run.string(),
+                                fs::exists(run / "tokens.json") ? " (it was trained on pre-tokenized data, which "
+                                                                  "comes without one)" : ""));
   Tokenizer tok = Tokenizer::load((run / "tokenizer.model").string());
   if (tok.vocab_size() != cfg.model.vocab_size)
     throw DataError(fmt::format("run '{}': its tokenizer.model has {} pieces but the model's vocab_size is {}: the "

@@ -1,19 +1,24 @@
 // The run folder of a training run: whether another process trains in it (its
 // lock), whether it holds a run or files no moeflex run wrote, and taking it for this
-// run (the lock, a new run's config.toml and tokenizer.model, a resumed run's
-// tokenizer checked against the corpus's).
+// run (the lock, a new run's config.toml and tokenizer.model or tokens.json, a resumed
+// run's tokenizer checked against the corpus's or its tokens.json against the data).
 #include <fcntl.h>
 #include <sys/file.h>
 #include <unistd.h>
 
 #include <fmt/format.h>
 #include <fstream>
+#include <nlohmann/json.hpp>
 
+#include "moeflex/core/file_io.h"
 #include "moeflex/train/run_state.h"
 
 namespace moeflex::run {
 
 namespace {
+
+// What a run on pre-tokenized data was trained on (claim_for_pretokenized).
+constexpr const char* kTokensJson = "tokens.json";
 
 // The checkpoint roots a run folder may hold: the folder itself (one process) and
 // its rank folders (several).
@@ -55,7 +60,7 @@ bool holds_a_run(const fs::path& run_dir) {
 }
 
 // What a new run in `run_dir` would overwrite that no earlier moeflex run left: a
-// config.toml moeflex did not write (its header), or a tokenizer.model, trace.json,
+// config.toml moeflex did not write (its header), or a tokenizer.model, tokens.json, trace.json,
 // loads.jsonl or op_times.json beside no moeflex config.toml. "" when nothing.
 std::string foreign_file_in(const fs::path& run_dir) {
   bool ours = false;
@@ -66,8 +71,38 @@ std::string foreign_file_in(const fs::path& run_dir) {
     ours = true;
   }
   if (ours) return "";
-  for (const char* name : {"tokenizer.model", "trace.json", "loads.jsonl", "op_times.json"})
+  for (const char* name : {"tokenizer.model", kTokensJson, "trace.json", "loads.jsonl", "op_times.json"})
     if (fs::exists(run_dir / name)) return (run_dir / name).string();
+  return "";
+}
+
+// A run on pre-tokenized data records what its tokens are in tokens.json (no tokenizer
+// comes with them); a resumed one must find the same. The refusal, or "" when none.
+std::string claim_for_pretokenized(const RunContext& ctx) {
+  const fs::path& run_dir = ctx.run_dir;
+  const TokenDataset& ds = *ctx.data;
+  const fs::path record = run_dir / kTokensJson;
+  if (!ctx.opts.resume) {
+    write_file_atomically(run_dir / "config.toml", ctx.cfg.to_toml());
+    const nlohmann::json j = {{"data", ds.dir().string()}, {"identity", ds.identity()}};
+    write_file_atomically(record, j.dump(2) + "\n");
+    return "";
+  }
+  if (!fs::exists(record))
+    return fmt::format("--resume: the run '{}' has no {}, so it was not trained on the pre-tokenized data '{}' (or the "
+                       "file was lost): resume it with the data it was trained on",
+                       run_dir.string(), kTokensJson, ds.dir().string());
+  std::string was;
+  try {
+    const std::vector<char> text = read_file_bytes(record);
+    was = nlohmann::json::parse(text.begin(), text.end()).at("identity").get<std::string>();
+  } catch (const nlohmann::json::exception& e) {
+    return fmt::format("--resume: '{}' is malformed ({}); restore it", record.string(), e.what());
+  }
+  if (was != ds.identity())
+    return fmt::format("--resume: the data '{}' differs from the data the run began with ({} says '{}', the data now "
+                       "'{}'): resume with the data the run was trained on",
+                       ds.dir().string(), record.string(), was, ds.identity());
   return "";
 }
 
@@ -147,7 +182,9 @@ void claim_run_folder(RunContext& ctx) {
       for (const auto& e : fs::directory_iterator(run_dir))
         if (e.is_regular_file() && e.path().filename().string().find(".tmp-") != std::string::npos) fs::remove(e.path());
   }
-  if (rank0 && folder_error.empty()) {
+  if (rank0 && folder_error.empty() && ctx.data->pretokenized()) {
+    folder_error = claim_for_pretokenized(ctx);
+  } else if (rank0 && folder_error.empty()) {
     if (!opts.resume) {
       // Both written to a temporary file and renamed: a symlink in their place is
       // replaced, never followed (its target stays as it was).

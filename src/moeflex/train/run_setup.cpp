@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <optional>
 #include <fmt/format.h>
 #include <strings.h>
 #include <thread>
@@ -22,6 +23,7 @@
 #endif
 #include "moeflex/model/ledger.h"
 #include "moeflex/train/imbalance_replay.h"
+#include "moeflex/train/indexed_data.h"
 #include "moeflex/train/run_state.h"
 
 extern "C" void openblas_set_num_threads(int);
@@ -215,9 +217,31 @@ void open_data(RunContext& ctx) {
   const std::unique_ptr<comm::Communicator>& world = ctx.world;
   const bool rank0 = ctx.rank0;
   Progress& progress = *ctx.progress;
-  // Data: tokenize (or reuse) the corpus.
+  // Data: pre-tokenized as it is, or a text corpus tokenized (or reused).
   ctx.corpus = cfg.data.path.empty() ? default_corpus_path() : fs::path(cfg.data.path);
   const fs::path& corpus = ctx.corpus;
+  // Pre-tokenized data (a flat token file or a Megatron indexed dataset) is used as it is.
+  std::optional<TokenDataset> tokens;
+  std::string what;
+  if (!cfg.data.path.empty() && flat_token_code(corpus)) {
+    tokens.emplace(TokenDataset::open_flat(corpus, int(cfg.model.vocab_size), cfg.data.val_fraction, 1234,
+                                           cfg.data.eos_id));
+    what = fmt::format("flat token file '{}'", corpus.string());
+  } else if (const std::optional<fs::path> prefix = cfg.data.path.empty() ? std::nullopt : megatron_prefix(corpus)) {
+    tokens.emplace(TokenDataset::open_megatron(*prefix, int(cfg.model.vocab_size), cfg.data.val_fraction, 1234));
+    what = fmt::format("Megatron indexed dataset '{}'", prefix->string());
+  }
+  if (tokens) {
+    const TokenDataset& ds = ctx.data.emplace(std::move(*tokens));
+    ctx.info.dir = ds.dir();
+    ctx.info.vocab_size = ds.vocab_size();
+    ctx.info.train_tokens = ds.num_tokens(Split::kTrain);
+    ctx.info.val_tokens = ds.num_tokens(Split::kVal);
+    if (rank0)
+      progress.note(fmt::format("data: {}: {} training and {} validation tokens", what, ctx.info.train_tokens,
+                                ctx.info.val_tokens));
+    return;
+  }
   if (cfg.data.path.empty() && !fs::exists(corpus))
     throw DataError(fmt::format("the default corpus '{}' is missing (a path relative to the current directory, {}): "
                                 "run from the repository root after `make data`, or pass --data PATH",

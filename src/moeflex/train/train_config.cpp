@@ -109,6 +109,7 @@ void RunConfig::validate() const {
   rule(std::isfinite(t.restart_seconds) && t.restart_seconds >= 0,
        fmt::format("train.restart_seconds: must be a finite number >= 0 (got {})", t.restart_seconds));
   rule(data.val_fraction > 0 && data.val_fraction < 0.5, "data.val_fraction: must be in (0, 0.5)");
+  rule(data.eos_id >= -1 && data.eos_id < model.vocab_size, "data.eos_id: must be -1 (none) or a token id below vocab_size");
   rule(device_memory == -1 || device_memory > 0, "device.memory: must be positive or \"unlimited\"");
   rule(device == "cpu" || device == "cuda", fmt::format("device.kind: must be \"cpu\" or \"cuda\" (got \"{}\")", device));
   rule(parallel.pp >= 1, "parallel.pp: must be at least 1");
@@ -204,7 +205,8 @@ RunConfig RunConfig::from_toml_text(const std::string& text, const std::string& 
         c.data.path = *s;
       }
       read_field(*d, "data", "val_fraction", c.data.val_fraction);
-      reject_unknown(*d, "data", {"path", "val_fraction"});
+      read_field(*d, "data", "eos_id", c.data.eos_id);
+      reject_unknown(*d, "data", {"path", "val_fraction", "eos_id"});
     }
     if (auto* par = root["parallel"].as_table()) {
       read_field(*par, "parallel", "pp", c.parallel.pp);
@@ -273,6 +275,7 @@ std::string RunConfig::to_toml() const {
   if (!train.inject_imbalance.empty()) s += fmt::format("inject_imbalance = {}\n", toml_string(train.inject_imbalance));
   s += fmt::format("on_oom = {}\n", toml_string(train.on_oom));
   s += fmt::format("\n[data]\npath = {}\nval_fraction = {}\n", toml_string(data.path), toml_float(data.val_fraction));
+  if (data.eos_id >= 0) s += fmt::format("eos_id = {}\n", data.eos_id);
   s += fmt::format("\n[parallel]\npp = {}\ndp = {}\nep = {}\nvpp = {}\nschedule = {}\npad_layers = {}\n",
                    parallel.pp, parallel.dp, parallel.ep, parallel.vpp, toml_string(parallel.schedule),
                    parallel.pad_layers ? "true" : "false");

@@ -42,6 +42,9 @@ struct TrainConfig {
 struct DataConfig {
   std::string path;            ///< corpus file or folder; empty = the prepared Brown corpus
   double val_fraction = 0.05;  ///< share of documents held out for validation
+  /// A flat token file's end-of-document id (documents end after it); -1: the file has
+  /// none, and is cut into kFlatPieces equal pieces for the validation split.
+  std::int64_t eos_id = -1;
 };
 
 /// How the run is split over ranks. Sizes multiply to the world size.

@@ -44,7 +44,8 @@ MODEL_DEFAULTS = dict(
     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, n_shared_experts=0,
     shared_expert_intermediate_size=0, first_k_dense_replace=0, intermediate_size=1024,
     norm_topk_prob=True, router_aux_loss_coef=0.01, router_z_loss_coef=0.001,
-    tie_word_embeddings=False, capacity_factor=0.0, initializer_range=0.02)
+    tie_word_embeddings=False, capacity_factor=0.0, initializer_range=0.02,
+    head_dim=0, num_key_value_heads=0, qk_norm="none")
 TRAIN_DEFAULTS = dict(micro_batch_size=8, seq_len=128, lr=3e-4, weight_decay=0.1, beta1=0.9,
                       beta2=0.95, eps=1e-8, grad_clip=1.0, grad_accum_steps=1, seed=1234)
 TRAIN_ALIASES = {"learning_rate": "lr", "max_lr": "lr", "adam_beta1": "beta1", "adam_beta2": "beta2",
@@ -59,14 +60,17 @@ class Cfg:
     def __init__(self, d: dict):
         for k, v in d.items():
             setattr(self, k, v)
-        self.head_dim = self.hidden_size // self.num_attention_heads
+        self.head_dim = self.head_dim if getattr(self, "head_dim", 0) else self.hidden_size // self.num_attention_heads
+        self.kv_heads = getattr(self, "num_key_value_heads", 0) or self.num_attention_heads
+        self.qk_norm = getattr(self, "qk_norm", "none")
         if self.n_shared_experts > 0:
             self.shared_width = (self.shared_expert_intermediate_size
                                  if self.shared_expert_intermediate_size > 0
                                  else self.n_shared_experts * self.moe_intermediate_size)
         else:
             self.shared_width = 0
-        assert self.hidden_size % self.num_attention_heads == 0 and self.head_dim % 2 == 0
+        assert self.head_dim % 2 == 0 and self.num_attention_heads % self.kv_heads == 0
+        assert self.qk_norm in ("none", "head", "full")
         assert 1 <= self.num_experts_per_tok <= self.num_experts
 
 
@@ -97,14 +101,22 @@ class RMSNorm(torch.nn.Module):
 
 
 class Attention(torch.nn.Module):
+    """Grouped-query attention (Hkv key/value heads; Hkv = H is multi-head) with
+    optional QK-norm: per head (Qwen3-MoE) or over all of q and k (OLMoE)."""
+
     def __init__(self, cfg: Cfg):
         super().__init__()
         d = cfg.hidden_size
-        self.H, self.hd = cfg.num_attention_heads, cfg.head_dim
-        self.q_proj = torch.nn.Linear(d, d, bias=False)
-        self.k_proj = torch.nn.Linear(d, d, bias=False)
-        self.v_proj = torch.nn.Linear(d, d, bias=False)
-        self.o_proj = torch.nn.Linear(d, d, bias=False)
+        self.H, self.Hkv, self.hd, self.qk_norm = cfg.num_attention_heads, cfg.kv_heads, cfg.head_dim, cfg.qk_norm
+        qw, kvw = self.H * self.hd, self.Hkv * self.hd
+        self.q_proj = torch.nn.Linear(d, qw, bias=False)
+        self.k_proj = torch.nn.Linear(d, kvw, bias=False)
+        self.v_proj = torch.nn.Linear(d, kvw, bias=False)
+        self.o_proj = torch.nn.Linear(qw, d, bias=False)
+        if self.qk_norm != "none":
+            per_head = self.qk_norm == "head"
+            self.q_norm = RMSNorm(self.hd if per_head else qw, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.hd if per_head else kvw, cfg.rms_norm_eps)
 
     @staticmethod
     def rope(x, cos, sin):  # x [B, H, S, hd]; cos/sin [S, hd/2]
@@ -113,10 +125,19 @@ class Attention(torch.nn.Module):
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
     def forward(self, a, B, S, cos, sin, mask):
-        q = self.q_proj(a).view(B, S, self.H, self.hd).transpose(1, 2)
-        k = self.k_proj(a).view(B, S, self.H, self.hd).transpose(1, 2)
-        v = self.v_proj(a).view(B, S, self.H, self.hd).transpose(1, 2)
+        q, k, v = self.q_proj(a), self.k_proj(a), self.v_proj(a)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, S, self.H, self.hd)
+        k = k.view(B, S, self.Hkv, self.hd)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = v.view(B, S, self.Hkv, self.hd).transpose(1, 2)
         q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
+        if self.Hkv != self.H:
+            k = k.repeat_interleave(self.H // self.Hkv, dim=1)
+            v = v.repeat_interleave(self.H // self.Hkv, dim=1)
         scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(self.hd)) + mask
         o = torch.matmul(torch.softmax(scores, dim=-1), v)
         return self.o_proj(o.transpose(1, 2).reshape(B * S, self.H * self.hd))
@@ -297,11 +318,12 @@ def check_against_reference() -> int:
     from make_golden import read_safetensors  # noqa: E402
 
     worst_all = 0.0
-    for fname in ("golden_v1.safetensors", "golden_v1_capacity.safetensors"):
+    for fname in ("golden_v1.safetensors", "golden_v1_capacity.safetensors", "golden_v1_gqa.safetensors",
+                  "golden_v1_qk_norm_head.safetensors", "golden_v1_qk_norm_full.safetensors"):
         meta, t = read_safetensors(os.path.join(here, "..", "tests", "reference", fname))
         conf = json.loads(meta["config"])
         B, S = conf.pop("batch_size"), conf.pop("seq_len")
-        cfg = Cfg(conf)
+        cfg = Cfg(dict(MODEL_DEFAULTS, **conf))
         model = MoEForCausalLM(cfg).double()
         with torch.no_grad():
             for name, p in model.spec_params():
@@ -337,15 +359,18 @@ def load_config(args):
     train = dict(TRAIN_DEFAULTS)
     if args.config:
         import tomllib
-        with open(args.config, "rb") as fh:
-            doc = tomllib.load(fh)
-        for k, v in doc.get("model", {}).items():
-            if k in model:
-                model[k] = coerce(v, model[k])
-        for k, v in doc.get("train", {}).items():
-            k = TRAIN_ALIASES.get(k, k)
-            if k in train:
-                train[k] = coerce(v, train[k])
+        # As moeflex reads a run config: configs/default.toml, then the file's keys.
+        default = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "default.toml")
+        for path in (default, args.config):
+            with open(path, "rb") as fh:
+                doc = tomllib.load(fh)
+            for k, v in doc.get("model", {}).items():
+                if k in model:
+                    model[k] = coerce(v, model[k])
+            for k, v in doc.get("train", {}).items():
+                k = TRAIN_ALIASES.get(k, k)
+                if k in train:
+                    train[k] = coerce(v, train[k])
     for item in args.set:
         key, _, value = item.partition("=")
         table, _, field = key.partition(".")

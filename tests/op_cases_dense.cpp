@@ -255,6 +255,7 @@ void add_dense_cases(std::vector<OpCase>& cases) {
     for (bool tb : {false, true}) cases.push_back(gemm_case(ta, tb, 5, 7, 4));
   cases.push_back(rmsnorm_case("rmsnorm_small", 5, 12));
   cases.push_back(rmsnorm_case("rmsnorm_wide", 3, 67));
+  cases.push_back(rmsnorm_case("rmsnorm_qk_per_head", 2 * 7 * 4, 12));  // QK-norm: n x H rows of head_dim
   cases.push_back(rope_case("rope_small", 1, 3, 2, 4));
   cases.push_back(rope_case("rope_batched", 2, 5, 3, 8));
   cases.push_back(attention_case("attention_small", 1, 4, 2, 2, 4));

@@ -161,6 +161,31 @@ TEST_P(MemoryPlanPrecision, PeakEqualsTheArenaWithGroupedQueryAttention) {
     }
 }
 
+// QK-norm (per head with GQA, and over the whole width): the norms' inputs and rstds
+// are saved beside q and k, q and k are rebuilt from them, and the backward's norm
+// gradients come and go; the walk replays it exactly, static policies and random
+// save/recompute mixes, with and without the zero-bubble split.
+TEST_P(MemoryPlanPrecision, PeakEqualsTheArenaWithQkNorm) {
+  for (const char* kind : {"head", "full"}) {
+    ModelConfig cfg = config_with_dense_and_shared(GetParam());
+    cfg.qk_norm = kind;
+    cfg.num_key_value_heads = 2;
+    for (const char* name : {"none", "full", "selective", "moe-medium"})
+      for (bool split : {false, true}) {
+        const StepResult r = run_step(cfg, make_static_policy(name), 2, 2.0, 11, split);
+        EXPECT_EQ(r.predicted, r.measured) << kind << " policy " << name << (split ? " split" : "");
+      }
+    for (std::uint64_t trial = 0; trial < 6; ++trial) {
+      auto policy = [trial](const LedgerEntry& e) {
+        const double u = uniform01(trial + 300, std::uint64_t(e.layer * 131 + e.microbatch), std::hash<std::string>{}(e.name));
+        return u < 0.5 ? Provision::save : Provision::recompute;
+      };
+      const StepResult r = run_step(cfg, policy, 1 + int(trial % 3), trial % 2 ? 3.0 : 0.0, trial + 60, trial % 3 == 2);
+      EXPECT_EQ(r.predicted, r.measured) << kind << " trial " << trial;
+    }
+  }
+}
+
 // The zero-bubble split: what the deferred weight gradients read stays until W.
 TEST_P(MemoryPlanPrecision, PeakEqualsTheArenaWithTheZeroBubbleSplit) {
   const ModelConfig cfg = config_with_dense_and_shared(GetParam());

@@ -77,11 +77,20 @@ TEST(Golden, CapacityTiedMatchesPyTorchReference) { check_golden("golden_v1_capa
 // hidden 32 / 4 heads: q and o_proj are 48 wide, k and v 24.
 TEST(Golden, GqaMatchesPyTorchReference) { check_golden("golden_v1_gqa.safetensors"); }
 
-// d loss along random directions vs central differences of the float model.
-TEST(Model, DirectionalFiniteDifferences) {
+// QK-norm: per head over GQA heads of 12 (Qwen3-MoE), and over all of q and k (OLMoE).
+TEST(Golden, QkNormPerHeadMatchesPyTorchReference) { check_golden("golden_v1_qk_norm_head.safetensors"); }
+TEST(Golden, QkNormOverTheWholeWidthMatchesPyTorchReference) { check_golden("golden_v1_qk_norm_full.safetensors"); }
+
+// d loss along random directions vs central differences of the float model, without
+// and with QK-norm (per head over GQA heads, or over the whole width).
+class DirectionalFiniteDifferences : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(DirectionalFiniteDifferences, MatchTheGradient) {
   ModelConfig cfg = test::small_moe_config(2, 0, 4, false);
   cfg.first_k_dense_replace = 1;
   cfg.num_hidden_layers = 3;
+  cfg.qk_norm = GetParam();
+  if (cfg.qk_norm == "head") cfg.num_key_value_heads = 2;
   Arena arena;
   MoEModel model(cfg, arena);
   model.init_weights(3);
@@ -109,7 +118,9 @@ TEST(Model, DirectionalFiniteDifferences) {
       }
       vv += 1;
     }
-    const double eps = 2e-4;  // per-element step; small enough that no top-k choice flips
+    // Per-element step, small enough that no top-k choice flips: QK-norm magnifies a
+    // step of q_proj/k_proj (their tiny outputs are normed to unit RMS), so half of it.
+    const double eps = cfg.has_qk_norm() ? 1e-4 : 2e-4;
     auto loss_at = [&](double t) {
       std::size_t j = 0;
       std::vector<std::vector<float>> saved;
@@ -127,6 +138,8 @@ TEST(Model, DirectionalFiniteDifferences) {
     EXPECT_NEAR(numeric, gv, 2e-2 * std::abs(gv) + 2e-3) << "direction " << dir;
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Model, DirectionalFiniteDifferences, ::testing::Values("none", "head", "full"));
 
 // All tokens routed to experts 0 and 1; the others receive none.
 TEST(Model, SkewedRoutingAllTokensToTwoExperts) {

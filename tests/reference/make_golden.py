@@ -9,6 +9,8 @@ Writes
                                   router skewed on purpose so that assignments are dropped
   golden_v1_gqa.safetensors       grouped-query attention (4 query heads, 2 kv heads) with
                                   head_dim 12 != hidden 32 / 4 heads, B=2, S=8
+  golden_v1_qk_norm_head.safetensors  the same heads with QK-norm per head (Qwen3-MoE), B=2, S=8
+  golden_v1_qk_norm_full.safetensors  QK-norm over all of q and k (OLMoE), multi-head, B=2, S=8
 and checks the reference's own float64 gradients against finite differences.
 Deterministic: the same torch build gives the same bytes.
 """
@@ -133,6 +135,8 @@ def write_case(path: str, cfg: MoEConfig, B: int, S: int, r: dict) -> None:
     for key in ("num_key_value_heads", "head_dim"):  # 0 = the default: left out, as HF does
         if conf[key] == 0:
             del conf[key]
+    if conf["qk_norm"] == "none":  # the default, left out as in the older files
+        del conf["qk_norm"]
     conf["batch_size"] = B
     conf["seq_len"] = S
     meta = {"magic": MAGIC, "version": VERSION, "config": json.dumps(conf, sort_keys=True),
@@ -252,8 +256,22 @@ def main() -> int:
     write_case(p3, cfg3, B3, S3, r3)
     describe("gqa", p3, cfg3, r3)
 
+    # Case 4 and 5: QK-norm over each head (Qwen3-MoE, with GQA and head_dim 12) and
+    # over all of q and k (OLMoE).
+    cfg4 = tiny_config(num_key_value_heads=2, head_dim=12, qk_norm="head")
+    B4, S4 = 2, 8
+    r4 = run_case(cfg4, B4, S4, seed=20241204)
+    p4 = os.path.join(args.out_dir, "golden_v1_qk_norm_head.safetensors")
+    write_case(p4, cfg4, B4, S4, r4)
+    describe("qk-norm head", p4, cfg4, r4)
+    cfg5 = tiny_config(qk_norm="full")
+    r5 = run_case(cfg5, B4, S4, seed=20241205)
+    p5 = os.path.join(args.out_dir, "golden_v1_qk_norm_full.safetensors")
+    write_case(p5, cfg5, B4, S4, r5)
+    describe("qk-norm full", p5, cfg5, r5)
+
     # Routing must not be near a tie, or an fp32 engine could pick other experts.
-    for label, r in (("dropless", r1), ("capacity", r2), ("gqa", r3)):
+    for label, r in (("dropless", r1), ("capacity", r2), ("gqa", r3), ("qk-norm head", r4), ("qk-norm full", r5)):
         margin = min(st.margin for st in r["stats"])
         if margin < 1e-4:
             print(f"error: [{label}] top-k margin {margin:.2e} too small", file=sys.stderr)
@@ -270,6 +288,11 @@ def main() -> int:
         ok &= finite_difference_check(cfg3, r3, B3, S3, "gqa",
                                       ["model.layers.0.self_attn.k_proj.weight",
                                        "model.layers.1.input_layernorm.weight"])
+        for cfg, r, label in ((cfg4, r4, "qk-norm head"), (cfg5, r5, "qk-norm full")):
+            ok &= finite_difference_check(cfg, r, B4, S4, label,
+                                          ["model.layers.0.self_attn.q_norm.weight",
+                                           "model.layers.2.self_attn.k_norm.weight",
+                                           "model.layers.1.self_attn.q_proj.weight"])
     print("OK" if ok else "FAILED")
     return 0 if ok else 1
 

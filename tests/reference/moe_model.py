@@ -32,6 +32,7 @@ class MoEConfig:
     num_attention_heads: int = 4
     num_key_value_heads: int = 0  # 0 means num_attention_heads (multi-head); fewer: GQA
     head_dim: int = 0  # 0 means hidden_size // num_attention_heads
+    qk_norm: str = "none"  # "head": RMSNorm over each head (Qwen3-MoE); "full": over all of q and k (OLMoE)
     max_position_embeddings: int = 2048
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
@@ -75,6 +76,7 @@ class MoEConfig:
             "hidden_size % num_attention_heads"
         assert self.head_size % 2 == 0, "head_dim must be even for RoPE"
         assert self.num_attention_heads % self.kv_heads == 0, "num_key_value_heads must divide the heads"
+        assert self.qk_norm in ("none", "head", "full"), "qk_norm must be none, head or full"
         assert 1 <= self.num_experts_per_tok <= self.num_experts, "1 <= num_experts_per_tok <= num_experts"
         assert 0 <= self.first_k_dense_replace <= self.num_hidden_layers
 
@@ -118,6 +120,10 @@ def param_shapes(cfg: MoEConfig) -> "Dict[str, Tuple[int, ...]]":
         shapes[p + "self_attn.k_proj.weight"] = (kvw, d)
         shapes[p + "self_attn.v_proj.weight"] = (kvw, d)
         shapes[p + "self_attn.o_proj.weight"] = (d, qw)
+        if cfg.qk_norm != "none":
+            per_head = cfg.qk_norm == "head"
+            shapes[p + "self_attn.q_norm.weight"] = (cfg.head_size if per_head else qw,)
+            shapes[p + "self_attn.k_norm.weight"] = (cfg.head_size if per_head else kvw,)
         shapes[p + "post_attention_layernorm.weight"] = (d,)
         if cfg.is_moe_layer(l):
             shapes[p + "mlp.gate.weight"] = (E, d)
@@ -139,7 +145,8 @@ def param_shapes(cfg: MoEConfig) -> "Dict[str, Tuple[int, ...]]":
 
 
 def is_norm_weight(name: str) -> bool:
-    return name.endswith("layernorm.weight") or name == "model.norm.weight"
+    return (name.endswith("layernorm.weight") or name == "model.norm.weight"
+            or name.endswith("self_attn.q_norm.weight") or name.endswith("self_attn.k_norm.weight"))
 
 
 def init_params_spec(cfg: MoEConfig, generator: torch.Generator,
@@ -200,8 +207,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def causal_attention(a: torch.Tensor, P: Dict[str, torch.Tensor], prefix: str, cfg: MoEConfig,
                      B: int, S: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     H, Hkv, hd = cfg.num_attention_heads, cfg.kv_heads, cfg.head_size
-    q = (a @ P[prefix + "q_proj.weight"].T).view(B, S, H, hd)
-    k = (a @ P[prefix + "k_proj.weight"].T).view(B, S, Hkv, hd)
+    q = a @ P[prefix + "q_proj.weight"].T
+    k = a @ P[prefix + "k_proj.weight"].T
+    if cfg.qk_norm == "full":  # OLMoE: one norm over all of q, one over all of k
+        q = rms_norm(q, P[prefix + "q_norm.weight"], cfg.rms_norm_eps)
+        k = rms_norm(k, P[prefix + "k_norm.weight"], cfg.rms_norm_eps)
+    q, k = q.view(B, S, H, hd), k.view(B, S, Hkv, hd)
+    if cfg.qk_norm == "head":  # Qwen3-MoE: each head normed over its head_dim
+        q = rms_norm(q, P[prefix + "q_norm.weight"], cfg.rms_norm_eps)
+        k = rms_norm(k, P[prefix + "k_norm.weight"], cfg.rms_norm_eps)
     v = (a @ P[prefix + "v_proj.weight"].T).view(B, S, Hkv, hd)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     # Grouped-query attention: kv head g serves query heads g*H/Hkv .. (g+1)*H/Hkv - 1.

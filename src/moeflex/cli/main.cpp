@@ -69,7 +69,9 @@ int main(int argc, char** argv) {
   std::int64_t seed = -1;
   int threads = 0;
   bool quiet = false;
-  train->add_option("--config", config_path, "run config (TOML); default: the embedded config")->check(CLI::ExistingFile);
+  train->add_option("--config", config_path,
+                    "run config (TOML), or a Hugging Face config.json (run fields from moeflex.toml beside it); "
+                    "default: the embedded config")->check(CLI::ExistingFile);
   train->add_option("--steps", steps, "optimizer steps (overrides train.steps)");
   train->add_option("--out", out_dir, "run directory (default: runs/<date-time>)");
   train->add_option("--seed", seed, "seed for init and data order (overrides train.seed)")->check(CLI::NonNegativeNumber);

@@ -24,6 +24,7 @@ void for_each_field(ModelConfig& c, F&& f) {
   f("num_attention_heads", c.num_attention_heads);
   f("head_dim", c.head_dim_override);
   f("num_key_value_heads", c.num_key_value_heads);
+  f("qk_norm", c.qk_norm);
   f("q_lora_rank", c.q_lora_rank);
   f("kv_lora_rank", c.kv_lora_rank);
   f("qk_nope_head_dim", c.qk_nope_head_dim);
@@ -94,6 +95,9 @@ void ModelConfig::validate() const {
   rule(num_key_value_heads >= 0 && kv_heads() >= 1 && num_attention_heads % kv_heads() == 0, "num_key_value_heads",
        fmt::format("must divide num_attention_heads {}, or be 0 for multi-head attention (got {})", num_attention_heads,
                    num_key_value_heads));
+  rule(qk_norm == "none" || qk_norm == "head" || qk_norm == "full", "qk_norm",
+       fmt::format("must be \"none\", \"head\" (Qwen3-MoE) or \"full\" (OLMoE) (got \"{}\")", qk_norm));
+  rule(!(has_qk_norm() && mla()), "qk_norm", "is for multi-head and grouped-query attention, not MLA (kv_lora_rank > 0)");
   rule(q_lora_rank >= 0 && kv_lora_rank >= 0, "kv_lora_rank",
        fmt::format("q_lora_rank {} and kv_lora_rank {} must not be negative", q_lora_rank, kv_lora_rank));
   if (mla()) {
@@ -138,7 +142,8 @@ void ModelConfig::validate() const {
 
 std::int64_t ModelConfig::attention_params() const {
   const std::int64_t d = hidden_size;
-  if (!mla()) return 2 * d * (q_width() + kv_width());  // q, o; k, v
+  if (!mla())  // q, o; k, v; QK-norm's weights
+    return 2 * d * (q_width() + kv_width()) + (has_qk_norm() ? qk_norm_width(true) + qk_norm_width(false) : 0);
   const std::int64_t q = q_lora_rank > 0 ? d * q_lora_rank + q_lora_rank + q_lora_rank * q_width() : d * q_width();
   const std::int64_t kv = d * (kv_lora_rank + qk_rope_head_dim) + kv_lora_rank +
                           kv_lora_rank * num_attention_heads * (qk_nope_head_dim + v_head_dim);
@@ -176,7 +181,11 @@ ModelConfig ModelConfig::from_toml(const toml::table& t) {
     const toml::node* n = t.get(key);
     if (!n) return;
     using F = std::decay_t<decltype(field)>;
-    if constexpr (std::is_same_v<F, bool>) {
+    if constexpr (std::is_same_v<F, std::string>) {
+      auto v = n->value_exact<std::string>();
+      rule(v.has_value(), key, "must be a string");
+      field = *v;
+    } else if constexpr (std::is_same_v<F, bool>) {
       auto v = n->value_exact<bool>();
       rule(v.has_value(), key, "must be true or false");
       field = *v;
@@ -227,9 +236,16 @@ ModelConfig ModelConfig::from_hf_json(const nlohmann::json& j, const std::string
     f = j[k].get<bool>();
     return true;
   };
+  auto get_s = [&](const char* k, std::string& f) {
+    if (!has(k)) return false;
+    if (!j[k].is_string()) throw bad(k, "a string");
+    f = j[k].get<std::string>();
+    return true;
+  };
   for_each_field(c, [&](const char* key, auto& field) {
     using F = std::decay_t<decltype(field)>;
-    if constexpr (std::is_same_v<F, bool>) get_b(key, field);
+    if constexpr (std::is_same_v<F, std::string>) get_s(key, field);
+    else if constexpr (std::is_same_v<F, bool>) get_b(key, field);
     else if constexpr (std::is_integral_v<F>) get_i(key, field);
     else get_d(key, field);
   });
@@ -239,6 +255,11 @@ ModelConfig ModelConfig::from_hf_json(const nlohmann::json& j, const std::string
   if (mixtral && !has("moe_intermediate_size"))
     get_i("intermediate_size", c.moe_intermediate_size);  // Mixtral's experts use intermediate_size
   get_d("aux_loss_alpha", c.router_aux_loss_coef);  // DeepSeek
+  // QK-norm is implied by the architecture: per head in Qwen3-MoE, over q and k whole in OLMoE.
+  std::string model_type;
+  get_s("model_type", model_type);
+  if (!has("qk_norm") && model_type == "qwen3_moe") c.qk_norm = "head";
+  if (!has("qk_norm") && model_type == "olmoe") c.qk_norm = "full";
   if (!has("tie_word_embeddings")) c.tie_word_embeddings = false;  // HF default
   // Layouts where MoE layers alternate with dense ones (Qwen2-MoE/Qwen3-MoE's
   // decoder_sparse_step and mlp_only_layers, DeepSeek's moe_layer_freq): moeflex's
@@ -277,12 +298,43 @@ ModelConfig ModelConfig::from_hf_json(const nlohmann::json& j, const std::string
   return c;
 }
 
+void ModelConfig::refuse_engine_unsupported_hf(const nlohmann::json& j, const std::string& source) {
+  if (!j.is_object()) return;  // from_hf_json names it
+  auto field = [&](const char* k) -> const nlohmann::json* {
+    return j.contains(k) && !j[k].is_null() ? &j[k] : nullptr;
+  };
+  auto refuse = [&](const char* k, const std::string& what) {
+    throw ConfigError(fmt::format("{}: {} = {}: {} is not in moeflex's training engine", source, k, j[k].dump(),
+                                  what));
+  };
+  for (const char* k : {"attention_bias", "qkv_bias", "mlp_bias"})
+    if (const auto* v = field(k); v && v->is_boolean() && v->get<bool>()) refuse(k, "a bias in the projections");
+  if (const auto* v = field("hidden_act"); v && *v != "silu" && *v != "swish")
+    refuse("hidden_act", "an MLP activation other than SiLU (SwiGLU)");
+  if (field("rope_scaling")) refuse("rope_scaling", "RoPE scaling (YaRN, linear, dynamic)");
+  if (const auto* v = field("use_sliding_window"); v && v->is_boolean() && v->get<bool>())
+    refuse("use_sliding_window", "sliding-window attention");
+  if (field("clip_qkv")) refuse("clip_qkv", "clipping q, k and v");
+  if (const auto* v = field("scoring_func"); v && *v != "softmax") refuse("scoring_func", "router scoring other than softmax");
+  if (const auto* v = field("routed_scaling_factor"); v && v->is_number() && v->get<double>() != 1.0)
+    refuse("routed_scaling_factor", "scaling the routed experts' output");
+  if (const auto* v = field("topk_method"); v && *v != "greedy")
+    refuse("topk_method", "top-k with an expert bias or by groups (noaux_tc, group_limited_greedy)");
+  const auto* mt = field("model_type");
+  if (mt && *mt == "qwen2_moe" && field("shared_expert_intermediate_size") &&
+      j["shared_expert_intermediate_size"].is_number() && j["shared_expert_intermediate_size"].get<double>() > 0)
+    refuse("shared_expert_intermediate_size", "Qwen2-MoE's sigmoid-gated shared expert");
+  if (const auto* v = field("kv_lora_rank"); v && v->is_number() && v->get<double>() > 0)
+    refuse("kv_lora_rank", "multi-head latent attention (MLA; the simulator prices it)");
+}
+
 std::string ModelConfig::to_toml() const {
   std::string s;
   auto c = *this;
   for_each_field(c, [&](const char* key, auto& field) {
     using F = std::decay_t<decltype(field)>;
-    if constexpr (std::is_same_v<F, bool>) s += fmt::format("{} = {}\n", key, field ? "true" : "false");
+    if constexpr (std::is_same_v<F, std::string>) s += fmt::format("{} = {}\n", key, toml_string(field));
+    else if constexpr (std::is_same_v<F, bool>) s += fmt::format("{} = {}\n", key, field ? "true" : "false");
     else if constexpr (std::is_integral_v<F>) s += fmt::format("{} = {}\n", key, field);
     else s += fmt::format("{} = {}\n", key, toml_float(field));
   });

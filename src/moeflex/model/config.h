@@ -27,6 +27,11 @@ struct ModelConfig {
   std::int64_t num_attention_heads = 4;        ///< H; head_dim = d / H unless head_dim is given, even
   std::int64_t head_dim_override = 0;          ///< HF head_dim (TOML/JSON key "head_dim"); 0: d / H
   std::int64_t num_key_value_heads = 0;        ///< GQA key/value heads, dividing H; 0: H (multi-head)
+  /// RMSNorm of q and k after their projections, before RoPE (moeflex's key; Hugging
+  /// Face implies it by model_type): "none"; "head", one weight [head_dim] over each
+  /// head (Qwen3-MoE's q_norm/k_norm); "full", one over all of q [q_width] and of k
+  /// [kv_width] (OLMoE's).
+  std::string qk_norm = "none";
   /// Multi-head latent attention (MLA, DeepSeek-V2/V3; the HF fields of the same
   /// names), on when kv_lora_rank > 0: q = W_uq rmsnorm(W_dq x) (W_q x without
   /// q_lora_rank), [c_kv, k_rope] = W_dkv x, [k_nope, v] = W_ukv rmsnorm(c_kv); q and k
@@ -109,6 +114,14 @@ struct ModelConfig {
   /// Key/value heads on one of `tp` tensor-parallel ranks: kv_heads / tp, at least one
   /// (fewer kv heads than ranks are replicated).
   std::int64_t kv_heads_per_rank(int tp) const { return std::max<std::int64_t>(kv_heads() / std::max(tp, 1), 1); }
+  /// True when q and k are normed (qk_norm "head" or "full").
+  bool has_qk_norm() const { return qk_norm != "none"; }
+  /// QK-norm's rows and width for q (`q`) or k over `n` tokens: n x heads rows of
+  /// head_dim ("head") or n rows of q_width / kv_width ("full").
+  std::int64_t qk_norm_rows(std::int64_t n, bool q) const {
+    return qk_norm == "head" ? n * (q ? num_attention_heads : kv_heads()) : n;
+  }
+  std::int64_t qk_norm_width(bool q) const { return qk_norm == "head" ? head_dim() : q ? q_width() : kv_width(); }
   /// True for the attention moeflex's training engine runs: multi-head or grouped-query,
   /// any head_dim (the simulator also prices MLA).
   bool engine_attention() const { return !mla(); }
@@ -133,6 +146,12 @@ struct ModelConfig {
   /// where the layers need them) are required; a field of the wrong type is refused.
   /// Throws ConfigError naming `source` (the file) and the field.
   static ModelConfig from_hf_json(const nlohmann::json& j, const std::string& source = "config.json");
+  /// Throws ConfigError naming `source` and the field when a Hugging Face config.json
+  /// asks for what the training engine does not run (the simulator prices some of it):
+  /// attention or MLP biases, an activation other than SiLU, RoPE scaling, sliding
+  /// windows, clipped qkv, sigmoid scoring, routed scaling, expert bias or
+  /// group-limited top-k, Qwen2-MoE's gated shared expert, MLA.
+  static void refuse_engine_unsupported_hf(const nlohmann::json& j, const std::string& source);
   /// Renders the [model] table as TOML text.
   std::string to_toml() const;
   nlohmann::json to_json() const;

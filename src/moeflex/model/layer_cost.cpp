@@ -153,8 +153,8 @@ std::vector<std::int64_t> even_groups(std::int64_t rows, std::int64_t experts) {
 namespace {
 
 /// One layer's attention on this rank, as the ops price it: the projections into q,
-/// k and v (their GEMMs' forward, dx and dW, and how many), the latent RMSNorms
-/// between them (MLA only), RoPE on q and k, the core (H heads of core_hd) and o_proj
+/// k and v (their GEMMs' forward, dx and dW, and how many), the RMSNorms between
+/// them and RoPE (MLA's latent norms, or QK-norm), RoPE on q and k, the core (H heads of core_hd) and o_proj
 /// (out_width -> d).
 struct AttentionOps {
   Seconds in_f = 0, in_dx = 0, in_dw = 0;
@@ -166,11 +166,23 @@ struct AttentionOps {
 };
 
 /// Multi-head (or grouped-query) attention as model.cpp runs it: q, k, v one GEMM
-/// each, H heads of hd for q and o, KVh for k and v. Adds the q, k, v rebuilds.
-AttentionOps multi_head_attention(const CostModel& c, std::int64_t B, std::int64_t S, std::int64_t d, std::int64_t H,
-                                  std::int64_t KVh, std::int64_t hd, Acc& a) {
-  const std::int64_t n = B * S, dh = H * hd, dkv = KVh * hd;
+/// each, H heads of hd for q and o, KVh for k and v, QK-norm when the config has it.
+/// Adds the q, k, v rebuilds (and the norms' inputs').
+AttentionOps multi_head_attention(const CostModel& c, const ModelConfig& cfg, std::int64_t B, std::int64_t S,
+                                  std::int64_t H, std::int64_t KVh, Acc& a) {
+  const std::int64_t n = B * S, d = cfg.hidden_size, hd = cfg.head_dim(), dh = H * hd, dkv = KVh * hd;
   AttentionOps o;
+  // QK-norm: an RMSNorm over q and one over k, between the projections and RoPE; per
+  // head (n H rows of head_dim) or over the rank's whole width (n rows).
+  const bool per_head = cfg.qk_norm == "head";
+  const Seconds qn_f = per_head ? c.rmsnorm_forward(n * H, hd) : c.rmsnorm_forward(n, dh);
+  const Seconds kn_f = per_head ? c.rmsnorm_forward(n * KVh, hd) : c.rmsnorm_forward(n, dkv);
+  if (cfg.has_qk_norm()) {
+    o.norms_f = qn_f + kn_f;
+    o.norms_b = per_head ? c.rmsnorm_backward(n * H, hd) + c.rmsnorm_backward(n * KVh, hd)
+                         : c.rmsnorm_backward(n, dh) + c.rmsnorm_backward(n, dkv);
+    o.norm_calls = 2;
+  }
   o.in_f = c.linear_forward(n, d, dh) + 2 * c.linear_forward(n, d, dkv);
   o.in_dx = c.linear_backward(n, d, dh, true, false) + 2 * c.linear_backward(n, d, dkv, true, false);
   o.in_dw = c.linear_backward(n, d, dh, false, true) + 2 * c.linear_backward(n, d, dkv, false, true);
@@ -178,10 +190,17 @@ AttentionOps multi_head_attention(const CostModel& c, std::int64_t B, std::int64
   o.rope_f = c.rope_forward(B, S, H, hd) + c.rope_forward(B, S, KVh, hd);
   o.rope_b = c.rope_backward(B, S, H, hd) + c.rope_backward(B, S, KVh, hd);
   o.H = H, o.core_hd = hd, o.out_width = dh;
-  a.rebuild("attn.q",
-            {{"linear_forward", c.linear_forward(n, d, dh), 1}, {"rope_forward", c.rope_forward(B, S, H, hd), 1}});
-  a.rebuild("attn.k",
-            {{"linear_forward", c.linear_forward(n, d, dkv), 1}, {"rope_forward", c.rope_forward(B, S, KVh, hd), 1}});
+  if (cfg.has_qk_norm()) {  // q and k from the norms' saved inputs, which are the projections
+    a.rebuild("attn.q_norm.in", {{"linear_forward", c.linear_forward(n, d, dh), 1}});
+    a.rebuild("attn.k_norm.in", {{"linear_forward", c.linear_forward(n, d, dkv), 1}});
+    a.rebuild("attn.q", {{"rmsnorm_forward", qn_f, 1}, {"rope_forward", c.rope_forward(B, S, H, hd), 1}});
+    a.rebuild("attn.k", {{"rmsnorm_forward", kn_f, 1}, {"rope_forward", c.rope_forward(B, S, KVh, hd), 1}});
+  } else {
+    a.rebuild("attn.q",
+              {{"linear_forward", c.linear_forward(n, d, dh), 1}, {"rope_forward", c.rope_forward(B, S, H, hd), 1}});
+    a.rebuild("attn.k",
+              {{"linear_forward", c.linear_forward(n, d, dkv), 1}, {"rope_forward", c.rope_forward(B, S, KVh, hd), 1}});
+  }
   a.rebuild("attn.v", {{"linear_forward", c.linear_forward(n, d, dkv), 1}});
   return o;
 }
@@ -274,14 +293,14 @@ LayerCost layer_cost(const CostModel& c, const ModelConfig& cfg, int layer, cons
   const std::int64_t ns = n / tp;  // tokens of this rank's sequence-parallel shard
   // q and the attention output are H heads wide, k and v KVh (GQA; KVh = H for
   // multi-head attention); with tp, each rank holds its share of the heads.
-  const std::int64_t H = cfg.num_attention_heads / tp, hd = cfg.head_dim();
+  const std::int64_t H = cfg.num_attention_heads / tp;
   const std::int64_t KVh = cfg.kv_heads_per_rank(tp);
   const bool split = wk.split_backward;
 
   // ---- attention block (model.cpp attention_forward / attention_backward)
   a.add(F, "rmsnorm_forward", c.rmsnorm_forward(ns, d));
   const AttentionOps attn =
-      cfg.mla() ? latent_attention(c, cfg, B, S, H, a) : multi_head_attention(c, B, S, d, H, KVh, hd, a);
+      cfg.mla() ? latent_attention(c, cfg, B, S, H, a) : multi_head_attention(c, cfg, B, S, H, KVh, a);
   price_attention(c, attn, B, S, ns, d, wk.split_backward, a);
   a.add(B_, "rmsnorm_backward", c.rmsnorm_backward(ns, d));
   a.add(B_, "add_inplace", c.add_inplace(ns * d));

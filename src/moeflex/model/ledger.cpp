@@ -41,6 +41,8 @@ LedgerDims LedgerDims::of(const ModelConfig& cfg, std::int64_t B, std::int64_t S
   x.q_lora = cfg.q_lora_rank;
   x.kv_lora = cfg.kv_lora_rank;
   x.rope = cfg.qk_rope_head_dim;
+  x.qn = cfg.has_qk_norm() ? cfg.qk_norm_rows(x.n, true) : 0;
+  x.kn = cfg.has_qk_norm() ? cfg.qk_norm_rows(x.n, false) : 0;
   x.E = cfg.num_experts;
   x.topk = cfg.num_experts_per_tok;
   x.f = cfg.moe_intermediate_size;
@@ -92,6 +94,8 @@ constexpr Decided dec = Decided::always, nodec = Decided::never, moe_only = Deci
 
 bool has_mla(const ModelConfig& c) { return c.mla(); }
 bool no_mla(const ModelConfig& c) { return !c.mla(); }
+bool plain_qk(const ModelConfig& c) { return !c.mla() && !c.has_qk_norm(); }
+bool normed_qk(const ModelConfig& c) { return !c.mla() && c.has_qk_norm(); }
 bool has_q_latent(const ModelConfig& c) { return c.mla() && c.q_lora_rank > 0; }
 bool mla_q_from_norm(const ModelConfig& c) { return c.mla() && c.q_lora_rank <= 0; }
 bool has_shared(const ModelConfig& c) { return c.n_shared_experts > 0 || c.shared_expert_intermediate_size > 0; }
@@ -111,7 +115,8 @@ std::vector<SavedTensor> make_table() {
   const char* const no = "attn_norm.out";
   const char* const fo = "ffn_norm.out";
   return {
-      // Attention block: x <- x + o_proj(attention(rope(q), rope(k), v)) of RMSNorm(x).
+      // Attention block: x <- x + o_proj(attention(rope(q), rope(k), v)) of RMSNorm(x);
+      // under QK-norm q and k are RMSNorm(q_proj(.)), RMSNorm(k_proj(.)) before RoPE.
       row("attn_norm.in", "residual", activation, [](D x) { return LedgerShape{x.n, x.d}; }, "[n, d]", {}, Lineage::none,
           attention, SaveGroup::attention, A, dec),
       row("attn_norm.out", "rmsnorm", activation, [](D x) { return LedgerShape{x.n, x.d}; }, "[n, d]", {na}, Lineage::always,
@@ -126,14 +131,27 @@ std::vector<SavedTensor> make_table() {
       row("attn.kv_latent", "linear", activation, [](D x) { return LedgerShape{x.n, 2 * x.kv_lora + x.rope}; },
           "[n, 2 kv_lora_rank + qk_rope_head_dim]", {no}, Lineage::always, attention, SaveGroup::mla_latents, A, dec,
           Rebuild::plain, has_mla),
+      // QK-norm (Qwen3-MoE, OLMoE): the norms' inputs (the projections) and their rstd.
+      row("attn.q_norm.in", "linear", activation, [](D x) { return LedgerShape{x.n, x.q}; }, "[n, q_width]", {no},
+          Lineage::always, attention, SaveGroup::attention, A, dec, Rebuild::plain, normed_qk),
+      row("attn.q_norm.rstd", "rmsnorm", f32, [](D x) { return LedgerShape{x.qn}; }, "[n H] or [n]", {},
+          Lineage::none, attention, SaveGroup::attention, A, dec, Rebuild::plain, normed_qk),
+      row("attn.k_norm.in", "linear", activation, [](D x) { return LedgerShape{x.n, x.k}; }, "[n, k_width]", {no},
+          Lineage::always, attention, SaveGroup::attention, A, dec, Rebuild::plain, normed_qk),
+      row("attn.k_norm.rstd", "rmsnorm", f32, [](D x) { return LedgerShape{x.kn}; }, "[n Hkv] or [n]", {},
+          Lineage::none, attention, SaveGroup::attention, A, dec, Rebuild::plain, normed_qk),
       row("attn.q", "rope", activation, [](D x) { return LedgerShape{x.n, x.q}; }, "[n, q_width]", {no}, Lineage::always,
-          attention, SaveGroup::attention, A, dec, Rebuild::plain, no_mla),
+          attention, SaveGroup::attention, A, dec, Rebuild::plain, plain_qk),
+      row("attn.q", "rope", activation, [](D x) { return LedgerShape{x.n, x.q}; }, "[n, q_width]", {"attn.q_norm.in"},
+          Lineage::always, attention, SaveGroup::attention, A, dec, Rebuild::qk_norm, normed_qk),
       row("attn.q", "rope", activation, [](D x) { return LedgerShape{x.n, x.q}; }, "[n, q_width]", {"attn.q_latent"},
           Lineage::always, attention, SaveGroup::attention, A, dec, Rebuild::plain, has_q_latent),
       row("attn.q", "rope", activation, [](D x) { return LedgerShape{x.n, x.q}; }, "[n, q_width]", {no}, Lineage::always,
           attention, SaveGroup::attention, A, dec, Rebuild::plain, mla_q_from_norm),
       row("attn.k", "rope", activation, [](D x) { return LedgerShape{x.n, x.k}; }, "[n, k_width]", {no}, Lineage::always,
-          attention, SaveGroup::attention, A, dec, Rebuild::plain, no_mla),
+          attention, SaveGroup::attention, A, dec, Rebuild::plain, plain_qk),
+      row("attn.k", "rope", activation, [](D x) { return LedgerShape{x.n, x.k}; }, "[n, k_width]", {"attn.k_norm.in"},
+          Lineage::always, attention, SaveGroup::attention, A, dec, Rebuild::qk_norm, normed_qk),
       row("attn.k", "rope", activation, [](D x) { return LedgerShape{x.n, x.k}; }, "[n, k_width]", {"attn.kv_latent"},
           Lineage::always, attention, SaveGroup::attention, A, dec, Rebuild::plain, has_mla),
       row("attn.v", "linear", activation, [](D x) { return LedgerShape{x.n, x.v}; }, "[n, v_width]", {no},
@@ -269,7 +287,9 @@ std::vector<ActivationSpec> head_activations(const ModelConfig& cfg, std::int64_
 }
 
 Bytes rebuild_extra_bytes(const ModelConfig& cfg, std::int64_t B, std::int64_t S, const std::string& name) {
-  const SavedTensor* e = ledger_entry(name);
+  const SavedTensor* e = nullptr;  // the variant `cfg` has (variants may rebuild differently)
+  for (const SavedTensor& t : ledger_table())
+    if (t.name == name && (!t.present || t.present(cfg))) e = e ? e : &t;
   if (!e) return 0;
   const std::int64_t n = B * S;
   const Bytes ab = cfg.activation_bytes();
@@ -281,6 +301,7 @@ Bytes rebuild_extra_bytes(const ModelConfig& cfg, std::int64_t B, std::int64_t S
     case Rebuild::router_probs: return 2 * rounded(n * cfg.num_experts_per_tok, 4);
     case Rebuild::router_topk_w: return rounded(n * cfg.num_experts, 4) + rounded(n * cfg.num_experts_per_tok, 4);
     case Rebuild::lm_head: return rounded(n, 4);
+    case Rebuild::qk_norm: return rounded(cfg.qk_norm_rows(n, name == "attn.q"), 4);
     case Rebuild::plain:
     case Rebuild::expert_out: return 0;
   }

@@ -77,6 +77,7 @@ struct LedgerDims {
   std::int64_t H = 0;         ///< attention heads
   std::int64_t q = 0, k = 0, v = 0, o = 0;  ///< widths of q, k, v and the attention output
   std::int64_t q_lora = 0, kv_lora = 0, rope = 0;  ///< MLA: q_lora_rank, kv_lora_rank, qk_rope_head_dim
+  std::int64_t qn = 0, kn = 0;  ///< QK-norm's rows for q and k (ModelConfig::qk_norm_rows)
   std::int64_t E = 0, topk = 0, f = 0;  ///< experts, experts per token, expert FFN width
   std::int64_t I = 0, fs = 0;           ///< dense FFN width, shared-expert width
   std::int64_t V = 0;                   ///< vocabulary
@@ -116,7 +117,8 @@ inline constexpr int kSaveGroups = 8;
 /// core's other output, the router's other outputs, the head's losses; or never
 /// rebuilt whole (an MoE combine input, rebuilt chunk by chunk in the backward).
 enum class Rebuild : std::uint8_t {
-  plain, norm_out, norm_rstd, attn_probs, attn_out, router_probs, router_topk_w, lm_head, expert_out
+  plain, norm_out, norm_rstd, attn_probs, attn_out, router_probs, router_topk_w, lm_head, expert_out,
+  qk_norm  ///< QK-norm's roped output: beside it, its rstd for a moment
 };
 
 /// Whether the entry has a lineage: never, always, or only without expert
@@ -170,7 +172,8 @@ struct SavedTensor {
 /// the FFN block's entries), then the head's entries.
 const std::vector<SavedTensor>& ledger_table();
 
-/// The entry named `name` (any block), or null.
+/// The entry named `name` (any block), or null: the first of its variants, which share
+/// name, dtype, op and shape (the rebuild and inputs may differ by config).
 const SavedTensor* ledger_entry(std::string_view name);
 
 /// The entries a layer of `cfg` keeps, in table order: the attention block's, then

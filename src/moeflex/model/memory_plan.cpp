@@ -102,7 +102,8 @@ const MemoryWalk::LayerSpecs& MemoryWalk::specs_of(int layer, const MoERows& row
   const auto full = walk::config_key<7>(
       cfg_, {B_, S_, kind, std::get<1>(key), std::get<2>(key), ep, ab_});
   constexpr std::size_t kMemo = 256;
-  thread_local std::deque<std::pair<std::array<std::int64_t, 22>, std::unique_ptr<LayerSpecs>>> memo;  // (15 + 7)
+  thread_local std::deque<std::pair<std::array<std::int64_t, walk::kConfigKeyFields + 7>, std::unique_ptr<LayerSpecs>>>
+      memo;
   for (const auto& [k, v] : memo)
     if (k == full) {
       specs_.emplace_back(key, v.get());
@@ -311,6 +312,13 @@ void MemoryWalk::get(int mb, int layer, int id) {
       alloc(rounded(n, 4));
       free(rounded(n, 4));
       break;
+    case Rebuild::qk_norm: {  // QK-norm's roped output, its rstd on top for a moment
+      const Bytes r = rounded(cfg_.qk_norm_rows(n, s->specs->specs[pos].name == "attn.q"), 4);
+      alloc(size);
+      alloc(r);
+      free(r);
+      break;
+    }
     case Rebuild::plain:  // a linear, rope, swiglu, permute or grouped GEMM output: just itself
     case Rebuild::expert_out:
       alloc(size);

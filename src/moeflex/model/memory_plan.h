@@ -366,7 +366,7 @@ class MemoryWalk {
   bool probe_ = false, probe_landed_ = false;
   Bytes probe_pre_peak_ = 0, probe_pre_end_ = 0;
   /// What a LayerSummary depends on (see summary_of).
-  using SummaryKey = std::array<std::int64_t, 24>;  // walk::config_key and 9 more
+  using SummaryKey = std::array<std::int64_t, 25>;  // walk::config_key (16) and 9 more
   std::deque<std::pair<SummaryKey, LayerSummary>> local_summaries_;  // beyond the per-thread memo
   void land();
 };

@@ -93,6 +93,12 @@ void MemoryWalk::attention_forward(int mb, int l, const LayerSpecs& specs, const
   alloc(rounded(n * cfg_.q_width(), ab_));                       // q
   alloc(rounded(n * cfg_.k_width(), ab_));                       // k
   alloc(rounded(n * cfg_.v_width(), ab_));                       // v
+  if (cfg_.has_qk_norm()) {                                      // QK-norm: the norms' inputs and rstds
+    alloc(rounded(n * cfg_.q_width(), ab_));
+    alloc(rounded(n * cfg_.k_width(), ab_));
+    alloc(rounded(cfg_.qk_norm_rows(n, true), 4));
+    alloc(rounded(cfg_.qk_norm_rows(n, false), 4));
+  }
   alloc(rounded(n * cfg_.attn_out_width(), ab_));                // o
   alloc(rounded(B_ * cfg_.num_attention_heads * S_ * S_, ab_));  // probs
   alloc(rounded(n * d, ab_));                                    // h, the next residual
@@ -528,6 +534,14 @@ void MemoryWalk::attention_backward(int mb, int l) {
   alloc(probs);  // dprobs
   free(probs);
   free(dout);
+  if (cfg_.has_qk_norm()) {  // QK-norm's backward: d of each norm's input, then its dy freed
+    for (const int id : IDS("attn.q_norm.in", "attn.q_norm.rstd")) get(mb, l, id);
+    alloc(rounded(n * cfg_.q_width(), ab_));
+    free(rounded(n * cfg_.q_width(), ab_));
+    for (const int id : IDS("attn.k_norm.in", "attn.k_norm.rstd")) get(mb, l, id);
+    alloc(rounded(n * cfg_.k_width(), ab_));
+    free(rounded(n * cfg_.k_width(), ab_));
+  }
   // MLA: the up projections' backward reads the latents and writes their gradients,
   // which the norms and the down projections' backward then consume.
   Bytes dlatent = 0;  // d of q's latent [n, q_lora_rank] and of kv's [n, kv_lora_rank + qk_rope_head_dim]

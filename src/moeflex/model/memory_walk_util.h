@@ -32,15 +32,20 @@ inline Bytes rounded(std::int64_t numel, Bytes elem) { return Arena::round_up(st
 
 /// The config's sizes the ledger's formulas read (LedgerDims::of), then `extra`: a
 /// memo key for what a walk derives from a layer kind (its specs, its summary).
+/// The config fields a config_key holds before `extra`.
+inline constexpr std::size_t kConfigKeyFields = 16;
+
 template <std::size_t N>
-std::array<std::int64_t, 15 + N> config_key(const ModelConfig& cfg, const std::array<std::int64_t, N>& extra) {
+std::array<std::int64_t, kConfigKeyFields + N> config_key(const ModelConfig& cfg,
+                                                          const std::array<std::int64_t, N>& extra) {
   const bool shared = cfg.n_shared_experts > 0 || cfg.shared_expert_intermediate_size > 0;
-  std::array<std::int64_t, 15 + N> k{cfg.hidden_size,     cfg.num_attention_heads, cfg.q_width(),
-                                     cfg.k_width(),       cfg.v_width(),           cfg.attn_out_width(),
-                                     cfg.num_experts,     cfg.num_experts_per_tok, cfg.moe_intermediate_size,
-                                     cfg.intermediate_size, shared ? cfg.shared_width() : -1, cfg.vocab_size,
-                                     cfg.q_lora_rank,     cfg.kv_lora_rank,        cfg.qk_rope_head_dim};
-  for (std::size_t i = 0; i < N; ++i) k[15 + i] = extra[i];
+  const std::int64_t qk_norm = cfg.qk_norm == "head" ? 1 : cfg.qk_norm == "full" ? 2 : 0;
+  std::array<std::int64_t, kConfigKeyFields + N> k{
+      cfg.hidden_size,       cfg.num_attention_heads, cfg.q_width(),        cfg.k_width(),
+      cfg.v_width(),         cfg.attn_out_width(),    cfg.num_experts,      cfg.num_experts_per_tok,
+      cfg.moe_intermediate_size, cfg.intermediate_size, shared ? cfg.shared_width() : -1, cfg.vocab_size,
+      cfg.q_lora_rank,       cfg.kv_lora_rank,        cfg.qk_rope_head_dim, qk_norm};
+  for (std::size_t i = 0; i < N; ++i) k[kConfigKeyFields + i] = extra[i];
   return k;
 }
 

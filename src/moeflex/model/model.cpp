@@ -123,6 +123,8 @@ MoEModel::MoEModel(const ModelConfig& cfg, Arena& arena, const ModelParallel& pa
     lp.k = get("self_attn.k_proj.weight");
     lp.v = get("self_attn.v_proj.weight");
     lp.o = get("self_attn.o_proj.weight");
+    lp.q_norm = get("self_attn.q_norm.weight");
+    lp.k_norm = get("self_attn.k_norm.weight");
     lp.post_norm = get("post_attention_layernorm.weight");
     lp.gate = get("mlp.gate.weight");
     lp.w1 = get("mlp.experts.gate_proj.weight");

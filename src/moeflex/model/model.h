@@ -194,6 +194,7 @@ class MoEModel {
   using Shared = std::shared_ptr<Tensor>;
   struct LayerParams {
     Param *in_norm, *q, *k, *v, *o, *post_norm;
+    Param *q_norm = nullptr, *k_norm = nullptr;                          // QK-norm (ModelConfig::qk_norm)
     Param *gate = nullptr, *w1 = nullptr, *w3 = nullptr, *w2 = nullptr;  // routed experts (stacked)
     Param *s1 = nullptr, *s3 = nullptr, *s2 = nullptr;                   // shared expert or dense MLP
   };
@@ -209,6 +210,11 @@ class MoEModel {
   LayerParams& layer(int l) { return layers_[std::size_t(l - par_.first_layer)]; }
   void attention_forward(int l, Tensor& x, std::int64_t B, std::int64_t S, int mb, bool train);
   void attention_backward(int l, Tensor& dx, std::int64_t B, std::int64_t S, int mb);
+  /// QK-norm's lineage of attn.q (`is_q`) or attn.k: the norm of the saved input, roped.
+  RecomputeFn qk_norm_lineage(int mb, int l, bool is_q);
+  /// QK-norm's backward: d of the norm's input [n, width of q or k] from `dy` (freed),
+  /// accumulating the norm weight's gradient.
+  Tensor qk_norm_backward(int mb, int l, bool is_q, Tensor dy);
   // The FFN block (moe_block.cpp): the dense MLP or the MoE layer.
   void ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train, LossParts& loss);
   void ffn_backward(int l, Tensor& dx, std::int64_t n, int mb, double grad_scale);

@@ -27,6 +27,10 @@ void attention_parameters(const ModelConfig& cfg, const std::string& p, std::vec
     v.push_back({a + "k_proj.weight", {cfg.kv_width(), d}, false, false, TpSplit::kv_heads});
     v.push_back({a + "v_proj.weight", {cfg.kv_width(), d}, false, false, TpSplit::kv_heads});
     v.push_back({a + "o_proj.weight", {d, cfg.q_width()}, false, false, TpSplit::even});
+    if (cfg.has_qk_norm()) {  // Qwen3-MoE's and OLMoE's names; counted whole on every tp rank (tiny)
+      v.push_back({a + "q_norm.weight", {cfg.qk_norm_width(true)}, true});
+      v.push_back({a + "k_norm.weight", {cfg.qk_norm_width(false)}, true});
+    }
     return;
   }
   // MLA (DeepSeek-V2/V3): the down projections and latent norms whole on every tp rank.

@@ -29,7 +29,7 @@ struct ParamSpec {
 };
 
 /// The parameters of transformer layer `layer`, in the order the engine allocates
-/// them: input norm, attention (q, k, v, o; MLA's down and up projections and latent
+/// them: input norm, attention (q, k, v, o and QK-norm's weights; MLA's down and up projections and latent
 /// norms), post-attention norm, then the router, the `local_experts` routed experts
 /// (stacked) and the shared expert, or the dense MLP.
 std::vector<ParamSpec> layer_parameters(const ModelConfig& cfg, int layer, std::int64_t local_experts);

@@ -4,10 +4,12 @@
 #include <fmt/ranges.h>
 
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <set>
 #include <sstream>
+#include <nlohmann/json.hpp>
 #include <toml++/toml.h>
 
 #include "moeflex/core/error.h"
@@ -255,12 +257,55 @@ RunConfig RunConfig::from_toml_text(const std::string& text, const std::string& 
   return c;
 }
 
-RunConfig RunConfig::from_file(const std::string& path) {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string read_config_text(const std::string& path) {
   std::ifstream in(path);
   if (!in) throw ConfigError(fmt::format("cannot read config file '{}': no such file or not readable", path));
   std::stringstream ss;
   ss << in.rdbuf();
-  return from_toml_text(ss.str(), path);
+  return ss.str();
+}
+
+/// A Hugging Face config.json: the model from it, the rest from kHfRunToml beside it
+/// (or the defaults). That TOML's [model] may set only moeflex's own model keys.
+RunConfig from_hf_config(const std::string& path) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(read_config_text(path));
+  } catch (const nlohmann::json::parse_error& e) {
+    throw ConfigError(fmt::format("{}: not valid JSON ({})", path, e.what()));
+  }
+  ModelConfig::refuse_engine_unsupported_hf(j, path);
+  const fs::path beside = fs::path(path).parent_path() / kHfRunToml;
+  RunConfig c = fs::exists(beside) ? RunConfig::from_file(beside.string()) : RunConfig::defaults();
+  const ModelConfig own = c.model;
+  c.model = ModelConfig::from_hf_json(j, path);
+  if (fs::exists(beside)) {
+    const toml::table t = toml::parse_file(beside.string());
+    if (const toml::table* m = t["model"].as_table())
+      for (auto&& [k, v] : *m)
+        if (k.str() != "expert_chunk_rows" && k.str() != "bf16" && k.str() != "capacity_factor" &&
+            k.str() != "initializer_range")
+          throw ConfigError(fmt::format("{}: model.{} is set by {}; beside a config.json the [model] table may set "
+                                        "only expert_chunk_rows, bf16, capacity_factor and initializer_range",
+                                        beside.string(), k.str(), path));
+  }
+  c.model.expert_chunk_rows = own.expert_chunk_rows;
+  c.model.bf16 = own.bf16;
+  c.model.capacity_factor = own.capacity_factor;
+  c.model.initializer_range = own.initializer_range;
+  // A sequence longer than the model's context would be refused; the defaults' 128 fits.
+  return c;
+}
+
+}  // namespace
+
+RunConfig RunConfig::from_file(const std::string& path) {
+  if (fs::path(path).extension() == ".json") return from_hf_config(path);
+  return from_toml_text(read_config_text(path), path);
 }
 
 std::string RunConfig::to_toml() const {

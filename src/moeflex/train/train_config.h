@@ -61,6 +61,9 @@ struct ParallelConfig {
 /// The first line of a run folder's config.toml: how a new run tells moeflex's own
 /// leftover from a user's file it must not overwrite.
 inline constexpr const char* kRunConfigHeader = "# Resolved moeflex run config";
+/// The TOML beside a Hugging Face config.json that gives a run its [train], [data],
+/// [device] and [parallel] tables (and moeflex's own model keys).
+inline constexpr const char* kHfRunToml = "moeflex.toml";
 
 struct RunConfig {
   ModelConfig model;
@@ -76,6 +79,9 @@ struct RunConfig {
   static RunConfig defaults();
   /// Parses TOML text over the defaults; `origin` names the source in errors.
   static RunConfig from_toml_text(const std::string& text, const std::string& origin);
+  /// A TOML run config, or a Hugging Face config.json (ModelConfig::from_hf_json,
+  /// refused where the engine does not run the model) whose run fields come from
+  /// kHfRunToml beside it or the defaults.
   static RunConfig from_file(const std::string& path);
   /// The resolved config as TOML (written to the run directory as config.toml), its
   /// first line kRunConfigHeader.

@@ -42,7 +42,7 @@ MODEL_DEFAULTS = dict(
     vocab_size=4096, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
     max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-5,
     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, n_shared_experts=0,
-    shared_expert_intermediate_size=0, first_k_dense_replace=0, intermediate_size=1024,
+    shared_expert_intermediate_size=0, first_k_dense_replace=0, decoder_sparse_step=1, intermediate_size=1024,
     norm_topk_prob=True, router_aux_loss_coef=0.01, router_z_loss_coef=0.001,
     tie_word_embeddings=False, capacity_factor=0.0, initializer_range=0.02,
     head_dim=0, num_key_value_heads=0, qk_norm="none")
@@ -244,7 +244,8 @@ class Inner(torch.nn.Module):
         super().__init__()
         self.embed_tokens = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = torch.nn.ModuleList(
-            [Layer(cfg, l >= cfg.first_k_dense_replace) for l in range(cfg.num_hidden_layers)])
+            [Layer(cfg, l >= cfg.first_k_dense_replace and (l + 1) % cfg.decoder_sparse_step == 0)
+             for l in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -319,7 +320,8 @@ def check_against_reference() -> int:
 
     worst_all = 0.0
     for fname in ("golden_v1.safetensors", "golden_v1_capacity.safetensors", "golden_v1_gqa.safetensors",
-                  "golden_v1_qk_norm_head.safetensors", "golden_v1_qk_norm_full.safetensors"):
+                  "golden_v1_qk_norm_head.safetensors", "golden_v1_qk_norm_full.safetensors",
+                  "golden_v1_sparse_step.safetensors"):
         meta, t = read_safetensors(os.path.join(here, "..", "tests", "reference", fname))
         conf = json.loads(meta["config"])
         B, S = conf.pop("batch_size"), conf.pop("seq_len")

@@ -13,6 +13,7 @@
 #include "moeflex/core/error.h"
 #include "moeflex/train/train_config.h"
 #include "moeflex/train/trainer.h"
+#include "error_text.h"
 #include "scratch_dir.h"
 
 using namespace moeflex;
@@ -41,14 +42,7 @@ fs::path write_json(const fs::path& dir, const nlohmann::json& j) {
   return dir / "config.json";
 }
 
-std::string config_error(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const ConfigError& e) {
-    return e.what();
-  }
-  return "<no ConfigError>";
-}
+std::string config_error(const std::function<void()>& f) { return test::error_text<ConfigError>(f); }
 
 }  // namespace
 

@@ -186,6 +186,21 @@ TEST_P(MemoryPlanPrecision, PeakEqualsTheArenaWithQkNorm) {
   }
 }
 
+// Dense and MoE layers alternating (decoder_sparse_step 2): the walk follows the
+// engine's kind of each layer, saved, recomputed and split.
+TEST_P(MemoryPlanPrecision, PeakEqualsTheArenaWithAlternatingLayers) {
+  ModelConfig cfg = config_with_dense_and_shared(GetParam());
+  cfg.first_k_dense_replace = 0;
+  cfg.num_hidden_layers = 4;
+  cfg.decoder_sparse_step = 2;
+  ASSERT_TRUE(cfg.has_dense_layers() && cfg.has_moe_layers());
+  for (const char* name : {"none", "full", "selective", "moe-medium"})
+    for (bool split : {false, true}) {
+      const StepResult r = run_step(cfg, make_static_policy(name), 2, 2.0, 13, split);
+      EXPECT_EQ(r.predicted, r.measured) << "policy " << name << (split ? " split" : "");
+    }
+}
+
 // The zero-bubble split: what the deferred weight gradients read stays until W.
 TEST_P(MemoryPlanPrecision, PeakEqualsTheArenaWithTheZeroBubbleSplit) {
   const ModelConfig cfg = config_with_dense_and_shared(GetParam());

@@ -81,6 +81,9 @@ TEST(Golden, GqaMatchesPyTorchReference) { check_golden("golden_v1_gqa.safetenso
 TEST(Golden, QkNormPerHeadMatchesPyTorchReference) { check_golden("golden_v1_qk_norm_head.safetensors"); }
 TEST(Golden, QkNormOverTheWholeWidthMatchesPyTorchReference) { check_golden("golden_v1_qk_norm_full.safetensors"); }
 
+// Dense and MoE layers alternating (decoder_sparse_step 2 after a dense first layer).
+TEST(Golden, AlternatingDenseAndMoeLayersMatchPyTorchReference) { check_golden("golden_v1_sparse_step.safetensors"); }
+
 // d loss along random directions vs central differences of the float model, without
 // and with QK-norm (per head over GQA heads, or over the whole width).
 class DirectionalFiniteDifferences : public ::testing::TestWithParam<const char*> {};

@@ -438,7 +438,7 @@ TEST(SimInputs, AnUnknownCommandIsNamed) {
   if (!fs::exists(bin)) GTEST_SKIP() << bin << " is not built";
   auto [rc, out] = run_moeflex(bin, "simulat --cluster h100");
   EXPECT_EQ(rc, 2) << out;
-  EXPECT_NE(out.find("unknown command 'simulat' (commands: train, generate, calibrate, simulate, search"),
+  EXPECT_NE(out.find("unknown command 'simulat' (commands: train, generate, export-hf, calibrate, simulate, search"),
             std::string::npos)
       << out;
   std::tie(rc, out) = run_moeflex(bin, "search --help");
@@ -626,18 +626,24 @@ TEST(SimInputs, ThresholdRatiosAndMicroBatchCountsAreChecked) {
             std::string::npos);
 }
 
-// Hugging Face layouts that alternate MoE and dense layers are refused by name (they
-// were read as every layer MoE: another model, silently).
-TEST(SimInputs, AlternatingMoeLayoutsAreRefused) {
+// Hugging Face layouts that alternate MoE and dense layers: decoder_sparse_step is read
+// (Qwen2/3-MoE: layer l is MoE when (l + 1) % step == 0); the others are refused by
+// name (read as every layer MoE they would be another model, silently).
+TEST(SimInputs, AlternatingMoeLayoutsAreReadOrRefused) {
   const fs::path root = MOEFLEX_SOURCE_DIR;
   const json qwen = json::parse(std::ifstream(root / "configs/models/qwen3-30b-a3b.json"));
-  EXPECT_NO_THROW(ModelConfig::from_hf_json(qwen, "q.json"));  // decoder_sparse_step 1, mlp_only_layers []
+  const ModelConfig every = ModelConfig::from_hf_json(qwen, "q.json");  // decoder_sparse_step 1, mlp_only_layers []
   json sparse = qwen;
   sparse["decoder_sparse_step"] = 2;
-  EXPECT_NE(error_of<ConfigError>([&] {
-              ModelConfig::from_hf_json(sparse, "q.json");
-            }).find("decoder_sparse_step = 2 (an MoE layer every 2 layers) is not supported"),
-            std::string::npos);
+  const ModelConfig half = ModelConfig::from_hf_json(sparse, "q.json");
+  EXPECT_FALSE(half.is_moe_layer(0));
+  EXPECT_TRUE(half.is_moe_layer(1));
+  EXPECT_FALSE(half.is_moe_layer(46));
+  EXPECT_TRUE(half.is_moe_layer(47));
+  EXPECT_TRUE(every.is_moe_layer(0));
+  // 24 of 48 layers trade 128 experts of 768 (and a router) for a dense MLP of 6144.
+  const std::int64_t d = 2048, swap = 128 * 3 * d * 768 + 128 * d - 3 * d * 6144;
+  EXPECT_EQ(every.num_params() - half.num_params(), 24 * swap);
   json dense = qwen;
   dense["mlp_only_layers"] = {0, 5};
   EXPECT_NE(error_of<ConfigError>([&] { ModelConfig::from_hf_json(dense, "q.json"); }).find("mlp_only_layers = [0,5]"),

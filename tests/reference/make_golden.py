@@ -11,6 +11,7 @@ Writes
                                   head_dim 12 != hidden 32 / 4 heads, B=2, S=8
   golden_v1_qk_norm_head.safetensors  the same heads with QK-norm per head (Qwen3-MoE), B=2, S=8
   golden_v1_qk_norm_full.safetensors  QK-norm over all of q and k (OLMoE), multi-head, B=2, S=8
+  golden_v1_sparse_step.safetensors   4 layers, dense and MoE alternating (decoder_sparse_step 2), B=2, S=8
 and checks the reference's own float64 gradients against finite differences.
 Deterministic: the same torch build gives the same bytes.
 """
@@ -135,8 +136,9 @@ def write_case(path: str, cfg: MoEConfig, B: int, S: int, r: dict) -> None:
     for key in ("num_key_value_heads", "head_dim"):  # 0 = the default: left out, as HF does
         if conf[key] == 0:
             del conf[key]
-    if conf["qk_norm"] == "none":  # the default, left out as in the older files
-        del conf["qk_norm"]
+    for key, default in (("qk_norm", "none"), ("decoder_sparse_step", 1)):  # defaults, left out as in older files
+        if conf[key] == default:
+            del conf[key]
     conf["batch_size"] = B
     conf["seq_len"] = S
     meta = {"magic": MAGIC, "version": VERSION, "config": json.dumps(conf, sort_keys=True),
@@ -270,8 +272,17 @@ def main() -> int:
     write_case(p5, cfg5, B4, S4, r5)
     describe("qk-norm full", p5, cfg5, r5)
 
+    # Case 6: MoE and dense layers alternating (Qwen2/3-MoE's decoder_sparse_step 2):
+    # layer 0 dense (the dense prefix), 1 MoE, 2 dense, 3 MoE.
+    cfg6 = tiny_config(num_hidden_layers=4, decoder_sparse_step=2)
+    r6 = run_case(cfg6, B4, S4, seed=20241206)
+    p6 = os.path.join(args.out_dir, "golden_v1_sparse_step.safetensors")
+    write_case(p6, cfg6, B4, S4, r6)
+    describe("sparse step", p6, cfg6, r6)
+
     # Routing must not be near a tie, or an fp32 engine could pick other experts.
-    for label, r in (("dropless", r1), ("capacity", r2), ("gqa", r3), ("qk-norm head", r4), ("qk-norm full", r5)):
+    for label, r in (("dropless", r1), ("capacity", r2), ("gqa", r3), ("qk-norm head", r4), ("qk-norm full", r5),
+                     ("sparse step", r6)):
         margin = min(st.margin for st in r["stats"])
         if margin < 1e-4:
             print(f"error: [{label}] top-k margin {margin:.2e} too small", file=sys.stderr)
@@ -288,6 +299,8 @@ def main() -> int:
         ok &= finite_difference_check(cfg3, r3, B3, S3, "gqa",
                                       ["model.layers.0.self_attn.k_proj.weight",
                                        "model.layers.1.input_layernorm.weight"])
+        ok &= finite_difference_check(cfg6, r6, B4, S4, "sparse step",
+                                      ["model.layers.2.mlp.up_proj.weight", "model.layers.3.mlp.gate.weight"])
         for cfg, r, label in ((cfg4, r4, "qk-norm head"), (cfg5, r5, "qk-norm full")):
             ok &= finite_difference_check(cfg, r, B4, S4, label,
                                           ["model.layers.0.self_attn.q_norm.weight",

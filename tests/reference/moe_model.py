@@ -42,6 +42,7 @@ class MoEConfig:
     n_shared_experts: int = 0
     shared_expert_intermediate_size: int = 0  # 0 means n_shared_experts * moe_intermediate_size
     first_k_dense_replace: int = 0
+    decoder_sparse_step: int = 1  # Qwen2/3-MoE: layer l >= first_k_dense_replace is MoE iff (l + 1) % step == 0
     intermediate_size: int = 64
     norm_topk_prob: bool = True
     router_aux_loss_coef: float = 0.01
@@ -69,7 +70,7 @@ class MoEConfig:
         return self.n_shared_experts * self.moe_intermediate_size
 
     def is_moe_layer(self, layer: int) -> bool:
-        return layer >= self.first_k_dense_replace
+        return layer >= self.first_k_dense_replace and (layer + 1) % self.decoder_sparse_step == 0
 
     def validate(self) -> None:
         assert self.head_dim > 0 or self.hidden_size % self.num_attention_heads == 0, \
@@ -79,6 +80,7 @@ class MoEConfig:
         assert self.qk_norm in ("none", "head", "full"), "qk_norm must be none, head or full"
         assert 1 <= self.num_experts_per_tok <= self.num_experts, "1 <= num_experts_per_tok <= num_experts"
         assert 0 <= self.first_k_dense_replace <= self.num_hidden_layers
+        assert self.decoder_sparse_step >= 1
 
     def to_dict(self) -> Dict:
         return dataclasses.asdict(self)

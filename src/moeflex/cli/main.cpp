@@ -1,4 +1,4 @@
-// The `moeflex` command: train, generate.
+// The `moeflex` command: train, generate, export-hf, calibrate (and the simulator's commands).
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
@@ -16,6 +16,7 @@
 #include "moeflex/profile/calibrate_device.h"
 #include "moeflex/train/calibrate_command.h"
 #include "moeflex/train/generate.h"
+#include "moeflex/train/hf_export.h"
 #include "moeflex/train/trainer.h"
 
 namespace fs = std::filesystem;
@@ -151,6 +152,13 @@ int main(int argc, char** argv) {
   gen->add_option("--temperature", gopts.temperature, "sampling temperature (0 = greedy)")->capture_default_str();
   gen->add_option("--top-k", gopts.top_k, "sample among the k most likely tokens (0 = all)")->capture_default_str();
   gen->add_option("--seed", gseed, "sampling seed")->capture_default_str();
+
+  // --- export-hf
+  auto* exp = app.add_subcommand("export-hf", "write a trained run as a Hugging Face checkpoint (config.json, "
+                                              "model.safetensors)");
+  fs::path exp_run, exp_out;
+  exp->add_option("--run", exp_run, "run directory")->required();
+  exp->add_option("--out", exp_out, "new folder for the checkpoint (must not exist or be empty)")->required();
 
   // --- calibrate
   auto* cal = app.add_subcommand("calibrate", "measure this machine's kernels and write a hardware profile");
@@ -308,6 +316,10 @@ int main(int argc, char** argv) {
     } else if (*gen) {
       gopts.seed = std::uint64_t(gseed);
       fmt::print("{}\n", generate_text(gopts));
+    } else if (*exp) {
+      const std::string arch = export_hf(exp_run, exp_out);
+      fmt::print("export-hf: '{}' written as a Hugging Face {} checkpoint in '{}'\n", exp_run.string(), arch,
+                 exp_out.string());
     }
   } catch (const OutOfMemoryError& e) {
     return fail(mpi, e.what(), 3);

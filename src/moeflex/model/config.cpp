@@ -39,6 +39,7 @@ void for_each_field(ModelConfig& c, F&& f) {
   f("n_shared_experts", c.n_shared_experts);
   f("shared_expert_intermediate_size", c.shared_expert_intermediate_size);
   f("first_k_dense_replace", c.first_k_dense_replace);
+  f("decoder_sparse_step", c.decoder_sparse_step);
   f("intermediate_size", c.intermediate_size);
   f("n_group", c.n_group);
   f("topk_group", c.topk_group);
@@ -115,7 +116,10 @@ void ModelConfig::validate() const {
   rule(rms_norm_eps > 0, "rms_norm_eps", "must be positive");
   rule(first_k_dense_replace >= 0 && first_k_dense_replace <= num_hidden_layers, "first_k_dense_replace",
        fmt::format("must be in [0, num_hidden_layers={}] (got {})", num_hidden_layers, first_k_dense_replace));
-  if (first_k_dense_replace < num_hidden_layers) {
+  rule(decoder_sparse_step >= 1 && decoder_sparse_step <= (1 << 12), "decoder_sparse_step",
+       fmt::format("must be in [1, 4096] (1: every layer from first_k_dense_replace on is MoE; got {})",
+                   decoder_sparse_step));
+  if (has_moe_layers()) {
     rule(num_experts >= 1 && num_experts <= (1 << 20), "num_experts",
          fmt::format("must be in [1, 1048576] (got {})", num_experts));
     rule(num_experts_per_tok >= 1 && num_experts_per_tok <= num_experts, "num_experts_per_tok",
@@ -132,7 +136,7 @@ void ModelConfig::validate() const {
     rule(n_shared_experts >= 0, "n_shared_experts", "must not be negative");
     rule(shared_expert_intermediate_size >= 0, "shared_expert_intermediate_size", "must not be negative");
   }
-  if (first_k_dense_replace > 0) rule(intermediate_size >= 1, "intermediate_size", "must be at least 1 for dense layers");
+  if (has_dense_layers()) rule(intermediate_size >= 1, "intermediate_size", "must be at least 1 for dense layers");
   rule(router_aux_loss_coef >= 0, "router_aux_loss_coef", "must not be negative");
   rule(router_z_loss_coef >= 0, "router_z_loss_coef", "must not be negative");
   rule(initializer_range > 0, "initializer_range", "must be positive");
@@ -252,31 +256,27 @@ ModelConfig ModelConfig::from_hf_json(const nlohmann::json& j, const std::string
   // Field variants across families.
   const bool mixtral = get_i("num_local_experts", c.num_experts);  // Mixtral
   const bool deepseek = get_i("n_routed_experts", c.num_experts);  // DeepSeek-V2/V3
-  if (mixtral && !has("moe_intermediate_size"))
-    get_i("intermediate_size", c.moe_intermediate_size);  // Mixtral's experts use intermediate_size
-  get_d("aux_loss_alpha", c.router_aux_loss_coef);  // DeepSeek
-  // QK-norm is implied by the architecture: per head in Qwen3-MoE, over q and k whole in OLMoE.
   std::string model_type;
   get_s("model_type", model_type);
+  // Mixtral's and OLMoE's experts are intermediate_size wide (and every layer is MoE).
+  const bool expert_width_is_intermediate = mixtral || model_type == "olmoe";
+  if (expert_width_is_intermediate && !has("moe_intermediate_size"))
+    get_i("intermediate_size", c.moe_intermediate_size);
+  get_d("aux_loss_alpha", c.router_aux_loss_coef);  // DeepSeek
+  // QK-norm is implied by the architecture: per head in Qwen3-MoE, over q and k whole in OLMoE.
   if (!has("qk_norm") && model_type == "qwen3_moe") c.qk_norm = "head";
   if (!has("qk_norm") && model_type == "olmoe") c.qk_norm = "full";
   if (!has("tie_word_embeddings")) c.tie_word_embeddings = false;  // HF default
-  // Layouts where MoE layers alternate with dense ones (Qwen2-MoE/Qwen3-MoE's
-  // decoder_sparse_step and mlp_only_layers, DeepSeek's moe_layer_freq): moeflex's
-  // MoE layers are every layer from first_k_dense_replace on. Refused rather than
-  // simulated as another model.
-  for (const char* k : {"decoder_sparse_step", "moe_layer_freq"}) {
-    std::int64_t step = 1;
-    if (get_i(k, step) && step != 1)
-      throw ConfigError(
-          fmt::format("{}: {} = {} (an MoE layer every {} layers) is not supported: moeflex's MoE layers "
-                      "are every layer from first_k_dense_replace on",
-                      source, k, step, step));
-  }
+  // DeepSeek's moe_layer_freq (an MoE layer every N from first_k_dense_replace on,
+  // at l % N == 0) is another pattern than decoder_sparse_step's: refused, not guessed.
+  if (std::int64_t step = 1; get_i("moe_layer_freq", step) && step != 1)
+    throw ConfigError(fmt::format("{}: moe_layer_freq = {} (an MoE layer every {} layers) is not supported: "
+                                  "moeflex alternates layers by decoder_sparse_step",
+                                  source, step, step));
   if (has("mlp_only_layers") && !(j["mlp_only_layers"].is_array() && j["mlp_only_layers"].empty()))
     throw ConfigError(
         fmt::format("{}: mlp_only_layers = {} (dense layers among the MoE ones) is not supported: "
-                    "moeflex's dense layers are the first first_k_dense_replace",
+                    "moeflex's dense layers are the first first_k_dense_replace and those decoder_sparse_step skips",
                     source, j["mlp_only_layers"].dump()));
 
   // The shape has no sensible default: a missing field would silently give the
@@ -287,14 +287,14 @@ ModelConfig ModelConfig::from_hf_json(const nlohmann::json& j, const std::string
   };
   for (const char* k : {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"})
     require(has(k), fmt::format("'{}'", k));
-  if (c.first_k_dense_replace < c.num_hidden_layers) {  // MoE layers
+  if (c.has_moe_layers()) {
     require(mixtral || deepseek || has("num_experts"),
             "'num_experts' (or 'num_local_experts', 'n_routed_experts'): the routed expert count");
     require(has("num_experts_per_tok"), "'num_experts_per_tok'");
-    require(has("moe_intermediate_size") || (mixtral && has("intermediate_size")),
-            mixtral ? "'intermediate_size' (the experts' width)" : "'moe_intermediate_size'");
+    require(has("moe_intermediate_size") || (expert_width_is_intermediate && has("intermediate_size")),
+            expert_width_is_intermediate ? "'intermediate_size' (the experts' width)" : "'moe_intermediate_size'");
   }
-  if (c.first_k_dense_replace > 0) require(has("intermediate_size"), "'intermediate_size' (the dense layers' width)");
+  if (c.has_dense_layers()) require(has("intermediate_size"), "'intermediate_size' (the dense layers' width)");
   return c;
 }
 

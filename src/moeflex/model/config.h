@@ -51,6 +51,9 @@ struct ModelConfig {
   std::int64_t n_shared_experts = 0;           ///< shared experts (0 = none)
   std::int64_t shared_expert_intermediate_size = 0;  ///< fs; 0 means n_shared_experts * f
   std::int64_t first_k_dense_replace = 0;      ///< leading layers with a dense MLP
+  /// Qwen2/3-MoE's decoder_sparse_step: of the layers from first_k_dense_replace on,
+  /// layer l is MoE when (l + 1) % decoder_sparse_step == 0, else dense (1: all MoE).
+  std::int64_t decoder_sparse_step = 1;
   std::int64_t intermediate_size = 1024;       ///< width of those dense MLPs
   /// Group-limited routing (DeepSeek-V2/V3's "device/node-limited routing"; HF n_group
   /// and topk_group): the experts form n_group equal groups, and a token's top-k
@@ -129,7 +132,21 @@ struct ModelConfig {
     return shared_expert_intermediate_size > 0 ? shared_expert_intermediate_size
                                                : n_shared_experts * moe_intermediate_size;
   }
-  bool is_moe_layer(std::int64_t l) const { return l >= first_k_dense_replace; }
+  bool is_moe_layer(std::int64_t l) const {
+    return l >= first_k_dense_replace && (decoder_sparse_step <= 1 || (l + 1) % decoder_sparse_step == 0);
+  }
+  /// True when some layer has a dense MLP (a dense prefix or alternating layers).
+  bool has_dense_layers() const {
+    for (std::int64_t l = 0; l < num_hidden_layers; ++l)
+      if (!is_moe_layer(l)) return true;
+    return false;
+  }
+  /// True when some layer is MoE.
+  bool has_moe_layers() const {
+    for (std::int64_t l = 0; l < num_hidden_layers; ++l)
+      if (is_moe_layer(l)) return true;
+    return false;
+  }
   /// True when a token's experts are limited to topk_group of n_group groups.
   bool group_limited() const { return n_group > 1 && topk_group < n_group; }
 

@@ -68,7 +68,7 @@ std::vector<std::int64_t> token_counts(const DeviceCalibrationShapes& s) {
 std::vector<std::pair<std::int64_t, std::int64_t>> weight_shapes(const ModelConfig& m) {
   const std::int64_t d = m.hidden_size, attn = m.num_attention_heads * m.head_dim();
   std::set<std::pair<std::int64_t, std::int64_t>> w = {{attn, d}, {d, attn}, {m.vocab_size, d}};
-  if (m.first_k_dense_replace > 0 || m.num_experts == 0)
+  if (m.has_dense_layers() || m.num_experts == 0)
     w.insert({m.intermediate_size, d}), w.insert({d, m.intermediate_size});
   if (m.num_experts > 0) {
     w.insert({m.moe_intermediate_size, d});

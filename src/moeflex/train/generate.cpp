@@ -94,6 +94,19 @@ void load_sharded_weights(const fs::path& run, int world, const RunConfig& cfg, 
 
 }  // namespace
 
+void load_run_weights(const fs::path& run, const RunConfig& cfg, MoEModel& model) {
+  if (const int world = train::run_rank_count(run); world > 0) {
+    load_sharded_weights(run, world, cfg, model);
+  } else {
+    auto ckpt = train::latest_checkpoint(run);
+    if (!ckpt) throw DataError(fmt::format("run '{}' has no complete checkpoint", run.string()));
+    std::vector<train::NamedBuffer> bufs;
+    for (auto& p : model.params()) bufs.push_back({p.name, p.w.shape(), p.w.f32()});
+    train::load_model_weights(*ckpt, bufs);
+  }
+  model.sync_working_weights();  // a bf16 run's working copies, from the fp32 master weights
+}
+
 std::string generate_text(const GenerateOptions& opts) {
   const fs::path& run = opts.run_dir;
   if (!fs::is_directory(run)) throw ConfigError(fmt::format("--run: '{}' is not a run directory", run.string()));
@@ -114,16 +127,7 @@ std::string generate_text(const GenerateOptions& opts) {
                                 cfg.model.vocab_size));
   Arena arena;
   MoEModel model(cfg.model, arena);
-  if (const int world = train::run_rank_count(run); world > 0) {
-    load_sharded_weights(run, world, cfg, model);
-  } else {
-    auto ckpt = train::latest_checkpoint(run);
-    if (!ckpt) throw DataError(fmt::format("run '{}' has no complete checkpoint to sample from", run.string()));
-    std::vector<train::NamedBuffer> bufs;
-    for (auto& p : model.params()) bufs.push_back({p.name, p.w.shape(), p.w.f32()});
-    train::load_model_weights(*ckpt, bufs);
-  }
-  model.sync_working_weights();  // a bf16 run's working copies, from the fp32 master weights
+  load_run_weights(run, cfg, model);
 
   std::vector<std::int32_t> ids = tok.encode(opts.prompt);
   if (ids.empty()) ids.push_back(0);

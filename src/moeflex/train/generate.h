@@ -6,6 +6,15 @@
 
 namespace moeflex {
 
+class MoEModel;
+struct RunConfig;
+
+/// Fills `model` (built from the run's config.toml, `cfg`) with the newest checkpoint
+/// of the run `run`: its own, or every rank's shard of a multi-rank run gathered (the
+/// newest step all ranks hold). Throws DataError when there is no complete checkpoint,
+/// or one that does not match the config.
+void load_run_weights(const std::filesystem::path& run, const RunConfig& cfg, MoEModel& model);
+
 struct GenerateOptions {
   std::filesystem::path run_dir;  ///< a run directory with config.toml, tokenizer.model, checkpoints/
   std::string prompt;

@@ -30,6 +30,7 @@ nlohmann::json tiny_qwen3() {
     "vocab_size": 4096, "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
     "num_key_value_heads": 2, "head_dim": 32, "hidden_act": "silu", "max_position_embeddings": 4096,
     "rope_theta": 1000000.0, "rope_scaling": null, "rms_norm_eps": 1e-06, "attention_bias": false,
+    "initializer_range": 0.006,
     "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128, "norm_topk_prob": true,
     "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": 0.001,
     "tie_word_embeddings": false, "use_sliding_window": false, "sliding_window": null, "use_cache": true
@@ -65,6 +66,7 @@ TEST(HfConfig, TheModelComesFromTheJsonAndTheRunFromTheTomlBesideIt) {
   EXPECT_TRUE(c.model.bf16);
   EXPECT_EQ(c.model.expert_chunk_rows, 512);
   EXPECT_EQ(c.model.hidden_size, 128) << "the shape is the JSON's";
+  EXPECT_DOUBLE_EQ(c.model.initializer_range, 0.006) << "the JSON's, which the TOML does not name";
   c.validate();
   std::ofstream(dir / kHfRunToml) << "[model]\nhidden_size = 64\n";
   const std::string e = config_error([&] { RunConfig::from_file(json.string()); });
@@ -103,10 +105,32 @@ TEST(HfConfig, WhatTheEngineDoesNotRunIsRefusedByName) {
     EXPECT_NE(e.find(fmt::format("{} = {}", k.field, k.value.dump())), std::string::npos) << e;
     EXPECT_NE(e.find("is not in moeflex's training engine"), std::string::npos) << e;
   }
+  // transformers 5 keeps RoPE in rope_parameters: its base is read, its scaling refused.
+  nlohmann::json v5 = tiny_qwen3();
+  v5.erase("rope_theta");
+  v5.erase("rope_scaling");
+  v5["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 1000000.0}};
+  EXPECT_DOUBLE_EQ(RunConfig::from_file(write_json(dir, v5).string()).model.rope_theta, 1e6);
+  v5["rope_parameters"]["rope_type"] = "yarn";
+  EXPECT_NE(config_error([&] { RunConfig::from_file(write_json(dir, v5).string()); }).find("rope_parameters"),
+            std::string::npos);
+  nlohmann::json other = tiny_qwen3();
+  other["model_type"] = "qwen3_next";
+  EXPECT_NE(config_error([&] { RunConfig::from_file(write_json(dir, other).string()); })
+                .find("model_type = \"qwen3_next\""),
+            std::string::npos);
+  nlohmann::json mixtral = tiny_qwen3();
+  mixtral["model_type"] = "mixtral";
+  mixtral["sliding_window"] = 4096;
+  EXPECT_NE(config_error([&] { RunConfig::from_file(write_json(dir, mixtral).string()); }).find("sliding_window"),
+            std::string::npos);
   nlohmann::json qwen2 = tiny_qwen3();
   qwen2["model_type"] = "qwen2_moe";
   qwen2["shared_expert_intermediate_size"] = 256;
   EXPECT_NE(config_error([&] { RunConfig::from_file(write_json(dir, qwen2).string()); }).find("gated shared expert"),
+            std::string::npos);
+  qwen2.erase("shared_expert_intermediate_size");  // its q, k, v biases are on by default
+  EXPECT_NE(config_error([&] { RunConfig::from_file(write_json(dir, qwen2).string()); }).find("biases in q, k"),
             std::string::npos);
   // The published configs: Qwen3-30B-A3B is a model the engine runs, DeepSeek-V3 is not.
   const RunConfig q = RunConfig::from_file((kSrc / "configs" / "models" / "qwen3-30b-a3b.json").string());

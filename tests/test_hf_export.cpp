@@ -4,6 +4,7 @@
 // moeflex's logits; its config.json reads back as the model; what no layout holds is
 // refused, and nothing on disk is overwritten.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -132,6 +133,17 @@ TEST(HfExport, EachLayoutGivesTheReferenceMoeflexsLogits) {
     const auto before = fs::file_size(dir / "hf" / "model.safetensors");
     EXPECT_NE(config_error([&] { export_hf(run, dir / "hf"); }).find("is not an empty folder"), std::string::npos);
     EXPECT_EQ(fs::file_size(dir / "hf" / "model.safetensors"), before);
+    if (std::string(c.arch) == "mixtral") {
+      // A trailing slash names the folder; a folder where the export would stage is
+      // someone's: refused and kept.
+      EXPECT_EQ(export_hf(run, (dir / "slash").string() + "/"), "mixtral");
+      EXPECT_TRUE(fs::exists(dir / "slash" / "config.json"));
+      const fs::path staging = dir / fmt::format(".busy.export-hf-{}", ::getpid());
+      fs::create_directories(staging / "keep");
+      EXPECT_NE(config_error([&] { export_hf(run, dir / "busy"); }).find("exists: remove it"), std::string::npos);
+      EXPECT_TRUE(fs::exists(staging / "keep"));
+      EXPECT_FALSE(fs::exists(dir / "busy"));
+    }
     fs::remove_all(dir);
   }
 }

@@ -263,6 +263,13 @@ ModelConfig ModelConfig::from_hf_json(const nlohmann::json& j, const std::string
   if (expert_width_is_intermediate && !has("moe_intermediate_size"))
     get_i("intermediate_size", c.moe_intermediate_size);
   get_d("aux_loss_alpha", c.router_aux_loss_coef);  // DeepSeek
+  // transformers 5 keeps the RoPE base in rope_parameters.
+  if (!has("rope_theta") && has("rope_parameters") && j["rope_parameters"].is_object() &&
+      j["rope_parameters"].contains("rope_theta")) {
+    const auto& v = j["rope_parameters"]["rope_theta"];
+    if (!v.is_number()) throw bad("rope_parameters", "an object whose rope_theta is a number");
+    c.rope_theta = v.get<double>();
+  }
   // QK-norm is implied by the architecture: per head in Qwen3-MoE, over q and k whole in OLMoE.
   if (!has("qk_norm") && model_type == "qwen3_moe") c.qk_norm = "head";
   if (!has("qk_norm") && model_type == "olmoe") c.qk_norm = "full";
@@ -326,6 +333,16 @@ void ModelConfig::refuse_engine_unsupported_hf(const nlohmann::json& j, const st
     refuse("shared_expert_intermediate_size", "Qwen2-MoE's sigmoid-gated shared expert");
   if (const auto* v = field("kv_lora_rank"); v && v->is_number() && v->get<double>() > 0)
     refuse("kv_lora_rank", "multi-head latent attention (MLA; the simulator prices it)");
+  if (const auto* v = field("rope_parameters"); v && v->is_object()) {  // transformers 5's RoPE fields
+    const std::string type = v->value("rope_type", v->value("type", std::string("default")));
+    if (type != "default") refuse("rope_parameters", "RoPE scaling (YaRN, linear, dynamic)");
+  }
+  if (mt && *mt == "mixtral" && field("sliding_window")) refuse("sliding_window", "sliding-window attention");
+  if (mt && *mt == "qwen2_moe") refuse("model_type", "Qwen2-MoE (biases in q, k and v, a sigmoid-gated shared expert)");
+  // Architectures the checks above know; another model_type may hold what they cannot see.
+  if (mt && *mt != "qwen3_moe" && *mt != "olmoe" && *mt != "mixtral")
+    refuse("model_type", "an architecture other than qwen3_moe, olmoe and mixtral (moeflex's own field names "
+                         "need no model_type)");
 }
 
 std::string ModelConfig::to_toml() const {

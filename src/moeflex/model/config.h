@@ -167,7 +167,8 @@ struct ModelConfig {
   /// asks for what the training engine does not run (the simulator prices some of it):
   /// attention or MLP biases, an activation other than SiLU, RoPE scaling, sliding
   /// windows, clipped qkv, sigmoid scoring, routed scaling, expert bias or
-  /// group-limited top-k, Qwen2-MoE's gated shared expert, MLA.
+  /// group-limited top-k, Qwen2-MoE, MLA, a model_type other than qwen3_moe, olmoe and
+  /// mixtral (none: moeflex's own field names).
   static void refuse_engine_unsupported_hf(const nlohmann::json& j, const std::string& source);
   /// Renders the [model] table as TOML text.
   std::string to_toml() const;

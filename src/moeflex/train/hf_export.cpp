@@ -3,6 +3,8 @@
 
 #include <fmt/format.h>
 
+#include <unistd.h>
+
 #include <string_view>
 
 #include "moeflex/core/arena.h"
@@ -99,7 +101,11 @@ nlohmann::json hf_config_json(const ModelConfig& c, const std::string& arch) {
   return j;
 }
 
-std::string export_hf(const fs::path& run_dir, const fs::path& out) {
+std::string export_hf(const fs::path& run_dir, const fs::path& out_arg) {
+  fs::path out = out_arg.lexically_normal();
+  if (!out.empty() && out.filename().empty()) out = out.parent_path();  // "ckpt/" names ckpt
+  if (out.empty() || out.filename() == "." || out.filename() == "..")
+    throw ConfigError(fmt::format("export-hf: --out '{}' does not name a folder", out_arg.string()));
   if (!fs::is_regular_file(run_dir / "config.toml"))
     throw ConfigError(fmt::format("export-hf: '{}' is not a run directory (no config.toml)", run_dir.string()));
   if (fs::exists(out) && !(fs::is_directory(out) && fs::is_empty(out)))
@@ -122,10 +128,14 @@ std::string export_hf(const fs::path& run_dir, const fs::path& out) {
     for (std::int64_t e = 0; e < shape[0]; ++e)
       w.add(hf_name(arch, p.name, e), train::StDType::F32, {shape[1], shape[2]}, p.w.f32() + e * per);
   }
-  // Written whole beside `out`, then renamed into place.
-  const fs::path tmp = out.string() + ".tmp";
-  fs::remove_all(tmp);
-  fs::create_directories(tmp);
+  // Written whole in a folder of its own beside `out`, then renamed into place; a
+  // folder of that name already there is someone's and is refused, never removed.
+  const fs::path tmp = out.parent_path() / fmt::format(".{}.export-hf-{}", out.filename().string(), ::getpid());
+  if (fs::exists(tmp))
+    throw ConfigError(fmt::format("export-hf: '{}' exists: remove it (an interrupted export) and run again",
+                                  tmp.string()));
+  if (!out.parent_path().empty()) fs::create_directories(out.parent_path());
+  fs::create_directory(tmp);
   w.write(tmp / "model.safetensors", {{"format", "pt"}});
   write_file_atomically(tmp / "config.json", hf_config_json(cfg.model, arch).dump(2) + "\n");
   if (fs::exists(out)) fs::remove(out);  // the empty folder

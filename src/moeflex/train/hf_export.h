@@ -33,7 +33,8 @@ nlohmann::json hf_config_json(const ModelConfig& cfg, const std::string& arch);
 /// Writes `out`/config.json and `out`/model.safetensors from the newest checkpoint of
 /// `run_dir` (gathered over ranks). `out` must not exist or be an empty folder: files
 /// already there are never overwritten (ConfigError). The folder is written beside
-/// `out` and renamed into place whole. Returns the architecture written.
+/// `out` (.<name>.export-hf-<pid>) and renamed into place whole. Returns the
+/// architecture written.
 std::string export_hf(const std::filesystem::path& run_dir, const std::filesystem::path& out);
 
 }  // namespace moeflex

@@ -123,6 +123,7 @@ MegatronIndex read_megatron_index(const fs::path& idx, Bytes bin_bytes) {
     }
     prev = s;
   }
+  ix.index_sha256 = sha256_hex(b.data(), b.size());
   return ix;
 }
 

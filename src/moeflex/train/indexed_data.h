@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "moeflex/core/units.h"
@@ -71,6 +72,7 @@ struct MegatronIndex {
   TokenCode dtype;
   std::int64_t sequences = 0;
   Bytes bin_bytes = 0;                              ///< what the index says .bin holds
+  std::string index_sha256;                         ///< of the .idx file's bytes (empty for a flat file)
   std::vector<std::int64_t> doc_begin, doc_tokens;  ///< per document: first token (in .bin) and length
 };
 

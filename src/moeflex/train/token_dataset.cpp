@@ -58,9 +58,7 @@ TokenDataset TokenDataset::open_megatron(const fs::path& prefix, int vocab_size,
   const MegatronIndex ix = read_megatron_index(idx, map->size());
   TokenDataset ds = from_documents(std::move(map), ix, fmt::format("Megatron dataset '{}'", prefix.string()),
                                    vocab_size, val_fraction, seed);
-  const std::vector<char> index_bytes = read_file_bytes(idx);
-  ds.identity_ = fmt::format("megatron idx sha256 {} bin bytes {}", sha256_hex(index_bytes.data(), index_bytes.size()),
-                             ds.map_->size());
+  ds.identity_ = fmt::format("megatron idx sha256 {} bin bytes {}", ix.index_sha256, ds.map_->size());
   return ds;
 }
 

@@ -283,21 +283,22 @@ RunConfig from_hf_config(const std::string& path) {
   RunConfig c = fs::exists(beside) ? RunConfig::from_file(beside.string()) : RunConfig::defaults();
   const ModelConfig own = c.model;
   c.model = ModelConfig::from_hf_json(j, path);
+  c.model.expert_chunk_rows = own.expert_chunk_rows;  // moeflex's keys: the TOML's or the defaults'
+  c.model.bf16 = own.bf16;
+  c.model.capacity_factor = own.capacity_factor;
   if (fs::exists(beside)) {
     const toml::table t = toml::parse_file(beside.string());
     if (const toml::table* m = t["model"].as_table())
-      for (auto&& [k, v] : *m)
-        if (k.str() != "expert_chunk_rows" && k.str() != "bf16" && k.str() != "capacity_factor" &&
-            k.str() != "initializer_range")
+      for (auto&& [k, v] : *m) {
+        if (k.str() == "initializer_range") {
+          c.model.initializer_range = own.initializer_range;  // over the JSON's, since the TOML names it
+        } else if (k.str() != "expert_chunk_rows" && k.str() != "bf16" && k.str() != "capacity_factor") {
           throw ConfigError(fmt::format("{}: model.{} is set by {}; beside a config.json the [model] table may set "
                                         "only expert_chunk_rows, bf16, capacity_factor and initializer_range",
                                         beside.string(), k.str(), path));
+        }
+      }
   }
-  c.model.expert_chunk_rows = own.expert_chunk_rows;
-  c.model.bf16 = own.bf16;
-  c.model.capacity_factor = own.capacity_factor;
-  c.model.initializer_range = own.initializer_range;
-  // A sequence longer than the model's context would be refused; the defaults' 128 fits.
   return c;
 }
 

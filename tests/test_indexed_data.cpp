@@ -300,3 +300,19 @@ TEST(FlatTokens, BadFilesAreClearErrors) {
   EXPECT_NE(e.find("outside the model's vocabulary of 1000"), std::string::npos) << e;
   EXPECT_NE(e.find("big.u16"), std::string::npos) << e;
 }
+
+// What a resume compares: a .bin changed in place (same size, same index) or a flat
+// file with another end-of-document id is another dataset.
+TEST(TokenIdentity, ChangesWithTheTokensNotOnlyTheSizes) {
+  const fs::path dir = test::scratch_dir("moeflex_megatron_", "identity");
+  const fs::path prefix = write_random(dir, "uint16", 3, 12);
+  const std::string before = TokenDataset::open_megatron(prefix, kMaxToken + 1, 0.2, 1).identity();
+  EXPECT_EQ(TokenDataset::open_megatron(prefix, kMaxToken + 1, 0.2, 1).identity(), before);
+  std::vector<char> bin = read_file_bytes(prefix.string() + ".bin");
+  bin[bin.size() - 2] = char(bin[bin.size() - 2] ^ 1);  // the last token, one bit
+  write_bytes(prefix.string() + ".bin", bin);
+  EXPECT_NE(TokenDataset::open_megatron(prefix, kMaxToken + 1, 0.2, 1).identity(), before);
+  write_flat(dir / "t.u16", random_documents(20, 1000, 7, false, 4), 2);
+  EXPECT_NE(TokenDataset::open_flat(dir / "t.u16", 1000, 0.1, 1, 7).identity(),
+            TokenDataset::open_flat(dir / "t.u16", 1000, 0.1, 1, -1).identity());
+}

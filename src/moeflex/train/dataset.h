@@ -112,8 +112,8 @@ class TokenDataset {
   const std::filesystem::path& dir() const { return dir_; }
   /// True for pre-tokenized data that comes without moeflex's tokenizer.
   bool pretokenized() const { return bool(map_); }
-  /// SHA-256 of the Megatron index and the .bin's size, or a flat file's size, eos id and
-  /// sampled hash ("" for a prepared dataset):
+  /// SHA-256 of the Megatron index with the .bin's size and sampled hash, or a flat file's
+  /// size, eos id and sampled hash ("" for a prepared dataset):
   /// what a resumed run compares to know its data is the same.
   const std::string& identity() const { return identity_; }
 

@@ -17,6 +17,19 @@ namespace {
 
 constexpr std::uint64_t kSampleStream = 0xBA7C4000;  // rng stream of train/val window sampling
 
+/// SHA-256 of 17 blocks of 64 KiB spread evenly over the mapped file (all of it when
+/// smaller): what a resume compares, as hashing all of a large file would cost a full
+/// pass at every start.
+std::string sampled_sha256(const MappedFile& map) {
+  std::string sampled;
+  const Bytes block = std::min<Bytes>(Bytes(1) << 16, map.size());
+  for (int k = 0; k <= 16; ++k) {
+    const Bytes at = (map.size() - block) * k / 16;
+    sampled.append(reinterpret_cast<const char*>(map.data() + at), std::size_t(block));
+  }
+  return sha256_hex(sampled.data(), sampled.size());
+}
+
 }  // namespace
 
 TokenDataset TokenDataset::from_documents(std::shared_ptr<const MappedFile> map, const MegatronIndex& ix,
@@ -58,7 +71,8 @@ TokenDataset TokenDataset::open_megatron(const fs::path& prefix, int vocab_size,
   const MegatronIndex ix = read_megatron_index(idx, map->size());
   TokenDataset ds = from_documents(std::move(map), ix, fmt::format("Megatron dataset '{}'", prefix.string()),
                                    vocab_size, val_fraction, seed);
-  ds.identity_ = fmt::format("megatron idx sha256 {} bin bytes {}", ix.index_sha256, ds.map_->size());
+  ds.identity_ = fmt::format("megatron idx sha256 {} bin bytes {} sampled sha256 {}", ix.index_sha256,
+                             ds.map_->size(), sampled_sha256(*ds.map_));
   return ds;
 }
 
@@ -76,16 +90,7 @@ TokenDataset TokenDataset::open_flat(const fs::path& file, int vocab_size, doubl
   const MegatronIndex ix = flat_documents(map->data(), *code, tokens, eos_id);
   TokenDataset ds = from_documents(map, ix, fmt::format("Flat token file '{}' (data.eos_id {})", file.string(),
                                    eos_id), vocab_size, val_fraction, seed);
-  // Identity: the size, the end-of-document id and the hash of 17 blocks spread over
-  // the file (hashing all of a large file would cost a pass of SHA-256 per start).
-  std::string sampled;
-  const Bytes block = std::min<Bytes>(Bytes(1) << 16, map->size());
-  for (int k = 0; k <= 16; ++k) {
-    const Bytes at = (map->size() - block) * k / 16;
-    sampled.append(reinterpret_cast<const char*>(map->data() + at), std::size_t(block));
-  }
-  ds.identity_ = fmt::format("flat {} bytes eos {} sampled sha256 {}", map->size(), eos_id,
-                             sha256_hex(sampled.data(), sampled.size()));
+  ds.identity_ = fmt::format("flat {} bytes eos {} sampled sha256 {}", map->size(), eos_id, sampled_sha256(*map));
   return ds;
 }
 

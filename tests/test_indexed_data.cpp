@@ -21,6 +21,7 @@
 #include "moeflex/core/file_io.h"
 #include "moeflex/train/dataset.h"
 #include "moeflex/train/indexed_data.h"
+#include "error_text.h"
 #include "scratch_dir.h"
 
 using namespace moeflex;
@@ -70,14 +71,7 @@ void expect_splits(const TokenDataset& ds, const Documents& all, double val_frac
   EXPECT_EQ(split_tokens(ds, Split::kVal), val);
 }
 
-std::string data_error(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const DataError& e) {
-    return e.what();
-  }
-  return "<no DataError thrown>";
-}
+std::string data_error(const std::function<void()>& f) { return test::error_text<DataError>(f); }
 
 void write_bytes(const fs::path& path, const std::vector<char>& b) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);

@@ -174,13 +174,16 @@ AttentionOps multi_head_attention(const CostModel& c, const ModelConfig& cfg, st
   AttentionOps o;
   // QK-norm: an RMSNorm over q and one over k, between the projections and RoPE; per
   // head (n H rows of head_dim) or over the rank's whole width (n rows).
+  // (Rows and width per rank: ModelConfig::qk_norm_rows/_width with this rank's heads.)
   const bool per_head = cfg.qk_norm == "head";
-  const Seconds qn_f = per_head ? c.rmsnorm_forward(n * H, hd) : c.rmsnorm_forward(n, dh);
-  const Seconds kn_f = per_head ? c.rmsnorm_forward(n * KVh, hd) : c.rmsnorm_forward(n, dkv);
+  const std::int64_t q_rows = per_head ? n * H : n, k_rows = per_head ? n * KVh : n;
+  const std::int64_t q_cols = per_head ? hd : dh, k_cols = per_head ? hd : dkv;
+  Seconds qn_f = 0, kn_f = 0;
   if (cfg.has_qk_norm()) {
+    qn_f = c.rmsnorm_forward(q_rows, q_cols);
+    kn_f = c.rmsnorm_forward(k_rows, k_cols);
     o.norms_f = qn_f + kn_f;
-    o.norms_b = per_head ? c.rmsnorm_backward(n * H, hd) + c.rmsnorm_backward(n * KVh, hd)
-                         : c.rmsnorm_backward(n, dh) + c.rmsnorm_backward(n, dkv);
+    o.norms_b = c.rmsnorm_backward(q_rows, q_cols) + c.rmsnorm_backward(k_rows, k_cols);
     o.norm_calls = 2;
   }
   o.in_f = c.linear_forward(n, d, dh) + 2 * c.linear_forward(n, d, dkv);

@@ -5,7 +5,7 @@
 # CONFIGS overrides the list; the other variables are vs_torch.sh's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-for c in ${CONFIGS:-configs/default.toml configs/qwen3-moe-small.toml configs/olmoe-small.toml}; do
+for c in ${CONFIGS:-configs/default.toml configs/qwen3-moe-small.toml configs/olmoe-small.toml configs/deepseek-v3-small.toml}; do
   CONFIG=$c bash bench/vs_torch.sh
   echo
 done

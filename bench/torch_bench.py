@@ -15,6 +15,12 @@ The expert computation is the idiomatic efficient eager-PyTorch one (as in HF
 Mixtral / Qwen-MoE): sort the (token, slot) assignments by expert, then loop over
 the experts with index_select / one matmul chain per expert / index_add_.
 
+The router also runs DeepSeek-V2/V3's rules (Hugging Face's scoring_func, topk_method
+with n_group / topk_group, routed_scaling_factor).  noaux_tc's e_score_correction_bias
+is a buffer that starts at zero; after each optimizer step it moves by
+router_bias_update_rate * sign(mean load - load_e) (the load of that step's forwards;
+rate 0 keeps it frozen), the aux-loss-free balancing of DeepSeek-V3.
+
 --bf16: PyTorch's usual mixed precision, the counterpart of `moeflex train --bf16`:
 torch.autocast(device_type, dtype=torch.bfloat16) around forward and loss (matmuls in
 bf16; the ops on autocast's float32 list in float32: cross-entropy, and on CUDA also
@@ -45,7 +51,10 @@ MODEL_DEFAULTS = dict(
     shared_expert_intermediate_size=0, first_k_dense_replace=0, decoder_sparse_step=1, intermediate_size=1024,
     norm_topk_prob=True, router_aux_loss_coef=0.01, router_z_loss_coef=0.001,
     tie_word_embeddings=False, capacity_factor=0.0, initializer_range=0.02,
-    head_dim=0, num_key_value_heads=0, qk_norm="none")
+    head_dim=0, num_key_value_heads=0, qk_norm="none",
+    # DeepSeek-V2/V3 routing (Hugging Face's names); the defaults are the plain softmax top-k
+    scoring_func="softmax", topk_method="greedy", n_group=1, topk_group=1, routed_scaling_factor=1.0,
+    router_bias_update_rate=1e-3)  # noaux_tc: step of the score bias after each optimizer step (0: frozen)
 TRAIN_DEFAULTS = dict(micro_batch_size=8, seq_len=128, lr=3e-4, weight_decay=0.1, beta1=0.9,
                       beta2=0.95, eps=1e-8, grad_clip=1.0, grad_accum_steps=1, seed=1234)
 TRAIN_ALIASES = {"learning_rate": "lr", "max_lr": "lr", "adam_beta1": "beta1", "adam_beta2": "beta2",
@@ -72,6 +81,18 @@ class Cfg:
         assert self.head_dim % 2 == 0 and self.num_attention_heads % self.kv_heads == 0
         assert self.qk_norm in ("none", "head", "full")
         assert 1 <= self.num_experts_per_tok <= self.num_experts
+        for name, default in (("scoring_func", "softmax"), ("topk_method", "greedy"), ("n_group", 1),
+                              ("topk_group", 1), ("routed_scaling_factor", 1.0), ("router_bias_update_rate", 1e-3)):
+            setattr(self, name, getattr(self, name, default))
+        assert self.scoring_func in ("softmax", "sigmoid")
+        assert self.topk_method in ("greedy", "group_limited_greedy", "noaux_tc")
+        assert self.n_group >= 1 and self.num_experts % self.n_group == 0 and 1 <= self.topk_group <= self.n_group
+        # HF DeepSeek-V2's "greedy" ignores the groups
+        self.group_limited = self.topk_method != "greedy" and self.n_group > 1 and self.topk_group < self.n_group
+        if self.group_limited:
+            G = self.num_experts // self.n_group
+            assert self.num_experts_per_tok <= self.topk_group * G
+            assert self.topk_method != "noaux_tc" or G >= 2
 
 
 def coerce(value, like):
@@ -171,15 +192,54 @@ class MoE(torch.nn.Module):
         self.gate = torch.nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.shared_experts = SwiGLU(cfg.hidden_size, cfg.shared_width) if cfg.shared_width > 0 else None
+        if cfg.topk_method == "noaux_tc":
+            # DeepSeek-V3's score bias: a buffer (not trained by the optimizer, no gradient),
+            # HF's name mlp.gate.e_score_correction_bias; starts at zero.  The expert load
+            # of the forwards since the last update drives update_score_bias.
+            self.gate.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts))
+            self.register_buffer("expert_load", torch.zeros(cfg.num_experts, dtype=torch.long), persistent=False)
+
+    def select(self, p):
+        """Expert ids [n, k] of the k best choice scores p + bias among the allowed experts
+        (those of each token's topk_group best groups when group-limited), in decreasing
+        order.  Not differentiated.  (torch.topk: ties in any order; the golden files have none.)"""
+        cfg = self.cfg
+        n, E, k = p.shape[0], cfg.num_experts, cfg.num_experts_per_tok
+        with torch.no_grad():
+            c = p.detach()
+            if cfg.topk_method == "noaux_tc":
+                c = c + self.gate.e_score_correction_bias
+            if cfg.group_limited:
+                grouped = c.view(n, cfg.n_group, E // cfg.n_group)  # contiguous groups
+                if cfg.topk_method == "group_limited_greedy":
+                    group_score = grouped.amax(dim=-1)
+                else:  # noaux_tc: the sum of the group's two best
+                    group_score = grouped.topk(2, dim=-1).values.sum(dim=-1)
+                groups = group_score.topk(cfg.topk_group, dim=-1).indices
+                allowed = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, groups, True)
+                # the other groups' experts are excluded (-inf), not scored 0
+                c = c.masked_fill(~allowed.repeat_interleave(E // cfg.n_group, dim=1), float("-inf"))
+            return torch.topk(c, k, dim=-1).indices
+
+    @torch.no_grad()
+    def update_score_bias(self, rate):
+        """Aux-loss-free balancing (DeepSeek-V3): b_e += rate * sign(mean load - load_e),
+        the load counted over the forwards since the last call."""
+        load = self.expert_load.to(self.gate.e_score_correction_bias.dtype)
+        self.gate.e_score_correction_bias.add_(rate * torch.sign(load.mean() - load))
+        self.expert_load.zero_()
 
     def forward(self, m):
         cfg = self.cfg
         n, E, k = m.shape[0], cfg.num_experts, cfg.num_experts_per_tok
         logits_r = self.gate(m)
-        p = torch.softmax(logits_r, dim=-1)
-        w, idx = torch.topk(p, k, dim=-1)  # sorted, decreasing
+        p = torch.sigmoid(logits_r) if cfg.scoring_func == "sigmoid" else torch.softmax(logits_r, dim=-1)
+        idx = self.select(p)
+        w = p.gather(1, idx)  # the unbiased scores of the picked experts
         if cfg.norm_topk_prob:
             w = w / w.sum(dim=-1, keepdim=True)
+        if cfg.routed_scaling_factor != 1.0:
+            w = w * cfg.routed_scaling_factor
 
         # Permute: assignments sorted by expert; stable, so (token, slot) order within an expert.
         flat_idx = idx.reshape(-1)
@@ -214,8 +274,12 @@ class MoE(torch.nn.Module):
         if self.shared_experts is not None:
             y = y + self.shared_experts(m)
 
+        if cfg.topk_method == "noaux_tc":
+            self.expert_load += counts.detach()
         f_e = (counts.to(p.dtype) / (n * k)).detach()
-        aux = cfg.router_aux_loss_coef * E * torch.dot(f_e, p.mean(0))
+        # sigmoid scores enter the balance loss normalised per token (as Megatron does)
+        P_e = (p / p.sum(-1, keepdim=True)).mean(0) if cfg.scoring_func == "sigmoid" else p.mean(0)
+        aux = cfg.router_aux_loss_coef * E * torch.dot(f_e, P_e)
         z = cfg.router_z_loss_coef * torch.logsumexp(logits_r, dim=-1).pow(2).mean()
         return y, aux + z
 
@@ -266,6 +330,18 @@ class MoEForCausalLM(torch.nn.Module):
                 name += ".weight"  # stacked experts are bare Parameters here
             out.append((name, p))
         return out
+
+    def spec_buffers(self):
+        """(spec name, buffer) for the entries of the spec's list that are not trained:
+        the noaux_tc score biases (mlp.gate.e_score_correction_bias)."""
+        return [(name, b) for name, b in self.named_buffers() if name.endswith(".e_score_correction_bias")]
+
+    def update_score_biases(self, rate):
+        """After an optimizer step: move every noaux_tc score bias toward balance."""
+        if rate > 0:
+            for layer in self.model.layers:
+                if layer.moe and self.cfg.topk_method == "noaux_tc":
+                    layer.mlp.update_score_bias(rate)
 
     def init_weights(self, generator):
         cfg = self.cfg
@@ -321,7 +397,8 @@ def check_against_reference() -> int:
     worst_all = 0.0
     for fname in ("golden_v1.safetensors", "golden_v1_capacity.safetensors", "golden_v1_gqa.safetensors",
                   "golden_v1_qk_norm_head.safetensors", "golden_v1_qk_norm_full.safetensors",
-                  "golden_v1_sparse_step.safetensors"):
+                  "golden_v1_sparse_step.safetensors", "golden_v1_noaux_tc.safetensors",
+                  "golden_v1_group_limited.safetensors"):
         meta, t = read_safetensors(os.path.join(here, "..", "tests", "reference", fname))
         conf = json.loads(meta["config"])
         B, S = conf.pop("batch_size"), conf.pop("seq_len")
@@ -330,6 +407,8 @@ def check_against_reference() -> int:
         with torch.no_grad():
             for name, p in model.spec_params():
                 p.copy_(t["param." + name])
+            for name, b in model.spec_buffers():  # the noaux_tc score biases
+                b.copy_(t["param." + name])
         ids = t["input.ids"].long()
         targets = t["input.targets"].long()
         loss, _, logits = model(ids, targets)
@@ -338,8 +417,13 @@ def check_against_reference() -> int:
         worst = max(worst, (logits.detach() - t["out.logits"]).abs().max().item())
         for name, p in model.spec_params():
             worst = max(worst, (p.grad - t["grad." + name]).abs().max().item())
+        for name, _ in model.spec_buffers():  # a buffer's gradient is 0 in the file
+            worst = max(worst, t["grad." + name].abs().max().item())
+        spec_names = [name for name, _ in model.spec_params() + model.spec_buffers()]
+        if sorted(spec_names) != sorted(k[len("param."):] for k in t if k.startswith("param.")):
+            worst = 1.0  # the bench model's names must be exactly the file's
         # and the reference recomputed in float32 (it must work in both precisions)
-        P32 = {name: t["param." + name].float() for name, _ in model.spec_params()}
+        P32 = {name: t["param." + name].float() for name in spec_names}
         loss32 = ref_forward(MoEConfig.from_dict(conf), P32, ids, targets)[0].item()
         rel32 = abs(loss32 - float(meta["loss"])) / abs(float(meta["loss"]))
         print(f"{fname}: bench model vs golden max diff {worst:.2e}; reference float32 loss rel diff "
@@ -373,6 +457,8 @@ def load_config(args):
                 k = TRAIN_ALIASES.get(k, k)
                 if k in train:
                     train[k] = coerce(v, train[k])
+                elif k == "router_bias_update_rate":  # a training rule: accepted in [train] too
+                    model[k] = coerce(v, model[k])
     for item in args.set:
         key, _, value = item.partition("=")
         table, _, field = key.partition(".")
@@ -478,6 +564,7 @@ def main() -> int:
         if train["grad_clip"] > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), train["grad_clip"])
         opt.step()
+        model.update_score_biases(cfg.router_bias_update_rate)  # noaux_tc only; a no-op otherwise
         if device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0

@@ -37,6 +37,18 @@ inline ModelConfig small_moe_config(std::int64_t layers, std::int64_t dense, std
   return c;
 }
 
+/// `c` with DeepSeek-V3's router: sigmoid scores, noaux_tc's expert bias moved by
+/// `bias_rate` a step, top-k from `topk_group` of `n_group` groups.
+inline ModelConfig with_deepseek_routing(ModelConfig c, std::int64_t n_group, std::int64_t topk_group,
+                                         double bias_rate) {
+  c.scoring_func = "sigmoid";
+  c.topk_method = "noaux_tc";
+  c.n_group = n_group;
+  c.topk_group = topk_group;
+  c.router_bias_update_rate = bias_rate;
+  return c;
+}
+
 /// small_moe_config(layers, 1, 4, tied) with MLA attention (DeepSeek-V2/V3):
 /// kv_lora_rank 8, q_lora_rank as given (0: none), q/k heads of 8 + 4 (rope), v heads of 8.
 inline ModelConfig small_mla_moe_config(std::int64_t layers, std::int64_t q_lora_rank) {

@@ -8,12 +8,16 @@
 // each input (unit step, 1e-5, as op_cases_dense.cpp says); the router is smooth
 // once the top-k selection is fixed, and separated_router_logits keeps every gap
 // between a row's logits >= 0.25, so the step 1e-2 never changes it.
+#include <fmt/format.h>
+
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <numeric>
 
 #include "moeflex/ops/moe_dispatch.h"
 #include "op_cases.h"
+#include "op_harness.h"
 
 namespace moeflex::test {
 namespace {
@@ -45,33 +49,90 @@ std::string moe_shape(std::int64_t n, std::int64_t E, std::int64_t k, std::int64
   return shape_of({{"n", n}, {"E", E}, {"k", k}, {"d", d}}) + capacity;
 }
 
-/// Softmax, top-k, the load-balancing loss and the z-loss together, as a router
+/// Router logits [n, E] and an expert bias [E] (zero without `with_bias`) whose
+/// choice scores (probs + bias) and group scores are all at least `gap` apart within
+/// each row, so that finite-difference steps of the logits never change the
+/// selection: rows of random logits in [-2, 2) are redrawn until they are.
+std::pair<std::vector<double>, std::vector<double>> separated_routing(std::int64_t n, std::int64_t E,
+                                                                       const ops::RouterOptions& opt, bool with_bias,
+                                                                       double gap, std::uint64_t stream) {
+  std::vector<double> bias = with_bias ? random_vec(std::size_t(E), stream, 0.1) : std::vector<double>(std::size_t(E));
+  std::vector<double> logits(std::size_t(n * E));
+  const std::int64_t groups = opt.group_limited() ? opt.n_group : 1, G = E / groups;
+  auto separated = [gap](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    for (std::size_t i = 1; i < v.size(); ++i)
+      if (v[i] - v[i - 1] < gap) return false;
+    return true;
+  };
+  for (std::int64_t i = 0; i < n; ++i)
+    for (std::uint64_t draw = 0;; ++draw) {
+      const auto l = random_vec(std::size_t(E), stream + 1 + std::uint64_t(i) * 1000 + draw, 2.0);
+      std::vector<double> p(static_cast<std::size_t>(E)), c(p), group(static_cast<std::size_t>(groups));
+      double sum = 0;
+      for (std::int64_t e = 0; e < E; ++e) sum += std::exp(l[std::size_t(e)]);
+      for (std::int64_t e = 0; e < E; ++e) {
+        const double x = l[std::size_t(e)];
+        p[std::size_t(e)] = opt.score == ops::RouterScore::sigmoid ? 1 / (1 + std::exp(-x)) : std::exp(x) / sum;
+        c[std::size_t(e)] = p[std::size_t(e)] + bias[std::size_t(e)];
+      }
+      for (std::int64_t g = 0; g < groups; ++g) {
+        std::vector<double> in(c.begin() + g * G, c.begin() + (g + 1) * G);
+        std::sort(in.rbegin(), in.rend());
+        group[std::size_t(g)] = opt.group_score == ops::GroupScore::top2_sum && G >= 2 ? in[0] + in[1] : in[0];
+      }
+      if (separated(c) && (groups == 1 || separated(group))) {
+        std::copy(l.begin(), l.end(), logits.begin() + i * E);
+        break;
+      }
+    }
+  return {logits, bias};
+}
+
+/// Scores, top-k, the load-balancing loss and the z-loss together, as a router
 /// runs them: L = aux + z + <probs, dprobs> + <topk_w, dtopk_w>. The backward adds
-/// the aux gradient onto a copy of the probs' seed, as the model does.
-OpCase router_case(std::string name, std::int64_t n, std::int64_t E, std::int64_t k, bool norm, std::int64_t cold) {
+/// the aux gradient onto a copy of the probs' seed, as the model does. The softmax
+/// router without bias or groups takes skewed logits with `cold` experts; the others
+/// (DeepSeek's rules) random logits whose selection the steps cannot change.
+OpCase router_case(std::string name, std::int64_t n, std::int64_t E, std::int64_t k, ops::RouterOptions opt,
+                   std::int64_t cold, bool with_bias = false) {
   constexpr double kAuxCoef = 0.1, kZCoef = 0.05;
-  OpCase c =
-      new_case(std::move(name), shape_of({{"n", n}, {"E", E}, {"k", k}, {"norm_topk", norm}, {"cold_experts", cold}}));
+  const bool deepseek = with_bias || opt.group_limited() || opt.score == ops::RouterScore::sigmoid;
+  std::string shape =
+      shape_of({{"n", n}, {"E", E}, {"k", k}, {"norm_topk", opt.norm_topk_prob}, {"cold_experts", cold}});
+  if (deepseek)
+    shape += "," + shape_of({{"sigmoid", opt.score == ops::RouterScore::sigmoid}, {"n_group", opt.n_group},
+                             {"topk_group", opt.topk_group}, {"bias", with_bias}}) +
+             fmt::format(",scaling={}", opt.routed_scaling_factor);
+  OpCase c = new_case(std::move(name), std::move(shape));
   c.build = [=] {
+    auto [logits, bias] = deepseek ? separated_routing(n, E, opt, with_bias, 0.02, 200)
+                                   : std::pair{separated_router_logits(n, E, k, std::int32_t(E / 2), cold, kRouterGap, 200),
+                                               std::vector<double>(std::size_t(E))};
     return std::vector<TensorSpec>{
-        input_values("logits", Elem::act, separated_router_logits(n, E, k, std::int32_t(E / 2), cold, kRouterGap, 200)),
+        input_values("logits", Elem::act, logits), input_values("bias", Elem::f32, bias),
         saved("probs", Elem::f32, n * E), output("topk_idx", Elem::i32, n * k), output("topk_w", Elem::f32, n * k),
         seed("dprobs", "probs", Elem::f32, n * E, 201), seed("dtopk_w", "topk_w", Elem::f32, n * k, 202),
         scratch("dprobs_total", Elem::f32, n * E), grad("dlogits", "logits", Elem::act, n * E)};
   };
+  auto rule = [=](OpTensors& t) {
+    ops::RouterOptions o = opt;
+    if (with_bias) o.bias = t.f("bias");
+    return o;
+  };
   c.forward = [=](ops::Backend& be, OpTensors& t) {
-    be.router_forward(t.c("logits"), t.f("probs"), t.i("topk_idx"), t.f("topk_w"), n, E, k, norm);
-    return be.aux_loss_forward(t.f("probs"), t.i("topk_idx"), n, E, k, kAuxCoef) +
+    be.router_forward(t.c("logits"), t.f("probs"), t.i("topk_idx"), t.f("topk_w"), n, E, k, rule(t));
+    return be.aux_loss_forward(t.f("probs"), t.i("topk_idx"), n, E, k, kAuxCoef, opt.score) +
            be.z_loss_forward(t.c("logits"), n, E, kZCoef);
   };
   c.backward = [=](ops::Backend& be, OpTensors& t) {
     be.copy(t.f("dprobs_total"), t.f("dprobs"), Bytes(4) * n * E);
-    be.aux_loss_backward(t.i("topk_idx"), t.f("dprobs_total"), n, E, k, kAuxCoef);
+    be.aux_loss_backward(t.i("topk_idx"), t.f("probs"), t.f("dprobs_total"), n, E, k, kAuxCoef, opt.score);
     be.router_backward(t.f("dtopk_w"), t.f("dprobs_total"), t.f("probs"), t.i("topk_idx"), t.v("dlogits"), n, E, k,
-                       norm);
+                       rule(t));
     be.z_loss_backward(t.c("logits"), t.v("dlogits"), n, E, kZCoef);
   };
-  c.tol = {.fd_eps = 1e-2, .fd = 5e-4, .why = "smooth for a fixed top-k; logit gaps >= 0.25 keep it fixed"};
+  c.tol = {.fd_eps = 1e-2, .fd = 5e-4, .why = "smooth for a fixed top-k; separated logits keep it fixed"};
   c.forward_flops = 8.0 * double(n * E);
   c.backward_flops = 8.0 * double(n * E);
   return c;
@@ -238,8 +299,16 @@ OpCase optimizer_case(std::int64_t n) {
 }  // namespace
 
 void add_moe_cases(std::vector<OpCase>& cases) {
-  cases.push_back(router_case("router_small", 12, 6, 2, true, 0));
-  cases.push_back(router_case("router_skewed", 24, 8, 2, false, 2));
+  cases.push_back(router_case("router_small", 12, 6, 2, {.norm_topk_prob = true}, 0));
+  cases.push_back(router_case("router_skewed", 24, 8, 2, {.norm_topk_prob = false}, 2));
+  // DeepSeek-V3 (sigmoid, bias, groups of best top-2 sum, scaled) and V2 (softmax, groups of best max).
+  cases.push_back(router_case("router_noaux_tc", 24, 8, 3,
+                              {.score = ops::RouterScore::sigmoid, .routed_scaling_factor = 2.5, .n_group = 4,
+                               .topk_group = 2, .group_score = ops::GroupScore::top2_sum},
+                              0, true));
+  cases.push_back(router_case("router_group_limited", 24, 8, 3,
+                              {.norm_topk_prob = false, .routed_scaling_factor = 1.5, .n_group = 4, .topk_group = 2},
+                              0));
   cases.push_back(skew_router_logits_case(40, 8, 2));
   cases.push_back(moe_plan_case("moe_plan_skewed", 50, 8, 2, -1));
   cases.push_back(moe_plan_case("moe_plan_skewed_capacity", 50, 8, 2, 1.0));
@@ -254,7 +323,7 @@ void add_moe_cases(std::vector<OpCase>& cases) {
   cases.push_back(grouped_linear_case("grouped_linear_skewed_routing", skewed_counts(20, 8, 2), 7, 4));
   cases.push_back(optimizer_case(1001));
   // Training-like shapes for the timing figures (64 experts, 8 of them cold).
-  cases.push_back(at_timing_size(router_case("router_timing", 1024, 64, 6, true, 8)));
+  cases.push_back(at_timing_size(router_case("router_timing", 1024, 64, 6, {.norm_topk_prob = true}, 8)));
   cases.push_back(at_timing_size(permute_case("permute_timing", 1024, 64, 6, 256, -1)));
   cases.push_back(at_timing_size(unpermute_case("unpermute_timing", 1024, 64, 6, 256, -1, 0)));
   cases.push_back(at_timing_size(grouped_linear_case("grouped_linear_timing", skewed_counts(1024, 16, 2), 512, 256)));

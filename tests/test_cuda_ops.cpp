@@ -1094,9 +1094,23 @@ TEST(CudaBackend, EmbeddingAndCrossEntropyMatchTheCpuBackend) {
 TEST(CudaBackend, RouterAndRouterLossesMatchTheCpuBackend) {
   MOEFLEX_REQUIRE_GPU();
   for (DType t : kDtypes) {
-    for (auto [n, E, k, norm] : {std::tuple<std::int64_t, std::int64_t, std::int64_t, bool>{70, 8, 2, true},
-                                 {70, 64, 6, false}}) {
-      const std::string shape = shape_str({{"n", n}, {"E", E}, {"k", k}, {"norm", norm}});
+    // The last: DeepSeek-V3's rules (sigmoid, an expert bias, 4 of 8 groups by top-2 sum, scaled by 2.5).
+    for (auto [n, E, k, norm, deepseek] :
+         {std::tuple<std::int64_t, std::int64_t, std::int64_t, bool, bool>{70, 8, 2, true, false},
+          {70, 64, 6, false, false}, {70, 64, 6, true, true}}) {
+      const std::string shape = shape_str({{"n", n}, {"E", E}, {"k", k}, {"norm", norm}, {"deepseek", deepseek}});
+      Both bias(DType::f32, random_vec(sz(E), 254, 0.1), "bias");
+      ops::RouterOptions on_cpu{.norm_topk_prob = norm};
+      if (deepseek) {
+        on_cpu.score = ops::RouterScore::sigmoid;
+        on_cpu.routed_scaling_factor = 2.5;
+        on_cpu.n_group = 8;
+        on_cpu.topk_group = 4;
+        on_cpu.group_score = ops::GroupScore::top2_sum;
+        on_cpu.bias = bias.hf();
+      }
+      ops::RouterOptions on_gpu = on_cpu;
+      if (deepseek) on_gpu.bias = bias.df();
       Both logits(t, random_vec(sz(n * E), 250, 3.0), "logits"), probs(DType::f32, n * E, "probs");
       Both idx(DType::i32, n * k, "topk_idx"), w(DType::f32, n * k, "topk_w");
       Both dw(DType::f32, random_vec(sz(n * k), 251), "dtopk_w"), dex(DType::f32, random_vec(sz(n * E), 252), "dprobs");
@@ -1104,19 +1118,19 @@ TEST(CudaBackend, RouterAndRouterLossesMatchTheCpuBackend) {
       probs.fill_nan();
       w.fill_nan();
       dlogits.fill_nan();
-      cpu_be().router_forward(logits.h(), probs.hf(), idx.hi(), w.hf(), n, E, k, norm);
-      cuda_be().router_forward(logits.d(), probs.df(), idx.di(), w.df(), n, E, k, norm);
+      cpu_be().router_forward(logits.h(), probs.hf(), idx.hi(), w.hf(), n, E, k, on_cpu);
+      cuda_be().router_forward(logits.d(), probs.df(), idx.di(), w.df(), n, E, k, on_gpu);
       EXPECT_EQ(idx.dev_ints(), idx.host_ints()) << "router top-k " << to_string(t) << " " << shape;
       compare("router_forward", t, shape, {{"probs (fp32)", &probs}, {"topk_w (fp32)", &w}});
-      cpu_be().router_backward(dw.hf(), dex.hf(), probs.hf(), idx.hi(), dlogits.h(), n, E, k, norm);
-      cuda_be().router_backward(dw.df(), dex.df(), probs.df(), idx.di(), dlogits.d(), n, E, k, norm);
+      cpu_be().router_backward(dw.hf(), dex.hf(), probs.hf(), idx.hi(), dlogits.h(), n, E, k, on_cpu);
+      cuda_be().router_backward(dw.df(), dex.df(), probs.df(), idx.di(), dlogits.d(), n, E, k, on_gpu);
       compare("router_backward", t, shape, {{"dlogits", &dlogits}});
       // Load-balancing loss (fp32 only: probs and its gradient).
-      const double ac = cpu_be().aux_loss_forward(probs.hf(), idx.hi(), n, E, k, 0.01);
-      const double ag = cuda_be().aux_loss_forward(probs.df(), idx.di(), n, E, k, 0.01);
+      const double ac = cpu_be().aux_loss_forward(probs.hf(), idx.hi(), n, E, k, 0.01, on_cpu.score);
+      const double ag = cuda_be().aux_loss_forward(probs.df(), idx.di(), n, E, k, 0.01, on_gpu.score);
       compare_scalar("aux_loss_forward", DType::f32, ag, ac);
-      cpu_be().aux_loss_backward(idx.hi(), dex.hf(), n, E, k, 0.01);
-      cuda_be().aux_loss_backward(idx.di(), dex.df(), n, E, k, 0.01);
+      cpu_be().aux_loss_backward(idx.hi(), probs.hf(), dex.hf(), n, E, k, 0.01, on_cpu.score);
+      cuda_be().aux_loss_backward(idx.di(), probs.df(), dex.df(), n, E, k, 0.01, on_gpu.score);
       compare("aux_loss_backward", DType::f32, shape, {{"dprobs (fp32 +=)", &dex}});
       // z-loss: the gradient adds into dlogits (small values, so the sum shows it).
       const double zc = cpu_be().z_loss_forward(logits.h(), n, E, 1.0);

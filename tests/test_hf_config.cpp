@@ -87,6 +87,29 @@ TEST(HfConfig, OlmoeNormsTheWholeOfQAndK) {
   EXPECT_FALSE(c.model.norm_topk_prob);
 }
 
+// DeepSeek-V3's routing fields are the engine's: read with their Hugging Face names.
+TEST(HfConfig, DeepSeekRoutingFieldsAreRead) {
+  nlohmann::json j = tiny_qwen3();
+  j["num_experts"] = 8;
+  j.update({{"scoring_func", "sigmoid"}, {"routed_scaling_factor", 2.5}, {"topk_method", "noaux_tc"},
+            {"n_group", 4}, {"topk_group", 2}});
+  const fs::path dir = test::scratch_dir("moeflex_hf_", "deepseek_routing");
+  const RunConfig c = RunConfig::from_file(write_json(dir, j).string());
+  EXPECT_EQ(c.model.scoring_func, "sigmoid");
+  EXPECT_EQ(c.model.topk_method, "noaux_tc");
+  EXPECT_DOUBLE_EQ(c.model.routed_scaling_factor, 2.5);
+  EXPECT_TRUE(c.model.group_limited());
+  EXPECT_TRUE(c.model.expert_bias());
+  // Hugging Face's greedy top-k ignores the groups (DeepSeek-V2-Lite sets 1 and 1 anyway).
+  j["topk_method"] = "greedy";
+  const RunConfig g = RunConfig::from_file(write_json(dir, j).string());
+  EXPECT_FALSE(g.model.group_limited());
+  EXPECT_FALSE(g.model.expert_bias());
+  j["scoring_func"] = "tanh";
+  const std::string e = config_error([&] { RunConfig::from_file(write_json(dir, j).string()).validate(); });
+  EXPECT_NE(e.find("model.scoring_func"), std::string::npos) << e;
+}
+
 TEST(HfConfig, WhatTheEngineDoesNotRunIsRefusedByName) {
   struct Case {
     const char* field;
@@ -95,8 +118,7 @@ TEST(HfConfig, WhatTheEngineDoesNotRunIsRefusedByName) {
   const Case cases[] = {{"attention_bias", true},       {"hidden_act", "gelu"},
                         {"rope_scaling", {{"type", "yarn"}, {"factor", 4.0}}},
                         {"use_sliding_window", true},   {"clip_qkv", 8.0},
-                        {"scoring_func", "sigmoid"},    {"routed_scaling_factor", 2.5},
-                        {"topk_method", "noaux_tc"},    {"kv_lora_rank", 512}};
+                        {"kv_lora_rank", 512}};
   const fs::path dir = test::scratch_dir("moeflex_hf_", "refused");
   for (const Case& k : cases) {
     nlohmann::json j = tiny_qwen3();

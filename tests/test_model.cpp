@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <numeric>
 #include <nlohmann/json.hpp>
 
 #include "moeflex/core/rng.h"
@@ -83,6 +84,12 @@ TEST(Golden, QkNormOverTheWholeWidthMatchesPyTorchReference) { check_golden("gol
 
 // Dense and MoE layers alternating (decoder_sparse_step 2 after a dense first layer).
 TEST(Golden, AlternatingDenseAndMoeLayersMatchPyTorchReference) { check_golden("golden_v1_sparse_step.safetensors"); }
+
+// DeepSeek-V3's router: sigmoid scores, an expert bias that changes some tokens'
+// experts, 2 of 4 groups by their top-2 sum, weights renormalised and scaled by 2.5.
+TEST(Golden, NoauxTcRoutingMatchesPyTorchReference) { check_golden("golden_v1_noaux_tc.safetensors"); }
+// DeepSeek-V2's: softmax, top-3 from 2 of 4 groups by their best score, not renormalised, scaled by 1.5.
+TEST(Golden, GroupLimitedRoutingMatchesPyTorchReference) { check_golden("golden_v1_group_limited.safetensors"); }
 
 // d loss along random directions vs central differences of the float model, without
 // and with QK-norm (per head over GQA heads, or over the whole width).
@@ -183,6 +190,47 @@ TEST(Model, SkewedRoutingAllTokensToTwoExperts) {
   model.set_expert_impl(ExpertImpl::sequential_reference);
   const double seq = model.forward_eval(ids.data(), tg.data(), B, S).total;
   EXPECT_NEAR(grouped, seq, 1e-5 * std::abs(seq));
+}
+
+// noaux_tc's expert bias: no gradient reaches it, the optimizer leaves it, and each
+// update moves every expert's bias by exactly the rate toward balance (a hot expert
+// down, the idle ones up), which evens out a skewed router's load over the updates.
+TEST(Model, ExpertBiasMovesTowardBalanceByItsRule) {
+  const ModelConfig cfg = test::with_deepseek_routing(test::small_moe_config(2, 0, 4, false), 2, 1, 0.05);
+  Arena arena;
+  MoEModel model(cfg, arena);
+  model.init_weights(5);
+  const std::int64_t B = 2, S = 16, n = B * S, E = cfg.num_experts;
+  auto ids = random_tokens(n, cfg.vocab_size, 3), tg = random_tokens(n, cfg.vocab_size, 4);
+  model.set_router_skew(3.0);  // expert 0 gets 3x its mean load
+  auto imbalance = [&] {
+    double worst = 0;
+    for (const RoutingStats& r : model.routing()) worst = std::max(worst, r.imbalance);
+    return worst;
+  };
+  const Param& bias = model.param("model.layers.0.mlp.gate.e_score_correction_bias");
+  double first = 0, last = 0;
+  for (int round = 0; round < 12; ++round) {
+    model.clear_routing();
+    model.zero_grads();
+    model.forward_backward(ids.data(), tg.data(), B, S, 0, 1.0);
+    std::vector<double> load(std::size_t(E), 0.0);
+    for (const RoutingStats& r : model.routing())
+      if (r.layer == 0)
+        for (std::int64_t e = 0; e < E; ++e) load[std::size_t(e)] += r.tokens_per_expert[std::size_t(e)];
+    const double mean = std::accumulate(load.begin(), load.end(), 0.0) / double(E);
+    const std::vector<float> before(bias.w.f32(), bias.w.f32() + E);
+    for (std::int64_t e = 0; e < E; ++e) EXPECT_EQ(bias.g.f32()[e], 0.0f) << "a gradient reached the bias";
+    if (round == 0) first = imbalance();
+    last = imbalance();
+    model.update_expert_bias(nullptr);
+    for (std::int64_t e = 0; e < E; ++e) {
+      const float step = load[std::size_t(e)] < mean ? 0.05f : load[std::size_t(e)] > mean ? -0.05f : 0.0f;
+      EXPECT_EQ(bias.w.f32()[e], before[std::size_t(e)] + step) << "expert " << e << " round " << round;
+    }
+    if (round == 0) EXPECT_LT(bias.w.f32()[0], 0.0f) << "the hot expert's bias must fall";
+  }
+  EXPECT_LT(last, first - 0.3) << "the bias did not even out the skewed load";
 }
 
 TEST(Model, ActivationsAreFreedAndAccountedExactly) {

@@ -11,6 +11,7 @@
 #include <numeric>
 #include <vector>
 
+#include "moeflex/core/error.h"
 #include "moeflex/ops/grouped_linear.h"
 #include "moeflex/ops/moe_dispatch.h"
 #include "moeflex/ops/router.h"
@@ -142,6 +143,68 @@ TEST(Router, AuxLossValueAndGradient) {
   auto probs = r.probs;
   expect_grad_close("aux probs", added, probs,
                     [&] { return aux_loss_forward(probs.data(), r.topk_idx.data(), n, E, k, coef); });
+}
+
+// DeepSeek's rules on one row of sigmoid scores p = (0.9, 0.1, 0.6, 0.55), groups
+// {0, 1} and {2, 3}, one group kept: by its best score (V2) group 0 wins, by its top-2
+// sum (V3: 1.0 against 1.15) group 1. A bias on expert 3 reorders the choice, but the
+// weights stay the unbiased scores, times the scaling.
+TEST(Router, GroupScoresBiasAndScalingChooseAndWeighAsDeepSeekDoes) {
+  const std::int64_t E = 4, k = 2;
+  std::vector<double> logits;
+  for (double p : {0.9, 0.1, 0.6, 0.55}) logits.push_back(std::log(p / (1 - p)));
+  RouterOptions opt{.score = RouterScore::sigmoid, .norm_topk_prob = false, .routed_scaling_factor = 2.0,
+                    .n_group = 2, .topk_group = 1};
+  std::vector<double> probs(E), w(k);
+  I32 idx(k);
+  router_forward(logits.data(), probs.data(), idx.data(), w.data(), 1, E, k, opt);
+  EXPECT_NEAR(probs[2], 0.6, 1e-12);
+  EXPECT_EQ(idx, (I32{0, 1}));
+  EXPECT_NEAR(w[0], 1.8, 1e-12);
+  EXPECT_NEAR(w[1], 0.2, 1e-12);
+  opt.group_score = GroupScore::top2_sum;
+  router_forward(logits.data(), probs.data(), idx.data(), w.data(), 1, E, k, opt);
+  EXPECT_EQ(idx, (I32{2, 3}));
+  const float bias[E] = {0, 0, 0, 0.1f};
+  opt.bias = bias;
+  opt.norm_topk_prob = true;
+  router_forward(logits.data(), probs.data(), idx.data(), w.data(), 1, E, k, opt);
+  EXPECT_EQ(idx, (I32{3, 2}));  // 0.55 + 0.1 before 0.6
+  EXPECT_NEAR(w[0], 2.0 * 0.55 / 1.15, 1e-7);
+  EXPECT_NEAR(w[1], 2.0 * 0.6 / 1.15, 1e-7);
+  opt.topk_group = 3;  // 3 of 2 groups: not a limit, so all experts compete
+  EXPECT_FALSE(opt.group_limited());
+  router_forward(logits.data(), probs.data(), idx.data(), w.data(), 1, E, k, opt);
+  EXPECT_EQ(idx, (I32{0, 3}));
+  opt.topk_group = 1;
+  EXPECT_THROW(router_forward(logits.data(), probs.data(), idx.data(), w.data(), 1, E, 3, opt), Error);
+}
+
+// The sigmoid router's aux loss normalises each row's scores; its gradient through
+// that normalisation against central differences.
+TEST(Router, SigmoidAuxLossNormalisesScores) {
+  const std::int64_t n = 6, E = 5, k = 2;
+  const double coef = 0.3;
+  auto probs = random_vec(n * E, 41, 0.4);
+  for (double& p : probs) p += 0.5;  // sigmoid-like scores in (0.1, 0.9)
+  I32 idx(n * k);
+  for (std::int64_t i = 0; i < n * k; ++i) idx[i] = std::int32_t((i * 3 + i / k) % E);
+  const double got = aux_loss_forward(probs.data(), idx.data(), n, E, k, coef, RouterScore::sigmoid);
+  std::vector<double> counts(E, 0.0);
+  for (auto e : idx) counts[std::size_t(e)] += 1;
+  double want = 0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    double S = 0;
+    for (std::int64_t e = 0; e < E; ++e) S += probs[std::size_t(i * E + e)];
+    for (std::int64_t e = 0; e < E; ++e)
+      want += coef * double(E) * counts[std::size_t(e)] / double(n * k) * probs[std::size_t(i * E + e)] / S / double(n);
+  }
+  EXPECT_NEAR(got, want, 1e-12);
+  EXPECT_GT(std::abs(got - aux_loss_forward(probs.data(), idx.data(), n, E, k, coef)), 1e-3);  // softmax's differs
+  std::vector<double> dprobs(n * E, 0.0);
+  aux_loss_backward(idx.data(), probs.data(), dprobs.data(), n, E, k, coef, RouterScore::sigmoid);
+  expect_grad_close("sigmoid aux probs", dprobs, probs,
+                    [&] { return aux_loss_forward(probs.data(), idx.data(), n, E, k, coef, RouterScore::sigmoid); });
 }
 
 TEST(Router, ZLossValueAndGradient) {

@@ -36,11 +36,15 @@ comm::Communicator* g_world = nullptr;
 // bf16 the tokens travel between EP ranks as bf16 rows; a GEMM's fp32 sums over
 // other row groupings may round an output to the neighbouring bf16, hence the
 // looser tolerance (fp32 gradients of the same maths, not the same bits).
-void check_layout(int dp, int ep, bool bf16 = false) {
+void check_layout(int dp, int ep, bool bf16 = false, bool deepseek = false) {
   const int world = g_world->size();
   ASSERT_EQ(dp, world);
   ModelConfig cfg = test::small_moe_config(3, 1, 8, false);
   cfg.bf16 = bf16;
+  if (deepseek) {  // DeepSeek-V3's router: sigmoid, groups, scaling, the expert bias
+    cfg = test::with_deepseek_routing(cfg, 4, 2, 0.01);
+    cfg.routed_scaling_factor = 2.5;
+  }
   const double tol = bf16 ? 2e-2 : 1e-6;
   comm::LayoutSpec spec;
   spec.world_size = world;
@@ -96,6 +100,16 @@ void check_layout(int dp, int ep, bool bf16 = false) {
   const double norm = clip_global_grad_norm(param_ptrs(model.params()), groups, 0.0);
   const double ref_norm = std::sqrt(grad_square_sum(ref.params(), false) + grad_square_sum(ref.params(), true));
   EXPECT_NEAR(norm, ref_norm, tol * ref_norm);
+  // The expert bias moves by the loads of all data-parallel ranks: as the reference's.
+  model.update_expert_bias(groups.data_parallel.get());
+  ref.update_expert_bias(nullptr);
+  int biases = 0;
+  for (auto& p : model.params())
+    if (p.buffer) {
+      EXPECT_EQ(0, std::memcmp(p.w.f32(), ref.param(p.name).w.f32(), std::size_t(p.w.nbytes()))) << p.name;
+      ++biases;
+    }
+  EXPECT_EQ(biases, deepseek ? 2 : 0);
 }
 
 }  // namespace
@@ -110,6 +124,11 @@ TEST(Parallel, ExpertParallelAll) {
 TEST(Parallel, ExpertParallelAllBf16) {
   if (g_world->size() == 1) GTEST_SKIP() << "needs mpirun";
   check_layout(g_world->size(), g_world->size(), /*bf16=*/true);
+}
+
+TEST(Parallel, DeepSeekRoutingUnderExpertParallelism) {
+  if (g_world->size() == 1) GTEST_SKIP() << "needs mpirun";
+  check_layout(g_world->size(), g_world->size(), false, /*deepseek=*/true);
 }
 
 TEST(Parallel, ExpertParallelTwoWithinData) {

@@ -1167,20 +1167,24 @@ TEST(Sim, MlaVariantsWithTheSameHeadWidthsWalkTheirOwnLatents) {
 }
 
 // Group-limited routing (HF n_group, topk_group): read from DeepSeek-V3's config,
-// validated, refused by the engine's router, and priced by the DeepEP dispatcher.
-TEST(LayerCost, GroupLimitedRoutingIsReadValidatedAndOnlySimulated) {
+// validated, and run by the engine's router (golden files in test_model.cpp).
+TEST(LayerCost, GroupLimitedRoutingIsReadAndValidated) {
   const std::filesystem::path root = MOEFLEX_SOURCE_DIR;
   const ModelConfig ds = load_model("deepseek-v3", root);
   EXPECT_EQ(ds.n_group, 8);
   EXPECT_EQ(ds.topk_group, 4);
   EXPECT_TRUE(ds.group_limited());
+  EXPECT_EQ(ds.topk_method, "noaux_tc");
+  EXPECT_EQ(ds.scoring_func, "sigmoid");
   EXPECT_FALSE(load_model("kimi-k2-1t", root).group_limited());  // 1 group of 1
   ModelConfig c = test::small_moe_config(2, 1, 4, true);         // 4 experts, top-2
   c.n_group = 2;
   c.topk_group = 1;
+  EXPECT_THROW(c.validate(), ConfigError);  // greedy top-k would ignore the groups
+  c.topk_method = "group_limited_greedy";
   EXPECT_NO_THROW(c.validate());
   Arena arena;
-  EXPECT_THROW(MoEModel(c, arena, ModelParallel{}), ConfigError);
+  EXPECT_NO_THROW(MoEModel(c, arena, ModelParallel{}));
   c.n_group = 3;  // does not divide 4 experts
   EXPECT_THROW(c.validate(), ConfigError);
   c.n_group = 2;

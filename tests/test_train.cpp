@@ -122,6 +122,42 @@ TEST(Train, ShippedGqaConfigLearnsUnderABudget) {
   fs::remove_all(out);
 }
 
+// The shipped DeepSeek-V3-routing config (sigmoid scores, the expert bias, 2 of 4
+// groups, routed scaling) trains under a budget at an exactly predicted peak, and a
+// resumed run reproduces the uninterrupted one bit for bit: the expert biases (moved
+// fast here, so that they change the routing) come back from the checkpoint.
+TEST(Train, ShippedDeepSeekRoutingConfigResumesBitForBitUnderABudget) {
+  ASSERT_TRUE(fs::exists(kSrc / "data" / "brown")) << "run `make data` first";
+  RunConfig cfg = RunConfig::from_file((kSrc / "configs" / "deepseek-v3-small.toml").string());
+  ASSERT_TRUE(cfg.model.expert_bias());
+  ASSERT_TRUE(cfg.model.group_limited());
+  cfg.model.router_bias_update_rate = 0.02;
+  cfg.train.steps = 8;
+  cfg.train.eval_every = 0;
+  cfg.train.eval_batches = 2;
+  cfg.train.checkpoint_every = 0;
+  cfg.data.path = (kSrc / "data" / "brown").string();
+  cfg.device_memory = Bytes(200) << 20;  // unlimited, the run peaks at ~258 MiB
+  const fs::path a = fresh_dir("deepseek_straight"), b = fresh_dir("deepseek_resumed");
+  const TrainResult whole = run_training(options(cfg, a));
+  auto s = nlohmann::json::parse(std::ifstream(a / "summary.json"));
+  EXPECT_EQ(s["oom_count"], 0);
+  EXPECT_EQ(s["predicted_peak_bytes"], s["peak_device_bytes"]) << "the planner's peak is the arena's";
+  EXPECT_GT(s["bytes_recomputed"].get<Bytes>() + s["bytes_offloaded"].get<Bytes>(), 0) << "the budget binds";
+  TrainOptions first = options(cfg, b);
+  first.stop_after = 3;
+  EXPECT_EQ(run_training(first).steps, 3);
+  TrainOptions second = options(cfg, b);
+  second.resume = b;
+  EXPECT_EQ(run_training(second).final_val_loss, whole.final_val_loss);
+  auto la = losses(a), lb = losses(b);
+  ASSERT_EQ(la.size(), 8u);
+  ASSERT_EQ(lb.size(), 8u);
+  for (std::size_t i = 0; i < la.size(); ++i) EXPECT_EQ(la[i], lb[i]) << "step " << i + 1;
+  fs::remove_all(a);
+  fs::remove_all(b);
+}
+
 TEST(Train, ResumeReproducesUninterruptedRun) {
   const fs::path a = fresh_dir("straight"), b = fresh_dir("resumed");
   const TrainResult whole = run_training(options(small_run(12), a));

@@ -12,6 +12,10 @@ Writes
   golden_v1_qk_norm_head.safetensors  the same heads with QK-norm per head (Qwen3-MoE), B=2, S=8
   golden_v1_qk_norm_full.safetensors  QK-norm over all of q and k (OLMoE), multi-head, B=2, S=8
   golden_v1_sparse_step.safetensors   4 layers, dense and MoE alternating (decoder_sparse_step 2), B=2, S=8
+  golden_v1_noaux_tc.safetensors      DeepSeek-V3 routing: sigmoid scores, a score bias (noaux_tc), 2 of 4
+                                      expert groups, routed_scaling_factor 2.5, E=8, B=2, S=8
+  golden_v1_group_limited.safetensors DeepSeek-V2 routing: softmax, group_limited_greedy, 2 of 4 groups,
+                                      no renormalisation, routed_scaling_factor 1.5, E=8, k=3, B=2, S=8
 and checks the reference's own float64 gradients against finite differences.
 Deterministic: the same torch build gives the same bytes.
 """
@@ -28,7 +32,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from moe_model import MoEConfig, forward, init_params_golden, param_shapes  # noqa: E402
+from moe_model import MoEConfig, forward, init_params_golden, is_buffer, param_shapes  # noqa: E402
 
 MAGIC = "moeflex-golden"
 VERSION = "1"
@@ -122,11 +126,12 @@ def run_case(cfg: MoEConfig, B: int, S: int, seed: int, skew: "tuple[int, float]
         skew_router(cfg, P, *skew)
     ids = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
     targets = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
-    leaves = {k: v.clone().requires_grad_(True) for k, v in P.items()}
+    # The noaux_tc score bias is a buffer: not a leaf that autograd tracks, gradient 0.
+    leaves = {k: v.clone().requires_grad_(not is_buffer(k)) for k, v in P.items()}
     stats = []
     loss, ce, aux, z, logits = forward(cfg, leaves, ids, targets, stats)
     loss.backward()
-    grads = {k: v.grad.detach().clone() for k, v in leaves.items()}
+    grads = {k: torch.zeros_like(v) if is_buffer(k) else v.grad.detach().clone() for k, v in leaves.items()}
     return dict(P=P, ids=ids, targets=targets, loss=loss.item(), ce=ce.item(), aux=aux.item(),
                 z=z.item(), logits=logits.detach(), grads=grads, stats=stats)
 
@@ -136,7 +141,9 @@ def write_case(path: str, cfg: MoEConfig, B: int, S: int, r: dict) -> None:
     for key in ("num_key_value_heads", "head_dim"):  # 0 = the default: left out, as HF does
         if conf[key] == 0:
             del conf[key]
-    for key, default in (("qk_norm", "none"), ("decoder_sparse_step", 1)):  # defaults, left out as in older files
+    for key, default in (("qk_norm", "none"), ("decoder_sparse_step", 1), ("scoring_func", "softmax"),
+                         ("topk_method", "greedy"), ("n_group", 1), ("topk_group", 1),
+                         ("routed_scaling_factor", 1.0)):  # defaults, left out as in older files
         if conf[key] == default:
             del conf[key]
     conf["batch_size"] = B
@@ -163,11 +170,18 @@ def describe(label: str, path: str, cfg: MoEConfig, r: dict) -> None:
     print(f"[{label}] {os.path.relpath(path)}  ({os.path.getsize(path)} bytes)")
     print(f"  loss={r['loss']!r} ce={r['ce']!r} aux={r['aux']!r} z={r['z']!r}")
     dropped = 0
-    for i, st in enumerate(r["stats"]):
-        layer = cfg.first_k_dense_replace + i
+    moe_layers = [l for l in range(cfg.num_hidden_layers) if cfg.is_moe_layer(l)]
+    for layer, st in zip(moe_layers, r["stats"]):
         dropped += st.dropped
-        print(f"  layer {layer}: counts={st.counts.tolist()} capacity={st.capacity} "
-              f"dropped={st.dropped} min top-k margin={st.margin:.3e}")
+        line = (f"  layer {layer}: counts={st.counts.tolist()} capacity={st.capacity} "
+                f"dropped={st.dropped} min top-k margin={st.margin:.3e}")
+        if cfg.group_limited:
+            line += f" min group margin={st.group_margin:.3e}"
+        if st.idx_without_groups is not None:
+            line += f" tokens whose experts the groups change={st.tokens_changed_by_groups()}"
+        if st.idx_without_bias is not None:
+            line += f" tokens whose experts the bias changes={st.tokens_changed_by_bias()}"
+        print(line)
     print(f"  dropped assignments in total: {dropped}")
 
 
@@ -280,12 +294,49 @@ def main() -> int:
     write_case(p6, cfg6, B4, S4, r6)
     describe("sparse step", p6, cfg6, r6)
 
-    # Routing must not be near a tie, or an fp32 engine could pick other experts.
+    # Case 7: DeepSeek-V3's router: sigmoid scores, the noaux_tc score bias (a buffer,
+    # drawn N(0, 0.05^2) here so that it changes the selection), 8 experts in 4 groups
+    # of 2 of which each token keeps 2 (a group scored by the sum of its two best), the
+    # top-2 weights renormalised, then scaled by 2.5.  Layer 0 dense, 1 and 2 MoE.
+    cfg7 = tiny_config(num_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, scoring_func="sigmoid",
+                       topk_method="noaux_tc", routed_scaling_factor=2.5, norm_topk_prob=True)
+    r7 = run_case(cfg7, B4, S4, seed=20241247)
+    p7 = os.path.join(args.out_dir, "golden_v1_noaux_tc.safetensors")
+    write_case(p7, cfg7, B4, S4, r7)
+    describe("noaux_tc", p7, cfg7, r7)
+    if not any(st.tokens_changed_by_bias() for st in r7["stats"]):
+        print("error: [noaux_tc] the score bias changes no token's experts", file=sys.stderr)
+        ok = False
+    if not any(st.tokens_changed_by_groups() for st in r7["stats"]):
+        print("error: [noaux_tc] the group limit changes no token's experts", file=sys.stderr)
+        ok = False
+
+    # Case 8: DeepSeek-V2's router: softmax, group_limited_greedy (a group scored by its
+    # best expert), top-3 from 2 of 4 groups of 2 (4 experts allowed >= k), weights not
+    # renormalised, scaled by 1.5.  k = 3 > topk_group = 2: with max-scored groups and
+    # k <= topk_group the limit could never change the selection (the best expert's group
+    # ranks first, the second best's second), so this case could not see exclusion errors.
+    cfg8 = tiny_config(num_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2, scoring_func="softmax",
+                       topk_method="group_limited_greedy", norm_topk_prob=False, routed_scaling_factor=1.5)
+    r8 = run_case(cfg8, B4, S4, seed=20241258)
+    p8 = os.path.join(args.out_dir, "golden_v1_group_limited.safetensors")
+    write_case(p8, cfg8, B4, S4, r8)
+    describe("group-limited", p8, cfg8, r8)
+    if not any(st.tokens_changed_by_groups() for st in r8["stats"]):
+        print("error: [group-limited] the group limit changes no token's experts", file=sys.stderr)
+        ok = False
+
+    # Routing must not be near a tie, or an fp32 engine could pick other experts: neither
+    # the top-k among the allowed experts nor, when group-limited, the choice of groups.
     for label, r in (("dropless", r1), ("capacity", r2), ("gqa", r3), ("qk-norm head", r4), ("qk-norm full", r5),
-                     ("sparse step", r6)):
+                     ("sparse step", r6), ("noaux_tc", r7), ("group-limited", r8)):
         margin = min(st.margin for st in r["stats"])
         if margin < 1e-4:
             print(f"error: [{label}] top-k margin {margin:.2e} too small", file=sys.stderr)
+            ok = False
+        group_margin = min(st.group_margin for st in r["stats"])
+        if group_margin < 1e-4:
+            print(f"error: [{label}] group margin {group_margin:.2e} too small", file=sys.stderr)
             ok = False
 
     if not args.no_check:
@@ -306,6 +357,10 @@ def main() -> int:
                                           ["model.layers.0.self_attn.q_norm.weight",
                                            "model.layers.2.self_attn.k_norm.weight",
                                            "model.layers.1.self_attn.q_proj.weight"])
+        for cfg, r, label in ((cfg7, r7, "noaux_tc"), (cfg8, r8, "group-limited")):
+            ok &= finite_difference_check(cfg, r, B4, S4, label,
+                                          ["model.layers.1.mlp.gate.weight", "model.layers.2.mlp.gate.weight",
+                                           "model.layers.2.post_attention_layernorm.weight"])
     print("OK" if ok else "FAILED")
     return 0 if ok else 1
 

@@ -6,6 +6,10 @@ matrix that is zero for unselected and dropped assignments.  In exact arithmetic
 (and bit-for-bit in IEEE, since 0 * finite = 0) this equals the sparse sum of the
 spec.  Gradients come from autograd.
 
+The router follows Hugging Face's DeepSeek-V2/V3 fields as well (scoring_func,
+topk_method with n_group / topk_group, routed_scaling_factor and noaux_tc's
+e_score_correction_bias buffer); see select_experts and moe_ffn.
+
 Works in float64 and float32 (pass dtype= to MoEModel / init functions).
 
 Run with Debian's torch: /usr/bin/python3.
@@ -45,6 +49,12 @@ class MoEConfig:
     decoder_sparse_step: int = 1  # Qwen2/3-MoE: layer l >= first_k_dense_replace is MoE iff (l + 1) % step == 0
     intermediate_size: int = 64
     norm_topk_prob: bool = True
+    # DeepSeek-V2/V3 routing (Hugging Face's names; the defaults are Mixtral's / Qwen's router).
+    scoring_func: str = "softmax"  # "softmax" over the experts, or "sigmoid" of each logit
+    topk_method: str = "greedy"  # "greedy" | "group_limited_greedy" (V2) | "noaux_tc" (V3, with a score bias)
+    n_group: int = 1  # the experts form n_group contiguous groups of num_experts / n_group ...
+    topk_group: int = 1  # ... and a token's experts come from its topk_group best groups
+    routed_scaling_factor: float = 1.0  # multiplies the routed weights (after norm_topk_prob)
     router_aux_loss_coef: float = 0.01
     router_z_loss_coef: float = 0.001
     tie_word_embeddings: bool = False
@@ -69,6 +79,17 @@ class MoEConfig:
             return self.shared_expert_intermediate_size
         return self.n_shared_experts * self.moe_intermediate_size
 
+    @property
+    def group_limited(self) -> bool:
+        """Group-limited routing: groups are used by the two non-greedy methods only
+        (HF DeepSeek-V2's "greedy" ignores n_group / topk_group)."""
+        return self.topk_method != "greedy" and self.n_group > 1 and self.topk_group < self.n_group
+
+    @property
+    def score_bias(self) -> bool:
+        """noaux_tc: every MoE layer has the buffer mlp.gate.e_score_correction_bias [E]."""
+        return self.topk_method == "noaux_tc"
+
     def is_moe_layer(self, layer: int) -> bool:
         return layer >= self.first_k_dense_replace and (layer + 1) % self.decoder_sparse_step == 0
 
@@ -81,6 +102,15 @@ class MoEConfig:
         assert 1 <= self.num_experts_per_tok <= self.num_experts, "1 <= num_experts_per_tok <= num_experts"
         assert 0 <= self.first_k_dense_replace <= self.num_hidden_layers
         assert self.decoder_sparse_step >= 1
+        assert self.scoring_func in ("softmax", "sigmoid"), "scoring_func must be softmax or sigmoid"
+        assert self.topk_method in ("greedy", "group_limited_greedy", "noaux_tc"), \
+            "topk_method must be greedy, group_limited_greedy or noaux_tc"
+        assert self.n_group >= 1 and self.num_experts % self.n_group == 0, "n_group must divide num_experts"
+        assert 1 <= self.topk_group <= self.n_group, "1 <= topk_group <= n_group"
+        if self.group_limited:
+            G = self.num_experts // self.n_group
+            assert self.num_experts_per_tok <= self.topk_group * G, "the picked groups hold fewer than k experts"
+            assert self.topk_method != "noaux_tc" or G >= 2, "noaux_tc scores a group by its two best experts"
 
     def to_dict(self) -> Dict:
         return dataclasses.asdict(self)
@@ -129,6 +159,8 @@ def param_shapes(cfg: MoEConfig) -> "Dict[str, Tuple[int, ...]]":
         shapes[p + "post_attention_layernorm.weight"] = (d,)
         if cfg.is_moe_layer(l):
             shapes[p + "mlp.gate.weight"] = (E, d)
+            if cfg.score_bias:  # a buffer, not trained: listed here so files carry it (its grad is 0)
+                shapes[p + "mlp.gate.e_score_correction_bias"] = (E,)
             shapes[p + "mlp.experts.gate_proj.weight"] = (E, f, d)
             shapes[p + "mlp.experts.up_proj.weight"] = (E, f, d)
             shapes[p + "mlp.experts.down_proj.weight"] = (E, d, f)
@@ -151,15 +183,23 @@ def is_norm_weight(name: str) -> bool:
             or name.endswith("self_attn.q_norm.weight") or name.endswith("self_attn.k_norm.weight"))
 
 
+def is_buffer(name: str) -> bool:
+    """Entries of param_shapes that are not trained: the noaux_tc score bias.  Their
+    value never reaches the loss through autograd, so their gradient is 0."""
+    return name.endswith("mlp.gate.e_score_correction_bias")
+
+
 def init_params_spec(cfg: MoEConfig, generator: torch.Generator,
                      dtype: torch.dtype = torch.float64) -> "Dict[str, torch.Tensor]":
     """The engine's initialisation from the spec: N(0, initializer_range^2) matrices,
-    o_proj / down_proj scaled by 1/sqrt(2L), norm weights 1."""
+    o_proj / down_proj scaled by 1/sqrt(2L), norm weights 1, score biases 0."""
     out = {}
     scale_resid = 1.0 / math.sqrt(2.0 * cfg.num_hidden_layers)
     for name, shape in param_shapes(cfg).items():
         if is_norm_weight(name):
             t = torch.ones(shape, dtype=dtype)
+        elif is_buffer(name):
+            t = torch.zeros(shape, dtype=dtype)
         else:
             t = torch.randn(shape, generator=generator, dtype=dtype) * cfg.initializer_range
             if "o_proj" in name or "down_proj" in name:
@@ -169,13 +209,19 @@ def init_params_spec(cfg: MoEConfig, generator: torch.Generator,
 
 
 def init_params_golden(cfg: MoEConfig, generator: torch.Generator, std: float = 0.1,
-                       dtype: torch.dtype = torch.float64) -> "Dict[str, torch.Tensor]":
+                       dtype: torch.dtype = torch.float64, bias_std: float = 0.05) -> "Dict[str, torch.Tensor]":
     """Golden-file weights: matrices N(0, std^2) so routing is far from uniform,
-    norm weights 1 + 0.1 N(0, 1) so their gradients matter."""
+    norm weights 1 + 0.1 N(0, 1) so their gradients matter, score biases (noaux_tc)
+    N(0, bias_std^2) so that they change the selection."""
     out = {}
     for name, shape in param_shapes(cfg).items():
         z = torch.randn(shape, generator=generator, dtype=dtype)
-        out[name] = 1.0 + 0.1 * z if is_norm_weight(name) else std * z
+        if is_norm_weight(name):
+            out[name] = 1.0 + 0.1 * z
+        elif is_buffer(name):
+            out[name] = bias_std * z
+        else:
+            out[name] = std * z
     return out
 
 
@@ -261,16 +307,81 @@ def capacity_keep(idx: torch.Tensor, num_experts: int, capacity: Optional[int]) 
 class RouterStats:
     """What a MoE layer's router decided (for tests / printing)."""
 
-    def __init__(self, idx, keep, counts, capacity, margin):
+    def __init__(self, idx, keep, counts, capacity, margin, group_margin=float("inf"), idx_without_bias=None,
+                 idx_without_groups=None):
         self.idx = idx            # [n, k] expert ids
         self.keep = keep          # [n, k] bool
         self.counts = counts      # [E] assignments before dropping
         self.capacity = capacity  # None when dropless
-        self.margin = margin      # min over tokens of p_(k) - p_(k+1) (routing robustness)
+        self.margin = margin      # min over tokens of c_(k) - c_(k+1) among the allowed experts (robustness)
+        self.group_margin = group_margin  # min over tokens of the topk_group-th minus the next group score
+        self.idx_without_bias = idx_without_bias  # [n, k] what the same scores pick with a zero bias (noaux_tc)
+        self.idx_without_groups = idx_without_groups  # [n, k] what they pick from all experts (group-limited)
 
     @property
     def dropped(self) -> int:
         return int((~self.keep).sum())
+
+    def _tokens_changed(self, other) -> int:
+        if other is None:
+            return 0
+        a = torch.sort(self.idx, dim=-1).values
+        b = torch.sort(other, dim=-1).values
+        return int((a != b).any(dim=-1).sum())
+
+    def tokens_changed_by_bias(self) -> int:
+        """Tokens whose set of experts differs from the one a zero bias would pick."""
+        return self._tokens_changed(self.idx_without_bias)
+
+    def tokens_changed_by_groups(self) -> int:
+        """Tokens whose set of experts differs from the top-k over all experts."""
+        return self._tokens_changed(self.idx_without_groups)
+
+
+def router_scores(logits: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
+    """p [n, E]: softmax over the experts, or an independent sigmoid per expert."""
+    if cfg.scoring_func == "sigmoid":
+        return torch.sigmoid(logits)
+    return torch.softmax(logits, dim=-1)
+
+
+def select_experts(p: torch.Tensor, bias: Optional[torch.Tensor], cfg: MoEConfig):
+    """The router's choice of experts per token (DeepSeek-V2/V3 rules), not differentiated.
+
+    Choice scores c = p + bias (bias: the noaux_tc buffer, else none).  Group-limited
+    routing keeps the experts of each token's topk_group best groups (group score: the
+    max of c in the group for group_limited_greedy, the sum of its two largest c for
+    noaux_tc; ties to the lower group) and excludes the others.  Then the top-k of c
+    among the allowed experts, ties to the lower expert, in decreasing c.
+
+    Returns (idx [n, k], top-k margin, group margin): the smallest gaps over the tokens
+    between the last picked and the first unpicked choice score / group score."""
+    n, E = p.shape
+    k = cfg.num_experts_per_tok
+    with torch.no_grad():
+        c = p.detach().clone()
+        if bias is not None:
+            c = c + bias.detach()
+        group_margin = float("inf")
+        if cfg.group_limited:
+            G = E // cfg.n_group
+            grouped = c.view(n, cfg.n_group, G)  # group g holds experts g*G .. g*G + G - 1
+            if cfg.topk_method == "group_limited_greedy":
+                group_score = grouped.max(dim=-1).values
+            else:  # noaux_tc: the sum of the group's two largest choice scores
+                group_score = torch.sort(grouped, dim=-1, descending=True).values[..., :2].sum(dim=-1)
+            gs_sorted, g_order = torch.sort(group_score, dim=-1, descending=True, stable=True)
+            picked = torch.zeros(n, cfg.n_group, dtype=torch.bool)
+            picked.scatter_(1, g_order[:, :cfg.topk_group], True)
+            allowed = picked.repeat_interleave(G, dim=1)  # [n, E]
+            # Excluded experts are never chosen (not merely scored 0 as some HF code does).
+            c = c.masked_fill(~allowed, float("-inf"))
+            group_margin = float((gs_sorted[:, cfg.topk_group - 1] - gs_sorted[:, cfg.topk_group]).min())
+        c_sorted, order = torch.sort(c, dim=-1, descending=True, stable=True)
+        idx = order[:, :k]
+        # The first unpicked score is -inf when exactly k experts are allowed: an infinite margin.
+        margin = float((c_sorted[:, k - 1] - c_sorted[:, k]).min()) if k < E else float("inf")
+    return idx, margin, group_margin
 
 
 def moe_ffn(m: torch.Tensor, P: Dict[str, torch.Tensor], prefix: str, cfg: MoEConfig):
@@ -278,11 +389,22 @@ def moe_ffn(m: torch.Tensor, P: Dict[str, torch.Tensor], prefix: str, cfg: MoECo
     n = m.shape[0]
     E, k = cfg.num_experts, cfg.num_experts_per_tok
     logits_r = m @ P[prefix + "gate.weight"].T  # [n, E]
-    p = torch.softmax(logits_r, dim=-1)
-    sorted_p, sorted_idx = torch.sort(p, dim=-1, descending=True, stable=True)
-    w, idx = sorted_p[:, :k], sorted_idx[:, :k]
+    p = router_scores(logits_r, cfg)
+    # The noaux_tc bias is a buffer: detached, so no gradient ever reaches it.
+    bias = P[prefix + "gate.e_score_correction_bias"].detach() if cfg.score_bias else None
+    idx, margin, group_margin = select_experts(p, bias, cfg)
+    # For the golden files' checks only: what the same scores would pick without the
+    # bias, and without the group limit.
+    idx_without_bias = select_experts(p, None, cfg)[0] if bias is not None else None
+    idx_without_groups = None
+    if cfg.group_limited:
+        idx_without_groups = select_experts(p, bias, dataclasses.replace(cfg, n_group=1, topk_group=1))[0]
+    # Weights: the unbiased scores of the picked experts (differentiable), optionally
+    # renormalised over the k, then scaled (always, after the renormalisation).
+    w = p.gather(1, idx)
     if cfg.norm_topk_prob:
         w = w / w.sum(dim=-1, keepdim=True)
+    w = w * cfg.routed_scaling_factor
     capacity = capacity_of(cfg, n)
     keep = capacity_keep(idx, E, capacity)
     w_kept = torch.where(keep, w, torch.zeros_like(w))
@@ -301,17 +423,17 @@ def moe_ffn(m: torch.Tensor, P: Dict[str, torch.Tensor], prefix: str, cfg: MoECo
                        P[prefix + "shared_experts.down_proj.weight"])
 
     # Switch load-balancing loss; f_e counts assignments before dropping, no gradient.
+    # P_e: the mean score; sigmoid scores are first normalised per token (as Megatron does).
     counts = torch.bincount(idx.reshape(-1), minlength=E)
     f_e = (counts.to(m.dtype) / (n * k)).detach()
-    P_e = p.mean(dim=0)
+    if cfg.scoring_func == "sigmoid":
+        P_e = (p / p.sum(dim=-1, keepdim=True)).mean(dim=0)
+    else:
+        P_e = p.mean(dim=0)
     aux = cfg.router_aux_loss_coef * E * (f_e * P_e).sum()
     z = cfg.router_z_loss_coef * (torch.logsumexp(logits_r, dim=-1) ** 2).mean()
-
-    if k < E:
-        margin = float((sorted_p[:, k - 1] - sorted_p[:, k]).min())
-    else:
-        margin = float("inf")
-    return y, aux, z, RouterStats(idx.detach(), keep, counts, capacity, margin)
+    return y, aux, z, RouterStats(idx.detach(), keep, counts, capacity, margin, group_margin, idx_without_bias,
+                                  idx_without_groups)
 
 
 # ---------------------------------------------------------------------------
@@ -364,7 +486,8 @@ class MoEModel(torch.nn.Module):
         self.cfg = cfg
         self.names = list(params.keys())
         self.store = torch.nn.ParameterDict(
-            {name.replace(".", "__"): torch.nn.Parameter(t.clone()) for name, t in params.items()})
+            {name.replace(".", "__"): torch.nn.Parameter(t.clone(), requires_grad=not is_buffer(name))
+             for name, t in params.items()})  # the noaux_tc score bias is not trained
 
     def params(self) -> Dict[str, torch.Tensor]:
         return {name: self.store[name.replace(".", "__")] for name in self.names}

@@ -43,7 +43,11 @@ void for_each_field(ModelConfig& c, F&& f) {
   f("intermediate_size", c.intermediate_size);
   f("n_group", c.n_group);
   f("topk_group", c.topk_group);
+  f("scoring_func", c.scoring_func);
+  f("topk_method", c.topk_method);
   f("norm_topk_prob", c.norm_topk_prob);
+  f("routed_scaling_factor", c.routed_scaling_factor);
+  f("router_bias_update_rate", c.router_bias_update_rate);
   f("router_aux_loss_coef", c.router_aux_loss_coef);
   f("router_z_loss_coef", c.router_z_loss_coef);
   f("tie_word_embeddings", c.tie_word_embeddings);
@@ -83,7 +87,9 @@ void ModelConfig::validate() const {
   rule(hidden_size <= (1 << 16), "hidden_size", fmt::format("must be at most 65536 (got {})", hidden_size));
   for (auto [name, v] : {std::pair<const char*, double>{"rope_theta", rope_theta}, {"rms_norm_eps", rms_norm_eps},
                          {"router_aux_loss_coef", router_aux_loss_coef}, {"router_z_loss_coef", router_z_loss_coef},
-                         {"capacity_factor", capacity_factor}, {"initializer_range", initializer_range}})
+                         {"capacity_factor", capacity_factor}, {"initializer_range", initializer_range},
+                         {"routed_scaling_factor", routed_scaling_factor},
+                         {"router_bias_update_rate", router_bias_update_rate}})
     rule(std::isfinite(v), name, fmt::format("must be a finite number (got {})", v));
   rule(hidden_size >= 2, "hidden_size", fmt::format("must be at least 2 (got {})", hidden_size));
   rule(num_hidden_layers >= 1, "num_hidden_layers", fmt::format("must be at least 1 (got {})", num_hidden_layers));
@@ -133,6 +139,23 @@ void ModelConfig::validate() const {
       rule(num_experts_per_tok <= topk_group * (num_experts / n_group), "topk_group",
            fmt::format("{} groups of {} experts hold fewer than num_experts_per_tok = {}", topk_group,
                        num_experts / n_group, num_experts_per_tok));
+    rule(scoring_func == "softmax" || scoring_func == "sigmoid", "scoring_func",
+         fmt::format("must be \"softmax\" or \"sigmoid\" (got \"{}\")", scoring_func));
+    rule(topk_method == "greedy" || topk_method == "group_limited_greedy" || topk_method == "noaux_tc",
+         "topk_method",
+         fmt::format("must be \"greedy\", \"group_limited_greedy\" (DeepSeek-V2) or \"noaux_tc\" (DeepSeek-V3) "
+                     "(got \"{}\")", topk_method));
+    rule(!(group_limited() && topk_method == "greedy"), "topk_method",
+         fmt::format("\"greedy\" picks from all experts, so n_group {} and topk_group {} limit nothing: set "
+                     "topk_method = \"group_limited_greedy\" or \"noaux_tc\", or both to 1",
+                     n_group, topk_group));
+    rule(!(group_limited() && expert_bias() && num_experts / n_group < 2), "n_group",
+         fmt::format("noaux_tc scores a group by its two best experts, but n_group {} leaves one expert a group",
+                     n_group));
+    rule(routed_scaling_factor > 0, "routed_scaling_factor",
+         fmt::format("must be positive (got {})", routed_scaling_factor));
+    rule(router_bias_update_rate >= 0, "router_bias_update_rate",
+         fmt::format("must not be negative (got {})", router_bias_update_rate));
     rule(n_shared_experts >= 0, "n_shared_experts", "must not be negative");
     rule(shared_expert_intermediate_size >= 0, "shared_expert_intermediate_size", "must not be negative");
   }
@@ -274,6 +297,8 @@ ModelConfig ModelConfig::from_hf_json(const nlohmann::json& j, const std::string
   if (!has("qk_norm") && model_type == "qwen3_moe") c.qk_norm = "head";
   if (!has("qk_norm") && model_type == "olmoe") c.qk_norm = "full";
   if (!has("tie_word_embeddings")) c.tie_word_embeddings = false;  // HF default
+  // Hugging Face's greedy top-k ignores n_group and topk_group (DeepSeek-V2-Lite sets them anyway).
+  if (c.topk_method == "greedy") c.n_group = c.topk_group = 1;
   // DeepSeek's moe_layer_freq (an MoE layer every N from first_k_dense_replace on,
   // at l % N == 0) is another pattern than decoder_sparse_step's: refused, not guessed.
   if (std::int64_t step = 1; get_i("moe_layer_freq", step) && step != 1)
@@ -322,11 +347,6 @@ void ModelConfig::refuse_engine_unsupported_hf(const nlohmann::json& j, const st
   if (const auto* v = field("use_sliding_window"); v && v->is_boolean() && v->get<bool>())
     refuse("use_sliding_window", "sliding-window attention");
   if (field("clip_qkv")) refuse("clip_qkv", "clipping q, k and v");
-  if (const auto* v = field("scoring_func"); v && *v != "softmax") refuse("scoring_func", "router scoring other than softmax");
-  if (const auto* v = field("routed_scaling_factor"); v && v->is_number() && v->get<double>() != 1.0)
-    refuse("routed_scaling_factor", "scaling the routed experts' output");
-  if (const auto* v = field("topk_method"); v && *v != "greedy")
-    refuse("topk_method", "top-k with an expert bias or by groups (noaux_tc, group_limited_greedy)");
   const auto* mt = field("model_type");
   if (mt && *mt == "qwen2_moe" && field("shared_expert_intermediate_size") &&
       j["shared_expert_intermediate_size"].is_number() && j["shared_expert_intermediate_size"].get<double>() > 0)

@@ -57,12 +57,27 @@ struct ModelConfig {
   std::int64_t intermediate_size = 1024;       ///< width of those dense MLPs
   /// Group-limited routing (DeepSeek-V2/V3's "device/node-limited routing"; HF n_group
   /// and topk_group): the experts form n_group equal groups, and a token's top-k
-  /// experts come from the topk_group groups it scores best. 1 and 1: no limit.
-  /// Priced by the simulator (its DeepEP dispatcher crosses to fewer nodes); the
-  /// training engine's router does not implement it and refuses a limit.
+  /// experts come from the topk_group groups it scores best (topk_method says how a
+  /// group is scored). 1 and 1: no limit. The simulator's DeepEP dispatcher prices
+  /// the fewer nodes a token's experts then span.
   std::int64_t n_group = 1;
   std::int64_t topk_group = 1;
+  /// The router's scores (HF scoring_func): "softmax" over the experts (Mixtral, Qwen,
+  /// OLMoE, DeepSeek-V2) or "sigmoid" of each logit (DeepSeek-V3, Kimi K2).
+  std::string scoring_func = "softmax";
+  /// How the top-k is chosen (HF topk_method): "greedy", the k best scores of all
+  /// experts; "group_limited_greedy" (DeepSeek-V2), from the topk_group groups of best
+  /// maximum score; "noaux_tc" (DeepSeek-V3), by the scores plus a per-expert bias
+  /// (e_score_correction_bias, a buffer updated from the load: Wang et al. 2024,
+  /// "Auxiliary-Loss-Free Load Balancing"), from the groups of best top-2 sum.
+  std::string topk_method = "greedy";
   bool norm_topk_prob = true;                  ///< renormalise top-k weights to sum 1
+  double routed_scaling_factor = 1.0;          ///< the top-k weights' factor (after renormalising)
+  /// noaux_tc: after each optimizer step each expert's bias moves by this toward
+  /// balance, b_e += rate * sign(mean load - load_e), the loads summed over the step's
+  /// micro-batches and data-parallel ranks (DeepSeek-V3's gamma, Megatron-Core's
+  /// moe_router_bias_update_rate; moeflex's name).
+  double router_bias_update_rate = 1e-3;
   double router_aux_loss_coef = 0.01;          ///< Switch load-balancing loss coefficient
   double router_z_loss_coef = 0.0;             ///< router z-loss coefficient
   bool tie_word_embeddings = true;             ///< LM head shares the embedding matrix
@@ -149,6 +164,8 @@ struct ModelConfig {
   }
   /// True when a token's experts are limited to topk_group of n_group groups.
   bool group_limited() const { return n_group > 1 && topk_group < n_group; }
+  /// True when each MoE layer's router has an e_score_correction_bias (noaux_tc).
+  bool expert_bias() const { return topk_method == "noaux_tc"; }
 
   /// Throws ConfigError naming the field and the rule broken.
   void validate() const;

@@ -40,12 +40,6 @@ MoEModel::MoEModel(const ModelConfig& cfg, Arena& arena, const ModelParallel& pa
                     "but the training engine does not run yet (it runs multi-head and grouped-query "
                     "attention: set kv_lora_rank = 0)",
                     cfg_.kv_lora_rank));
-  if (cfg_.group_limited())
-    throw ConfigError(
-        fmt::format("model: group-limited routing (n_group {}, topk_group {}) is priced by the "
-                    "simulator only; the training engine's router picks from all experts (set "
-                    "both to 1)",
-                    cfg_.n_group, cfg_.topk_group));
   adt_ = cfg_.bf16 ? DType::bf16 : DType::f32;
   if (!be_.host_memory()) {
     if (dispatcher_.active())
@@ -86,9 +80,11 @@ MoEModel::MoEModel(const ModelConfig& cfg, Arena& arena, const ModelParallel& pa
   std::size_t count = 4;
   for (int l = par_.first_layer; l < par_.last_layer; ++l) count += layer_parameters(cfg, l, El).size();
   params_.reserve(count);
-  auto add = [&](std::string name, std::vector<std::int64_t> shape, bool no_decay = false) -> Param* {
+  auto add = [&](std::string name, std::vector<std::int64_t> shape, bool no_decay = false,
+                 bool buffer = false) -> Param* {
     Tensor w(arena, shape, MemCategory::weights, name);
-    Tensor wc = adt_ == DType::f32 ? Tensor() : Tensor(arena, shape, MemCategory::weights, name + ".working", adt_);
+    Tensor wc = adt_ == DType::f32 || buffer ? Tensor()
+                                             : Tensor(arena, shape, MemCategory::weights, name + ".working", adt_);
     Tensor g(arena, shape, MemCategory::grads, name);
     g.zero();
     Param& p = params_.emplace_back();
@@ -96,6 +92,7 @@ MoEModel::MoEModel(const ModelConfig& cfg, Arena& arena, const ModelParallel& pa
     p.w = std::move(w);
     p.g = std::move(g);
     p.no_decay = no_decay;
+    p.buffer = buffer;
     p.wc = std::move(wc);
     return &p;
   };
@@ -110,7 +107,7 @@ MoEModel::MoEModel(const ModelConfig& cfg, Arena& arena, const ModelParallel& pa
     // The layer's tensors from the one parameter list the simulator counts too.
     const std::size_t first = params_.size();
     for (const ParamSpec& spec : layer_parameters(cfg, int(l), El))
-      spec.expert ? add_expert(spec.name, spec.shape) : add(spec.name, spec.shape, spec.no_decay);
+      spec.expert ? add_expert(spec.name, spec.shape) : add(spec.name, spec.shape, spec.no_decay, spec.buffer);
     const std::string p = fmt::format("model.layers.{}.", l);
     auto get = [&](const char* suffix) -> Param* {
       for (std::size_t i = first; i < params_.size(); ++i)
@@ -127,6 +124,7 @@ MoEModel::MoEModel(const ModelConfig& cfg, Arena& arena, const ModelParallel& pa
     lp.k_norm = get("self_attn.k_norm.weight");
     lp.post_norm = get("post_attention_layernorm.weight");
     lp.gate = get("mlp.gate.weight");
+    lp.expert_bias = get("mlp.gate.e_score_correction_bias");
     lp.w1 = get("mlp.experts.gate_proj.weight");
     lp.w3 = get("mlp.experts.up_proj.weight");
     lp.w2 = get("mlp.experts.down_proj.weight");
@@ -171,8 +169,8 @@ void MoEModel::init_weights(std::uint64_t seed) {
     auto upload = [&] {
       if (!be_.host_memory()) be_.copy_from_host(p.w.f32(), w, p.w.nbytes());
     };
-    if (p.no_decay) {
-      for (std::int64_t i = 0; i < n; ++i) w[i] = 1.0f;
+    if (p.no_decay) {  // norm weights start at 1, buffers (the expert bias) at 0
+      for (std::int64_t i = 0; i < n; ++i) w[i] = p.buffer ? 0.0f : 1.0f;
       upload();
       continue;
     }

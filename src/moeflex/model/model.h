@@ -13,6 +13,7 @@
 #include "moeflex/core/tensor.h"
 #include "moeflex/model/config.h"
 #include "moeflex/model/ledger.h"
+#include "moeflex/ops/router.h"
 #include "moeflex/model/memory_plan.h"
 #include "moeflex/provision/cost_model.h"
 #include "moeflex/model/token_dispatcher.h"
@@ -29,6 +30,7 @@ struct Param {
   Tensor g;           ///< fp32 gradient (main grad), accumulated over micro-batches (category grads)
   bool no_decay = false;  ///< excluded from weight decay (norm weights)
   bool expert = false;            ///< routed-expert weights: sharded over EP, reduced over expert-DP
+  bool buffer = false;            ///< not trained (ParamSpec::buffer): fp32 only, no working copy
   std::int64_t init_offset = 0;   ///< element offset of this shard in the full tensor (for init)
   /// The last pipeline stage's copy of a tied embedding (the first stage holds the
   /// original): its gradient is summed with the original's and it is left out of norms.
@@ -150,6 +152,15 @@ class MoEModel {
   LossParts forward_eval(const std::int32_t* ids, const std::int32_t* targets, std::int64_t B, std::int64_t S,
                          float* last_logits = nullptr);
 
+  /// noaux_tc's aux-loss-free balancing (Wang et al. 2024; DeepSeek-V3 section 2.1.2):
+  /// each MoE layer's expert bias moves by model.router_bias_update_rate toward
+  /// balance, b_e += rate * sign(mean_e load - load_e), the load being the
+  /// assignments kept per expert in the forwards since clear_routing(), summed over
+  /// `replicas` (the ranks holding copies of this chunk's routers: data parallel,
+  /// EP included; null: this rank alone), so that every copy moves alike. Call after
+  /// the optimizer step, on every rank of `replicas`. Nothing without an expert bias.
+  void update_expert_bias(comm::Communicator* replicas);
+
   const ModelConfig& config() const { return cfg_; }
   std::vector<Param>& params() { return params_; }
   Param& param(const std::string& name);
@@ -196,6 +207,7 @@ class MoEModel {
     Param *in_norm, *q, *k, *v, *o, *post_norm;
     Param *q_norm = nullptr, *k_norm = nullptr;                          // QK-norm (ModelConfig::qk_norm)
     Param *gate = nullptr, *w1 = nullptr, *w3 = nullptr, *w2 = nullptr;  // routed experts (stacked)
+    Param* expert_bias = nullptr;                                        // noaux_tc's buffer [E]
     Param *s1 = nullptr, *s3 = nullptr, *s2 = nullptr;                   // shared expert or dense MLP
   };
   /// An activation / workspace tensor of the activation dtype, or of `dt`.
@@ -218,6 +230,8 @@ class MoEModel {
   // The FFN block (moe_block.cpp): the dense MLP or the MoE layer.
   void ffn_forward(int l, Tensor& x, std::int64_t n, int mb, bool train, LossParts& loss);
   void ffn_backward(int l, Tensor& dx, std::int64_t n, int mb, double grad_scale);
+  /// The router's rules for layer l (ModelConfig's routing fields, its expert bias).
+  ops::RouterOptions router_options(int l);
   /// An MoE layer's routing of one micro-batch: the router's outputs and the dispatch plan.
   struct Routed {
     Tensor logits, probs;            ///< [n, E]: logits (activation dtype), probabilities (fp32)

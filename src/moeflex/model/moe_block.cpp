@@ -101,6 +101,47 @@ void MoEModel::moe_forward(int l, Tensor& x, Tensor& m, Tensor& rstd, Tensor& ou
   if (train) save_router(l, mb, r, n);
 }  // (the counts go here; the router's tensors are in the stash)
 
+void MoEModel::update_expert_bias(comm::Communicator* replicas) {
+  if (!cfg_.expert_bias() || cfg_.router_bias_update_rate == 0) return;
+  const std::int64_t E = cfg_.num_experts;
+  std::vector<int> moe_layers;
+  for (int l = par_.first_layer; l < par_.last_layer; ++l)
+    if (layer(l).expert_bias) moe_layers.push_back(l);
+  if (moe_layers.empty()) return;
+  std::vector<double> load(moe_layers.size() * std::size_t(E), 0.0);  // [layer, expert]
+  for (const RoutingStats& r : routing_) {
+    const auto it = std::find(moe_layers.begin(), moe_layers.end(), r.layer);
+    if (it == moe_layers.end()) continue;
+    double* row = load.data() + (it - moe_layers.begin()) * E;
+    for (std::int64_t e = 0; e < E; ++e) row[e] += double(r.tokens_per_expert[std::size_t(e)]);
+  }
+  if (replicas && replicas->size() > 1) replicas->all_reduce_sum(load.data(), std::int64_t(load.size()));
+  const float rate = float(cfg_.router_bias_update_rate);
+  std::vector<float> b(static_cast<std::size_t>(E));
+  for (std::size_t li = 0; li < moe_layers.size(); ++li) {
+    const double* row = load.data() + li * std::size_t(E);
+    double mean = 0;
+    for (std::int64_t e = 0; e < E; ++e) mean += row[e];
+    mean /= double(E);
+    Param& p = *layer(moe_layers[li]).expert_bias;
+    be_.copy_to_host(b.data(), p.w.f32(), p.w.nbytes());
+    for (std::int64_t e = 0; e < E; ++e)  // sign(0) = 0: a balanced expert keeps its bias
+      b[std::size_t(e)] += rate * float((row[e] < mean) - (row[e] > mean));
+    be_.copy_from_host(p.w.f32(), b.data(), p.w.nbytes());
+  }
+}
+
+ops::RouterOptions MoEModel::router_options(int l) {
+  ops::RouterOptions o;
+  o.score = cfg_.scoring_func == "sigmoid" ? ops::RouterScore::sigmoid : ops::RouterScore::softmax;
+  o.norm_topk_prob = cfg_.norm_topk_prob;
+  o.routed_scaling_factor = cfg_.routed_scaling_factor;
+  if (cfg_.group_limited()) o.n_group = cfg_.n_group, o.topk_group = cfg_.topk_group;
+  o.group_score = cfg_.expert_bias() ? ops::GroupScore::top2_sum : ops::GroupScore::max;
+  if (const Param* b = layer(l).expert_bias) o.bias = b->w.f32();
+  return o;
+}
+
 MoEModel::Routed MoEModel::route_forward(int l, const Tensor& m, std::int64_t n, LossParts& loss) {
   const LayerParams& P = layer(l);
   const std::int64_t d = cfg_.hidden_size, E = cfg_.num_experts, k = cfg_.num_experts_per_tok;
@@ -113,8 +154,9 @@ MoEModel::Routed MoEModel::route_forward(int l, const Tensor& m, std::int64_t n,
   if (router_skew_)
     r.skew = ops::skew_for(*router_skew_, skew_step_, l, E, dispatcher_.active() ? dispatcher_.ep_size() : int(E));
   if (r.skew.active()) be_.skew_router_logits(r.logits.view(), n, E, k, r.skew);
-  be_.router_forward(r.logits.view(), r.probs.f32(), r.idx.i32(), r.w.f32(), n, E, k, cfg_.norm_topk_prob);
-  loss.aux += be_.aux_loss_forward(r.probs.f32(), r.idx.i32(), n, E, k, cfg_.router_aux_loss_coef);
+  const ops::RouterOptions rule = router_options(l);
+  be_.router_forward(r.logits.view(), r.probs.f32(), r.idx.i32(), r.w.f32(), n, E, k, rule);
+  loss.aux += be_.aux_loss_forward(r.probs.f32(), r.idx.i32(), n, E, k, cfg_.router_aux_loss_coef, rule.score);
   if (cfg_.router_z_loss_coef > 0) loss.z += be_.z_loss_forward(r.logits.view(), n, E, cfg_.router_z_loss_coef);
 
   r.counts = act({E}, "moe.counts", DType::i32);
@@ -290,7 +332,7 @@ void MoEModel::save_router(int l, int mb, Routed& r, std::int64_t n) {
       wt = act({n, k}, "router.topk_w", DType::f32);
       if (!want_probs) pr = act({n, E}, "router.probs", DType::f32);
       Tensor ix = work({n, k}, "router.topk_idx", DType::i32);
-      be_.router_forward(lg->view(), pr.f32(), ix.i32(), wt.f32(), n, E, k, cfg_.norm_topk_prob);
+      be_.router_forward(lg->view(), pr.f32(), ix.i32(), wt.f32(), n, E, k, router_options(l));
       return want_probs ? std::move(pr) : std::move(wt);
     };
   };
@@ -359,9 +401,11 @@ void MoEModel::moe_backward(int l, Tensor& dx, const Shared& dy, const Shared& m
   Shared probs = stash_.get(mb, l, "router.probs"), logits = stash_.get(mb, l, "router.logits");
   Tensor dprobs = work({n, E}, "router.dprobs", DType::f32);
   dprobs.zero();
-  be_.aux_loss_backward(idx->i32(), dprobs.f32(), n, E, k, cfg_.router_aux_loss_coef * grad_scale);
+  const ops::RouterOptions rule = router_options(l);
+  be_.aux_loss_backward(idx->i32(), probs->f32(), dprobs.f32(), n, E, k, cfg_.router_aux_loss_coef * grad_scale,
+                        rule.score);
   Tensor dlogits = work({n, E}, "router.dlogits");
-  be_.router_backward(dw.f32(), dprobs.f32(), probs->f32(), idx->i32(), dlogits.view(), n, E, k, cfg_.norm_topk_prob);
+  be_.router_backward(dw.f32(), dprobs.f32(), probs->f32(), idx->i32(), dlogits.view(), n, E, k, rule);
   if (cfg_.router_z_loss_coef > 0)
     be_.z_loss_backward(logits->view(), dlogits.view(), n, E, cfg_.router_z_loss_coef * grad_scale);
   linear_bw(mb, share(std::move(dlogits)), m, P.gate, dm.view(), n, d, E, true);

@@ -60,6 +60,8 @@ std::vector<ParamSpec> layer_parameters(const ModelConfig& cfg, int layer, std::
   v.push_back({p + "post_attention_layernorm.weight", {d}, true});
   if (cfg.is_moe_layer(layer)) {
     v.push_back({p + "mlp.gate.weight", {cfg.num_experts, d}});
+    if (cfg.expert_bias()) v.push_back({p + "mlp.gate.e_score_correction_bias", {cfg.num_experts}, true, false,
+                                        TpSplit::none, true});
     v.push_back({p + "mlp.experts.gate_proj.weight", {local_experts, f, d}, false, true});
     v.push_back({p + "mlp.experts.up_proj.weight", {local_experts, f, d}, false, true});
     v.push_back({p + "mlp.experts.down_proj.weight", {local_experts, d, f}, false, true});

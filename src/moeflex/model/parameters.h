@@ -23,6 +23,10 @@ struct ParamSpec {
   bool no_decay = false;            ///< excluded from weight decay (norm weights)
   bool expert = false;              ///< routed-expert weights: sharded over EP
   TpSplit split = TpSplit::none;
+  /// A buffer, not trained: initialised to zero and moved by its own rule (the
+  /// noaux_tc expert bias). No gradient reaches it (its gradient stays zero) and
+  /// AdamW skips it; it is saved and restored with the weights.
+  bool buffer = false;
 
   /// Elements one of `tp` tensor-parallel ranks holds (double: the simulator's unit).
   double numel_per_rank(const ModelConfig& cfg, int tp) const;
@@ -30,7 +34,7 @@ struct ParamSpec {
 
 /// The parameters of transformer layer `layer`, in the order the engine allocates
 /// them: input norm, attention (q, k, v, o and QK-norm's weights; MLA's down and up projections and latent
-/// norms), post-attention norm, then the router, the `local_experts` routed experts
+/// norms), post-attention norm, then the router (and its noaux_tc bias), the `local_experts` routed experts
 /// (stacked) and the shared expert, or the dense MLP.
 std::vector<ParamSpec> layer_parameters(const ModelConfig& cfg, int layer, std::int64_t local_experts);
 

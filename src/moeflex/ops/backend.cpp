@@ -257,22 +257,22 @@ class CpuBackend final : public Backend {
     ops::cross_entropy_backward(P.p, targets, D.p, n, V, scale);
   }
   void router_forward(CView logits, float* probs, std::int32_t* idx, float* w, std::int64_t n, std::int64_t E,
-                      std::int64_t k, bool norm) override {
+                      std::int64_t k, const ops::RouterOptions& opt) override {
     In L(logits, n * E);
-    ops::router_forward(L.p, probs, idx, w, n, E, k, norm);
+    ops::router_forward(L.p, probs, idx, w, n, E, k, opt);
   }
   void router_backward(const float* dw, const float* dprobs, const float* probs, const std::int32_t* idx, View dlogits,
-                       std::int64_t n, std::int64_t E, std::int64_t k, bool norm) override {
+                       std::int64_t n, std::int64_t E, std::int64_t k, const ops::RouterOptions& opt) override {
     Out D(dlogits, n * E);
-    ops::router_backward(dw, dprobs, probs, idx, D.p, n, E, k, norm);
+    ops::router_backward(dw, dprobs, probs, idx, D.p, n, E, k, opt);
   }
   double aux_loss_forward(const float* probs, const std::int32_t* idx, std::int64_t n, std::int64_t E,
-                          std::int64_t k, double coef) override {
-    return ops::aux_loss_forward(probs, idx, n, E, k, coef);
+                          std::int64_t k, double coef, ops::RouterScore score) override {
+    return ops::aux_loss_forward(probs, idx, n, E, k, coef, score);
   }
-  void aux_loss_backward(const std::int32_t* idx, float* dprobs, std::int64_t n, std::int64_t E, std::int64_t k,
-                         double coef) override {
-    ops::aux_loss_backward(idx, dprobs, n, E, k, coef);
+  void aux_loss_backward(const std::int32_t* idx, const float* probs, float* dprobs, std::int64_t n, std::int64_t E,
+                         std::int64_t k, double coef, ops::RouterScore score) override {
+    ops::aux_loss_backward(idx, probs, dprobs, n, E, k, coef, score);
   }
   double z_loss_forward(CView logits, std::int64_t n, std::int64_t E, double coef) override {
     In L(logits, n * E);

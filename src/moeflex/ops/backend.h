@@ -36,6 +36,7 @@
 #include "moeflex/core/device.h"
 #include "moeflex/core/tensor.h"
 #include "moeflex/ops/imbalance.h"
+#include "moeflex/ops/router.h"
 
 namespace moeflex::ops {
 
@@ -89,15 +90,17 @@ class Backend : public Device {
                                       std::int64_t V, float scale) = 0;
 
   // --- router and MoE dispatch ----------------------------------------------------------
+  /// ops::router_forward / router_backward (ops/router.h); opt.bias is in this backend's memory.
   virtual void router_forward(CView logits, float* probs, std::int32_t* topk_idx, float* topk_w, std::int64_t n,
-                              std::int64_t E, std::int64_t k, bool norm_topk_prob) = 0;
+                              std::int64_t E, std::int64_t k, const ops::RouterOptions& opt) = 0;
   virtual void router_backward(const float* dtopk_w, const float* dprobs_extra, const float* probs,
                                const std::int32_t* topk_idx, View dlogits, std::int64_t n, std::int64_t E,
-                               std::int64_t k, bool norm_topk_prob) = 0;
+                               std::int64_t k, const ops::RouterOptions& opt) = 0;
   virtual double aux_loss_forward(const float* probs, const std::int32_t* topk_idx, std::int64_t n, std::int64_t E,
-                                  std::int64_t k, double coef) = 0;
-  virtual void aux_loss_backward(const std::int32_t* topk_idx, float* dprobs, std::int64_t n, std::int64_t E,
-                                 std::int64_t k, double coef) = 0;
+                                  std::int64_t k, double coef, ops::RouterScore score) = 0;
+  /// dprobs += the aux loss's gradient (sigmoid scores: through the row normalisation, reading probs).
+  virtual void aux_loss_backward(const std::int32_t* topk_idx, const float* probs, float* dprobs, std::int64_t n,
+                                 std::int64_t E, std::int64_t k, double coef, ops::RouterScore score) = 0;
   virtual double z_loss_forward(CView logits, std::int64_t n, std::int64_t E, double coef) = 0;
   /// dlogits += the z-loss gradient.
   virtual void z_loss_backward(CView logits, View dlogits, std::int64_t n, std::int64_t E, double coef) = 0;

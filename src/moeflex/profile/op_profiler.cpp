@@ -326,25 +326,25 @@ void ProfilingBackend::cross_entropy_backward(CView probs, const std::int32_t* t
         [&] { inner_.cross_entropy_backward(probs, targets, dlogits, n, V, scale); });
 }
 void ProfilingBackend::router_forward(CView logits, float* probs, std::int32_t* idx, float* w, std::int64_t n,
-                                      std::int64_t E, std::int64_t k, bool norm) {
+                                      std::int64_t E, std::int64_t k, const ops::RouterOptions& opt) {
   timed("router_forward", {n, E, k}, cost_.router_forward(n, E, k), false,
-        [&] { inner_.router_forward(logits, probs, idx, w, n, E, k, norm); });
+        [&] { inner_.router_forward(logits, probs, idx, w, n, E, k, opt); });
 }
 void ProfilingBackend::router_backward(const float* dw, const float* dprobs, const float* probs,
                                        const std::int32_t* idx, View dlogits, std::int64_t n, std::int64_t E,
-                                       std::int64_t k, bool norm) {
+                                       std::int64_t k, const ops::RouterOptions& opt) {
   timed("router_backward", {n, E, k}, cost_.router_backward(n, E, k), false,
-        [&] { inner_.router_backward(dw, dprobs, probs, idx, dlogits, n, E, k, norm); });
+        [&] { inner_.router_backward(dw, dprobs, probs, idx, dlogits, n, E, k, opt); });
 }
 double ProfilingBackend::aux_loss_forward(const float* probs, const std::int32_t* idx, std::int64_t n, std::int64_t E,
-                                          std::int64_t k, double coef) {
+                                          std::int64_t k, double coef, ops::RouterScore score) {
   return timed("aux_loss_forward", {n, E, k}, cost_.aux_loss_forward(n, E, k), false,
-               [&] { return inner_.aux_loss_forward(probs, idx, n, E, k, coef); });
+               [&] { return inner_.aux_loss_forward(probs, idx, n, E, k, coef, score); });
 }
-void ProfilingBackend::aux_loss_backward(const std::int32_t* idx, float* dprobs, std::int64_t n, std::int64_t E,
-                                         std::int64_t k, double coef) {
+void ProfilingBackend::aux_loss_backward(const std::int32_t* idx, const float* probs, float* dprobs, std::int64_t n,
+                                         std::int64_t E, std::int64_t k, double coef, ops::RouterScore score) {
   timed("aux_loss_backward", {n, E, k}, cost_.aux_loss_backward(n, E, k), false,
-        [&] { inner_.aux_loss_backward(idx, dprobs, n, E, k, coef); });
+        [&] { inner_.aux_loss_backward(idx, probs, dprobs, n, E, k, coef, score); });
 }
 double ProfilingBackend::z_loss_forward(CView logits, std::int64_t n, std::int64_t E, double coef) {
   return timed("z_loss_forward", {n, E}, cost_.z_loss_forward(n, E), false,

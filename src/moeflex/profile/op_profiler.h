@@ -173,14 +173,14 @@ class ProfilingBackend final : public ops::Backend {
   void cross_entropy_backward(CView probs, const std::int32_t* host_targets, View dlogits, std::int64_t n,
                               std::int64_t V, float scale) override;
   void router_forward(CView logits, float* probs, std::int32_t* topk_idx, float* topk_w, std::int64_t n, std::int64_t E,
-                      std::int64_t k, bool norm_topk_prob) override;
+                      std::int64_t k, const ops::RouterOptions& opt) override;
   void router_backward(const float* dtopk_w, const float* dprobs_extra, const float* probs,
                        const std::int32_t* topk_idx, View dlogits, std::int64_t n, std::int64_t E, std::int64_t k,
-                       bool norm_topk_prob) override;
+                       const ops::RouterOptions& opt) override;
   double aux_loss_forward(const float* probs, const std::int32_t* topk_idx, std::int64_t n, std::int64_t E,
-                          std::int64_t k, double coef) override;
-  void aux_loss_backward(const std::int32_t* topk_idx, float* dprobs, std::int64_t n, std::int64_t E, std::int64_t k,
-                         double coef) override;
+                          std::int64_t k, double coef, ops::RouterScore score) override;
+  void aux_loss_backward(const std::int32_t* topk_idx, const float* probs, float* dprobs, std::int64_t n,
+                         std::int64_t E, std::int64_t k, double coef, ops::RouterScore score) override;
   double z_loss_forward(CView logits, std::int64_t n, std::int64_t E, double coef) override;
   void z_loss_backward(CView logits, View dlogits, std::int64_t n, std::int64_t E, double coef) override;
   void skew_router_logits(View logits, std::int64_t n, std::int64_t E, std::int64_t k,

@@ -51,6 +51,10 @@ std::string hf_architecture(const ModelConfig& cfg) {
                                  "(Qwen2-MoE's is sigmoid-gated, DeepSeek's comes with MLA)");
   refuse(cfg.first_k_dense_replace > 0, fmt::format("first_k_dense_replace = {}: a dense prefix has no field in "
                                                     "qwen3_moe, olmoe or mixtral", cfg.first_k_dense_replace));
+  refuse(cfg.scoring_func != "softmax" || cfg.topk_method != "greedy" || cfg.routed_scaling_factor != 1.0,
+         fmt::format("DeepSeek's routing (scoring_func \"{}\", topk_method \"{}\", routed_scaling_factor {}) has no "
+                     "Hugging Face layout among qwen3_moe, olmoe and mixtral (DeepSeek's comes with MLA)",
+                     cfg.scoring_func, cfg.topk_method, cfg.routed_scaling_factor));
   refuse(cfg.capacity_factor > 0, fmt::format("capacity_factor = {}: Hugging Face MoE layers are dropless, so the "
                                               "exported model would compute other logits", cfg.capacity_factor));
   if (cfg.qk_norm == "head") return "qwen3_moe";

@@ -32,6 +32,7 @@ void AdamW::step(double lr) {
   const float inv_sqrt_bc2 = float(1.0 / std::sqrt(bc2));
   for (std::size_t i = 0; i < params_.size(); ++i) {
     auto& p = params_[i];
+    if (p.buffer) continue;  // moved by its own rule (the noaux_tc expert bias)
     const float decay = p.no_decay ? 1.0f : float(1.0 - lr * cfg_.weight_decay);
     ops::Backend& be = backend_of(p.w);
     be.adamw(p.w.f32(), p.g.f32(), m_[i].f32(), v_[i].f32(), p.w.numel(), b1, b2, eps, decay, step_size,

@@ -106,6 +106,10 @@ LossParts Replica::forward_backward(const BatchFn& batch) {
 
 double Replica::clip_grad_norm(double max_norm) { return clip_global_grad_norm(params(), groups_, max_norm); }
 
+void Replica::update_expert_bias() {
+  for (auto& c : chunks_) c->update_expert_bias(groups_.data_parallel.get());
+}
+
 LossParts Replica::evaluate(const std::int32_t* ids, const std::int32_t* targets) {
   // Every data-parallel replica evaluates the same batch: no division by dp.
   const LossParts local = executor_->forward_eval(ids, targets);

@@ -32,6 +32,8 @@ class Replica {
   LossParts forward_backward(const BatchFn& batch);
   /// Global gradient norm across the layout; clips when max_norm > 0.
   double clip_grad_norm(double max_norm);
+  /// MoEModel::update_expert_bias for every chunk, over the data-parallel group.
+  void update_expert_bias();
   /// The global loss of one evaluation batch (forward only, through the pipeline).
   LossParts evaluate(const std::int32_t* ids, const std::int32_t* targets);
 

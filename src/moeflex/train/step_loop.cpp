@@ -295,6 +295,7 @@ void Training::optimizer_step(std::int64_t step, StepRecord& s) {
   s.fb_seconds = seconds_since(s.t0);
   s.lr = lr_at(step, t.warmup_steps, t.steps, t.lr, t.min_lr);
   for (auto& o : opts_) o->step(s.lr);
+  replica->update_expert_bias();  // noaux_tc's balancing, from this step's loads
   op_context().phase = OpPhase::other;
   s.stats_us = s.tracing ? trace->now_us() : 0.0;
   if (s.tracing) trace->complete("compute", "optimizer", s.opt_us, s.stats_us - s.opt_us);

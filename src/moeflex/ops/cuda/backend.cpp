@@ -398,17 +398,18 @@ class CudaBackend final : public Backend {
     });
   }
   void router_forward(CView logits, float* probs, std::int32_t* idx, float* w, std::int64_t n, std::int64_t E,
-                      std::int64_t k, bool norm) override {
+                      std::int64_t k, const ops::RouterOptions& opt) override {
     with_type(uniform_dtype("router_forward", {{"logits", logits}}), [&](auto tag) {
       using T = decltype(tag);
-      cuda::router_forward<T>(ptr<T>(logits), probs, idx, w, n, E, k, norm, stream());
+      cuda::router_forward<T>(ptr<T>(logits), probs, idx, w, n, E, k, opt, stream());
     });
   }
   void router_backward(const float* dw, const float* dprobs, const float* probs, const std::int32_t* idx,
-                       View dlogits, std::int64_t n, std::int64_t E, std::int64_t k, bool norm) override {
+                       View dlogits, std::int64_t n, std::int64_t E, std::int64_t k,
+                       const ops::RouterOptions& opt) override {
     with_type(uniform_dtype("router_backward", {{"dlogits", dlogits}}), [&](auto tag) {
       using T = decltype(tag);
-      cuda::router_backward<T>(dw, dprobs, probs, idx, ptr<T>(dlogits), n, E, k, norm, stream());
+      cuda::router_backward<T>(dw, dprobs, probs, idx, ptr<T>(dlogits), n, E, k, opt, stream());
     });
   }
   // The router losses and the spike injection work on [n, E] and [n, k] arrays that
@@ -416,16 +417,18 @@ class CudaBackend final : public Backend {
   // (bf16 views widened on the way in and rounded once on the way out, as the CPU
   // backend does).
   double aux_loss_forward(const float* probs, const std::int32_t* idx, std::int64_t n, std::int64_t E,
-                          std::int64_t k, double coef) override {
+                          std::int64_t k, double coef, ops::RouterScore score) override {
     std::vector<float> p = to_host_vector(probs, n * E);
     std::vector<std::int32_t> ix = to_host_vector(idx, n * k);
-    return ops::aux_loss_forward(p.data(), ix.data(), n, E, k, coef);
+    return ops::aux_loss_forward(p.data(), ix.data(), n, E, k, coef, score);
   }
-  void aux_loss_backward(const std::int32_t* idx, float* dprobs, std::int64_t n, std::int64_t E, std::int64_t k,
-                         double coef) override {
+  void aux_loss_backward(const std::int32_t* idx, const float* probs, float* dprobs, std::int64_t n, std::int64_t E,
+                         std::int64_t k, double coef, ops::RouterScore score) override {
     std::vector<std::int32_t> ix = to_host_vector(idx, n * k);
     std::vector<float> dp = to_host_vector(static_cast<const float*>(dprobs), n * E);
-    ops::aux_loss_backward(ix.data(), dp.data(), n, E, k, coef);
+    std::vector<float> p;
+    if (score == ops::RouterScore::sigmoid) p = to_host_vector(probs, n * E);
+    ops::aux_loss_backward(ix.data(), p.empty() ? nullptr : p.data(), dp.data(), n, E, k, coef, score);
     copy_from_host(dprobs, dp.data(), Bytes(sizeof(float)) * n * E);
   }
   double z_loss_forward(CView logits, std::int64_t n, std::int64_t E, double coef) override {

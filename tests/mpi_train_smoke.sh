@@ -75,6 +75,25 @@ rc=$?
 set -e
 [[ $rc -ne 0 ]] && grep -q "is corrupted: its SHA-256" "$out/damaged.log" ||
   { echo "generate sampled from a damaged shard: rc $rc"; cat "$out/damaged.log"; exit 1; }
+# --init-from: a run on pre-tokenized data, exported, is the start of runs under EP 2
+# and PP 2, each rank reading its stages and expert shard: before step 1 they
+# evaluate what the exported run did after its last step (to 1e-6: EP sums the
+# evaluation's experts in another order).
+data=tests/reference/megatron_uint16
+"$bin" train --config tests/configs/qwen3-tiny.toml --data "$data" --steps 8 --out "$out/src" --quiet
+"$bin" export-hf --run "$out/src" --out "$out/hf" > /dev/null
+val() { /usr/bin/python3 -c 'import json,sys; print(repr(json.load(open(sys.argv[1]))[sys.argv[2]]))' "$1/summary.json" "$2"; }
+want=$(val "$out/src" final_val_loss)
+/usr/bin/python3 -c 'import sys; a, b = map(float, sys.argv[1:]); sys.exit(abs(a - b) < 1e-2)' "$want" \
+  "$(val "$out/src" initial_val_loss)" || { echo "the exported run learned too little to tell a start from it"; exit 1; }
+for layout in "--ep 2" "--pp 2"; do
+  # shellcheck disable=SC2086
+  mpirun --allow-run-as-root --oversubscribe -np 2 -x OMP_NUM_THREADS=1 "$bin" train --config tests/configs/qwen3-tiny.toml \
+    --init-from "$out/hf" --data "$data" --steps 1 $layout --out "$out/init${layout// /}" --quiet
+  got=$(val "$out/init${layout// /}" initial_val_loss)
+  /usr/bin/python3 -c 'import sys; a, b = map(float, sys.argv[1:]); sys.exit(abs(a - b) > 1e-6 * abs(b))' "$got" "$want" ||
+    { echo "--init-from under $layout starts at val loss $got, not $want"; exit 1; }
+done
 /usr/bin/python3 - "$out/run" <<'PY'
 import json, sys
 run = sys.argv[1]

@@ -228,7 +228,9 @@ TEST(Model, ExpertBiasMovesTowardBalanceByItsRule) {
       const float step = load[std::size_t(e)] < mean ? 0.05f : load[std::size_t(e)] > mean ? -0.05f : 0.0f;
       EXPECT_EQ(bias.w.f32()[e], before[std::size_t(e)] + step) << "expert " << e << " round " << round;
     }
-    if (round == 0) EXPECT_LT(bias.w.f32()[0], 0.0f) << "the hot expert's bias must fall";
+    if (round == 0) {
+      EXPECT_LT(bias.w.f32()[0], 0.0f) << "the hot expert's bias must fall";
+    }
   }
   EXPECT_LT(last, first - 0.3) << "the bias did not even out the skewed load";
 }

@@ -39,6 +39,33 @@ int fail(comm::MpiSession& mpi, const std::string& msg, int code) {
   return code;
 }
 
+/// "3 17, 42" -> {3, 17, 42}; ConfigError naming what is not a token id.
+std::vector<std::int32_t> parse_token_ids(const std::string& text) {
+  std::vector<std::int32_t> ids;
+  std::string word;
+  auto flush = [&] {
+    if (word.empty()) return;
+    std::size_t used = 0;
+    long long v = -1;
+    try {
+      v = std::stoll(word, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != word.size() || v < 0 || v > std::numeric_limits<std::int32_t>::max())
+      throw ConfigError(fmt::format("--prompt-ids: '{}' is not a token id (a non-negative integer)", word));
+    ids.push_back(std::int32_t(v));
+    word.clear();
+  };
+  for (char c : text) {
+    if (c == ' ' || c == ',' || c == '\t') flush();
+    else word += c;
+  }
+  flush();
+  if (ids.empty()) throw ConfigError("--prompt-ids: no token ids given");
+  return ids;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -85,6 +112,11 @@ int main(int argc, char** argv) {
   std::int64_t data_eos_id = -2;
   train->add_option("--data-eos-id", data_eos_id, "a flat token file's end-of-document id (data.eos_id; -1 none)");
   train->add_option("--resume", resume_dir, "continue the run in this directory from its newest checkpoint");
+  std::string init_from;
+  train->add_option("--init-from", init_from,
+                    "start from a Hugging Face checkpoint's weights (qwen3_moe, olmoe, mixtral; safetensors, sharded "
+                    "or not); the model comes from its config.json unless --config is given")
+      ->check(CLI::ExistingDirectory);
   train->add_option("--data-cache", data_cache, "where tokenized corpora are cached")->capture_default_str();
   train->add_option("--threads", threads,
                     "OpenMP/BLAS threads per rank (default: OMP_NUM_THREADS, else every core for one process and "
@@ -147,7 +179,12 @@ int main(int argc, char** argv) {
   GenerateOptions gopts;
   std::int64_t gseed = 0;
   gen->add_option("--run", gopts.run_dir, "run directory")->required();
-  gen->add_option("--prompt", gopts.prompt, "text to continue")->required();
+  std::string prompt_ids;
+  auto* gen_prompt = gen->add_option("--prompt", gopts.prompt, "text to continue");
+  auto* gen_ids = gen->add_option("--prompt-ids", prompt_ids,
+                                  "token ids to continue, separated by spaces or commas, for a run without a tokenizer "
+                                  "(pre-tokenized data, --init-from); prints token ids");
+  gen_prompt->excludes(gen_ids);
   gen->add_option("--max-new-tokens", gopts.max_new_tokens, "tokens to sample")->capture_default_str();
   gen->add_option("--temperature", gopts.temperature, "sampling temperature (0 = greedy)")->capture_default_str();
   gen->add_option("--top-k", gopts.top_k, "sample among the k most likely tokens (0 = all)")->capture_default_str();
@@ -159,6 +196,21 @@ int main(int argc, char** argv) {
   fs::path exp_run, exp_out;
   exp->add_option("--run", exp_run, "run directory")->required();
   exp->add_option("--out", exp_out, "new folder for the checkpoint (must not exist or be empty)")->required();
+
+  // --- import-hf
+  auto* imp = app.add_subcommand("import-hf", "make a run (step 0) of a Hugging Face checkpoint, for train --resume "
+                                              "and generate");
+  std::string imp_dir, imp_out, imp_config, imp_data;
+  std::int64_t imp_eos = -2;
+  imp->add_option("HF_DIR", imp_dir, "the checkpoint folder (config.json, safetensors)")
+      ->required()
+      ->check(CLI::ExistingDirectory);
+  imp->add_option("--out", imp_out, "the new run directory")->required();
+  imp->add_option("--config", imp_config, "run config (default: HF_DIR/config.json with HF_DIR/moeflex.toml)")
+      ->check(CLI::ExistingFile);
+  imp->add_option("--data", imp_data, "the run's pre-tokenized data (PREFIX of a Megatron dataset, or .u16/.u32)")
+      ->required();
+  imp->add_option("--data-eos-id", imp_eos, "a flat token file's end-of-document id (data.eos_id)");
 
   // --- calibrate
   auto* cal = app.add_subcommand("calibrate", "measure this machine's kernels and write a hardware profile");
@@ -209,7 +261,12 @@ int main(int argc, char** argv) {
   try {
     if (*train) {
       TrainOptions o;
+      if (!init_from.empty() && !resume_dir.empty())
+        throw ConfigError("--init-from starts a new run from a checkpoint's weights; --resume continues a run "
+                          "from its own: give one of them");
+      if (config_path.empty() && !init_from.empty()) config_path = (fs::path(init_from) / "config.json").string();
       o.config = config_path.empty() ? RunConfig::defaults() : RunConfig::from_file(config_path);
+      if (!init_from.empty()) o.init_from = fs::path(init_from);
       if (train->count("--steps") && steps < 1)
         throw ConfigError(fmt::format("--steps must be at least 1 (got {})", steps));
       if (steps >= 1) o.config.train.steps = steps;
@@ -315,7 +372,28 @@ int main(int argc, char** argv) {
                                    !comm::MpiSession::active() || mpi.world_rank() == 0);
     } else if (*gen) {
       gopts.seed = std::uint64_t(gseed);
-      fmt::print("{}\n", generate_text(gopts));
+      if (gen->count("--prompt-ids")) {
+        std::string line;
+        for (std::int32_t id : generate_ids(gopts, parse_token_ids(prompt_ids)))
+          line += (line.empty() ? "" : " ") + std::to_string(id);
+        fmt::print("{}\n", line);
+      } else if (gen->count("--prompt")) {
+        fmt::print("{}\n", generate_text(gopts));
+      } else {
+        throw ConfigError("generate: give --prompt TEXT, or --prompt-ids IDS for a run without a tokenizer");
+      }
+    } else if (*imp) {
+      TrainOptions o;
+      o.config = RunConfig::from_file(imp_config.empty() ? (fs::path(imp_dir) / "config.json").string() : imp_config);
+      o.config.data.path = imp_data;
+      if (imp->count("--data-eos-id")) o.config.data.eos_id = imp_eos;
+      o.out_dir = imp_out;
+      o.init_from = fs::path(imp_dir);
+      o.stop_after = 0;
+      const TrainResult r = run_training(o);
+      fmt::print("import-hf: '{}' is the run '{}' at step 0 (val loss {:.4f}): continue with moeflex train --resume "
+                 "{} --steps N, sample with moeflex generate --run {} --prompt-ids IDS\n",
+                 imp_dir, imp_out, r.initial_val_loss, imp_out, imp_out);
     } else if (*exp) {
       const std::string arch = export_hf(exp_run, exp_out);
       fmt::print("export-hf: '{}' written as a Hugging Face {} checkpoint in '{}'\n", exp_run.string(), arch,

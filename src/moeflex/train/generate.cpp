@@ -107,29 +107,24 @@ void load_run_weights(const fs::path& run, const RunConfig& cfg, MoEModel& model
   model.sync_working_weights();  // a bf16 run's working copies, from the fp32 master weights
 }
 
-std::string generate_text(const GenerateOptions& opts) {
+namespace {
+
+/// The run's config, after the sampling options are checked.
+RunConfig checked_run(const GenerateOptions& opts) {
   const fs::path& run = opts.run_dir;
   if (!fs::is_directory(run)) throw ConfigError(fmt::format("--run: '{}' is not a run directory", run.string()));
   if (!(opts.temperature >= 0) || !std::isfinite(opts.temperature))
     throw ConfigError(fmt::format("--temperature must be a finite number >= 0 (0 = greedy), got {}", opts.temperature));
   if (opts.top_k < 0) throw ConfigError(fmt::format("--top-k must be >= 0 (0 = the whole vocabulary), got {}", opts.top_k));
   if (opts.max_new_tokens < 0) throw ConfigError("--max-new-tokens must be >= 0");
-  RunConfig cfg = RunConfig::from_file((run / "config.toml").string());
-  if (!fs::exists(run / "tokenizer.model"))
-    throw DataError(fmt::format("run '{}' has no tokenizer.model{}: `moeflex generate` turns text into token ids "
-                                "with the run's own tokenizer", run.string(),
-                                fs::exists(run / "tokens.json") ? " (it was trained on pre-tokenized data, which "
-                                                                  "comes without one)" : ""));
-  Tokenizer tok = Tokenizer::load((run / "tokenizer.model").string());
-  if (tok.vocab_size() != cfg.model.vocab_size)
-    throw DataError(fmt::format("run '{}': its tokenizer.model has {} pieces but the model's vocab_size is {}: the "
-                                "tokenizer is not the one the model was trained with", run.string(), tok.vocab_size(),
-                                cfg.model.vocab_size));
+  return RunConfig::from_file((run / "config.toml").string());
+}
+
+/// The run's newest weights continuing `ids` by opts.max_new_tokens sampled tokens (returned).
+std::vector<std::int32_t> sample(const GenerateOptions& opts, const RunConfig& cfg, std::vector<std::int32_t> ids) {
   Arena arena;
   MoEModel model(cfg.model, arena);
-  load_run_weights(run, cfg, model);
-
-  std::vector<std::int32_t> ids = tok.encode(opts.prompt);
+  load_run_weights(opts.run_dir, cfg, model);
   if (ids.empty()) ids.push_back(0);
   const std::int64_t V = cfg.model.vocab_size, ctx = cfg.model.max_position_embeddings;
   std::vector<float> logits(static_cast<std::size_t>(V));
@@ -173,6 +168,25 @@ std::string generate_text(const GenerateOptions& opts) {
     ids.push_back(next);
     generated.push_back(next);
   }
+  return generated;
+}
+
+}  // namespace
+
+std::string generate_text(const GenerateOptions& opts) {
+  const fs::path& run = opts.run_dir;
+  const RunConfig cfg = checked_run(opts);
+  if (!fs::exists(run / "tokenizer.model"))
+    throw DataError(fmt::format("run '{}' has no tokenizer.model{}: give the prompt as token ids (--prompt-ids)",
+                                run.string(),
+                                fs::exists(run / "tokens.json") ? " (it was trained on pre-tokenized data, which "
+                                                                  "comes without one)" : ""));
+  Tokenizer tok = Tokenizer::load((run / "tokenizer.model").string());
+  if (tok.vocab_size() != cfg.model.vocab_size)
+    throw DataError(fmt::format("run '{}': its tokenizer.model has {} pieces but the model's vocab_size is {}: the "
+                                "tokenizer is not the one the model was trained with", run.string(), tok.vocab_size(),
+                                cfg.model.vocab_size));
+  const std::vector<std::int32_t> generated = sample(opts, cfg, tok.encode(opts.prompt));
   // Decode prompt and continuation together: a piece's word-boundary marker only
   // becomes a space after what precedes it. The prompt is kept as typed.
   const std::vector<std::int32_t> prompt_ids = tok.encode(opts.prompt);
@@ -180,6 +194,18 @@ std::string generate_text(const GenerateOptions& opts) {
   all.insert(all.end(), generated.begin(), generated.end());
   const std::string whole = tok.decode(all), head = tok.decode(prompt_ids);
   return opts.prompt + (whole.rfind(head, 0) == 0 ? whole.substr(head.size()) : tok.decode(generated));
+}
+
+std::vector<std::int32_t> generate_ids(const GenerateOptions& opts, const std::vector<std::int32_t>& prompt_ids) {
+  const RunConfig cfg = checked_run(opts);
+  for (std::int32_t id : prompt_ids)
+    if (id < 0 || id >= cfg.model.vocab_size)
+      throw ConfigError(fmt::format("--prompt-ids: {} is not a token id of the model (vocab_size {})", id,
+                                    cfg.model.vocab_size));
+  std::vector<std::int32_t> all = prompt_ids;
+  const std::vector<std::int32_t> generated = sample(opts, cfg, prompt_ids);
+  all.insert(all.end(), generated.begin(), generated.end());
+  return all;
 }
 
 }  // namespace moeflex

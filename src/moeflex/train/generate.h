@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <string>
+#include <vector>
 
 namespace moeflex {
 
@@ -26,6 +27,11 @@ struct GenerateOptions {
 
 /// Loads the newest checkpoint of the run and returns prompt + continuation.
 /// The context is truncated to the model's max_position_embeddings (the newest tokens kept).
+/// Throws DataError when the run has no tokenizer.model (pre-tokenized data, --init-from).
 std::string generate_text(const GenerateOptions& opts);
+
+/// The same for a prompt of token ids (opts.prompt unused), for runs without a
+/// tokenizer: returns prompt_ids + the sampled ids. ConfigError for an id outside the vocabulary.
+std::vector<std::int32_t> generate_ids(const GenerateOptions& opts, const std::vector<std::int32_t>& prompt_ids);
 
 }  // namespace moeflex

@@ -25,9 +25,9 @@ void refuse(bool bad, const std::string& what) {
   if (bad) throw ConfigError(fmt::format("export-hf: {}", what));
 }
 
-// The Hugging Face name of the moeflex parameter `name` (a routed-expert tensor:
-// expert `e` of it) in architecture `arch`.
-std::string hf_name(const std::string& arch, const std::string& name, std::int64_t e) {
+}  // namespace
+
+std::string hf_tensor_name(const std::string& arch, const std::string& name, std::int64_t e) {
   const std::string_view experts = ".mlp.experts.";
   const std::size_t at = name.find(experts);
   const bool mixtral = arch == "mixtral";
@@ -42,8 +42,6 @@ std::string hf_name(const std::string& arch, const std::string& name, std::int64
   const char* w = proj == "gate_proj.weight" ? "w1" : proj == "up_proj.weight" ? "w3" : "w2";
   return fmt::format("{}.block_sparse_moe.experts.{}.{}.weight", layer, e, w);
 }
-
-}  // namespace
 
 std::string hf_architecture(const ModelConfig& cfg) {
   refuse(cfg.mla(), "MLA (kv_lora_rank > 0) is not trained by moeflex");
@@ -125,12 +123,12 @@ std::string export_hf(const fs::path& run_dir, const fs::path& out_arg) {
     if (p.tied_copy) continue;
     const std::vector<std::int64_t>& shape = p.w.shape();
     if (!p.expert) {
-      w.add(hf_name(arch, p.name, 0), train::StDType::F32, shape, p.w.f32());
+      w.add(hf_tensor_name(arch, p.name, 0), train::StDType::F32, shape, p.w.f32());
       continue;
     }
     const std::int64_t per = p.w.numel() / shape[0];
     for (std::int64_t e = 0; e < shape[0]; ++e)
-      w.add(hf_name(arch, p.name, e), train::StDType::F32, {shape[1], shape[2]}, p.w.f32() + e * per);
+      w.add(hf_tensor_name(arch, p.name, e), train::StDType::F32, {shape[1], shape[2]}, p.w.f32() + e * per);
   }
   // Written whole in a folder of its own beside `out`, then renamed into place; a
   // folder of that name already there is someone's and is refused, never removed.

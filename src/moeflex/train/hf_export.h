@@ -26,6 +26,10 @@ namespace moeflex {
 /// "mixtral". Throws ConfigError naming what no architecture holds.
 std::string hf_architecture(const ModelConfig& cfg);
 
+/// The Hugging Face name of moeflex parameter `name` in architecture `arch`; for a
+/// routed-expert tensor (moeflex stacks them, [E, out, in]) the name of expert `e`'s.
+std::string hf_tensor_name(const std::string& arch, const std::string& name, std::int64_t e);
+
 /// The config.json of `cfg` in architecture `arch` (hf_architecture): the fields
 /// transformers reads for it, so that ModelConfig::from_hf_json gives `cfg`'s shape back.
 nlohmann::json hf_config_json(const ModelConfig& cfg, const std::string& arch);

@@ -338,7 +338,7 @@ void Training::save(std::int64_t step) {
 }
 
 void Training::restore_initial_state() {
-  replica->init_weights(t.seed);
+  initialize_weights();  // the seed's, or the --init-from checkpoint's
   for (auto& o : opts_) {
     for (auto& [name, tt] : o->state()) tt->zero();
     o->set_steps_taken(0);

@@ -23,6 +23,8 @@
 #endif
 #include "moeflex/model/ledger.h"
 #include "moeflex/train/imbalance_replay.h"
+#include "moeflex/train/hf_export.h"
+#include "moeflex/train/hf_import.h"
 #include "moeflex/train/indexed_data.h"
 #include "moeflex/train/run_state.h"
 
@@ -231,6 +233,11 @@ void open_data(RunContext& ctx) {
     tokens.emplace(TokenDataset::open_megatron(*prefix, int(cfg.model.vocab_size), cfg.data.val_fraction, 1234));
     what = fmt::format("Megatron indexed dataset '{}'", prefix->string());
   }
+  if (!tokens && opts.init_from && !opts.resume)
+    throw ConfigError(fmt::format(
+        "--init-from: the checkpoint's embeddings are indexed by its own tokenizer's ids, and a text corpus ('{}') "
+        "would be tokenized by a tokenizer moeflex trains: give data tokenized with the checkpoint's tokenizer "
+        "(--data PREFIX for a Megatron indexed dataset, or a flat .u16/.u32 token file)", corpus.string()));
   if (tokens) {
     const TokenDataset& ds = ctx.data.emplace(std::move(*tokens));
     ctx.info.dir = ds.dir();
@@ -337,9 +344,23 @@ void Training::start_op_profiling() {
   }
 }
 
+void Training::initialize_weights() {
+  replica->init_weights(t.seed);
+  if (!opts.init_from || opts.resume) return;
+  // A Hugging Face checkpoint's weights instead (fine-tuning).
+  HfCheckpoint ckpt(*opts.init_from);
+  const std::string arch = hf_architecture(cfg.model);
+  check_hf_checkpoint(ckpt, cfg.model, arch);
+  for (MoEModel* c : replica->chunks()) load_hf_weights(ckpt, arch, *c);
+  if (rank0 && !weights_noted)
+    progress.note(fmt::format("weights: the {} checkpoint '{}' ({} tensors)", arch, opts.init_from->string(),
+                              ckpt.names().size()));
+  weights_noted = true;
+}
+
 void Training::build_replica() {
   replica = std::make_unique<Replica>(cfg.model, cfg.parallel.schedule, layout, groups, arena, M, B, S);
-  replica->init_weights(t.seed);
+  initialize_weights();
   // What the ledger says one micro-batch keeps, block by block (model/ledger.h).
   if (rank0) progress.note(ledger_report(cfg.model, B, S, layout.ep() > 1));
   imbalance = ops::parse_imbalance(t.inject_imbalance);

@@ -183,6 +183,9 @@ struct Training {
   // run_setup.cpp
   void start_op_profiling();
   void build_replica();
+  /// The initial weights: the seed's random init, or the --init-from checkpoint's.
+  void initialize_weights();
+  bool weights_noted = false;  ///< the --init-from note was printed
   void choose_provisioning();
   void check_feasibility();
   // resume.cpp: the training state a checkpoint holds (weights, AdamW moments and

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstring>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -43,7 +44,7 @@ std::int64_t checked_numel(const std::vector<std::int64_t>& shape, Bytes elem_si
 }
 
 bool parse_dtype(std::string_view s, StDType* out) {
-  for (StDType t : {StDType::F32, StDType::F64, StDType::I32, StDType::I64})
+  for (StDType t : {StDType::F32, StDType::F64, StDType::I32, StDType::I64, StDType::BF16, StDType::F16})
     if (st_dtype_name(t) == s) {
       *out = t;
       return true;
@@ -75,6 +76,9 @@ Bytes st_dtype_size(StDType t) {
     case StDType::F64:
     case StDType::I64:
       return 8;
+    case StDType::BF16:
+    case StDType::F16:
+      return 2;
   }
   return 0;
 }
@@ -85,6 +89,8 @@ std::string_view st_dtype_name(StDType t) {
     case StDType::F64: return "F64";
     case StDType::I32: return "I32";
     case StDType::I64: return "I64";
+    case StDType::BF16: return "BF16";
+    case StDType::F16: return "F16";
   }
   return "?";
 }
@@ -202,7 +208,7 @@ SafetensorsFile SafetensorsFile::from_bytes(std::vector<char> bytes, std::string
     if (dt == entry.end() || !dt->is_string()) throw bad("has no string 'dtype'");
     if (!parse_dtype(dt->get<std::string>(), &info.dtype))
       throw DataError(fmt::format("Safetensors file '{}': tensor '{}' has dtype '{}', which moeflex does not support "
-                                  "(supported: F32, F64, I32, I64).",
+                                  "(supported: F32, F64, BF16, F16, I32, I64).",
                                   src, name, dt->get<std::string>()));
     auto sh = entry.find("shape");
     if (sh == entry.end() || !sh->is_array()) throw bad("has no 'shape' array");
@@ -278,6 +284,33 @@ void convert_copy(const char* src, Dst* dst, std::int64_t n) {
     dst[i] = static_cast<Dst>(v);
   }
 }
+/// The float a bfloat16's bits stand for (its top 16 bits).
+float bf16_bits_to_float(std::uint16_t h) {
+  const std::uint32_t u = std::uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+/// The float an IEEE 754 binary16's bits stand for (subnormals, infinities and NaN included).
+float f16_bits_to_float(std::uint16_t h) {
+  const std::uint32_t sign = std::uint32_t(h >> 15) << 31, exp = (h >> 10) & 0x1f, frac = h & 0x3ff;
+  float magnitude;
+  if (exp == 0) {
+    magnitude = std::ldexp(float(frac), -24);  // subnormal (or zero): frac * 2^-24
+  } else if (exp == 31) {
+    magnitude = frac ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity();
+  } else {
+    magnitude = std::ldexp(float(frac | 0x400), int(exp) - 25);  // (1024 + frac) * 2^(exp-15-10)
+  }
+  std::uint32_t u;
+  std::memcpy(&u, &magnitude, 4);
+  u |= sign;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
 }  // namespace
 
 void SafetensorsFile::read_f32(const std::string& name, float* dst, std::int64_t expected_numel) const {
@@ -287,9 +320,17 @@ void SafetensorsFile::read_f32(const std::string& name, float* dst, std::int64_t
     if (n > 0) std::memcpy(dst, data_of(ti), static_cast<std::size_t>(n) * sizeof(float));
   } else if (ti.dtype == StDType::F64) {
     convert_copy<float, double>(data_of(ti), dst, n);
+  } else if (ti.dtype == StDType::BF16 || ti.dtype == StDType::F16) {
+    const char* src = data_of(ti);
+    const bool bf16 = ti.dtype == StDType::BF16;
+    for (std::int64_t i = 0; i < n; ++i) {
+      std::uint16_t h;
+      std::memcpy(&h, src + 2 * i, 2);
+      dst[i] = bf16 ? bf16_bits_to_float(h) : f16_bits_to_float(h);
+    }
   } else {
-    throw DataError(fmt::format("Tensor '{}' in '{}' has dtype {}; a floating-point tensor (F32 or F64) was expected.",
-                                name, source_, st_dtype_name(ti.dtype)));
+    throw DataError(fmt::format("Tensor '{}' in '{}' has dtype {}; a floating-point tensor (F32, F64, BF16 or F16) "
+                                "was expected.", name, source_, st_dtype_name(ti.dtype)));
   }
 }
 

@@ -24,12 +24,13 @@
 
 namespace moeflex::train {
 
-/// Element types of a safetensors tensor that moeflex reads and writes.
-enum class StDType { F32, F64, I32, I64 };
+/// Element types of a safetensors tensor that moeflex reads and writes (BF16 and F16,
+/// the dtypes of published checkpoints, are read into float).
+enum class StDType { F32, F64, I32, I64, BF16, F16 };
 
 /// Size of one element in bytes.
 Bytes st_dtype_size(StDType t);
-/// The spec's spelling: "F32", "F64", "I32", "I64".
+/// The spec's spelling: "F32", "F64", "I32", "I64", "BF16", "F16".
 std::string_view st_dtype_name(StDType t);
 
 /// What the header says about one tensor.
@@ -82,7 +83,7 @@ class SafetensorsFile {
   const std::string& source() const { return source_; }
 
   /// Copies tensor `name` into dst, which holds `expected_numel` elements.
-  /// read_f32 converts F64 and read_f64 converts F32; read_i32 narrows I64 when
+  /// read_f32 converts F64, BF16 and F16 and read_f64 converts F32; read_i32 narrows I64 when
   /// every value fits, read_i64 widens I32. Other conversions, a missing
   /// tensor or a different element count throw DataError.
   void read_f32(const std::string& name, float* dst, std::int64_t expected_numel) const;

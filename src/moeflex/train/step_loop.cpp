@@ -136,6 +136,12 @@ double Training::evaluate() {
 }
 
 void Training::run_steps() {
+  if (opts.stop_after == 0 && start_step == 0) {  // the initial state alone (moeflex import-hf)
+    save(0);
+    progress.note(fmt::format("stopped before step 1 (checkpoint of the initial state saved); continue with "
+                              "--resume {}", run_dir.string()));
+    return;
+  }
   for (std::int64_t step = start_step; step < t.steps; ++step) {
     StepRecord s;
     begin_step(step, s);

@@ -15,8 +15,13 @@ struct TrainOptions {
   RunConfig config;
   std::filesystem::path out_dir;                ///< the run directory
   std::optional<std::filesystem::path> resume;  ///< a run directory to continue
+  /// A Hugging Face checkpoint folder (train/hf_import.h) whose weights a new run
+  /// starts from instead of the random init (fine-tuning); not with `resume`.
+  std::optional<std::filesystem::path> init_from;
   std::filesystem::path data_cache = "data/tokenized";  ///< where tokenized corpora are cached
-  std::int64_t stop_after = -1;  ///< stop (as if interrupted, after a checkpoint) after this step; -1 = never
+  /// Stop (as if interrupted, after a checkpoint) after this step; -1 = never; 0 =
+  /// before step 1, with a checkpoint of the initial state (moeflex import-hf).
+  std::int64_t stop_after = -1;
   int threads = 0;               ///< OpenMP/BLAS threads; 0 = all cores
   bool progress = true;          ///< show the progress bar / log lines on stderr
   /// Time every backend op of each step and price it with the cost model

@@ -438,7 +438,7 @@ TEST(SimInputs, AnUnknownCommandIsNamed) {
   if (!fs::exists(bin)) GTEST_SKIP() << bin << " is not built";
   auto [rc, out] = run_moeflex(bin, "simulat --cluster h100");
   EXPECT_EQ(rc, 2) << out;
-  EXPECT_NE(out.find("unknown command 'simulat' (commands: train, generate, export-hf, calibrate, simulate, search"),
+  EXPECT_NE(out.find("unknown command 'simulat' (commands: train, generate, export-hf, import-hf, calibrate, simulate, search"),
             std::string::npos)
       << out;
   std::tie(rc, out) = run_moeflex(bin, "search --help");

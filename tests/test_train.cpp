@@ -73,6 +73,17 @@ TrainOptions options(RunConfig cfg, const fs::path& out) {
   return o;
 }
 
+/// `cfg` run in `dir` in two parts: stopped after step `stop_after` (with its
+/// checkpoint), then resumed to the end. Returns the resumed part's result.
+TrainResult run_interrupted(const RunConfig& cfg, const fs::path& dir, std::int64_t stop_after) {
+  TrainOptions first = options(cfg, dir);
+  first.stop_after = stop_after;
+  run_training(first);
+  TrainOptions second = options(cfg, dir);
+  second.resume = dir;
+  return run_training(second);
+}
+
 }  // namespace
 
 TEST(Train, ValidationLossFallsOnRealCorpus) {
@@ -156,6 +167,76 @@ TEST(Train, ShippedDeepSeekRoutingConfigResumesBitForBitUnderABudget) {
   for (std::size_t i = 0; i < la.size(); ++i) EXPECT_EQ(la[i], lb[i]) << "step " << i + 1;
   fs::remove_all(a);
   fs::remove_all(b);
+}
+
+// Flash checkpoints: written by a background thread from a host snapshot, they hold
+// the same tensors as synchronous ones, a run resumed from them reproduces the
+// uninterrupted one bit for bit, and metrics.jsonl and summary.json say what each cost.
+TEST(Train, AsyncCheckpointsMatchSyncOnesAndResumeBitForBit) {
+  const fs::path a = fresh_dir("ckpt_sync"), b = fresh_dir("ckpt_async"), c = fresh_dir("ckpt_async_resumed");
+  RunConfig sync = small_run(9), async = small_run(9);
+  sync.train.checkpoint_every = async.train.checkpoint_every = 3;
+  sync.train.keep_checkpoints = async.train.keep_checkpoints = 5;
+  sync.train.checkpoint_mode = "sync";
+  ASSERT_EQ(async.train.checkpoint_mode, "async");  // the default
+  run_training(options(sync, a));
+  run_training(options(async, b));
+  run_interrupted(async, c, 4);
+  EXPECT_EQ(losses(a), losses(b));
+  EXPECT_EQ(losses(a), losses(c));
+  for (std::int64_t step : {3, 6, 9}) {
+    const auto fa = train::checkpoint_dir(a, step) / train::kModelFileName;
+    const auto fb = train::checkpoint_dir(b, step) / train::kModelFileName;
+    EXPECT_EQ(read_file_bytes(fa), read_file_bytes(fb)) << "step " << step;
+    EXPECT_EQ(read_file_bytes(fa.parent_path() / train::kOptimizerFileName),
+              read_file_bytes(fb.parent_path() / train::kOptimizerFileName)) << "step " << step;
+  }
+  // Each checkpoint's line says what it blocked; the next one's, what the persist took.
+  std::vector<std::int64_t> taken, persisted;
+  std::ifstream in(b / "metrics.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (j.contains("checkpoint_step")) taken.push_back(j["checkpoint_step"]);
+    if (j.contains("persisted_step")) persisted.push_back(j["persisted_step"]);
+  }
+  EXPECT_EQ(taken, (std::vector<std::int64_t>{3, 6, 9}));
+  EXPECT_EQ(persisted, (std::vector<std::int64_t>{3, 6}));  // step 9's, at the end: summary.json only
+  for (const fs::path& run : {a, b}) {
+    const auto s = nlohmann::json::parse(std::ifstream(run / "summary.json"));
+    EXPECT_GT(s["checkpoint_blocking_seconds"].get<double>(), 0) << run;
+    EXPECT_GT(s["checkpoint_persist_seconds"].get<double>(), 0) << run;
+    EXPECT_EQ(s["checkpoints_skipped"], 0);
+  }
+  fs::remove_all(a);
+  fs::remove_all(b);
+  fs::remove_all(c);
+}
+
+// checkpoint_when_busy = "skip": a periodic checkpoint due while the previous one
+// persists is skipped and counted; every other one is taken; the last is always taken.
+TEST(Train, BusyCheckpointsAreSkippedAndCountedButNeverTheLast) {
+  const fs::path a = fresh_dir("ckpt_skip");
+  RunConfig cfg = small_run(10);
+  cfg.train.checkpoint_every = 1;  // a step of this model is about as long as a persist
+  cfg.train.keep_checkpoints = 20;
+  cfg.train.checkpoint_when_busy = "skip";
+  run_training(options(cfg, a));
+  std::int64_t taken = 0;
+  bool last = false;
+  std::ifstream in(a / "metrics.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    const auto j = nlohmann::json::parse(line);
+    taken += j.contains("checkpoint_step");
+    last = j.contains("checkpoint_step") && j["checkpoint_step"] == 10;
+  }
+  const auto s = nlohmann::json::parse(std::ifstream(a / "summary.json"));
+  EXPECT_EQ(taken + s["checkpoints_skipped"].get<std::int64_t>(), 10);
+  EXPECT_TRUE(last) << "the last checkpoint was skipped";
+  EXPECT_TRUE(fs::exists(train::checkpoint_dir(a, 10) / train::kModelFileName));
+  cfg.train.checkpoint_when_busy = "later";
+  EXPECT_NE(test::error_text<ConfigError>([&] { cfg.validate(); }).find("train.checkpoint_when_busy"),
+            std::string::npos);
+  fs::remove_all(a);
 }
 
 TEST(Train, ResumeReproducesUninterruptedRun) {
@@ -249,12 +330,7 @@ TEST(Train, Bf16ResumesBitForBitAndFollowsFp32) {
   run_training(options(cfg, f));
   cfg.model.bf16 = true;
   run_training(options(cfg, a));
-  TrainOptions first = options(cfg, b);
-  first.stop_after = 3;
-  run_training(first);
-  TrainOptions second = options(cfg, b);
-  second.resume = b;
-  run_training(second);
+  run_interrupted(cfg, b, 3);
   const auto lf = losses(f), la = losses(a), lb = losses(b);
   ASSERT_EQ(la.size(), 8u);
   ASSERT_EQ(lb.size(), 8u);

@@ -62,7 +62,8 @@ void check_trainer_state(const json& st, const fs::path& ckpt) {
                         "arena_compactions", "bytes_compacted", "bytes_evicted", "bytes_stitched", "decisions",
                         "predicted_peak_bytes"})
     check(k, false, "a non-negative integer", count);
-  for (const char* k : {"last_val_loss", "last_train_loss", "train_seconds", "restart_seconds", "max_load_ratio"})
+  for (const char* k : {"last_val_loss", "last_train_loss", "train_seconds", "restart_seconds", "max_load_ratio",
+                        "checkpoint_blocking_seconds", "checkpoint_persist_seconds"})
     check(k, false, "a number", number);
   check("first_oom", false, "a string", [](const json& v) { return v.is_string(); });
   check("val_loss_history", false, "a list of {step, val_loss}", [](const json& v) {
@@ -240,6 +241,8 @@ void Training::resume_from(const fs::path& dir) {
   res.lost_steps = st.value("lost_steps", std::int64_t(0));
   res.steps_run = st.value("steps_run", start_step);
   res.restart_seconds = st.value("restart_seconds", 0.0);
+  res.checkpoint_blocking_seconds = st.value("checkpoint_blocking_seconds", 0.0);
+  res.checkpoint_persist_seconds = st.value("checkpoint_persist_seconds", 0.0);
   res.oom_peak_demand_bytes = st.value("oom_peak_demand_bytes", std::int64_t(0));
   res.first_oom = st.value("first_oom", std::string());
   res.bytes_recomputed = st.value("bytes_recomputed", std::int64_t(0));
@@ -298,7 +301,7 @@ void Training::start() {
   last_val = res.final_val_loss;
 }
 
-void Training::save(std::int64_t step) {
+void Training::save(std::int64_t step, bool may_skip) {
   json st = {{"step", step},
              {"adam_steps", opts_.front()->steps_taken()},
              {"tokens", res.tokens},
@@ -313,6 +316,8 @@ void Training::save(std::int64_t step) {
              {"lost_steps", res.lost_steps},
              {"steps_run", res.steps_run},
              {"restart_seconds", res.restart_seconds},
+             {"checkpoint_blocking_seconds", res.checkpoint_blocking_seconds},
+             {"checkpoint_persist_seconds", res.checkpoint_persist_seconds},
              {"oom_peak_demand_bytes", res.oom_peak_demand_bytes},
              {"first_oom", res.first_oom},
              // The planner's and the arena's counters, so that a resumed run reports the whole run.
@@ -326,15 +331,45 @@ void Training::save(std::int64_t step) {
              {"decisions", decisions_before + std::int64_t(all_decision_seconds.size())},
              {"max_load_ratio", res.max_load_ratio},
              {"predicted_peak_bytes", res.predicted_peak_bytes}};
+  // A rank whose persist still runs makes every rank skip, so that all keep the same steps.
+  const bool skipping = may_skip && ckpt_writer->when_busy() == train::CheckpointWriter::WhenBusy::skip;
+  double busy = skipping && ckpt_writer->busy() ? 1.0 : 0.0;
+  if (world_size > 1 && skipping) world->all_reduce_max(&busy, 1);
+  if (busy > 0) {
+    ++res.checkpoints_skipped;
+    progress.note(fmt::format("checkpoint of step {} skipped: the previous one is still being written", step));
+    return;
+  }
+  const Clock::time_point t0 = Clock::now();
+  finish_persist();  // one persist at a time (its rotation on every rank at the same step)
   // Old checkpoints go once every rank holds the new one: a rank killed while
   // saving leaves every rank a step in common to resume from.
-  train::save_checkpoint(ckpt_root, step, stage(model_bufs(), true), stage(opt_bufs(), true), st,
-                         world_size > 1 ? 0 : int(t.keep_checkpoints));
+  ckpt_writer->save(ckpt_root, step, stage(model_bufs(), true), stage(opt_bufs(), true), st,
+                    world_size > 1 ? 0 : int(t.keep_checkpoints));
+  staging.clear();
+  const double blocking = seconds_since(t0);
+  res.checkpoint_blocking_seconds += blocking;
+  last_checkpoint["checkpoint_step"] = step;
+  last_checkpoint["checkpoint_blocking_seconds"] = blocking;
+  if (ckpt_writer->mode() == train::CheckpointWriter::Mode::sync) {
+    res.checkpoint_persist_seconds += blocking;
+    if (world_size > 1) {
+      world->barrier();
+      train::rotate_checkpoints(ckpt_root, step, int(t.keep_checkpoints));
+    }
+  }
+}
+
+void Training::finish_persist() {
+  const std::optional<train::CheckpointWriter::Persisted> p = ckpt_writer->wait();
+  if (!p) return;
+  res.checkpoint_persist_seconds += p->seconds;
+  last_checkpoint["persisted_step"] = p->step;
+  last_checkpoint["checkpoint_persist_seconds"] = p->seconds;
   if (world_size > 1) {
     world->barrier();
-    train::rotate_checkpoints(ckpt_root, step, int(t.keep_checkpoints));
+    train::rotate_checkpoints(ckpt_root, p->step, int(t.keep_checkpoints));
   }
-  staging.clear();
 }
 
 void Training::restore_initial_state() {

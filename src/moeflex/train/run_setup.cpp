@@ -298,6 +298,9 @@ Training::Training(RunContext& ctx, RunRecord& rec)
       in(static_cast<std::size_t>(B * S)),
       tg(static_cast<std::size_t>(B * S)),
       restart_on_oom(t.on_oom == "restart") {
+  using W = train::CheckpointWriter;
+  ckpt_writer = std::make_unique<W>(t.checkpoint_mode == "sync" ? W::Mode::sync : W::Mode::async,
+                                    t.checkpoint_when_busy == "skip" ? W::WhenBusy::skip : W::WhenBusy::wait);
   start_op_profiling();
   build_replica();
   choose_provisioning();

@@ -32,6 +32,7 @@
 #include "moeflex/provision/cost_model.h"
 #include "moeflex/provision/planner.h"
 #include "moeflex/train/checkpoint.h"
+#include "moeflex/train/checkpoint_writer.h"
 #include "moeflex/train/dataset.h"
 #include "moeflex/train/optimizer.h"
 #include "moeflex/train/progress.h"
@@ -197,7 +198,12 @@ struct Training {
   json restore_checkpoint(const fs::path& dir);
   void resume_from(const fs::path& dir);
   void restore_initial_state();
-  void save(std::int64_t step);
+  /// Checkpoints `step`; a periodic one (`may_skip`) is skipped under
+  /// checkpoint_when_busy = "skip" while the previous one persists; the last never is.
+  void save(std::int64_t step, bool may_skip = false);
+  /// Waits for the checkpoint persist in flight, counts it and rotates the old ones
+  /// (every rank, at the same step).
+  void finish_persist();
   // step_loop.cpp
   double evaluate();
   void begin_step(std::int64_t step, StepRecord& s);
@@ -208,7 +214,7 @@ struct Training {
   void record_step(std::int64_t step, StepRecord& s);
   void finish_trace(std::int64_t step, const StepRecord& s);
   void report_progress(std::int64_t step, const StepRecord& s);
-  bool checkpoint_or_stop(std::int64_t step);
+  bool checkpoint_or_stop(std::int64_t step, StepRecord& s);
   // run_summary.cpp
   void finish_op_times();
 
@@ -263,6 +269,10 @@ struct Training {
   std::int64_t decisions_before = 0;  ///< the planner's decisions before a resume
   /// On a device, checkpoint files are written from and read into host copies.
   std::vector<std::vector<float>> staging;
+  /// Writes checkpoints (train.checkpoint_mode); its destructor flushes the persist in flight.
+  std::unique_ptr<train::CheckpointWriter> ckpt_writer;
+  /// What the step's metrics line says of checkpoints (the one taken, the one persisted).
+  json last_checkpoint = json::object();
   std::ofstream metrics;
   std::ofstream loads_out;  ///< loads.jsonl (record_loads)
   double train_seconds = 0;

@@ -60,6 +60,10 @@ void write_summary(const RunContext& ctx, const RunRecord& rec, double wall, boo
   s["lost_steps"] = res.lost_steps;
   s["steps_run"] = res.steps_run;
   s["restart_seconds"] = res.restart_seconds;
+  s["checkpoint_mode"] = cfg.train.checkpoint_mode;
+  s["checkpoint_blocking_seconds"] = res.checkpoint_blocking_seconds;
+  s["checkpoint_persist_seconds"] = res.checkpoint_persist_seconds;
+  s["checkpoints_skipped"] = res.checkpoints_skipped;
   s["tokens_per_second_effective"] = res.tokens_per_second_effective;
   s["oom_peak_demand_bytes"] = res.oom_peak_demand_bytes;
   s["first_oom"] = res.first_oom.empty() ? json(nullptr) : json(res.first_oom);

@@ -107,6 +107,7 @@ struct Training::StepRecord {
   bool spike = false;      ///< an injected routing spike
   bool tracing = false;    ///< the step goes to trace.json
   double thread_cpu0 = 0;  ///< the thread's CPU seconds at the start (--profile-ops)
+  json line;               ///< the step's metrics.jsonl line, written after its checkpoint
   LossParts sum;           ///< the step's losses
   json plan_line;          ///< the planner's part of the metrics line
   double opt_us = 0, stats_us = 0;  ///< trace times of the optimizer and the statistics
@@ -151,8 +152,9 @@ void Training::run_steps() {
     record_step(step, s);
     finish_trace(step, s);
     report_progress(step, s);
-    if (checkpoint_or_stop(step)) break;
+    if (checkpoint_or_stop(step, s)) break;
   }
+  finish_persist();  // the newest checkpoint is on disk before the run reports
   finish_op_times();
 }
 
@@ -266,6 +268,7 @@ std::int64_t Training::restart_after_oom(std::int64_t step, int oom_rank, double
   restarts_at[oom_step] = tried + 1;
   res.restarts += 1;
   const auto r0 = Clock::now();
+  finish_persist();  // a checkpoint still being written is the newest
   // The newest checkpoint every rank holds (one rank may have died while writing).
   std::optional<fs::path> newest = train::latest_checkpoint(ckpt_root);
   double back_neg = -double(newest ? train::checkpoint_step(*newest) : 0);
@@ -418,9 +421,7 @@ void Training::record_step(std::int64_t step, StepRecord& s) {
     rec.history.push_back({{"step", step + 1}, {"val_loss", last_val}});
     line["val_loss"] = last_val;
   }
-  if (rank0) {
-    append_line(metrics, run_dir / "metrics.jsonl", line.dump());
-  }
+  s.line = std::move(line);  // written once the step's checkpoint, if any, is taken
   res.tokens_per_second = double(res.tokens) / std::max(train_seconds, 1e-9);
   res.tokens_per_second_effective = double(res.tokens) / std::max(train_seconds + res.restart_seconds, 1e-9);
 }
@@ -452,15 +453,19 @@ void Training::report_progress(std::int64_t step, const StepRecord& s) {
                   all_bytes > 0 ? s.offl / all_bytes : 0.0, res.provisioned_steps);
 }
 
-bool Training::checkpoint_or_stop(std::int64_t step) {
+bool Training::checkpoint_or_stop(std::int64_t step, StepRecord& s) {
   // A stop request must be seen by every rank at the same step.
   double stop_flag = stop_requested() ? 1.0 : 0.0;
   if (world_size > 1) world->all_reduce_max(&stop_flag, 1);
   const bool stop_now =
       ((opts.stop_after >= 0 && step + 1 >= opts.stop_after) || stop_flag > 0) && step + 1 < t.steps;
-  if ((t.checkpoint_every > 0 && (step + 1) % t.checkpoint_every == 0) ||
-      (step + 1 == t.steps && t.checkpoint_every >= 0) || stop_now)
-    save(step + 1);
+  const bool last = (step + 1 == t.steps && t.checkpoint_every >= 0) || stop_now;
+  if (last || (t.checkpoint_every > 0 && (step + 1) % t.checkpoint_every == 0)) save(step + 1, !last);
+  if (rank0) {
+    for (auto& [k, v] : last_checkpoint.items()) s.line[k] = v;
+    append_line(metrics, run_dir / "metrics.jsonl", s.line.dump());
+  }
+  last_checkpoint = json::object();
   if (stop_now) {
     progress.note(fmt::format("stopped after step {} (checkpoint saved); continue with --resume {}", step + 1,
                               run_dir.string()));

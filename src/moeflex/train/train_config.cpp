@@ -1,5 +1,6 @@
 #include "moeflex/train/train_config.h"
 
+#include <array>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -43,6 +44,22 @@ void for_each_train_field(TrainConfig& c, F&& f) {
   f("trace_steps", c.trace_steps);
   f("max_restarts", c.max_restarts);
   f("restart_seconds", c.restart_seconds);
+}
+
+/// A string field of [train]: its key, where it lives, an example for errors.
+struct TrainString {
+  const char* key;
+  std::string* field;
+  const char* example;
+};
+
+/// The string fields of [train], read and written alike.
+std::array<TrainString, 5> train_strings(TrainConfig& c) {
+  return {{{"policy", &c.policy, "such as \"full\""},
+           {"inject_imbalance", &c.inject_imbalance, "such as \"every=10:ratio=2.6\""},
+           {"on_oom", &c.on_oom, "\"fail\" or \"restart\""},
+           {"checkpoint_mode", &c.checkpoint_mode, "\"async\" or \"sync\""},
+           {"checkpoint_when_busy", &c.checkpoint_when_busy, "\"wait\" or \"skip\""}}};
 }
 
 // Reads one scalar field of `section` into `field`, with a typed error naming it.
@@ -103,6 +120,11 @@ void RunConfig::validate() const {
   rule(t.eval_batches >= 1, "train.eval_batches: must be at least 1");
   rule(t.checkpoint_every >= -1, "train.checkpoint_every: must be >= 0, or -1 for no checkpoint at all");
   rule(t.keep_checkpoints >= 1, "train.keep_checkpoints: must be at least 1");
+  rule(t.checkpoint_mode == "async" || t.checkpoint_mode == "sync",
+       fmt::format("train.checkpoint_mode: must be \"async\" (flash checkpoints) or \"sync\" (got \"{}\")",
+                   t.checkpoint_mode));
+  rule(t.checkpoint_when_busy == "wait" || t.checkpoint_when_busy == "skip",
+       fmt::format("train.checkpoint_when_busy: must be \"wait\" or \"skip\" (got \"{}\")", t.checkpoint_when_busy));
   if (t.policy != "adaptive" && t.policy != "auto") static_policy_recomputes(t.policy, "");  // throws ConfigError naming the policies
   ops::parse_imbalance(t.inject_imbalance);  // throws ConfigError naming the bad part
   rule(t.on_oom == "fail" || t.on_oom == "restart",
@@ -180,24 +202,14 @@ RunConfig RunConfig::from_toml_text(const std::string& text, const std::string& 
         known.insert(key);
         read_field(*t, "train", key, field);
       });
-      if (auto* pol = t->get("policy")) {
-        auto v = pol->value<std::string>();
-        if (!v) throw ConfigError("train.policy: must be a string such as \"full\"");
-        c.train.policy = *v;
+      for (const TrainString& f : train_strings(c.train)) {
+        if (auto* node = t->get(f.key)) {
+          auto v = node->value<std::string>();
+          if (!v) throw ConfigError(std::string("train.") + f.key + ": must be a string, " + f.example);
+          *f.field = *v;
+        }
+        known.insert(f.key);
       }
-      known.insert("policy");
-      if (auto* ii = t->get("inject_imbalance")) {
-        auto v = ii->value<std::string>();
-        if (!v) throw ConfigError("train.inject_imbalance: must be a string such as \"every=10:ratio=2.6\"");
-        c.train.inject_imbalance = *v;
-      }
-      known.insert("inject_imbalance");
-      if (auto* oo = t->get("on_oom")) {
-        auto v = oo->value<std::string>();
-        if (!v) throw ConfigError("train.on_oom: must be a string, \"fail\" or \"restart\"");
-        c.train.on_oom = *v;
-      }
-      known.insert("on_oom");
       reject_unknown(*t, "train", known);
     }
     if (auto* d = root["data"].as_table()) {
@@ -317,9 +329,8 @@ std::string RunConfig::to_toml() const {
     if constexpr (std::is_integral_v<F>) s += fmt::format("{} = {}\n", key, field);
     else s += fmt::format("{} = {}\n", key, toml_float(field));
   });
-  s += fmt::format("policy = {}\n", toml_string(train.policy));
-  if (!train.inject_imbalance.empty()) s += fmt::format("inject_imbalance = {}\n", toml_string(train.inject_imbalance));
-  s += fmt::format("on_oom = {}\n", toml_string(train.on_oom));
+  for (const TrainString& f : train_strings(t))
+    if (!f.field->empty()) s += fmt::format("{} = {}\n", f.key, toml_string(*f.field));
   s += fmt::format("\n[data]\npath = {}\nval_fraction = {}\n", toml_string(data.path), toml_float(data.val_fraction));
   if (data.eos_id >= 0) s += fmt::format("eos_id = {}\n", data.eos_id);
   s += fmt::format("\n[parallel]\npp = {}\ndp = {}\nep = {}\nvpp = {}\nschedule = {}\npad_layers = {}\n",

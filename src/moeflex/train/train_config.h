@@ -31,6 +31,11 @@ struct TrainConfig {
   std::int64_t eval_batches = 8;       ///< validation micro-batches per evaluation
   std::int64_t checkpoint_every = 100; ///< steps between checkpoints; 0 = end only; -1 = none (benchmarks)
   std::int64_t keep_checkpoints = 2;   ///< newest checkpoints kept
+  /// "async" (flash checkpoints: the state copied to a host snapshot, persisted by a
+  /// background thread while training goes on) or "sync" (written before the next step).
+  std::string checkpoint_mode = "async";
+  /// async: a checkpoint due while the previous one still persists "wait"s for it or is "skip"ped.
+  std::string checkpoint_when_busy = "wait";
   std::string policy = "auto";         ///< activation provisioning: auto (adaptive with a budget, else none), none, full, selective, moe-light, moe-medium, moe-full, threshold[=R], adaptive
   std::int64_t trace_steps = 3;        ///< steps recorded in trace.json (Chrome trace format); 0 = none
   std::string inject_imbalance;        ///< routing spikes on demand: "every=N:ratio=R" or "prob=P:ratio=R:seed=S"

@@ -60,6 +60,9 @@ struct TrainResult {
   std::int64_t lost_steps = 0;   ///< completed steps rolled back by restarts (done twice); OOM steps not included
   std::int64_t steps_run = 0;    ///< forward/backward passes run: kept, lost and dropped (OOM) steps
   double restart_seconds = 0;    ///< charged for restarts: train.restart_seconds each + the measured reloads
+  double checkpoint_blocking_seconds = 0;  ///< training's time in checkpoints (async: the snapshot copies)
+  double checkpoint_persist_seconds = 0;   ///< the writing of them (async: on the background thread)
+  std::int64_t checkpoints_skipped = 0;    ///< async with checkpoint_when_busy = "skip": due while one persisted
   /// Kept tokens / (seconds of every step run, lost and dropped ones included, + restart_seconds).
   double tokens_per_second_effective = 0;
   std::int64_t oom_peak_demand_bytes = 0;  ///< the most device memory a dropped (OOM) step used, heap overflow included

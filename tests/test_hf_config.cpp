@@ -87,6 +87,30 @@ TEST(HfConfig, OlmoeNormsTheWholeOfQAndK) {
   EXPECT_FALSE(c.model.norm_topk_prob);
 }
 
+// Qwen's mlp_only_layers: read from config.json and TOML, written back by to_toml (a
+// run's config.toml), checked against the layer count.
+TEST(HfConfig, MlpOnlyLayersAreDenseWhateverTheStep) {
+  nlohmann::json j = tiny_qwen3();
+  j["num_hidden_layers"] = 4;
+  j["mlp_only_layers"] = {1, 3};
+  j["intermediate_size"] = 48;  // (the dense layers' width)
+  const fs::path dir = test::scratch_dir("moeflex_hf_", "mlp_only");
+  const RunConfig c = RunConfig::from_file(write_json(dir, j).string());
+  std::vector<bool> moe;
+  for (int l = 0; l < 4; ++l) moe.push_back(c.model.is_moe_layer(l));
+  EXPECT_EQ(moe, (std::vector<bool>{true, false, true, false}));
+  const ModelConfig back = RunConfig::from_toml_text(c.to_toml(), "config.toml").model;
+  EXPECT_EQ(back.mlp_only_layers, (std::vector<std::int64_t>{1, 3}));
+  ModelConfig bad = c.model;
+  bad.mlp_only_layers = {4};
+  EXPECT_NE(config_error([&] { bad.validate(); }).find("model.mlp_only_layers: 4 is not a layer"), std::string::npos);
+  bad.mlp_only_layers = {1, 1};
+  EXPECT_NE(config_error([&] { bad.validate(); }).find("lists layer 1 twice"), std::string::npos);
+  j["mlp_only_layers"] = "1";
+  EXPECT_NE(config_error([&] { RunConfig::from_file(write_json(dir, j).string()); }).find("a list of integers"),
+            std::string::npos);
+}
+
 // DeepSeek-V3's routing fields are the engine's: read with their Hugging Face names.
 TEST(HfConfig, DeepSeekRoutingFieldsAreRead) {
   nlohmann::json j = tiny_qwen3();

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <cstring>
 #include <numeric>
 #include <nlohmann/json.hpp>
@@ -27,11 +28,14 @@ std::vector<std::int32_t> random_tokens(std::int64_t n, std::int64_t V, std::uin
   return t;
 }
 
-void check_golden(const std::string& file) {
+/// The golden file's case through the engine; `patch` may restate its config in other
+/// fields that mean the same model.
+void check_golden(const std::string& file, const std::function<void(nlohmann::json&)>& patch = {}) {
   auto st = train::SafetensorsFile::open(kRefDir + file);
   ASSERT_EQ(st.metadata().at("magic"), "moeflex-golden");
   ASSERT_EQ(st.metadata().at("version"), "1");
   auto cj = nlohmann::json::parse(st.metadata().at("config"));
+  if (patch) patch(cj);
   ModelConfig cfg = ModelConfig::from_hf_json(cj);
   const std::int64_t B = cj.at("batch_size"), S = cj.at("seq_len"), n = B * S, V = cfg.vocab_size;
   Arena arena;
@@ -84,6 +88,16 @@ TEST(Golden, QkNormOverTheWholeWidthMatchesPyTorchReference) { check_golden("gol
 
 // Dense and MoE layers alternating (decoder_sparse_step 2 after a dense first layer).
 TEST(Golden, AlternatingDenseAndMoeLayersMatchPyTorchReference) { check_golden("golden_v1_sparse_step.safetensors"); }
+// The same layers named by Qwen's mlp_only_layers instead: dense 0 and 2, MoE 1 and 3.
+TEST(Golden, MlpOnlyLayersMatchTheAlternatingReference) {
+  check_golden("golden_v1_sparse_step.safetensors", [](nlohmann::json& c) {
+    ASSERT_EQ(c.at("decoder_sparse_step"), 2);
+    ASSERT_EQ(c.at("first_k_dense_replace"), 1);
+    c["decoder_sparse_step"] = 1;
+    c["first_k_dense_replace"] = 0;
+    c["mlp_only_layers"] = {0, 2};
+  });
+}
 
 // DeepSeek-V3's router: sigmoid scores, an expert bias that changes some tokens'
 // experts, 2 of 4 groups by their top-2 sum, weights renormalised and scaled by 2.5.

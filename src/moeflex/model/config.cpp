@@ -40,6 +40,7 @@ void for_each_field(ModelConfig& c, F&& f) {
   f("shared_expert_intermediate_size", c.shared_expert_intermediate_size);
   f("first_k_dense_replace", c.first_k_dense_replace);
   f("decoder_sparse_step", c.decoder_sparse_step);
+  f("mlp_only_layers", c.mlp_only_layers);
   f("intermediate_size", c.intermediate_size);
   f("n_group", c.n_group);
   f("topk_group", c.topk_group);
@@ -122,6 +123,14 @@ void ModelConfig::validate() const {
   rule(rms_norm_eps > 0, "rms_norm_eps", "must be positive");
   rule(first_k_dense_replace >= 0 && first_k_dense_replace <= num_hidden_layers, "first_k_dense_replace",
        fmt::format("must be in [0, num_hidden_layers={}] (got {})", num_hidden_layers, first_k_dense_replace));
+  for (std::size_t i = 0; i < mlp_only_layers.size(); ++i) {
+    const std::int64_t l = mlp_only_layers[i];
+    rule(l >= 0 && l < num_hidden_layers, "mlp_only_layers",
+         fmt::format("{} is not a layer of the {} (0-based)", l, num_hidden_layers));
+    rule(std::find(mlp_only_layers.begin(), mlp_only_layers.begin() + std::ptrdiff_t(i), l) ==
+             mlp_only_layers.begin() + std::ptrdiff_t(i),
+         "mlp_only_layers", fmt::format("lists layer {} twice", l));
+  }
   rule(decoder_sparse_step >= 1 && decoder_sparse_step <= (1 << 12), "decoder_sparse_step",
        fmt::format("must be in [1, 4096] (1: every layer from first_k_dense_replace on is MoE; got {})",
                    decoder_sparse_step));
@@ -208,7 +217,15 @@ ModelConfig ModelConfig::from_toml(const toml::table& t) {
     const toml::node* n = t.get(key);
     if (!n) return;
     using F = std::decay_t<decltype(field)>;
-    if constexpr (std::is_same_v<F, std::string>) {
+    if constexpr (std::is_same_v<F, std::vector<std::int64_t>>) {
+      const toml::array* a = n->as_array();
+      rule(a != nullptr, key, "must be a list of integers");
+      field.clear();
+      for (const toml::node& e : *a) {
+        rule(e.is_integer(), key, "must be a list of integers");
+        field.push_back(*e.value<std::int64_t>());
+      }
+    } else if constexpr (std::is_same_v<F, std::string>) {
       auto v = n->value_exact<std::string>();
       rule(v.has_value(), key, "must be a string");
       field = *v;
@@ -269,9 +286,19 @@ ModelConfig ModelConfig::from_hf_json(const nlohmann::json& j, const std::string
     f = j[k].get<std::string>();
     return true;
   };
+  auto get_list = [&](const char* k, std::vector<std::int64_t>& f) {
+    if (!has(k)) return;
+    if (!j[k].is_array()) throw bad(k, "a list of integers");
+    f.clear();
+    for (const auto& e : j[k]) {
+      if (!e.is_number_integer()) throw bad(k, "a list of integers");
+      f.push_back(e.get<std::int64_t>());
+    }
+  };
   for_each_field(c, [&](const char* key, auto& field) {
     using F = std::decay_t<decltype(field)>;
-    if constexpr (std::is_same_v<F, std::string>) get_s(key, field);
+    if constexpr (std::is_same_v<F, std::vector<std::int64_t>>) get_list(key, field);
+    else if constexpr (std::is_same_v<F, std::string>) get_s(key, field);
     else if constexpr (std::is_same_v<F, bool>) get_b(key, field);
     else if constexpr (std::is_integral_v<F>) get_i(key, field);
     else get_d(key, field);
@@ -305,11 +332,6 @@ ModelConfig ModelConfig::from_hf_json(const nlohmann::json& j, const std::string
     throw ConfigError(fmt::format("{}: moe_layer_freq = {} (an MoE layer every {} layers) is not supported: "
                                   "moeflex alternates layers by decoder_sparse_step",
                                   source, step, step));
-  if (has("mlp_only_layers") && !(j["mlp_only_layers"].is_array() && j["mlp_only_layers"].empty()))
-    throw ConfigError(
-        fmt::format("{}: mlp_only_layers = {} (dense layers among the MoE ones) is not supported: "
-                    "moeflex's dense layers are the first first_k_dense_replace and those decoder_sparse_step skips",
-                    source, j["mlp_only_layers"].dump()));
 
   // The shape has no sensible default: a missing field would silently give the
   // embedded toy model's value. The rest (RoPE, norms, router losses, shared
@@ -370,7 +392,11 @@ std::string ModelConfig::to_toml() const {
   auto c = *this;
   for_each_field(c, [&](const char* key, auto& field) {
     using F = std::decay_t<decltype(field)>;
-    if constexpr (std::is_same_v<F, std::string>) s += fmt::format("{} = {}\n", key, toml_string(field));
+    if constexpr (std::is_same_v<F, std::vector<std::int64_t>>) {
+      std::string list;
+      for (std::int64_t v : field) list += (list.empty() ? "" : ", ") + std::to_string(v);
+      s += fmt::format("{} = [{}]\n", key, list);
+    } else if constexpr (std::is_same_v<F, std::string>) s += fmt::format("{} = {}\n", key, toml_string(field));
     else if constexpr (std::is_same_v<F, bool>) s += fmt::format("{} = {}\n", key, field ? "true" : "false");
     else if constexpr (std::is_integral_v<F>) s += fmt::format("{} = {}\n", key, field);
     else s += fmt::format("{} = {}\n", key, toml_float(field));

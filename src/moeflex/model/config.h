@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json_fwd.hpp>
 
@@ -54,6 +55,9 @@ struct ModelConfig {
   /// Qwen2/3-MoE's decoder_sparse_step: of the layers from first_k_dense_replace on,
   /// layer l is MoE when (l + 1) % decoder_sparse_step == 0, else dense (1: all MoE).
   std::int64_t decoder_sparse_step = 1;
+  /// Qwen2/3-MoE's mlp_only_layers: layers (0-based) with a dense MLP whatever
+  /// decoder_sparse_step says.
+  std::vector<std::int64_t> mlp_only_layers;
   std::int64_t intermediate_size = 1024;       ///< width of those dense MLPs
   /// Group-limited routing (DeepSeek-V2/V3's "device/node-limited routing"; HF n_group
   /// and topk_group): the experts form n_group equal groups, and a token's top-k
@@ -148,7 +152,8 @@ struct ModelConfig {
                                                : n_shared_experts * moe_intermediate_size;
   }
   bool is_moe_layer(std::int64_t l) const {
-    return l >= first_k_dense_replace && (decoder_sparse_step <= 1 || (l + 1) % decoder_sparse_step == 0);
+    return l >= first_k_dense_replace && (decoder_sparse_step <= 1 || (l + 1) % decoder_sparse_step == 0) &&
+           std::find(mlp_only_layers.begin(), mlp_only_layers.end(), l) == mlp_only_layers.end();
   }
   /// True when some layer has a dense MLP (a dense prefix or alternating layers).
   bool has_dense_layers() const {

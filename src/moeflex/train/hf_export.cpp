@@ -58,6 +58,8 @@ std::string hf_architecture(const ModelConfig& cfg) {
   if (cfg.qk_norm == "head") return "qwen3_moe";
   refuse(cfg.decoder_sparse_step != 1, fmt::format("decoder_sparse_step = {}: only Qwen3-MoE (qk_norm = \"head\") "
                                                    "alternates dense layers", cfg.decoder_sparse_step));
+  refuse(!cfg.mlp_only_layers.empty(), "mlp_only_layers: only Qwen3-MoE (qk_norm = \"head\") has dense layers among "
+                                       "the MoE ones");
   refuse(cfg.head_dim_override > 0 && cfg.head_dim_override * cfg.num_attention_heads != cfg.hidden_size,
          fmt::format("head_dim = {} (not hidden_size / heads) is Qwen3-MoE's (qk_norm = \"head\")", cfg.head_dim()));
   if (cfg.qk_norm == "full") return "olmoe";
@@ -88,7 +90,7 @@ nlohmann::json hf_config_json(const ModelConfig& c, const std::string& arch) {
     j.update({{"architectures", {"Qwen3MoeForCausalLM"}}, {"model_type", "qwen3_moe"}, {"head_dim", c.head_dim()},
               {"num_experts", c.num_experts}, {"moe_intermediate_size", c.moe_intermediate_size},
               {"intermediate_size", c.intermediate_size}, {"norm_topk_prob", c.norm_topk_prob},
-              {"decoder_sparse_step", c.decoder_sparse_step}, {"mlp_only_layers", nlohmann::json::array()},
+              {"decoder_sparse_step", c.decoder_sparse_step}, {"mlp_only_layers", c.mlp_only_layers},
               {"attention_bias", false}, {"attention_dropout", 0.0}, {"use_sliding_window", false},
               {"sliding_window", nullptr}});
   } else if (arch == "olmoe") {  // OLMoE's experts are intermediate_size wide

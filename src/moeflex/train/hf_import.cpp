@@ -75,6 +75,10 @@ void check_config_matches(const fs::path& dir, const ModelConfig& cfg) {
   if (hf.has_dense_layers() && hf.intermediate_size != cfg.intermediate_size)
     throw ConfigError(fmt::format("--init-from: the checkpoint's config.json has intermediate_size = {} but the run's "
                                   "model has {}", hf.intermediate_size, cfg.intermediate_size));
+  if (hf.mlp_only_layers != cfg.mlp_only_layers)
+    throw ConfigError(fmt::format("--init-from: the checkpoint's config.json has mlp_only_layers = {} but the run's "
+                                  "model has {}", nlohmann::json(hf.mlp_only_layers).dump(),
+                                  nlohmann::json(cfg.mlp_only_layers).dump()));
   if (hf.qk_norm != cfg.qk_norm)
     throw ConfigError(fmt::format("--init-from: the checkpoint is {} (qk_norm \"{}\") but the run's model has qk_norm "
                                   "\"{}\"", j.value("model_type", std::string("?")), hf.qk_norm, cfg.qk_norm));

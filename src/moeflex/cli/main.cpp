@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
+#include <optional>
 #include <string_view>
 
 #include "moeflex/comm/mpi_communicator.h"
@@ -12,6 +13,7 @@
 #include "moeflex/core/error.h"
 #include "moeflex/ops/blas.h"
 #include "moeflex/cli/sim_commands.h"
+#include "moeflex/cli/run_command.h"
 #include "moeflex/profile/calibrate.h"
 #include "moeflex/profile/calibrate_device.h"
 #include "moeflex/train/calibrate_command.h"
@@ -33,8 +35,8 @@ std::string timestamp_dir() {
 
 // Reports an error. Under MPI with other ranks, an error this rank alone may have
 // seen ends the whole job (MPI_Abort) instead of leaving the others waiting.
-int fail(comm::MpiSession& mpi, const std::string& msg, int code) {
-  if (comm::MpiSession::active() && mpi.world_size() > 1) comm::abort_job(msg, code);
+int fail(const comm::MpiSession* mpi, const std::string& msg, int code) {
+  if (comm::MpiSession::active() && mpi && mpi->world_size() > 1) comm::abort_job(msg, code);
   fmt::print(stderr, "\nmoeflex: {}\n", msg);
   return code;
 }
@@ -82,8 +84,12 @@ int main(int argc, char** argv) {
     }
     if (computes) ops::restart_with_fast_blas_kernels(argv);
   }
-  // Under mpirun / srun, MPI is initialised here and finalised at exit.
-  comm::MpiSession mpi(&argc, &argv);
+  // Under mpirun / srun, MPI is initialised here and finalised at exit; `moeflex run`
+  // launches such jobs and must not be an MPI process itself (an MPI singleton's
+  // environment makes the mpirun it starts fail).
+  std::optional<comm::MpiSession> session;
+  if (!(argc > 1 && std::string_view(argv[1]) == "run")) session.emplace(&argc, &argv);
+  const comm::MpiSession* mpi = session ? &*session : nullptr;
   CLI::App app{"moeflex: mixture-of-experts training with runtime-adaptive activation memory"};
   app.require_subcommand(1);
   // A flag given twice takes its last value, as `make train ARGS="--device-memory 215MiB"`
@@ -132,7 +138,19 @@ int main(int argc, char** argv) {
   train->add_option("--hardware-profile", hardware_profile,
                     "the profile that prices ops for --profile-ops and the adaptive planner (default "
                     "data/hardware/this-machine.json)");
-  std::string policy, inject;
+  std::string policy, inject, inject_slowdown;
+  train->add_option("--inject-slowdown", inject_slowdown,
+                    "make one rank slower in one phase, for tests and demonstrations: rank=R:phase=P:factor=F[:from=S] "
+                    "(P: data, forward, backward, experts, optimizer, all_to_all, all_reduce, send_recv; "
+                    "train.inject_slowdown)");
+  std::int64_t slow_rank_every = -1, slow_rank_level = -1;
+  train->add_option("--slow-rank-level", slow_rank_level,
+                    "what slow-rank detection records: 0 the step's phases, 2 also every communication call with its "
+                    "bytes and peer (RUN/comm_calls[.rankR].jsonl) (train.slow_rank_level)");
+  train->add_option("--slow-rank-every", slow_rank_every,
+                    "steps between the ranks' exchanges of their phase times for slow-rank detection, 0 = off "
+                    "(train.slow_rank_every)")
+      ->check(CLI::NonNegativeNumber);
   train->add_option("--inject-imbalance", inject, "routing spikes: every=N:ratio=R, prob=P:ratio=R:seed=S or preset=NAME (balanced, hot-expert, hot-rank, zero-rank, rotating, bursts), with shape keys hot=G, rotate=N, per_layer=1, level=expert, zero=G, zipf=S, dirichlet=A, or replay=PATH (another run's loads.jsonl or run directory: its EP ranks' shares, step by step, on every step)");
   train->add_option("--policy", policy,
                     "activation provisioning: adaptive (the default with --device-memory), none (the default without), full, "
@@ -237,6 +255,9 @@ int main(int argc, char** argv) {
   // --- simulate, search (cli/sim_commands.cpp)
   add_sim_commands(app);
 
+  // --- run (cli/run_command.cpp): supervised restart of a train command
+  CLI::App* run_cmd = add_run_command(app);
+
   // A first word that names no command: CLI11 would only say that one is required.
   if (argc > 1 && argv[1][0] != '-') {
     const std::string_view cmd = argv[1];
@@ -259,6 +280,7 @@ int main(int argc, char** argv) {
     return rc == 0 ? 0 : 2;
   }
   try {
+    if (*run_cmd) return run_run_command();
     if (*train) {
       TrainOptions o;
       if (!init_from.empty() && !resume_dir.empty())
@@ -277,6 +299,9 @@ int main(int argc, char** argv) {
       if (train->count("--data-eos-id")) o.config.data.eos_id = data_eos_id;
       if (!policy.empty()) o.config.train.policy = policy;
       if (!inject.empty()) o.config.train.inject_imbalance = inject;
+      if (!inject_slowdown.empty()) o.config.train.inject_slowdown = inject_slowdown;
+      if (slow_rank_every >= 0) o.config.train.slow_rank_every = slow_rank_every;
+      if (train->count("--slow-rank-level")) o.config.train.slow_rank_level = slow_rank_level;
       if (!on_oom.empty()) o.config.train.on_oom = on_oom;
       if (max_restarts >= 0) o.config.train.max_restarts = max_restarts;
       if (restart_seconds >= 0) o.config.train.restart_seconds = restart_seconds;
@@ -295,11 +320,11 @@ int main(int argc, char** argv) {
       if (!resume_dir.empty()) {
         const bool others = !config_path.empty() || !device_memory.empty() || !data_path.empty() || !policy.empty() ||
                             train->count("--data-eos-id") ||
-                            !inject.empty() || pp > 0 || dp >= 0 || ep > 0 || vpp > 0 || !schedule.empty() ||
+                            !inject.empty() || !inject_slowdown.empty() || slow_rank_every >= 0 || slow_rank_level >= 0 || pp > 0 || dp >= 0 || ep > 0 || vpp > 0 || !schedule.empty() ||
                             seed >= 0 || !on_oom.empty() || max_restarts >= 0 || restart_seconds >= 0 ||
                             checkpoint_every >= 0 || !device.empty() || expert_chunk_rows >= 0 || !out_dir.empty() ||
                             grad_accum > 0 || train->count("--bf16");
-        if (others && (!comm::MpiSession::active() || mpi.world_rank() == 0))
+        if (others && (!comm::MpiSession::active() || mpi->world_rank() == 0))
           fmt::print(stderr,
                      "moeflex: --resume continues the run in its own folder with its own config.toml: the "
                      "config's flags (--config, --policy, --device-memory, ...) and --out are ignored; "
@@ -331,7 +356,7 @@ int main(int argc, char** argv) {
                             format_bytes(r.bytes_offloaded), r.oom_count)
           : r.oom_count > 0 ? fmt::format("; {} OOMs, {} restarts", r.oom_count, r.restarts)
                             : std::string();
-      if (!comm::MpiSession::active() || mpi.world_rank() == 0)
+      if (!comm::MpiSession::active() || mpi->world_rank() == 0)
         fmt::print("run {}: {} steps, {} tokens, {}, {:.0f} tokens/s, peak device memory {}{}\n", run.string(), r.steps,
                    r.tokens, val, r.tokens_per_second, format_bytes(r.peak_device_bytes), planner);
     } else if (run_sim_commands()) {
@@ -369,7 +394,7 @@ int main(int argc, char** argv) {
       return run_in_situ_calibrate_command(cal_from_run, cal_base, out);
     } else if (*cal) {
       return run_calibrate_command(cal_out, cal_threads, cal_seconds,
-                                   !comm::MpiSession::active() || mpi.world_rank() == 0);
+                                   !comm::MpiSession::active() || mpi->world_rank() == 0);
     } else if (*gen) {
       gopts.seed = std::uint64_t(gseed);
       if (gen->count("--prompt-ids")) {
@@ -401,6 +426,8 @@ int main(int argc, char** argv) {
     }
   } catch (const OutOfMemoryError& e) {
     return fail(mpi, e.what(), 3);
+  } catch (const comm::CommError& e) {  // a peer or the network failed: a relaunch may succeed
+    return fail(mpi, fmt::format("error: {}", e.what()), 4);
   } catch (const Error& e) {
     return fail(mpi, fmt::format("error: {}", e.what()), 2);
   } catch (const std::filesystem::filesystem_error& e) {  // a path that cannot be created, read or written

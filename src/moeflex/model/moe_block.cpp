@@ -8,6 +8,7 @@
 
 #include <algorithm>
 
+#include "moeflex/core/phase_clock.h"
 #include "moeflex/model/model.h"
 #include "moeflex/ops/grouped_linear.h"
 #include "moeflex/ops/moe_dispatch.h"
@@ -242,6 +243,7 @@ Tensor MoEModel::dispatch_forward(const Tensor& m, const Routed& r, DispatchLayo
 
 void MoEModel::experts_ffn(int l, const Tensor& xe, const std::int32_t* eoff, std::int64_t Rr, ExpertsKept keep,
                            Tensor& h1, Tensor& h3, Tensor& a, Tensor& ye) {
+  const PhaseScope step_phase(StepPhase::experts);  // slow-rank detection scores it per received row
   const LayerParams& P = layer(l);
   const std::int64_t d = cfg_.hidden_size, f = cfg_.moe_intermediate_size, El = dispatcher_.local_experts();
   const std::int64_t chunk = cfg_.expert_chunk(Rr);
@@ -463,6 +465,7 @@ MoEModel::Shared MoEModel::combine_backward(const DispatchLayout& L, Tensor& dx,
 void MoEModel::expert_chunks_backward(int l, int mb, Tensor& dx, const DispatchLayout& L, const Shared& dyes,
                                       const Tensor& slot_of, Tensor& dw, std::int64_t n, bool combine_by_chunk,
                                       Tensor& dxe_own, View& dxe) {
+  const PhaseScope step_phase(StepPhase::experts);
   const LayerParams& P = layer(l);
   const std::int64_t d = cfg_.hidden_size, k = cfg_.num_experts_per_tok, f = cfg_.moe_intermediate_size;
   const std::int64_t El = dispatcher_.local_experts(), Rr = L.rows_received;

@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 
 #include "moeflex/core/error.h"
+#include "moeflex/core/key_values.h"
 #include "moeflex/core/rng.h"
 #include "moeflex/ops/router.h"
 
@@ -23,44 +24,11 @@ namespace {
 /// Stream of uniform01 reserved for the step set of mode prob.
 constexpr std::uint64_t kImbalanceStream = 0x1D1BA1A4CEull;
 
-std::string trim(const std::string& s) {
-  std::size_t b = 0, e = s.size();
-  while (b < e && std::isspace(static_cast<unsigned char>(s[b]))) ++b;
-  while (e > b && std::isspace(static_cast<unsigned char>(s[e - 1]))) --e;
-  return s.substr(b, e - b);
-}
-
 [[noreturn]] void refuse(const std::string& text, const std::string& why) {
   throw ConfigError(fmt::format(
       "--inject-imbalance '{}': {} (expected 'every=N:ratio=R', 'prob=P:ratio=R:seed=S', 'preset=NAME' or 'none', "
       "with shape keys hot=G, rotate=N, per_layer=1, level=expert, zero=G, zipf=S, dirichlet=A, replay=PATH)",
       text, why));
-}
-
-bool all_digits(const std::string& v) {
-  return !v.empty() && std::all_of(v.begin(), v.end(), [](char c) { return c >= '0' && c <= '9'; });
-}
-
-/// Full-string decimal unsigned integer; false on junk or overflow.
-bool parse_u64(const std::string& v, std::uint64_t& out) {
-  if (!all_digits(v)) return false;
-  errno = 0;
-  char* end = nullptr;
-  const unsigned long long x = std::strtoull(v.c_str(), &end, 10);
-  if (errno == ERANGE || end != v.c_str() + v.size()) return false;
-  out = static_cast<std::uint64_t>(x);
-  return true;
-}
-
-/// Full-string finite floating-point number; false otherwise.
-bool parse_double(const std::string& v, double& out) {
-  if (v.empty() || std::isspace(static_cast<unsigned char>(v[0]))) return false;
-  errno = 0;
-  char* end = nullptr;
-  const double x = std::strtod(v.c_str(), &end);
-  if (errno == ERANGE || end != v.c_str() + v.size() || !std::isfinite(x)) return false;
-  out = x;
-  return true;
 }
 
 void check_shape(std::int64_t E, std::int64_t k, int groups, const char* who) {
@@ -85,21 +53,10 @@ namespace {
 
 /// The parts of a spec as key -> value, in order; refuses malformed or repeated keys.
 std::vector<std::pair<std::string, std::string>> split_parts(const std::string& text, const std::string& s) {
-  std::vector<std::pair<std::string, std::string>> parts;
-  std::size_t start = 0;
-  while (true) {
-    const std::size_t colon = s.find(':', start);
-    const std::string part = trim(s.substr(start, colon == std::string::npos ? std::string::npos : colon - start));
-    const std::size_t eq = part.find('=');
-    if (eq == std::string::npos) refuse(text, fmt::format("part '{}' is not of the form key=value", part));
-    std::string key = trim(part.substr(0, eq));
-    for (const auto& [k, v] : parts)
-      if (k == key) refuse(text, fmt::format("'{}' is given twice", key));
-    parts.emplace_back(std::move(key), trim(part.substr(eq + 1)));
-    if (colon == std::string::npos) break;
-    start = colon + 1;
-  }
-  return parts;
+  std::string why;
+  auto parts = split_key_values(s, why);
+  if (!parts) refuse(text, why);
+  return *parts;
 }
 
 int parse_count(const std::string& text, const std::string& key, const std::string& val, std::uint64_t least) {

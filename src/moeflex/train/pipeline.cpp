@@ -8,6 +8,7 @@
 #include <optional>
 
 #include "moeflex/core/op_context.h"
+#include "moeflex/core/phase_clock.h"
 
 namespace moeflex {
 
@@ -120,6 +121,10 @@ LossParts PipelineExecutor::run_step(const BatchFn& batch, double grad_scale) {
                 : a.kind == ActionKind::BackwardWeight ? OpPhase::backward_weight
                 : is_compute(a.kind)                   ? OpPhase::backward_input
                                                        : OpPhase::other;
+    // The step's phase for slow-rank detection (communication calls nest in it).
+    const PhaseScope step_phase(a.kind == ActionKind::Forward ? StepPhase::forward
+                                : is_compute(a.kind)          ? StepPhase::backward
+                                                              : StepPhase::other);
     prepare_placement(ai, a.kind);
     std::optional<Arena::FromTop> from_top;
     if (a.kind != ActionKind::Forward) from_top.emplace(arena_);

@@ -254,9 +254,16 @@ void Training::resume_from(const fs::path& dir) {
   res.bytes_stitched = st.value("bytes_stitched", std::int64_t(0));
   decisions_before = st.value("decisions", std::int64_t(0));
   res.max_load_ratio = st.value("max_load_ratio", 1.0);
+  if (st.contains("slow_ranks") && st["slow_ranks"].is_array()) {  // the reports up to the checkpoint
+    rec.slow_ranks = json::array();
+    for (const json& r : st["slow_ranks"])
+      if (r.value("first_step", std::int64_t(0)) <= start_step) rec.slow_ranks.push_back(r);
+  }
   res.predicted_peak_bytes = st.value("predicted_peak_bytes", std::int64_t(0));
   if (rank0) truncate_metrics(run_dir / "metrics.jsonl", start_step);
   if (rank0) truncate_metrics(run_dir / "loads.jsonl", start_step);
+  if (rank0) truncate_metrics(run_dir / "phases.jsonl", start_step);
+  if (!comm_calls_path.empty()) truncate_metrics(comm_calls_path, start_step);
   if (start_step >= t.steps) {
     progress.note(start_step == t.steps
                       ? fmt::format("run {} is already complete at step {}; pass --steps N > {} to extend it",
@@ -286,6 +293,7 @@ void Training::start() {
   } else {
     if (rank0) std::remove((run_dir / "metrics.jsonl").c_str());
     if (rank0) std::remove((run_dir / "loads.jsonl").c_str());
+    if (rank0) std::remove((run_dir / "phases.jsonl").c_str());
     progress.note(fmt::format(
         "moeflex: {:.2f} M params ({:.2f} M active), {}, {} train / {} val tokens, {} tokens per step, budget {}",
         double(cfg.model.num_params()) / 1e6, double(cfg.model.num_active_params()) / 1e6,
@@ -330,7 +338,8 @@ void Training::save(std::int64_t step, bool may_skip) {
              {"bytes_stitched", res.bytes_stitched},
              {"decisions", decisions_before + std::int64_t(all_decision_seconds.size())},
              {"max_load_ratio", res.max_load_ratio},
-             {"predicted_peak_bytes", res.predicted_peak_bytes}};
+             {"predicted_peak_bytes", res.predicted_peak_bytes},
+             {"slow_ranks", rec.slow_ranks}};
   // A rank whose persist still runs makes every rank skip, so that all keep the same steps.
   const bool skipping = may_skip && ckpt_writer->when_busy() == train::CheckpointWriter::WhenBusy::skip;
   double busy = skipping && ckpt_writer->busy() ? 1.0 : 0.0;

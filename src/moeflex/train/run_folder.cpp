@@ -61,7 +61,8 @@ bool holds_a_run(const fs::path& run_dir) {
 
 // What a new run in `run_dir` would overwrite that no earlier moeflex run left: a
 // config.toml moeflex did not write (its header), or a tokenizer.model, tokens.json, trace.json,
-// loads.jsonl or op_times.json beside no moeflex config.toml. "" when nothing.
+// loads.jsonl, phases.jsonl, comm_calls.jsonl or op_times.json beside no moeflex config.toml.
+// "" when nothing.
 std::string foreign_file_in(const fs::path& run_dir) {
   bool ours = false;
   if (std::ifstream in(run_dir / "config.toml"); in) {
@@ -71,7 +72,8 @@ std::string foreign_file_in(const fs::path& run_dir) {
     ours = true;
   }
   if (ours) return "";
-  for (const char* name : {"tokenizer.model", kTokensJson, "trace.json", "loads.jsonl", "op_times.json"})
+  for (const char* name :
+       {"tokenizer.model", kTokensJson, "trace.json", "loads.jsonl", "phases.jsonl", "comm_calls.jsonl", "op_times.json"})
     if (fs::exists(run_dir / name)) return (run_dir / name).string();
   return "";
 }

@@ -14,6 +14,8 @@
 #include <thread>
 
 #include "moeflex/comm/communicator.h"
+#include "moeflex/comm/timed_communicator.h"
+#include "moeflex/core/phase_clock.h"
 #include "moeflex/model/memory_plan.h"
 #include "moeflex/ops/blas.h"
 #include "moeflex/profile/calibrate.h"
@@ -112,7 +114,8 @@ void join_ranks(RunContext& ctx) {
   const TrainOptions& opts = ctx.opts;
   const RunConfig& cfg = ctx.cfg;
   // Ranks: the layout of DESIGN.md's comm/ (one rank without a launcher).
-  ctx.world = comm::make_world_communicator();
+  // Timed by kind for slow-rank detection (train/slow_rank.h); its groups are too.
+  ctx.world = std::make_unique<comm::TimedCommunicator>(comm::make_world_communicator());
   ctx.rank = ctx.world->rank(), ctx.world_size = ctx.world->size();
   ctx.rank0 = ctx.rank == 0;
   const int rank = ctx.rank, world_size = ctx.world_size;
@@ -182,6 +185,9 @@ void set_threads_and_progress(RunContext& ctx) {
   const int node_threads = launcher_local_ranks() * omp_get_max_threads();
   const int node_cores = std::max(1, int(std::thread::hardware_concurrency()));
   comm::set_host_oversubscribed(world_size > 1 && node_threads > node_cores);
+  // Ranks filling every core share them with the launcher and the system too: their
+  // phases are timed in CPU time (core/phase_clock.h).
+  phase_clock().set_cpu_time(world_size > 1 && node_threads >= node_cores);
   ctx.progress.emplace(opts.progress && rank0, t.steps);
   Progress& progress = *ctx.progress;
   if (!threads_note.empty()) progress.note(threads_note);
@@ -308,6 +314,27 @@ Training::Training(RunContext& ctx, RunRecord& rec)
     opts_.push_back(std::make_unique<AdamW>(c->params(), arena, AdamWConfig{t.beta1, t.beta2, 1e-8, t.weight_decay}));
   rec.state_placed = true;
   check_feasibility();
+  start_slow_rank_watch();
+}
+
+void Training::start_slow_rank_watch() {
+  const train::InjectedSlowdown inj = train::parse_slowdown(t.inject_slowdown);
+  if (inj.rank >= world_size)
+    throw ConfigError(fmt::format("--inject-slowdown: rank {} does not exist ({} rank{})", inj.rank, world_size,
+                                  world_size == 1 ? "" : "s"));
+  phase_clock().set_slowdown(inj.rank == rank ? inj.slowdown : Slowdown{StepPhase::other, 1.0, 1});
+  phase_clock().set_call_log(t.slow_rank_level >= 2);
+  if (t.slow_rank_level >= 2) {  // this rank's calls, one line per step (watch_ranks)
+    comm_calls_path = run_dir / (world_size > 1 ? fmt::format("comm_calls.rank{}.jsonl", rank) : "comm_calls.jsonl");
+    if (!opts.resume) fs::remove(comm_calls_path);
+  }
+  if (t.slow_rank_every <= 0) return;
+  train::SlowRankOptions so;
+  so.threshold = t.slow_rank_threshold;
+  std::vector<int> stage_of(static_cast<std::size_t>(world_size));  // ranks of one stage do the same work
+  for (int r = 0; r < world_size; ++r) stage_of[std::size_t(r)] = layout.coords(r).pp_rank;
+  slow_ranks.emplace(*world, so, int(std::min<std::int64_t>(t.slow_rank_every, 1 << 20)), std::move(stage_of),
+                     rank0 ? run_dir / "phases.jsonl" : fs::path());
 }
 
 void Training::start_op_profiling() {

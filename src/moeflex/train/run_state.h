@@ -37,6 +37,7 @@
 #include "moeflex/train/optimizer.h"
 #include "moeflex/train/progress.h"
 #include "moeflex/train/replica.h"
+#include "moeflex/train/slow_rank.h"
 #include "moeflex/train/trace.h"
 #include "moeflex/train/trainer.h"
 
@@ -102,6 +103,7 @@ struct RunRecord {
   bool state_placed = false;           ///< weights, gradients and optimizer state are in the arena
   bool restart_limit_reached = false;  ///< on_oom = restart gave up: every rank throws at the same step
   std::int64_t running_step = -1;      ///< the step in progress (0-based), for an OOM's message
+  json slow_ranks = json::array();     ///< every slow-rank report of the run (summary.json)
 };
 
 // ---- set-up (run_setup.cpp) ------------------------------------------------------------
@@ -214,6 +216,11 @@ struct Training {
   void record_step(std::int64_t step, StepRecord& s);
   void finish_trace(std::int64_t step, const StepRecord& s);
   void report_progress(std::int64_t step, const StepRecord& s);
+  /// Slow-rank detection: adds the step's phase times; every slow_rank_every steps
+  /// the ranks exchange and score them (collective); new reports are noted, the
+  /// slow ranks of now go into the step's metrics line.
+  void watch_ranks(std::int64_t step, StepRecord& s);
+  void start_slow_rank_watch();
   bool checkpoint_or_stop(std::int64_t step, StepRecord& s);
   // run_summary.cpp
   void finish_op_times();
@@ -284,6 +291,9 @@ struct Training {
   double defrag_seen[4] = {0, 0, 0, 0};
   /// Bytes of zero-bubble W reads the planner offloaded so far on this rank (all chunks).
   double weight_reads_offloaded_seen = 0;
+  /// Slow-rank detection (train.slow_rank_every > 0).
+  std::optional<train::SlowRankMonitor> slow_ranks;
+  fs::path comm_calls_path;  ///< slow_rank_level 2: this rank's comm_calls.jsonl
 };
 
 }  // namespace moeflex::run

@@ -64,6 +64,7 @@ void write_summary(const RunContext& ctx, const RunRecord& rec, double wall, boo
   s["checkpoint_blocking_seconds"] = res.checkpoint_blocking_seconds;
   s["checkpoint_persist_seconds"] = res.checkpoint_persist_seconds;
   s["checkpoints_skipped"] = res.checkpoints_skipped;
+  s["slow_ranks"] = rec.slow_ranks;
   s["tokens_per_second_effective"] = res.tokens_per_second_effective;
   s["oom_peak_demand_bytes"] = res.oom_peak_demand_bytes;
   s["first_oom"] = res.first_oom.empty() ? json(nullptr) : json(res.first_oom);
@@ -154,7 +155,9 @@ void report_error(const RunContext& ctx, const RunRecord& rec, const Error& e) {
     std::error_code ec;
     fs::remove(world_size > 1 ? train::rank_trace_path(run_dir / "trace.json", rank) : run_dir / "trace.json", ec);
   }
-  if (world_size > 1) comm::abort_job(e.what(), 2);
+  // Exit 4 for a failed communication (a peer died, the network failed), which a
+  // relaunch may get past; 2 for the rest (moeflex run restarts 4, not 2).
+  if (world_size > 1) comm::abort_job(e.what(), dynamic_cast<const comm::CommError*>(&e) ? 4 : 2);
   throw;
 }
 

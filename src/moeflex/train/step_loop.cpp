@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 
 #include "moeflex/core/op_context.h"
+#include "moeflex/core/phase_clock.h"
 #include "moeflex/train/distributed.h"
 #include "moeflex/train/run_state.h"
 
@@ -94,6 +95,17 @@ struct OverflowScope {
   ~OverflowScope() { arena.set_overflow(false); }
 };
 
+/// Appends step `step`'s communication calls to `path` (slow_rank_level 2): one line
+/// {"step", "calls": [{"op", "group", "bytes", "peer", "seconds"}, ...]}.
+void write_comm_calls(const fs::path& path, std::int64_t step, const std::vector<CallRecord>& calls) {
+  json list = json::array();
+  for (const CallRecord& c : calls)
+    list.push_back({{"op", c.op}, {"group", c.group}, {"bytes", c.bytes}, {"peer", c.peer}, {"seconds", c.seconds}});
+  std::ofstream out(path, std::ios::app);
+  out << json{{"step", step}, {"calls", std::move(list)}}.dump() << '\n';
+  if (!out) throw DataError(fmt::format("cannot append to '{}' (is the disk full?)", path.string()));
+}
+
 }  // namespace
 
 double Training::injected_imbalance(std::int64_t step) const {
@@ -123,6 +135,8 @@ struct Training::StepRecord {
   double dt = 0;  ///< the step's seconds
   double peak = 0;
   std::int64_t step_tokens = 0;
+  train::RankStep phases;  ///< the step's phase times on this rank (slow-rank detection)
+  std::vector<CallRecord> calls;  ///< its communication calls (slow_rank_level 2)
 };
 
 double Training::evaluate() {
@@ -150,6 +164,7 @@ void Training::run_steps() {
     optimizer_step(step, s);
     gather_step_stats(s);
     record_step(step, s);
+    watch_ranks(step, s);
     finish_trace(step, s);
     report_progress(step, s);
     if (checkpoint_or_stop(step, s)) break;
@@ -160,6 +175,7 @@ void Training::run_steps() {
 
 void Training::begin_step(std::int64_t step, StepRecord& s) {
   rec.running_step = step;
+  phase_clock().begin_step(step + 1);
   s.t0 = Clock::now();
   s.cpu0 = process_cpu_seconds();
   rec.my_run_peak = std::max(rec.my_run_peak, arena.peak());  // this rank's peak over the run so far
@@ -177,6 +193,7 @@ void Training::begin_step(std::int64_t step, StepRecord& s) {
   s.sum = [&] {
     OverflowScope overflow(arena, restart_on_oom);
     return replica->forward_backward([&](int mb, std::int32_t* ids, std::int32_t* targets) {
+      const PhaseScope step_phase(StepPhase::data);
       data.sample_batch(Split::kTrain, t.seed, step, global_microbatch(dp_rank, M, mb), B, S, ids, targets);
     });
   }();
@@ -295,6 +312,7 @@ std::int64_t Training::restart_after_oom(std::int64_t step, int oom_rank, double
 
 void Training::optimizer_step(std::int64_t step, StepRecord& s) {
   op_context().phase = OpPhase::optimizer;  // clipping and AdamW, for the op profiler
+  phase_clock().enter(StepPhase::optimizer);
   s.opt_us = s.tracing ? trace->now_us() : 0.0;
   s.gnorm = replica->clip_grad_norm(t.grad_clip);
   if (!std::isfinite(s.sum.total) || !std::isfinite(s.gnorm))
@@ -306,6 +324,7 @@ void Training::optimizer_step(std::int64_t step, StepRecord& s) {
   for (auto& o : opts_) o->step(s.lr);
   replica->update_expert_bias();  // noaux_tc's balancing, from this step's loads
   op_context().phase = OpPhase::other;
+  phase_clock().enter(StepPhase::other);
   s.stats_us = s.tracing ? trace->now_us() : 0.0;
   if (s.tracing) trace->complete("compute", "optimizer", s.opt_us, s.stats_us - s.opt_us);
 }
@@ -373,6 +392,10 @@ void Training::gather_step_stats(StepRecord& s) {
 
 void Training::record_step(std::int64_t step, StepRecord& s) {
   s.dt = seconds_since(s.t0);
+  s.phases.times = phase_clock().times();  // the step up to here (its evaluation is not a rank's speed)
+  s.calls = std::move(phase_clock().calls());
+  phase_clock().calls().clear();
+  for (const auto& r : replica->routing()) s.phases.expert_rows += double(r.received_rows);
   if (op_profiler) op_profiler->end_step(s.dt, thread_cpu_seconds() - s.thread_cpu0);
   const double step_cpu = process_cpu_seconds() - s.cpu0;
   // Before the evaluation below, which routes (and clears the routing records) too.
@@ -438,6 +461,21 @@ void Training::finish_trace(std::int64_t step, const StepRecord& s) {
       for (auto& part : parts) fs::remove(part);
     }
   }
+}
+
+void Training::watch_ranks(std::int64_t step, StepRecord& s) {
+  if (!comm_calls_path.empty()) write_comm_calls(comm_calls_path, step + 1, s.calls);
+  if (!slow_ranks) return;
+  for (const train::SlowRankReport& r : slow_ranks->add(step + 1, s.phases, step + 1 == t.steps)) {
+    rec.slow_ranks.push_back(r.to_json());
+    progress.note(fmt::format("moeflex: slow rank {} (host {}): {} {:.2f}x {} since step {}", r.rank, r.host,
+                              to_string(r.phase), r.factor, r.vs_peers ? "its peers'" : "its own first steps'",
+                              r.first_step));
+  }
+  json active = json::array();
+  for (const train::SlowRankReport& r : slow_ranks->detector().active())
+    active.push_back({{"rank", r.rank}, {"phase", to_string(r.phase)}, {"factor", r.factor}});
+  if (!active.empty()) s.line["slow_ranks"] = std::move(active);
 }
 
 void Training::report_progress(std::int64_t step, const StepRecord& s) {

@@ -17,6 +17,7 @@
 #include "moeflex/ops/imbalance.h"
 #include "moeflex/provision/policies.h"
 #include "moeflex/schedule/generators.h"
+#include "moeflex/train/slow_rank.h"
 #include "moeflex/train/default_config.h"
 
 namespace moeflex {
@@ -44,6 +45,9 @@ void for_each_train_field(TrainConfig& c, F&& f) {
   f("trace_steps", c.trace_steps);
   f("max_restarts", c.max_restarts);
   f("restart_seconds", c.restart_seconds);
+  f("slow_rank_every", c.slow_rank_every);
+  f("slow_rank_threshold", c.slow_rank_threshold);
+  f("slow_rank_level", c.slow_rank_level);
 }
 
 /// A string field of [train]: its key, where it lives, an example for errors.
@@ -54,12 +58,13 @@ struct TrainString {
 };
 
 /// The string fields of [train], read and written alike.
-std::array<TrainString, 5> train_strings(TrainConfig& c) {
+std::array<TrainString, 6> train_strings(TrainConfig& c) {
   return {{{"policy", &c.policy, "such as \"full\""},
            {"inject_imbalance", &c.inject_imbalance, "such as \"every=10:ratio=2.6\""},
            {"on_oom", &c.on_oom, "\"fail\" or \"restart\""},
            {"checkpoint_mode", &c.checkpoint_mode, "\"async\" or \"sync\""},
-           {"checkpoint_when_busy", &c.checkpoint_when_busy, "\"wait\" or \"skip\""}}};
+           {"checkpoint_when_busy", &c.checkpoint_when_busy, "\"wait\" or \"skip\""},
+           {"inject_slowdown", &c.inject_slowdown, "such as \"rank=1:phase=forward:factor=1.3\""}}};
 }
 
 // Reads one scalar field of `section` into `field`, with a typed error naming it.
@@ -127,6 +132,16 @@ void RunConfig::validate() const {
        fmt::format("train.checkpoint_when_busy: must be \"wait\" or \"skip\" (got \"{}\")", t.checkpoint_when_busy));
   if (t.policy != "adaptive" && t.policy != "auto") static_policy_recomputes(t.policy, "");  // throws ConfigError naming the policies
   ops::parse_imbalance(t.inject_imbalance);  // throws ConfigError naming the bad part
+  rule(t.slow_rank_every >= 0, fmt::format("train.slow_rank_every: must not be negative (got {})", t.slow_rank_every));
+  rule(std::isfinite(t.slow_rank_threshold) && t.slow_rank_threshold > 1,
+       fmt::format("train.slow_rank_threshold: must be a finite number above 1 (got {})", t.slow_rank_threshold));
+  rule(t.slow_rank_level == 0 || t.slow_rank_level == 2,
+       t.slow_rank_level == 1
+           ? std::string("train.slow_rank_level: level 1 (each op kind's times per rank) is what --profile-ops records "
+                         "(op_times.json); use 0 or 2")
+           : fmt::format("train.slow_rank_level: must be 0 (step phases) or 2 (also every communication call; got {})",
+                         t.slow_rank_level));
+  train::parse_slowdown(t.inject_slowdown);  // throws ConfigError naming the bad part
   rule(t.on_oom == "fail" || t.on_oom == "restart",
        fmt::format("train.on_oom: must be \"fail\" or \"restart\" (got \"{}\")", t.on_oom));
   rule(t.max_restarts >= 0, fmt::format("train.max_restarts: must not be negative (got {})", t.max_restarts));

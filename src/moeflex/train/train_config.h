@@ -42,6 +42,16 @@ struct TrainConfig {
   std::string on_oom = "fail";         ///< a step out of device memory: "fail" (typed error, exit 3) or "restart" (reload the newest checkpoint)
   std::int64_t max_restarts = 3;       ///< on_oom = restart: restarts allowed at one step before the run fails
   double restart_seconds = 0;          ///< on_oom = restart: seconds charged per restart (a real cold restart: minutes)
+  /// Slow-rank detection (train/slow_rank.h): steps between the ranks' exchanges of
+  /// their phase times; 0 = off.
+  std::int64_t slow_rank_every = 5;
+  double slow_rank_threshold = 1.2;    ///< a rank this many times slower than its peers in a phase is named
+  /// What is measured: 0 the step's phases; 2 also every communication call, with its
+  /// bytes and peer, in each rank's comm_calls.jsonl (1, per op kind, is --profile-ops).
+  std::int64_t slow_rank_level = 0;
+  /// One rank made slower in one phase, for tests and demonstrations:
+  /// "rank=R:phase=P:factor=F[:from=S]" (train/slow_rank.h parse_slowdown).
+  std::string inject_slowdown;
 };
 
 struct DataConfig {

@@ -52,8 +52,9 @@ for name, rank, phase in (("fwd2", 1, "forward"), ("bwd4", 2, "backward"), ("a2a
     assert f"slow rank {rank} (host " in log and phase in log, log[-2000:]
     print(f"{name}: rank {rank} {phase} {r['factor']:.2f}x from step {r['first_step']}, reported at {r['report_step']}")
 PY
-# A resume keeps the reports of the steps before its checkpoint.
-run 2 resumed --ep 2 --steps 30 --checkpoint-every 20 --stop-after 20 \
+# A resume keeps the reports of the steps before its checkpoint; a stop between two
+# exchanges (18) scores and records its last steps first.
+run 2 resumed --ep 2 --steps 30 --stop-after 18 \
   --inject-slowdown rank=1:phase=forward:factor=1.3:from=8
 mpirun --allow-run-as-root --oversubscribe -np 2 -x OMP_NUM_THREADS=1 "$bin" train --resume "$out/resumed" \
   > "$out/resume2.log" 2>&1 || { cat "$out/resume2.log"; exit 1; }
@@ -62,7 +63,9 @@ import json, sys
 s = json.load(open(f"{sys.argv[1]}/resumed/summary.json"))
 # (the resumed launch keeps the injected slowdown of its config.toml: it may name rank 1 again)
 assert s["steps"] == 30 and {(r["rank"], r["phase"]) for r in s["slow_ranks"]} == {(1, "forward")}, s["slow_ranks"]
-assert s["slow_ranks"][0]["first_step"] < 20, s["slow_ranks"]
+assert s["slow_ranks"][0]["first_step"] < 18, s["slow_ranks"]
+steps = [json.loads(l)["step"] for l in open(f"{sys.argv[1]}/resumed/phases.jsonl")]
+assert steps == list(range(1, 31)), steps
 print("resume keeps", s["slow_ranks"][0])
 PY
 # Level 2: every communication call of every step, with its bytes and peer, per rank;

@@ -7,10 +7,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <csignal>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "error_text.h"
@@ -307,4 +309,41 @@ TEST(SupervisorLoop, ForwardsATermAndDoesNotRestart) {
   EXPECT_EQ(read_text(dir / "log"), "0 train --out " + run.string() + "\n");
   EXPECT_NE(read_json(run / "supervisor.json")["outcome"].get<std::string>().find("stopped by signal 15"),
             std::string::npos);
+}
+
+TEST(SupervisorLoop, KeepsAnEarlierSessionsRecordAndCountsOnlyItsOwnSteps) {
+  // A second supervision of a finished run (its command refused: exit 2) keeps the
+  // first one's record, and the steps it found are not its goodput.
+  const fs::path dir = scratch("loop_sessions"), run = dir / "run";
+  save_step(run, 2);
+  write_text(run / "metrics.jsonl", "{\"step\": 1, \"step_seconds\": 0.5}\n{\"step\": 2, \"step_seconds\": 0.5}\n");
+  const fs::path bin = fake_moeflex(dir, {"exit 0"});
+  ASSERT_EQ(supervise(options_for({bin.string(), "train", "--resume", run.string()}, 1)), 0);
+  const fs::path again = fake_moeflex(dir, {"exit 2"});
+  EXPECT_EQ(supervise(options_for({again.string(), "train", "--out", run.string()}, 1)), 2);
+  const nlohmann::json rec = read_json(run / "supervisor.json");
+  ASSERT_EQ(rec.at("earlier_sessions").size(), 1u);
+  EXPECT_EQ(rec["earlier_sessions"][0].at("attempts").size(), 1u);
+  EXPECT_EQ(rec["earlier_sessions"][0].at("outcome"), "done");
+  EXPECT_DOUBLE_EQ(rec.at("kept_step_seconds").get<double>(), 0.0);
+  EXPECT_LE(rec.at("goodput").get<double>(), 1.0);
+}
+
+TEST(SupervisorLoop, WhatTheCommandLeftRunningIsEnded) {
+  // The command exits leaving a process of its group behind (as a killed mpirun
+  // leaves its ranks): the supervisor ends it before going on.
+  const fs::path dir = scratch("loop_orphan"), run = dir / "run";
+  const fs::path pidfile = dir / "orphan.pid";
+  const fs::path bin = fake_moeflex(dir, {"mkdir -p " + run.string() + "; sleep 30 & echo $! > " + pidfile.string() +
+                                          "; exit 0"});
+  ASSERT_EQ(supervise(options_for({bin.string(), "train", "--out", run.string()}, 0)), 0);
+  const pid_t orphan = pid_t(std::stol(read_text(pidfile)));
+  auto alive = [&] {  // (a zombie waiting for its reaper is not running)
+    if (::kill(orphan, 0) != 0) return false;
+    const std::string stat = read_text("/proc/" + std::to_string(orphan) + "/stat");
+    const std::size_t paren = stat.rfind(')');
+    return paren != std::string::npos && paren + 2 < stat.size() && stat[paren + 2] != 'Z';
+  };
+  for (int i = 0; i < 100 && alive(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_FALSE(alive()) << "the orphan " << orphan << " still runs";
 }

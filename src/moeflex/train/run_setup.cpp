@@ -134,6 +134,9 @@ void join_ranks(RunContext& ctx) {
           double(cfg.model.num_params()) / 1e9, format_bytes(Bytes(std::min(state, 9e18))), format_bytes(Bytes(ram))));
   }
   if (opts.resume) check_resume_ranks(ctx);
+  if (const int r = train::parse_slowdown(cfg.train.inject_slowdown).rank; r >= world_size)
+    throw ConfigError(fmt::format("--inject-slowdown: rank {} does not exist ({} rank{})", r, world_size,
+                                  world_size == 1 ? "" : "s"));
   if (pc.dp == 0 && world_size % pc.pp != 0)
     throw ConfigError(fmt::format("{} rank{} cannot be split into pipelines of pp = {}: the world size must be a "
                                   "multiple of pp (ranks = pp x dp)", world_size, world_size == 1 ? "" : "s", pc.pp));
@@ -318,10 +321,7 @@ Training::Training(RunContext& ctx, RunRecord& rec)
 }
 
 void Training::start_slow_rank_watch() {
-  const train::InjectedSlowdown inj = train::parse_slowdown(t.inject_slowdown);
-  if (inj.rank >= world_size)
-    throw ConfigError(fmt::format("--inject-slowdown: rank {} does not exist ({} rank{})", inj.rank, world_size,
-                                  world_size == 1 ? "" : "s"));
+  const train::InjectedSlowdown inj = train::parse_slowdown(t.inject_slowdown);  // (its rank checked by join_ranks)
   phase_clock().set_slowdown(inj.rank == rank ? inj.slowdown : Slowdown{StepPhase::other, 1.0, 1});
   phase_clock().set_call_log(t.slow_rank_level >= 2);
   if (t.slow_rank_level >= 2) {  // this rank's calls, one line per step (watch_ranks)

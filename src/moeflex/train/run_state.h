@@ -221,6 +221,8 @@ struct Training {
   /// slow ranks of now go into the step's metrics line.
   void watch_ranks(std::int64_t step, StepRecord& s);
   void start_slow_rank_watch();
+  /// Records new slow-rank reports (summary.json) and says them (rank 0; under --quiet too).
+  void note_slow_ranks(const std::vector<train::SlowRankReport>& made);
   bool checkpoint_or_stop(std::int64_t step, StepRecord& s);
   // run_summary.cpp
   void finish_op_times();

@@ -243,6 +243,11 @@ SlowRankMonitor::SlowRankMonitor(comm::Communicator& world, SlowRankOptions opts
 std::vector<SlowRankReport> SlowRankMonitor::add(std::int64_t step, const RankStep& mine, bool flush) {
   pending_.emplace_back(step, mine);
   if (int(pending_.size()) < every_ && !flush) return {};
+  return this->flush();
+}
+
+std::vector<SlowRankReport> SlowRankMonitor::flush() {
+  if (pending_.empty()) return {};
   // One record per step: the step, then seconds, comm_own and the expert rows.
   constexpr std::size_t kRecord = 2 + 2 * kStepPhases;
   const std::size_t n = pending_.size(), ranks = std::size_t(world_.size());

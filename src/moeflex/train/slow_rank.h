@@ -134,6 +134,8 @@ class SlowRankMonitor {
   /// Adds this rank's step `step` (1-based); exchanges and scores when `every`
   /// steps are buffered or `flush`. Returns the new reports (the same on every rank).
   std::vector<SlowRankReport> add(std::int64_t step, const RankStep& mine, bool flush);
+  /// Exchanges and scores the steps buffered so far (a run that stops early).
+  std::vector<SlowRankReport> flush();
   const SlowRankDetector& detector() const { return detector_; }
 
  private:

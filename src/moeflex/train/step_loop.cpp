@@ -463,15 +463,21 @@ void Training::finish_trace(std::int64_t step, const StepRecord& s) {
   }
 }
 
+void Training::note_slow_ranks(const std::vector<train::SlowRankReport>& made) {
+  for (const train::SlowRankReport& r : made) {
+    rec.slow_ranks.push_back(r.to_json());
+    const std::string msg =
+        fmt::format("moeflex: slow rank {} (host {}): {} {:.2f}x {} since step {}", r.rank, r.host, to_string(r.phase),
+                    r.factor, r.vs_peers ? "its peers'" : "its own first steps'", r.first_step);
+    if (opts.progress) progress.note(msg);
+    else if (rank0) fmt::print(stderr, "{}\n", msg);  // a warning, even under --quiet
+  }
+}
+
 void Training::watch_ranks(std::int64_t step, StepRecord& s) {
   if (!comm_calls_path.empty()) write_comm_calls(comm_calls_path, step + 1, s.calls);
   if (!slow_ranks) return;
-  for (const train::SlowRankReport& r : slow_ranks->add(step + 1, s.phases, step + 1 == t.steps)) {
-    rec.slow_ranks.push_back(r.to_json());
-    progress.note(fmt::format("moeflex: slow rank {} (host {}): {} {:.2f}x {} since step {}", r.rank, r.host,
-                              to_string(r.phase), r.factor, r.vs_peers ? "its peers'" : "its own first steps'",
-                              r.first_step));
-  }
+  note_slow_ranks(slow_ranks->add(step + 1, s.phases, step + 1 == t.steps));
   json active = json::array();
   for (const train::SlowRankReport& r : slow_ranks->detector().active())
     active.push_back({{"rank", r.rank}, {"phase", to_string(r.phase)}, {"factor", r.factor}});
@@ -498,6 +504,9 @@ bool Training::checkpoint_or_stop(std::int64_t step, StepRecord& s) {
   const bool stop_now =
       ((opts.stop_after >= 0 && step + 1 >= opts.stop_after) || stop_flag > 0) && step + 1 < t.steps;
   const bool last = (step + 1 == t.steps && t.checkpoint_every >= 0) || stop_now;
+  // A stop scores the steps not yet exchanged (phases.jsonl then holds every step
+  // run), before the checkpoint that records the reports.
+  if (stop_now && slow_ranks) note_slow_ranks(slow_ranks->flush());
   if (last || (t.checkpoint_every > 0 && (step + 1) % t.checkpoint_every == 0)) save(step + 1, !last);
   if (rank0) {
     for (auto& [k, v] : last_checkpoint.items()) s.line[k] = v;

@@ -22,6 +22,7 @@
 #include "moeflex/core/error.h"
 #include "moeflex/core/file_io.h"
 #include "moeflex/train/checkpoint.h"
+#include "moeflex/train/run_state.h"
 
 namespace moeflex::train {
 
@@ -343,7 +344,21 @@ ExitStatus run_child(std::vector<std::string> argv, std::vector<std::string> env
     }
   }
   g_child = 0;
+  // What the command left in its process group (the ranks of an mpirun that was
+  // killed) must not go on training into the run folder the next attempt takes.
+  ::kill(-pid, SIGKILL);
   return decode_wait_status(status);
+}
+
+// Waits up to `seconds` for the run folder's lock (train/run_folder.cpp) to be free:
+// a rank of the previous attempt may still be ending. Returns whether it is free.
+bool wait_for_folder(const fs::path& run_dir, double seconds) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  while (run::folder_in_use(run_dir)) {
+    if (std::chrono::steady_clock::now() >= until) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  return true;
 }
 
 // Sleeps `seconds`, or less when a stop signal comes; returns whether one came.
@@ -432,14 +447,35 @@ void print_summary(Verdict v, const std::string& outcome, std::size_t attempts, 
 // Writes the record of the supervision so far.
 SupervisorTotals write_record(const SupervisorOptions& o, const TrainInvocation& inv, const std::vector<Attempt>& attempts,
                               std::int64_t first_step, std::chrono::steady_clock::time_point t0,
-                              const std::string& outcome) {
+                              const std::string& outcome, const json& earlier) {
   const StepAccount now = account_steps(inv.run_dir / "metrics.jsonl", first_step);
   const SupervisorTotals totals = supervisor_totals(attempts, seconds_since(t0), now);
   std::error_code ec;
   fs::create_directories(inv.run_dir, ec);  // (a command that failed before making it)
-  const json j = supervisor_record(o.command, o.max_restarts, o.restart_delay, attempts, totals, outcome);
+  json j = supervisor_record(o.command, o.max_restarts, o.restart_delay, attempts, totals, outcome);
+  if (!earlier.empty()) j["earlier_sessions"] = earlier;
   write_file_atomically(inv.run_dir / kRecordFileName, j.dump(2) + "\n");
   return totals;
+}
+
+// The sessions an existing supervisor.json of `run_dir` records (its own earlier
+// sessions, then itself), kept in the new record: nothing on disk is lost.
+json earlier_sessions(const fs::path& run_dir) {
+  const fs::path path = run_dir / kRecordFileName;
+  json out = json::array();
+  std::ifstream in(path);
+  if (!in) return out;
+  try {
+    json prev = json::parse(in);
+    if (prev.contains("earlier_sessions")) {
+      out = prev["earlier_sessions"];
+      prev.erase("earlier_sessions");
+    }
+    out.push_back(std::move(prev));
+  } catch (const json::exception&) {
+    out.push_back({{"unreadable", path.string()}});
+  }
+  return out;
 }
 
 // The child's environment for attempt n: o.environment with the attempt variable.
@@ -465,7 +501,9 @@ int supervise(const SupervisorOptions& o) {
   std::vector<Attempt> attempts;
   std::vector<std::string> next = o.command;
   std::optional<std::int64_t> next_resume = inv.resumes ? resumable_step(inv.run_dir) : std::nullopt;
-  const std::int64_t first_step = next_resume.value_or(0);  // the steps before the supervisor are not its goodput
+  // The steps the folder held before the supervision are not its goodput.
+  const std::int64_t first_step = account_steps(inv.run_dir / "metrics.jsonl").last_step;
+  const json earlier = earlier_sessions(inv.run_dir);
   for (int n = 0;; ++n) {
     Attempt& a = attempts.emplace_back();
     a.attempt = n;
@@ -475,6 +513,9 @@ int supervise(const SupervisorOptions& o) {
     const auto ta = std::chrono::steady_clock::now();
     a.end = run_child(a.command, attempt_environment(o, n));
     a.seconds = seconds_since(ta);
+    if (!wait_for_folder(inv.run_dir, 30))
+      fmt::print(stderr, "moeflex run: warning: '{}' is still held by another process 30 s after attempt {} ended\n",
+                 inv.run_dir.string(), n + 1);
     a.last_step = account_steps(inv.run_dir / "metrics.jsonl").last_step;
     Verdict v = decide(a.end, g_stop_signal != 0, n, o.max_restarts);
     std::string reason = verdict_reason(v, o.max_restarts);
@@ -483,7 +524,7 @@ int supervise(const SupervisorOptions& o) {
       reason = fmt::format("'{}' holds no checkpoint to resume from", inv.run_dir.string());
     }
     if (v == Verdict::restart) {
-      write_record(o, inv, attempts, first_step, t0, "running");
+      write_record(o, inv, attempts, first_step, t0, "running", earlier);
       print_restart(a, inv, n + 1, o.max_restarts, next_resume);
       if (!wait_or_stop(o.restart_delay)) continue;
       a.lost_steps.reset();  // no restart followed after all
@@ -492,7 +533,7 @@ int supervise(const SupervisorOptions& o) {
       reason = fmt::format("stopped by signal {} before restart {}: not restarted", int(g_stop_signal), n + 1);
     }
     const std::string outcome = v == Verdict::done ? reason : ending(a) + "; " + reason;
-    const SupervisorTotals totals = write_record(o, inv, attempts, first_step, t0, outcome);
+    const SupervisorTotals totals = write_record(o, inv, attempts, first_step, t0, outcome, earlier);
     print_summary(v, outcome, attempts.size(), totals, inv.run_dir / kRecordFileName);
     return v == Verdict::done ? 0 : a.end.shell_code();
   }

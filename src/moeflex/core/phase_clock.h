@@ -5,7 +5,8 @@
 // them (model/moe_block.cpp), the optimizer (train/step_loop.cpp) and, nested in any
 // of those, each communication call by kind (comm/timed_communicator.h). Compute
 // phases therefore never include time spent waiting in a collective. An event is
-// one steady_clock read, a few per layer and action, never per op.
+// one clock read (CLOCK_MONOTONIC, or the thread CPU clock), a few per layer and
+// action, never per op.
 //
 // On a node whose ranks' compute threads fill or exceed its cores the ranks' wall
 // times measure the scheduler's time slices among them (and the launcher and the
